@@ -1,0 +1,1 @@
+"""Triton GPU kernels, each beside a plain-torch reference of the same function (installed as `atskv.kernels`)."""
