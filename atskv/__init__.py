@@ -1,3 +1,8 @@
 """atskv: learned KV-cache relevance prediction and tiered KV memory for long-context LLMs."""
 
+from atskv.attention import SparseSession, SparsityConfig, sparse
+from atskv.memory.slot_cache import SparseKVCache, kv_bytes
+from atskv.selectors import SELECTORS, make_selector
+
 __version__ = "0.1.0"
+__all__ = ["SELECTORS", "SparseKVCache", "SparseSession", "SparsityConfig", "kv_bytes", "make_selector", "sparse"]

@@ -1,0 +1,186 @@
+"""The Hugging Face hook: an attention function registered in transformers' `AttentionInterface`
+plus a slot cache, so that under `atskv.sparse(model, ...)` every `model(...)` and
+`model.generate(...)` attends, in each managed layer and KV head, only to the tokens a selector
+keeps within a budget.
+
+Managed layers are the globally attending layers from index `dense_layers` on; the first layers
+and sliding-window layers (Gemma 3) keep their own rule and run through SDPA as usual. Prefill is
+dense and decode sparse by default; both are configurable. Selectors that evict (StreamingLLM,
+SnapKV, H2O) drop what they do not keep from the cache, so the KV held really shrinks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from atskv.gqa import grouped_attention
+from atskv.memory.slot_cache import SlotLayer, SparseKVCache
+from atskv.selectors import make_selector
+from atskv.selectors.base import LayerView, Selector, check_budget, select_top_budget
+
+ATTENTION_NAME = "atskv"
+_SESSION_ATTR = "_atskv_session"
+
+
+@dataclass(frozen=True)
+class SparsityConfig:
+    """Where sparsity applies. `budget`: tokens per KV head (int) or a fraction of the context."""
+
+    budget: int | float
+    dense_layers: int = 2
+    sparse_prefill: bool = False
+    sparse_decode: bool = True
+
+    def __post_init__(self):
+        check_budget(self.budget)
+        if self.dense_layers < 0:
+            raise ValueError(f"dense_layers must be >= 0, got {self.dense_layers}")
+
+
+class SparseSession:
+    """Binds a model, a selector and a `SparsityConfig`; owns the cache of the current forward."""
+
+    def __init__(self, model, selector: Selector, config: SparsityConfig):
+        self.model = model
+        self.selector = selector
+        self.config = config
+        text_config = model.config.get_text_config(decoder=True)
+        layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * text_config.num_hidden_layers
+        self.managed_layers = frozenset(
+            i for i, kind in enumerate(layer_types) if kind == "full_attention" and i >= config.dense_layers
+        )
+        self.cache: SparseKVCache | None = None
+
+    def new_cache(self) -> SparseKVCache:
+        return SparseKVCache(self.model.config, self.managed_layers)
+
+    def bind(self, cache) -> SparseKVCache:
+        """Make `cache` the one attention reads from; `None` gets a fresh cache."""
+        if cache is None:
+            cache = self.new_cache()
+        elif not isinstance(cache, SparseKVCache):
+            raise TypeError(
+                f"under atskv.sparse the cache must be a SparseKVCache (got {type(cache).__name__}); "
+                "pass none, or `past_key_values=session.new_cache()`"
+            )
+        self.cache = cache
+        return cache
+
+    def attend(self, module, query, keys, values, attention_mask, scaling: float) -> torch.Tensor:
+        """Attention of one managed layer: select, attend, let the selector observe, evict."""
+        layer = self.cache.layers[module.layer_idx]
+        tq = query.shape[2]
+        valid = _visible_slots(layer, attention_mask, tq)
+        selector, cfg = self.selector, self.config
+        slot_pos = layer.slot_pos[..., : layer.length]
+        view = LayerView(module.layer_idx, query, keys, valid, slot_pos, scaling, cfg.budget, layer)
+        sparse = cfg.sparse_decode if tq == 1 else cfg.sparse_prefill
+        if sparse and not selector.keeps_all:
+            keep = select_top_budget(selector.scores(view), valid, cfg.budget, slot_pos)
+        else:
+            keep = valid
+        out, mass = grouped_attention(query, keys, values, keep, scaling, want_mass=selector.needs_attention)
+        if not sparse:
+            selector.prefill(view)
+        if mass is not None:
+            selector.observe(view, mass)
+        if selector.evicts:  # retain the budget as the newest query sees it, free the rest
+            if sparse:
+                retained = keep[:, :, -1]
+            else:
+                retained = select_top_budget(selector.scores(view)[:, :, -1:], valid[:, :, -1:], cfg.budget, slot_pos)
+                retained = retained[:, :, 0]
+            layer.evict(layer.occupied & ~retained)
+        return out
+
+
+def _visible_slots(layer: SlotLayer, attention_mask: torch.Tensor | None, tq: int) -> torch.Tensor:
+    """`[B, Hkv, Tq, S]` bool: slot s holds a token that query q may see (causality + padding).
+
+    The model's mask speaks of logical positions; it is gathered at each slot's position."""
+    slot_pos = layer.slot_pos[..., : layer.length]
+    occupied = slot_pos >= 0
+    if attention_mask is None:  # pure causal, no padding
+        query_pos = torch.arange(layer.seen - tq, layer.seen, device=slot_pos.device)
+        return occupied.unsqueeze(2) & (slot_pos.unsqueeze(2) <= query_pos.view(1, 1, tq, 1))
+    if attention_mask.dtype != torch.bool:
+        attention_mask = attention_mask == 0  # additive float mask: 0 where allowed
+    b, h, s = slot_pos.shape
+    logical = attention_mask.expand(b, 1, tq, attention_mask.shape[-1])
+    idx = slot_pos.clamp(min=0).unsqueeze(2).expand(b, h, tq, s)
+    return occupied.unsqueeze(2) & logical.expand(b, h, tq, -1).gather(-1, idx)
+
+
+def atskv_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """The registered attention function: managed layers go through the session, others to SDPA."""
+    session: SparseSession | None = getattr(module, _SESSION_ATTR, None)
+    if session is None or module.layer_idx not in session.managed_layers:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("attention logit soft-capping is not supported on atskv-managed layers")
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return session.attend(module, query, key, value, attention_mask, scaling), None
+
+
+AttentionInterface.register(ATTENTION_NAME, atskv_attention_forward)
+AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def _attention_modules(model) -> list[torch.nn.Module]:
+    modules = [m for m in model.modules() if hasattr(m, "layer_idx") and type(m).__name__.endswith("Attention")]
+    if not modules:
+        raise ValueError(f"{type(model).__name__}: found no attention modules with a layer_idx to manage")
+    return modules
+
+
+@contextlib.contextmanager
+def sparse(
+    model,
+    selector: Selector | str = "oracle",
+    budget: int | float = 0.1,
+    *,
+    dense_layers: int = 2,
+    sparse_prefill: bool = False,
+    sparse_decode: bool = True,
+) -> Iterator[SparseSession]:
+    """Run `model(...)` and `model.generate(...)` with sparse attention inside the block.
+
+    >>> with atskv.sparse(model, selector="snapkv", budget=256):
+    ...     out = model.generate(**inputs, max_new_tokens=16)
+    """
+    if isinstance(selector, str):
+        selector = make_selector(selector)
+    session = SparseSession(model, selector, SparsityConfig(budget, dense_layers, sparse_prefill, sparse_decode))
+    modules = _attention_modules(model)
+    previous_impl = model.config._attn_implementation
+    original_forward, original_generate = model.forward, model.generate
+    shadowed = {k: model.__dict__[k] for k in ("forward", "generate") if k in model.__dict__}
+
+    @functools.wraps(original_forward)
+    def forward(*args, past_key_values=None, **kwargs):
+        return original_forward(*args, past_key_values=session.bind(past_key_values), **kwargs)
+
+    @functools.wraps(original_generate)
+    def generate(*args, past_key_values=None, **kwargs):
+        return original_generate(*args, past_key_values=session.bind(past_key_values), **kwargs)
+
+    model.set_attn_implementation(ATTENTION_NAME)
+    for m in modules:
+        setattr(m, _SESSION_ATTR, session)
+    model.forward, model.generate = forward, generate
+    try:
+        yield session
+    finally:
+        del model.forward, model.generate
+        model.__dict__.update(shadowed)
+        for m in modules:
+            delattr(m, _SESSION_ATTR)
+        model.set_attn_implementation(previous_impl)

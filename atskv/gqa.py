@@ -1,0 +1,56 @@
+"""Grouped-query attention on un-expanded KV: queries are viewed as `[B, Hkv, G, Tq, D]` and
+broadcast against keys `[B, Hkv, 1, S, D]`, so no `repeat_kv` copy of the cache is ever made.
+
+This is the plain-torch reference path of the hook (any device); fused kernels are checked
+against it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def grouped_queries(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """`[B, Hq, Tq, D]` -> `[B, Hkv, G, Tq, D]` (a view: query head j belongs to KV head j // G)."""
+    b, hq, tq, d = query.shape
+    return query.view(b, num_kv_heads, hq // num_kv_heads, tq, d)
+
+
+def grouped_probs(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Softmax attention probabilities `[B, Hkv, G, Tq, S]` in float32 over the slots where `mask`
+    (`[B, Hkv, Tq, S]`) is True. Rows with no allowed slot come out uniform rather than NaN, so
+    padded queries never poison valid ones."""
+    q = grouped_queries(query, keys.shape[1])
+    logits = torch.matmul(q, keys.unsqueeze(2).transpose(-1, -2)).float() * scaling
+    logits = logits.masked_fill(~mask.unsqueeze(2), torch.finfo(torch.float32).min)
+    return torch.softmax(logits, dim=-1)
+
+
+def grouped_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float,
+    *,
+    want_mass: bool = False,
+    query_chunk: int = 512,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Masked attention of `query` `[B, Hq, Tq, D]` over `keys`/`values` `[B, Hkv, S, D]`.
+
+    Returns the output in the layout transformers expects after attention, `[B, Tq, Hq, D]`, and,
+    if asked, the attention mass each slot received `[B, Hkv, S]` (summed over the group's query
+    heads and the queries). Queries are processed in chunks to bound the `[.., Tq, S]` buffers.
+    """
+    b, hq, tq, _ = query.shape
+    hkv = keys.shape[1]
+    out = query.new_empty(b, hkv, hq // hkv, tq, values.shape[-1])
+    mass = torch.zeros(b, hkv, keys.shape[2], dtype=torch.float32, device=keys.device) if want_mass else None
+    for start in range(0, tq, query_chunk):
+        stop = min(start + query_chunk, tq)
+        probs = grouped_probs(query[:, :, start:stop], keys, mask[:, :, start:stop], scaling)
+        out[:, :, :, start:stop] = torch.matmul(probs.to(values.dtype), values.unsqueeze(2))
+        if mass is not None:
+            valid_rows = mask[:, :, start:stop].any(-1, keepdim=True).unsqueeze(2)
+            mass += (probs * valid_rows).sum(dim=(2, 3))
+    return out.view(b, hq, tq, -1).transpose(1, 2), mass

@@ -1,0 +1,108 @@
+"""The selector protocol: every KV selection policy, baseline or learned, is one `Selector`.
+
+A selector scores the cached tokens of one managed layer, per KV head; the hook keeps the
+top-`budget` valid tokens of each (batch row, KV head, query). Scores are `[B, Hkv, Tq, S]`
+for query-aware selectors and `[B, Hkv, 1, S]` for query-agnostic ones (broadcast over the
+queries). Per-token state a selector needs (H2O's accumulator, SnapKV's prompt scores) lives in
+the cache layer as a *slot tensor*, so it follows its token through growth and compaction.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from atskv.memory.slot_cache import SlotLayer
+
+
+@dataclass
+class LayerView:
+    """What a selector sees of one managed layer during one forward call.
+
+    `keys` are the physical cache slots (post-RoPE, never expanded to the query heads);
+    `slot_pos` holds the logical position of the token in each slot (-1 for a free slot);
+    `valid[b, h, q, s]` says whether query q may attend slot s at all (causality, padding, free).
+    """
+
+    layer_idx: int
+    query: torch.Tensor  # [B, Hq, Tq, D]
+    keys: torch.Tensor  # [B, Hkv, S, D]
+    valid: torch.Tensor  # [B, Hkv, Tq, S] bool
+    slot_pos: torch.Tensor  # [B, Hkv, S] long
+    scaling: float
+    budget: int | float
+    layer: SlotLayer
+
+    @property
+    def group_size(self) -> int:
+        return self.query.shape[1] // self.keys.shape[1]
+
+
+class Selector:
+    """Base class of all selectors. Subclasses are small dataclasses holding their hyper-parameters.
+
+    Class attributes say how the hook must treat a selector:
+    - `query_aware`: its choice depends on the current query, so the full cache must stay reachable;
+    - `evicts`: what it does not keep is dropped from the cache for good (real memory savings);
+    - `keeps_all`: the budget is ignored (the dense reference).
+    """
+
+    name: ClassVar[str] = ""
+    query_aware: ClassVar[bool] = False
+    evicts: ClassVar[bool] = False
+    keeps_all: ClassVar[bool] = False
+    needs_attention: ClassVar[bool] = False
+
+    def scores(self, view: LayerView) -> torch.Tensor:
+        """Relevance of every slot, `[B, Hkv, Tq or 1, S]`; higher is kept first."""
+        raise NotImplementedError
+
+    def prefill(self, view: LayerView) -> None:
+        """Called after a dense prefill step, to build per-token state from the prompt."""
+
+    def observe(self, view: LayerView, attention_mass: torch.Tensor) -> None:
+        """Called after every attention with the mass each slot received, `[B, Hkv, S]` (summed over
+        the query heads of the group and the queries); only for selectors that set `needs_attention`."""
+
+
+def resolve_budget(budget: int | float, n_valid: torch.Tensor) -> torch.Tensor:
+    """Tokens to keep per row: an int is a token count, a float in (0, 1] a fraction of each row's
+    own valid context (so a left-padded row gets the same budget as when run alone)."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(f"budget must be an int (tokens) or a float fraction in (0, 1], got {budget!r}")
+    if isinstance(budget, int):
+        if budget < 1:
+            raise ValueError(f"budget must be at least 1 token, got {budget}")
+        return torch.clamp(n_valid, max=budget)
+    if not 0.0 < budget <= 1.0:
+        raise ValueError(f"a fractional budget must lie in (0, 1], got {budget}")
+    return torch.clamp(torch.ceil(n_valid * budget).long(), min=1).minimum(n_valid)
+
+
+def check_budget(budget: int | float) -> int | float:
+    """Validate a budget early (before any work), with the same rules as `resolve_budget`."""
+    resolve_budget(budget, torch.ones(1, dtype=torch.long))
+    return budget
+
+
+def select_top_budget(
+    scores: torch.Tensor, valid: torch.Tensor, budget: int | float, slot_pos: torch.Tensor
+) -> torch.Tensor:
+    """Keep-mask `[B, Hkv, Tq, S]`: the `budget` highest-scoring valid slots of every row.
+
+    Ties (SnapKV's max-pooled plateaus, several +inf tokens) go to the most recent token, so the
+    choice depends on positions only, never on where a token happens to sit in the slot buffer
+    (which differs with padding and slot reuse)."""
+    newest_first = slot_pos.argsort(dim=-1, descending=True).unsqueeze(2).expand_as(valid)
+    scores = scores.expand_as(valid).masked_fill(~valid, -math.inf).gather(-1, newest_first)
+    k_row = resolve_budget(budget, valid.sum(-1))  # [B, Hkv, Tq]
+    k_max = int(k_row.max()) if k_row.numel() else 0
+    ranked = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k_max]
+    top = newest_first.gather(-1, ranked)
+    in_budget = torch.arange(k_max, device=top.device) < k_row.unsqueeze(-1)
+    keep = torch.zeros_like(valid).scatter_(-1, top, in_budget)
+    return keep & valid

@@ -1,0 +1,11 @@
+"""Dense: keeps every token. The reference every other selector is measured against."""
+
+from dataclasses import dataclass
+
+from atskv.selectors.base import Selector
+
+
+@dataclass
+class DenseSelector(Selector):
+    name = "dense"
+    keeps_all = True

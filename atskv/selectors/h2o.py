@@ -1,0 +1,31 @@
+"""H2O (Zhang et al., 2023): heavy hitters by accumulated attention, plus a recent window.
+
+Each token accumulates the attention mass it receives from every query (summed over the group's
+heads, as the hook works per KV head). Default from the paper: half the budget for heavy
+hitters, half for the most recent tokens. Query-agnostic and evicting.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from atskv.selectors.base import LayerView, Selector, resolve_budget
+
+
+@dataclass
+class H2OSelector(Selector):
+    name = "h2o"
+    evicts = True
+    needs_attention = True
+    recent_fraction: float = 0.5
+
+    def observe(self, view: LayerView, attention_mass: torch.Tensor) -> None:
+        view.layer.slot_tensor("h2o").add_(attention_mass)
+
+    def scores(self, view: LayerView):
+        valid = view.valid[:, :, -1]
+        budget = resolve_budget(view.budget, valid.sum(-1, keepdim=True))
+        recent = (budget * self.recent_fraction).long()
+        newest = view.slot_pos.masked_fill(~valid, -1).amax(dim=-1, keepdim=True)
+        is_recent = valid & (view.slot_pos > newest - recent)
+        return torch.where(is_recent, torch.inf, view.layer.slot_tensor("h2o")).unsqueeze(2)

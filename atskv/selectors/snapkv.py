@@ -1,0 +1,38 @@
+"""SnapKV (Li et al., 2024): keep the prompt tokens that the prompt's last queries attend to.
+
+After the (dense) prefill, the attention of the last `window` queries is summed over those
+queries and the group's heads, max-pooled along the tokens (`kernel`, to keep neighbourhoods),
+and stored as each prompt token's score. Defaults from the paper's code: window 32, kernel 7,
+max pooling. The observation window itself and every token generated after the prompt score
++inf, so the budget is spent on the prompt; tokens are evicted (real memory savings).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from atskv.gqa import grouped_probs
+from atskv.selectors.base import LayerView, Selector
+
+
+@dataclass
+class SnapKVSelector(Selector):
+    name = "snapkv"
+    evicts = True
+    window: int = 32
+    kernel: int = 7
+
+    def prefill(self, view: LayerView) -> None:
+        w = min(self.window, view.query.shape[2])
+        probs = grouped_probs(view.query[:, :, -w:], view.keys, view.valid[:, :, -w:], view.scaling)
+        votes = probs.sum(dim=(2, 3))  # [B, Hkv, S]
+        b, h, s = votes.shape
+        pooled = F.max_pool1d(votes.view(b * h, 1, s), self.kernel, stride=1, padding=self.kernel // 2)
+        newest = view.slot_pos.amax(dim=-1, keepdim=True)
+        in_window = view.slot_pos > newest - w
+        score = view.layer.slot_tensor("snapkv", init=torch.inf)
+        score.copy_(torch.where(in_window, torch.inf, pooled.view(b, h, s)))
+
+    def scores(self, view: LayerView):
+        return view.layer.slot_tensor("snapkv", init=torch.inf).unsqueeze(2)

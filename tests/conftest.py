@@ -1,0 +1,69 @@
+"""Tiny random models of every supported family, built from configs in code (no weights needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+VOCAB = 96
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+FAMILIES = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(num_hidden_layers=4, num_key_value_heads=2, **COMMON)),
+    "mistral": lambda: MistralForCausalLM(
+        MistralConfig(num_hidden_layers=4, num_key_value_heads=2, sliding_window=None, **COMMON)
+    ),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=4, num_key_value_heads=2, **COMMON)),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, **COMMON)),
+    # Gemma 3 as the real one: 4 query heads on 1 KV head, sliding-window layers, global every 3rd here
+    "gemma3": lambda: Gemma3ForCausalLM(
+        Gemma3TextConfig(
+            num_hidden_layers=6,
+            num_key_value_heads=1,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=8,
+            sliding_window_pattern=3,
+            **COMMON,
+        )
+    ),
+}
+
+
+def tiny_model(family: str, seed: int = 0):
+    """A tiny random model of `family`, fp32, eval mode, SDPA attention."""
+    torch.manual_seed(seed)
+    model = FAMILIES[family]().eval()
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family(request) -> str:
+    return request.param
+
+
+def random_prompt(length: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=g)

@@ -1,0 +1,213 @@
+"""The sparse-attention hook on tiny random models of every family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+import atskv
+from atskv.memory.slot_cache import SlotLayer
+from tests.conftest import random_prompt, tiny_model
+
+DECODE_STEPS = 32
+
+
+def greedy(model, ids, attention_mask=None, steps=DECODE_STEPS):
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=attention_mask if attention_mask is not None else torch.ones_like(ids),
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    return out.sequences, torch.stack(out.logits, dim=1)  # logits [B, steps, V]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize(("selector", "sparse_prefill"), [("dense", False), ("oracle", True)])
+def test_keep_all_matches_unpatched_model(family, selector, sparse_prefill):
+    """Keeping every token (dense selector, or oracle with a budget above the context) reproduces
+    the unpatched model's prefill and 32 greedy decode steps, every layer managed."""
+    model = tiny_model(family)
+    ids = random_prompt(24)
+    ref_seq, ref_logits = greedy(model, ids)
+    with torch.no_grad():
+        ref_prefill = model(ids).logits
+    with atskv.sparse(model, selector, budget=1.0, dense_layers=0, sparse_prefill=sparse_prefill) as session:
+        assert session.managed_layers, "no layer was managed"
+        with torch.no_grad():
+            prefill = model(ids).logits
+        seq, logits = greedy(model, ids)
+    assert rel_err(prefill, ref_prefill) <= 1e-5
+    assert torch.equal(seq, ref_seq)
+    assert rel_err(logits, ref_logits) <= 1e-5
+    assert model.config._attn_implementation == "sdpa", "the context manager must restore the implementation"
+
+
+def _reference_oracle_attention(budget: int, managed: set[int]):
+    """Explicit masked attention: KV expanded to the query heads, exact probabilities pooled over
+    each KV group, top-`budget` per query among the causal positions, softmax over those."""
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        if module.layer_idx not in managed:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        b, hq, tq, d = query.shape
+        hkv, t = key.shape[1], key.shape[2]
+        g = hq // hkv
+        k = key.repeat_interleave(g, dim=1)
+        v = value.repeat_interleave(g, dim=1)
+        allowed = torch.ones(tq, t, dtype=torch.bool).tril(t - tq)
+        logits = (query @ k.transpose(-1, -2)) * scaling
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        pooled = logits.softmax(-1).view(b, hkv, g, tq, t).sum(2)  # per KV head
+        top = pooled.masked_fill(~allowed, float("-inf")).topk(min(budget, t), dim=-1).indices
+        keep = torch.zeros(b, hkv, tq, t, dtype=torch.bool).scatter_(-1, top, True) & allowed
+        keep = keep.repeat_interleave(g, dim=1)
+        probs = logits.masked_fill(~keep, float("-inf")).softmax(-1)
+        return (probs @ v).transpose(1, 2), None
+
+    return attention
+
+
+def test_oracle_topk_equals_masked_attention_reference(family):
+    model = tiny_model(family)
+    ids = random_prompt(20, seed=1)
+    budget = 6
+    with atskv.sparse(model, "oracle", budget=budget, dense_layers=1, sparse_prefill=True) as session:
+        seq, logits = greedy(model, ids, steps=12)
+        managed = set(session.managed_layers)
+    AttentionInterface.register("oracle_reference", _reference_oracle_attention(budget, managed))
+    AttentionMaskInterface.register("oracle_reference", sdpa_mask)  # sliding layers need their window mask
+    model.set_attn_implementation("oracle_reference")
+    ref_seq, ref_logits = greedy(model, ids, steps=12)
+    model.set_attn_implementation("sdpa")
+    assert torch.equal(seq, ref_seq)
+    assert rel_err(logits, ref_logits) <= 1e-5
+    _, dense_logits = greedy(model, ids, steps=12)
+    assert rel_err(logits, dense_logits) > 1e-3, "a budget of 6 of 20+ tokens should change the logits"
+
+
+@pytest.mark.parametrize(
+    "selector",
+    [
+        atskv.make_selector("dense"),
+        atskv.make_selector("oracle"),
+        atskv.make_selector("streaming_llm"),
+        atskv.make_selector("snapkv", window=4),  # the window must be shorter than the prompts
+        atskv.make_selector("h2o"),
+    ],
+    ids=lambda s: s.name,
+)
+def test_batch_with_left_padding_equals_one_at_a_time(family, selector):
+    model = tiny_model(family)
+    short, long = random_prompt(13, seed=2), random_prompt(21, seed=3)
+    pad = long.shape[1] - short.shape[1]
+    batch = torch.cat([torch.cat([torch.zeros(1, pad, dtype=torch.long), short], 1), long])
+    mask = torch.ones_like(batch)
+    mask[0, :pad] = 0
+    with atskv.sparse(model, selector, budget=10, dense_layers=1):
+        seq_b, logits_b = greedy(model, batch, attention_mask=mask, steps=16)
+        seq_s, logits_s = greedy(model, short, steps=16)
+        seq_l, logits_l = greedy(model, long, steps=16)
+    assert torch.equal(seq_b[0, pad:], seq_s[0])
+    assert torch.equal(seq_b[1], seq_l[0])
+    assert rel_err(logits_b[0], logits_s[0]) <= 1e-4
+    assert rel_err(logits_b[1], logits_l[0]) <= 1e-4
+
+
+def test_cache_holds_kv_heads_not_query_heads(family):
+    model = tiny_model(family)
+    cfg = model.config
+    with atskv.sparse(model, "oracle", budget=4, dense_layers=0) as session:
+        greedy(model, random_prompt(12, batch=2), steps=4)
+    slot_layers = [layer for layer in session.cache.layers if isinstance(layer, SlotLayer)]
+    assert len(slot_layers) == len(session.managed_layers) > 0
+    for layer in session.cache.layers:
+        assert layer.keys.shape[:2] == (2, cfg.num_key_value_heads)
+        assert layer.values.shape[:2] == (2, cfg.num_key_value_heads)
+    assert cfg.num_key_value_heads < cfg.num_attention_heads
+
+
+def test_gemma3_manages_only_global_layers():
+    model = tiny_model("gemma3")
+    with atskv.sparse(model, "oracle", budget=4, dense_layers=0) as session:
+        assert session.managed_layers == {2, 5}
+    with atskv.sparse(model, "oracle", budget=4, dense_layers=3) as session:
+        assert session.managed_layers == {5}
+
+
+@pytest.mark.parametrize("selector", ["streaming_llm", "snapkv", "h2o"])
+def test_evicting_selectors_hold_budget_and_keep_tokens_intact(selector):
+    """Evicting selectors keep at most `budget` tokens per KV head, reuse freed slots, really
+    shrink the KV held, and every kept token is bit-identical to the dense cache's copy."""
+    model = tiny_model("llama")
+    ids = random_prompt(64, seed=4)
+    budget = 12
+
+    def prefill_and_decode(cache=None):  # the same calls, so the same float arithmetic
+        with torch.no_grad():
+            cache = model(ids, past_key_values=cache).past_key_values
+            for t in range(8):  # teacher-forced decode steps
+                model(ids[:, t : t + 1], past_key_values=cache)
+        return cache
+
+    dense_cache = prefill_and_decode()
+    with atskv.sparse(model, selector, budget=budget, dense_layers=0) as session:
+        prefill_and_decode()
+    for idx, layer in enumerate(session.cache.layers):
+        assert int(layer.occupied.sum(-1).max()) <= budget
+        assert layer.keys.shape[2] <= budget + SlotLayer.min_growth, "buffers were not compacted after eviction"
+        pos = layer.slot_pos[..., : layer.length]
+        dense_keys = dense_cache.layers[idx].keys
+        expected = dense_keys.gather(2, pos.clamp(min=0).unsqueeze(-1).expand(*pos.shape, dense_keys.shape[-1]))
+        held = layer.keys[:, :, : layer.length]
+        if idx == 0:  # same inputs as the dense run at every step: every kept token bit-identical
+            assert torch.equal(held[pos >= 0], expected[pos >= 0])
+        else:  # deeper inputs differ after sparse steps (and by float rounding): prompt tokens only
+            prompt = (pos >= 0) & (pos < ids.shape[1])
+            torch.testing.assert_close(held[prompt], expected[prompt], rtol=1e-4, atol=1e-5)
+        assert bool((pos >= ids.shape[1]).any()), "decode tokens should have been written into freed slots"
+    assert atskv.kv_bytes(session.cache) < atskv.kv_bytes(dense_cache) / 2
+
+
+def test_streaming_llm_keeps_sinks_and_recent_window():
+    model = tiny_model("llama")
+    with atskv.sparse(model, "streaming_llm", budget=10, dense_layers=0) as session:
+        with torch.no_grad():
+            model(random_prompt(40))
+    for layer in session.cache.layers:
+        kept = sorted(layer.slot_pos[0, 0][layer.slot_pos[0, 0] >= 0].tolist())
+        assert kept == [0, 1, 2, 3, 34, 35, 36, 37, 38, 39]
+
+
+@pytest.mark.parametrize("budget", [0, -3, 0.0, 1.5, "10"])
+def test_bad_budget_is_refused_before_any_work(budget):
+    model = tiny_model("llama")
+    with pytest.raises((ValueError, TypeError), match="budget"):
+        with atskv.sparse(model, "oracle", budget=budget):
+            pass
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_unknown_selector_lists_valid_names():
+    with pytest.raises(ValueError, match="oracle.*snapkv|snapkv.*oracle"):
+        atskv.make_selector("nope")
+
+
+def test_foreign_cache_is_refused():
+    from transformers import DynamicCache
+
+    model = tiny_model("llama")
+    with atskv.sparse(model, "oracle", budget=4):
+        with pytest.raises(TypeError, match="SparseKVCache"):
+            model(random_prompt(5), past_key_values=DynamicCache())
