@@ -21,7 +21,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from atskv.gqa import grouped_attention
+from atskv.gqa import grouped_attention, sdpa_attention
 from atskv.memory.slot_cache import SlotLayer, SparseKVCache
 from atskv.selectors import make_selector
 from atskv.selectors.base import LayerView, Selector, check_budget, select_top_budget
@@ -87,11 +87,13 @@ class SparseSession:
             keep = select_top_budget(selector.scores(view), valid, cfg.budget, slot_pos)
         else:
             keep = valid
-        out, mass = grouped_attention(query, keys, values, keep, scaling, want_mass=selector.needs_attention)
+        if selector.needs_attention:
+            out, mass = grouped_attention(query, keys, values, keep, scaling, want_mass=True)
+            selector.observe(view, mass)
+        else:
+            out = sdpa_attention(query, keys, values, keep, scaling)
         if not sparse:
             selector.prefill(view)
-        if mass is not None:
-            selector.observe(view, mass)
         if selector.evicts:  # retain the budget as the newest query sees it, free the rest
             if sparse:
                 retained = keep[:, :, -1]

@@ -54,3 +54,19 @@ def grouped_attention(
             valid_rows = mask[:, :, start:stop].any(-1, keepdim=True).unsqueeze(2)
             mass += (probs * valid_rows).sum(dim=(2, 3))
     return out.view(b, hq, tq, -1).transpose(1, 2), mass
+
+
+def sdpa_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """The same function as `grouped_attention` (without the mass), through PyTorch's fused SDPA
+    with `enable_gqa`, so the KV is still never expanded; only the boolean mask is broadcast to
+    the query heads. Rows with no allowed slot attend everywhere instead of producing NaN."""
+    mask = mask | ~mask.any(-1, keepdim=True)
+    group = query.shape[1] // keys.shape[1]
+    uniform = mask.shape[1] == 1 or bool((mask == mask[:, :1]).all())
+    mask = mask[:, :1] if uniform else mask.repeat_interleave(group, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=group > 1
+    )
+    return out.transpose(1, 2)

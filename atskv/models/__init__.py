@@ -1,0 +1,22 @@
+"""Base models: loading (named GGUF models, GGUF files, Hugging Face directories) and geometry."""
+
+from atskv.models.geometry import ModelGeometry, model_geometry
+from atskv.models.loading import (
+    DEFAULT_MODEL,
+    MODELS,
+    SUPPORTED_MODEL_TYPES,
+    LoadedModel,
+    NamedModel,
+    load_model,
+)
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "MODELS",
+    "SUPPORTED_MODEL_TYPES",
+    "LoadedModel",
+    "ModelGeometry",
+    "NamedModel",
+    "load_model",
+    "model_geometry",
+]

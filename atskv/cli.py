@@ -1,0 +1,232 @@
+"""The `atskv` command line. Thin: each subcommand parses its options (jsonargparse, so every
+option can also come from a YAML file under `configs/` via `--config`) and calls the library."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import torch
+from jsonargparse import auto_cli
+
+from atskv.models import DEFAULT_MODEL
+
+PENDING = {
+    "collect": "collecting predictor features and labels arrives with the relevance-predictor work (issue 4)",
+    "fit": "supervised training of the relevance predictor arrives with the relevance-predictor work (issue 4)",
+    "finetune": "policy-gradient fine-tuning arrives with the RL work (issue 6)",
+    "export": "exporting a trained predictor arrives with the relevance-predictor work (issue 4)",
+    "eval": "the evaluation harness (recall, tasks, ppl) arrives with the baselines work (issue 3)",
+    "bench": "latency benchmarks arrive with the baselines and kernels work (issue 3)",
+}
+
+
+def _resolve_device(device: str, dtype: str) -> tuple[str, torch.dtype]:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    try:
+        return device, getattr(torch, dtype)
+    except AttributeError:
+        raise ValueError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16") from None
+
+
+def _load(model: str, device: str, dtype: str):
+    from atskv.models import load_model
+
+    device, torch_dtype = _resolve_device(device, dtype)
+    print(f"loading {model} on {device} ({str(torch_dtype).removeprefix('torch.')}) ...", flush=True)
+    return load_model(model, dtype=torch_dtype, device=device)
+
+
+def demo(
+    model: str = DEFAULT_MODEL,
+    context_tokens: int = 2048,
+    depth: float = 0.5,
+    seed: int = 0,
+    selectors: list[str] = ["oracle", "snapkv", "h2o", "streaming_llm"],  # noqa: B006 (jsonargparse reads it)
+    budget: int | float = 256,
+    dense_layers: int = 2,
+    max_new_tokens: int = 12,
+    filler: str = "classic",
+    device: str = "auto",
+    dtype: str = "auto",
+) -> None:
+    """Passkey retrieval in a ~2K-token haystack, generated with dense KV and with each selector
+    at the budget: prints whether the answer is right, the KV bytes held and tokens/s.
+
+    Args:
+        model: a named model, a Hugging Face directory or a .gguf file.
+        context_tokens: prompt length in tokens.
+        depth: where the passkey sits, as a fraction of the haystack.
+        seed: picks the passkey and the filler.
+        selectors: selectors to compare with dense KV.
+        budget: KV tokens kept per layer and KV head (int), or a fraction of the context (float).
+        dense_layers: the first layers stay dense.
+        max_new_tokens: tokens to generate.
+        filler: the haystack: "classic" (the original pass-key test's repeated lines), "varied"
+            (generated sentences), or a corpus (name, folder or hf:...) whose text is used.
+        device: cpu, cuda, or auto.
+        dtype: float32, bfloat16, float16, or auto (bfloat16 on GPU, float32 on CPU).
+    """
+    from atskv.data import CLASSIC_FILLER, load_corpus, passkey_example
+    from atskv.eval.generation import encode_prompt, generate, markdown_table
+    from atskv.selectors import make_selector
+    from atskv.selectors.base import check_budget
+
+    check_budget(budget)
+    for name in selectors:
+        make_selector(name)  # unknown names fail here, before the model loads
+    if filler == "classic":
+        filler_text = CLASSIC_FILLER
+    elif filler == "varied":
+        filler_text = None
+    else:
+        filler_text = "\n\n".join(doc.text for doc in load_corpus(filler))
+    loaded = _load(model, device, dtype)
+    example = passkey_example(loaded.tokenizer, context_tokens, depth, seed, filler=filler_text)
+    ids = encode_prompt(loaded.tokenizer, example.prompt, chat=False)  # the prompt ends "The pass key is"
+    print(f"passkey {example.answer} at depth {depth:.0%} of a {ids.shape[1]}-token prompt; budget {budget}")
+    runs = []
+    for selector in [None, *selectors]:
+        run = generate(
+            loaded.model,
+            loaded.tokenizer,
+            ids,
+            selector=selector,
+            budget=budget,
+            dense_layers=dense_layers,
+            max_new_tokens=max_new_tokens,
+            example=example,
+        )
+        print(f"  {run.label:>20}: {'correct' if run.correct else 'wrong  '}  {run.text.strip()[:40]!r}", flush=True)
+        runs.append(run)
+    print()
+    print(markdown_table(runs))
+    print(
+        f"\nKV held: bytes of the cache's buffers after generation (all {loaded.geometry.num_layers} layers; "
+        f"the first {dense_layers} stay dense). Query-aware selectors (oracle) keep the full cache reachable; "
+        "evicting ones (snapkv, h2o, streaming_llm) free what they drop."
+    )
+
+
+def generate(
+    prompt: str,
+    model: str = DEFAULT_MODEL,
+    selector: str | None = None,
+    budget: int | float = 256,
+    dense_layers: int = 2,
+    sparse_prefill: bool = False,
+    max_new_tokens: int = 64,
+    chat: bool = True,
+    device: str = "auto",
+    dtype: str = "auto",
+) -> None:
+    """Generate a completion of PROMPT, dense or with a selector at a KV budget.
+
+    Args:
+        prompt: the prompt text, or @FILE to read it from a file.
+        model: a named model, a Hugging Face directory or a .gguf file.
+        selector: a selector name (see `atskv selectors`); none for dense KV.
+        budget: KV tokens kept per layer and KV head (int), or a fraction of the context (float).
+        dense_layers: the first layers stay dense.
+        sparse_prefill: select during the prompt too (default: dense prefill, sparse decode).
+        max_new_tokens: tokens to generate.
+        chat: wrap the prompt in the model's chat template, if it has one.
+        device: cpu, cuda, or auto.
+        dtype: float32, bfloat16, float16, or auto.
+    """
+    from atskv.eval.generation import encode_prompt
+    from atskv.eval.generation import generate as run_generation
+    from atskv.selectors import make_selector
+    from atskv.selectors.base import check_budget
+
+    if prompt.startswith("@"):
+        prompt = Path(prompt[1:]).read_text()
+    if selector is not None:
+        check_budget(budget)
+        make_selector(selector)
+    loaded = _load(model, device, dtype)
+    ids = encode_prompt(loaded.tokenizer, prompt, chat)
+    run = run_generation(
+        loaded.model,
+        loaded.tokenizer,
+        ids,
+        selector=selector,
+        budget=budget if selector else None,
+        dense_layers=dense_layers,
+        sparse_prefill=sparse_prefill,
+        max_new_tokens=max_new_tokens,
+    )
+    print(run.text)
+    print(
+        f"\n[{run.label}] {run.prompt_tokens} prompt tokens in {run.prefill_seconds:.2f} s, {run.new_tokens} new "
+        f"at {run.decode_tokens_per_s:.1f} tokens/s, KV held {run.kv_bytes / 2**20:.2f} MiB",
+        file=sys.stderr,
+    )
+
+
+def selectors() -> None:
+    """List the registered selectors and how the hook treats each."""
+    from atskv.selectors import SELECTORS
+
+    for name, cls in sorted(SELECTORS.items()):
+        kind = "keeps all" if cls.keeps_all else ("query-aware" if cls.query_aware else "query-agnostic")
+        print(f"{name:15s} {kind:15s} {'evicts' if cls.evicts else ''}")
+
+
+def fetch(name: str, cache_dir: Path | None = None, force: bool = False) -> None:
+    """Fetch an offline corpus (austen, sotu, moby-dick) into the cache as plain-text files.
+
+    Args:
+        name: corpus name.
+        cache_dir: cache folder (default $ATSKV_CACHE or ~/.cache/atskv).
+        force: fetch again even if present.
+    """
+    from atskv.data import fetch_corpus
+
+    path = fetch_corpus(name, cache_dir=cache_dir, force=force)
+    files = sorted(path.glob("*.txt"))
+    print(f"{name}: {len(files)} documents, {sum(f.stat().st_size for f in files) / 1e6:.1f} MB in {path}")
+
+
+def corpora() -> None:
+    """List the corpora `atskv data fetch` knows."""
+    from atskv.data import CORPORA
+
+    for name in CORPORA:
+        print(name)
+
+
+def _pending(name: str):
+    def command() -> None:
+        print(f"atskv {name}: not available yet: {PENDING[name]}.", file=sys.stderr)
+        raise SystemExit(2)
+
+    command.__name__ = name
+    command.__doc__ = f"Not available yet: {PENDING[name]}."
+    return command
+
+
+COMMANDS = {
+    "demo": demo,
+    "generate": generate,
+    "selectors": selectors,
+    "data": {"fetch": fetch, "list": corpora, "_help": "Offline corpora for training and evaluation."},
+    **{name: _pending(name) for name in PENDING},
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        auto_cli(COMMANDS, args=argv, as_positional=True)
+    except (ValueError, FileNotFoundError, ImportError, TypeError) as error:
+        print(f"atskv: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Generate with dense KV and with selectors at a budget, measuring what a user compares:
+the answer, the KV bytes the cache actually holds, and the speed."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+from transformers.generation.streamers import BaseStreamer
+
+import atskv
+from atskv.data import TaskExample
+from atskv.memory.slot_cache import kv_bytes
+
+
+@dataclass(frozen=True)
+class GenerationRun:
+    """One generation: `label` names the setting (`dense`, or `selector@budget`)."""
+
+    label: str
+    text: str
+    correct: bool | None
+    kv_bytes: int
+    prompt_tokens: int
+    new_tokens: int
+    prefill_seconds: float  # prompt in, first token out
+    decode_seconds: float  # the remaining tokens
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        steps = self.new_tokens - 1
+        return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else float("nan")
+
+
+class _TokenClock(BaseStreamer):
+    """Timestamps each `put` of `generate`: first the prompt, then every new token."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.times = device, []
+
+    def put(self, value) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        self.put(None)
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
+    """Token ids `[1, T]`; an instruct model's chat template wraps the prompt when `chat`."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
+    else:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+    return ids
+
+
+def generate(
+    model,
+    tokenizer,
+    ids: torch.Tensor,
+    *,
+    selector: str | None = None,
+    budget: int | float | None = None,
+    dense_layers: int = 2,
+    sparse_prefill: bool = False,
+    max_new_tokens: int = 16,
+    example: TaskExample | None = None,
+) -> GenerationRun:
+    """Greedy generation with dense KV (`selector=None`) or under `atskv.sparse`."""
+    ids = ids.to(model.device)
+    kwargs = dict(
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+    )
+    clock = _TokenClock(model.device)
+    kwargs["streamer"] = clock
+    start = time.perf_counter()
+    with torch.inference_mode():
+        if selector is None:
+            cache = DynamicCache(config=model.config)
+            out = model.generate(ids, past_key_values=cache, **kwargs)
+            label = "dense"
+        else:
+            with atskv.sparse(
+                model, selector, budget, dense_layers=dense_layers, sparse_prefill=sparse_prefill
+            ) as session:
+                out = model.generate(ids, **kwargs)
+                cache = session.cache
+            label = f"{selector}@{budget}"
+    first_token, last_token = clock.times[1], clock.times[-2]
+    new = out[0, ids.shape[1] :]
+    text = tokenizer.decode(new, skip_special_tokens=True)
+    return GenerationRun(
+        label=label,
+        text=text,
+        correct=example.score(text) if example is not None else None,
+        kv_bytes=kv_bytes(cache),
+        prompt_tokens=ids.shape[1],
+        new_tokens=int(new.numel()),
+        prefill_seconds=first_token - start,
+        decode_seconds=last_token - first_token,
+    )
+
+
+def markdown_table(runs: list[GenerationRun]) -> str:
+    """The comparison as a markdown table; KV is also shown relative to the dense run if present."""
+    dense = next((r for r in runs if r.label == "dense"), None)
+    lines = [
+        "| setting | answer correct | KV held | vs dense | prefill s | decode tokens/s | output |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        ratio = f"{r.kv_bytes / dense.kv_bytes:.1%}" if dense else "-"
+        correct = "-" if r.correct is None else ("yes" if r.correct else "no")
+        text = r.text.strip().replace("\n", " ").replace("|", "\\|")[:32]
+        lines.append(
+            f"| {r.label} | {correct} | {r.kv_bytes / 2**20:.2f} MiB | {ratio} | {r.prefill_seconds:.2f} "
+            f"| {r.decode_tokens_per_s:.1f} | {text} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,41 @@
+"""The grouped (un-expanded KV) attention paths against an explicit repeat_kv reference."""
+
+import pytest
+import torch
+
+from atskv.gqa import grouped_attention, sdpa_attention
+
+
+def reference(query, keys, values, mask, scaling):
+    group = query.shape[1] // keys.shape[1]
+    k = keys.repeat_interleave(group, 1)
+    v = values.repeat_interleave(group, 1)
+    m = mask.repeat_interleave(group, 1)
+    logits = (query @ k.transpose(-1, -2) * scaling).masked_fill(~m, float("-inf"))
+    probs = logits.softmax(-1)
+    mass = probs.view(keys.shape[0], keys.shape[1], group, *probs.shape[2:]).sum(dim=(2, 3))
+    return (probs @ v).transpose(1, 2), mass
+
+
+@pytest.mark.parametrize(("hq", "hkv", "tq"), [(4, 1, 1), (9, 3, 1), (8, 2, 37)])
+def test_grouped_paths_match_reference(hq, hkv, tq):
+    g = torch.Generator().manual_seed(hq * 100 + tq)
+    b, s, d = 2, 50, 16
+    query = torch.randn(b, hq, tq, d, generator=g)
+    keys = torch.randn(b, hkv, s, d, generator=g)
+    values = torch.randn(b, hkv, s, d, generator=g)
+    mask = torch.rand(b, hkv, tq, s, generator=g) < 0.3  # a different set per KV head
+    mask[..., 0] = True  # every row has at least one slot
+    expected, expected_mass = reference(query, keys, values, mask, 0.25)
+    out, mass = grouped_attention(query, keys, values, mask, 0.25, want_mass=True, query_chunk=16)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(mass, expected_mass, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sdpa_attention(query, keys, values, mask, 0.25), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_rows_without_any_slot_stay_finite():
+    query, keys, values = torch.randn(1, 2, 3, 8), torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8)
+    mask = torch.zeros(1, 1, 3, 5, dtype=torch.bool)
+    mask[..., 1, :2] = True
+    for out in (grouped_attention(query, keys, values, mask, 1.0)[0], sdpa_attention(query, keys, values, mask, 1.0)):
+        assert torch.isfinite(out).all()
