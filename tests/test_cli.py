@@ -1,0 +1,95 @@
+"""The `atskv` command line: help everywhere, clear errors before any work, the demo end to end
+on a tiny random model saved as a Hugging Face directory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from atskv import cli
+from tests.conftest import tiny_bpe_tokenizer
+
+SUBCOMMANDS = ["demo", "generate", "selectors", "collect", "fit", "finetune", "export", "eval", "bench"]
+
+
+def run(args: list[str]) -> int:
+    try:
+        cli.main(args)
+    except SystemExit as stop:
+        return int(stop.code or 0)
+    return 0
+
+
+@pytest.mark.parametrize("command", [*SUBCOMMANDS, "data fetch", "data list"])
+def test_every_subcommand_has_help(command, capsys):
+    assert run([*command.split(), "--help"]) == 0
+    assert "usage: atskv" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", sorted(cli.PENDING))
+def test_pending_subcommands_say_which_issue_brings_them(command, capsys):
+    assert run([command]) == 2
+    assert "not available yet" in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr("atskv.models.load_model", refuse)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["demo", "--budget", "0"], "budget must be at least 1"),
+        (["demo", "--budget", "1.5"], "fractional budget"),
+        (["demo", "--selectors", "[quest2]"], "unknown selector 'quest2'; choose one of"),
+        (["generate", "hi", "--selector", "nope"], "unknown selector 'nope'"),
+    ],
+)
+def test_bad_input_fails_clearly_before_loading(args, message, capsys, no_model_loading):
+    assert run(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_model_path_is_a_clear_error(capsys):
+    assert run(["generate", "hi", "--model", "/no/such/model"]) == 2
+    assert "no such file or directory" in capsys.readouterr().err
+
+
+def test_selectors_lists_the_registry(capsys):
+    assert run(["selectors"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in ["dense", "oracle", "snapkv", "h2o", "streaming_llm"])
+
+
+def test_demo_end_to_end_on_a_tiny_model(tmp_path, capsys):
+    tokenizer = tiny_bpe_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    code = run(["demo", "--model", str(tmp_path), "--context_tokens", "300", "--budget", "32", "--max_new_tokens", "3", "--dense_layers", "0"])
+    assert code == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "MiB" in line]
+    assert [row.split("|")[1].strip() for row in rows] == [
+        "dense",
+        "oracle@32",
+        "snapkv@32",
+        "h2o@32",
+        "streaming_llm@32",
+    ]
+    held = {row.split("|")[1].strip(): float(row.split("|")[3].split()[0]) for row in rows}
+    assert held["snapkv@32"] < held["dense"] / 2, "evicting selectors must hold less KV than dense"
