@@ -78,13 +78,13 @@ class SparseSession:
         """Attention of one managed layer: select, attend, let the selector observe, evict."""
         layer = self.cache.layers[module.layer_idx]
         tq = query.shape[2]
-        valid = _visible_slots(layer, attention_mask, tq)
+        valid, context = _visible_slots(layer, attention_mask, tq)
         selector, cfg = self.selector, self.config
         slot_pos = layer.slot_pos[..., : layer.length]
-        view = LayerView(module.layer_idx, query, keys, valid, slot_pos, scaling, cfg.budget, layer)
+        view = LayerView(module.layer_idx, query, keys, valid, slot_pos, context, scaling, cfg.budget, layer)
         sparse = cfg.sparse_decode if tq == 1 else cfg.sparse_prefill
         if sparse and not selector.keeps_all:
-            keep = select_top_budget(selector.scores(view), valid, cfg.budget, slot_pos)
+            keep = select_top_budget(selector.scores(view), valid, cfg.budget, slot_pos, context)
         else:
             keep = valid
         if selector.needs_attention:
@@ -98,27 +98,34 @@ class SparseSession:
             if sparse:
                 retained = keep[:, :, -1]
             else:
-                retained = select_top_budget(selector.scores(view)[:, :, -1:], valid[:, :, -1:], cfg.budget, slot_pos)
+                last = slice(-1, None)
+                scores = selector.scores(view)[:, :, last]
+                retained = select_top_budget(scores, valid[:, :, last], cfg.budget, slot_pos, context[:, :, last])
                 retained = retained[:, :, 0]
             layer.evict(layer.occupied & ~retained)
         return out
 
 
-def _visible_slots(layer: SlotLayer, attention_mask: torch.Tensor | None, tq: int) -> torch.Tensor:
-    """`[B, Hkv, Tq, S]` bool: slot s holds a token that query q may see (causality + padding).
+def _visible_slots(
+    layer: SlotLayer, attention_mask: torch.Tensor | None, tq: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`valid` `[B, Hkv, Tq, S]`: slot s holds a token that query q may see (causality + padding);
+    `context` `[B, 1, Tq]`: how many tokens of the sequence query q may see, held or evicted.
 
     The model's mask speaks of logical positions; it is gathered at each slot's position."""
     slot_pos = layer.slot_pos[..., : layer.length]
     occupied = slot_pos >= 0
     if attention_mask is None:  # pure causal, no padding
         query_pos = torch.arange(layer.seen - tq, layer.seen, device=slot_pos.device)
-        return occupied.unsqueeze(2) & (slot_pos.unsqueeze(2) <= query_pos.view(1, 1, tq, 1))
+        valid = occupied.unsqueeze(2) & (slot_pos.unsqueeze(2) <= query_pos.view(1, 1, tq, 1))
+        return valid, (query_pos + 1).view(1, 1, tq)
     if attention_mask.dtype != torch.bool:
         attention_mask = attention_mask == 0  # additive float mask: 0 where allowed
     b, h, s = slot_pos.shape
     logical = attention_mask.expand(b, 1, tq, attention_mask.shape[-1])
     idx = slot_pos.clamp(min=0).unsqueeze(2).expand(b, h, tq, s)
-    return occupied.unsqueeze(2) & logical.expand(b, h, tq, -1).gather(-1, idx)
+    valid = occupied.unsqueeze(2) & logical.expand(b, h, tq, -1).gather(-1, idx)
+    return valid, logical.sum(-1)
 
 
 def atskv_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):

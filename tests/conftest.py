@@ -55,6 +55,16 @@ FAMILIES = {
 }
 
 
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests skip where no CUDA device is present (CI runs on CPU)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 def tiny_model(family: str, seed: int = 0):
     """A tiny random model of `family`, fp32, eval mode, SDPA attention."""
     torch.manual_seed(seed)

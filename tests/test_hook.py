@@ -180,6 +180,22 @@ def test_evicting_selectors_hold_budget_and_keep_tokens_intact(selector):
     assert atskv.kv_bytes(session.cache) < atskv.kv_bytes(dense_cache) / 2
 
 
+@pytest.mark.parametrize("selector", ["streaming_llm", "snapkv", "h2o"])
+def test_fractional_budget_is_a_fraction_of_the_whole_context(selector):
+    """A budget of 0.25 keeps a quarter of every token seen, not a quarter of what is left after
+    earlier evictions (which would shrink the cache geometrically)."""
+    model = tiny_model("llama")
+    ids = random_prompt(64, seed=5)
+    with atskv.sparse(model, selector, budget=0.25, dense_layers=0) as session:
+        with torch.no_grad():
+            model(ids)
+            held_after_prefill = [int(layer.occupied.sum(-1).max()) for layer in session.cache.layers]
+            for t in range(8):
+                model(ids[:, t : t + 1], past_key_values=session.cache)
+    assert held_after_prefill == [16] * len(held_after_prefill)
+    assert all(int(layer.occupied.sum(-1).min()) == 18 for layer in session.cache.layers)  # ceil(0.25 * 72)
+
+
 def test_streaming_llm_keeps_sinks_and_recent_window():
     model = tiny_model("llama")
     with atskv.sparse(model, "streaming_llm", budget=10, dense_layers=0) as session:
@@ -232,3 +248,22 @@ def test_real_smollm2_short_prompt():
         greedy(model, ids, steps=8)
     slot_layers = [layer for layer in session.cache.layers if isinstance(layer, SlotLayer)]
     assert len(slot_layers) == 28 and all(int(layer.occupied.sum(-1).max()) <= 8 for layer in slot_layers)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_on_cuda_keep_all_matches_and_bf16_sparse_runs(family):
+    model = tiny_model(family).cuda()
+    ids = random_prompt(40).cuda()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref_seq, ref_logits = greedy(model, ids, steps=16)
+    with atskv.sparse(model, "dense", budget=1.0, dense_layers=0):
+        seq, logits = greedy(model, ids, steps=16)
+    assert torch.equal(seq, ref_seq)
+    assert rel_err(logits, ref_logits) <= 1e-5
+    model = model.to(torch.bfloat16)
+    for selector in ["oracle", "snapkv", "h2o", "streaming_llm"]:
+        with atskv.sparse(model, selector, budget=8, dense_layers=0) as session:
+            _, logits = greedy(model, ids, steps=8)
+        assert torch.isfinite(logits).all()
+        assert all(layer.keys.device.type == "cuda" for layer in session.cache.layers)

@@ -24,7 +24,6 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
-import rdata
 from atskv.paths import default_cache_dir
 
 __all__ = ["CORPORA", "CorpusFetchError", "MissingToolError", "fetch_corpus"]
@@ -117,6 +116,8 @@ def _read_r_lazyload_db(data_dir: Path, stem: str) -> dict[str, object]:
     (offset, length) slice of the ``.rdb`` file holding a 4-byte big-endian length followed by
     a zlib stream of one serialized object.
     """
+    import rdata  # only this corpus needs it
+
     with warnings.catch_warnings():  # rdata warns about layout details that do not matter here
         warnings.simplefilter("ignore")
         index = rdata.read_rds(data_dir / f"{stem}.rdx")

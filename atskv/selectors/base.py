@@ -25,7 +25,9 @@ class LayerView:
 
     `keys` are the physical cache slots (post-RoPE, never expanded to the query heads);
     `slot_pos` holds the logical position of the token in each slot (-1 for a free slot);
-    `valid[b, h, q, s]` says whether query q may attend slot s at all (causality, padding, free).
+    `valid[b, h, q, s]` says whether query q may attend slot s at all (causality, padding, free);
+    `context` counts the tokens each query may see in the sequence, evicted ones included: a
+    fractional budget is a fraction of that, not of what happens to be left in the cache.
     """
 
     layer_idx: int
@@ -33,6 +35,7 @@ class LayerView:
     keys: torch.Tensor  # [B, Hkv, S, D]
     valid: torch.Tensor  # [B, Hkv, Tq, S] bool
     slot_pos: torch.Tensor  # [B, Hkv, S] long
+    context: torch.Tensor  # [B, 1, Tq] long: tokens each query may see, evicted ones included
     scaling: float
     budget: int | float
     layer: SlotLayer
@@ -69,18 +72,18 @@ class Selector:
         the query heads of the group and the queries); only for selectors that set `needs_attention`."""
 
 
-def resolve_budget(budget: int | float, n_valid: torch.Tensor) -> torch.Tensor:
+def resolve_budget(budget: int | float, context: torch.Tensor) -> torch.Tensor:
     """Tokens to keep per row: an int is a token count, a float in (0, 1] a fraction of each row's
-    own valid context (so a left-padded row gets the same budget as when run alone)."""
+    own context length (so a left-padded row gets the same budget as when run alone)."""
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
         raise TypeError(f"budget must be an int (tokens) or a float fraction in (0, 1], got {budget!r}")
     if isinstance(budget, int):
         if budget < 1:
             raise ValueError(f"budget must be at least 1 token, got {budget}")
-        return torch.clamp(n_valid, max=budget)
+        return torch.clamp(context, max=budget)
     if not 0.0 < budget <= 1.0:
         raise ValueError(f"a fractional budget must lie in (0, 1], got {budget}")
-    return torch.clamp(torch.ceil(n_valid * budget).long(), min=1).minimum(n_valid)
+    return torch.clamp(torch.ceil(context * budget).long(), min=1).minimum(context)
 
 
 def check_budget(budget: int | float) -> int | float:
@@ -90,16 +93,17 @@ def check_budget(budget: int | float) -> int | float:
 
 
 def select_top_budget(
-    scores: torch.Tensor, valid: torch.Tensor, budget: int | float, slot_pos: torch.Tensor
+    scores: torch.Tensor, valid: torch.Tensor, budget: int | float, slot_pos: torch.Tensor, context: torch.Tensor
 ) -> torch.Tensor:
-    """Keep-mask `[B, Hkv, Tq, S]`: the `budget` highest-scoring valid slots of every row.
+    """Keep-mask `[B, Hkv, Tq, S]`: the `budget` highest-scoring valid slots of every row
+    (`context` `[B, 1, Tq]`: the base of a fractional budget).
 
     Ties (SnapKV's max-pooled plateaus, several +inf tokens) go to the most recent token, so the
     choice depends on positions only, never on where a token happens to sit in the slot buffer
     (which differs with padding and slot reuse)."""
     newest_first = slot_pos.argsort(dim=-1, descending=True).unsqueeze(2).expand_as(valid)
     scores = scores.expand_as(valid).masked_fill(~valid, -math.inf).gather(-1, newest_first)
-    k_row = resolve_budget(budget, valid.sum(-1))  # [B, Hkv, Tq]
+    k_row = resolve_budget(budget, context).expand(valid.shape[:3]).minimum(valid.sum(-1))  # [B, Hkv, Tq]
     k_max = int(k_row.max()) if k_row.numel() else 0
     ranked = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k_max]
     top = newest_first.gather(-1, ranked)

@@ -24,7 +24,7 @@ class H2OSelector(Selector):
 
     def scores(self, view: LayerView):
         valid = view.valid[:, :, -1]
-        budget = resolve_budget(view.budget, valid.sum(-1, keepdim=True))
+        budget = resolve_budget(view.budget, view.context[:, :, -1:])
         recent = (budget * self.recent_fraction).long()
         newest = view.slot_pos.masked_fill(~valid, -1).amax(dim=-1, keepdim=True)
         is_recent = valid & (view.slot_pos > newest - recent)
