@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from atskv import cli
-from tests.conftest import tiny_bpe_tokenizer
+from tests.conftest import COMMON, tiny_bpe_tokenizer
 
 SUBCOMMANDS = ["demo", "generate", "selectors", "collect", "fit", "finetune", "export", "eval", "bench"]
 
@@ -69,15 +69,7 @@ def test_selectors_lists_the_registry(capsys):
 def test_demo_end_to_end_on_a_tiny_model(tmp_path, capsys):
     tokenizer = tiny_bpe_tokenizer()
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-    )
+    config = LlamaConfig(num_hidden_layers=4, num_key_value_heads=2, **{**COMMON, "vocab_size": len(tokenizer)})
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     code = run(["demo", "--model", str(tmp_path), "--context_tokens", "300", "--budget", "32", "--max_new_tokens", "3", "--dense_layers", "0"])
