@@ -33,6 +33,16 @@ def _resolve_device(device: str, dtype: str) -> tuple[str, torch.dtype]:
         raise ValueError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16") from None
 
 
+def _check_selection(selectors: list[str], budget: int | float) -> None:
+    """Refuse a bad budget or an unknown selector before any model is loaded."""
+    from atskv.selectors import make_selector
+    from atskv.selectors.base import check_budget
+
+    check_budget(budget)
+    for name in selectors:
+        make_selector(name)
+
+
 def _load(model: str, device: str, dtype: str):
     from atskv.models import load_model
 
@@ -73,12 +83,8 @@ def demo(
     """
     from atskv.data import CLASSIC_FILLER, load_corpus, passkey_example
     from atskv.eval.generation import encode_prompt, generate, markdown_table
-    from atskv.selectors import make_selector
-    from atskv.selectors.base import check_budget
 
-    check_budget(budget)
-    for name in selectors:
-        make_selector(name)  # unknown names fail here, before the model loads
+    _check_selection(selectors, budget)
     if filler == "classic":
         filler_text = CLASSIC_FILLER
     elif filler == "varied":
@@ -140,14 +146,11 @@ def generate(
     """
     from atskv.eval.generation import encode_prompt
     from atskv.eval.generation import generate as run_generation
-    from atskv.selectors import make_selector
-    from atskv.selectors.base import check_budget
 
     if prompt.startswith("@"):
         prompt = Path(prompt[1:]).read_text()
     if selector is not None:
-        check_budget(budget)
-        make_selector(selector)
+        _check_selection([selector], budget)
     loaded = _load(model, device, dtype)
     ids = encode_prompt(loaded.tokenizer, prompt, chat)
     run = run_generation(

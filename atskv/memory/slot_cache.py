@@ -53,16 +53,16 @@ class SlotLayer(CacheLayerMixin):
             self.keys[:, :, sl] = key_states
             self.values[:, :, sl] = value_states
             self.slot_pos[:, :, sl] = positions
-            for name, (tensor, init) in self._slot_state.items():
+            for tensor, init in self._slot_state.values():
                 tensor[:, :, sl] = init
             self.length += n
         else:
-            slots = self._claim_free_slots(n)  # [B, Hkv, n]
+            slots = self._claim_free_slots(n, free)  # [B, Hkv, n]
             idx = slots.unsqueeze(-1)
             self.keys.scatter_(2, idx.expand(*slots.shape, self.keys.shape[-1]), key_states)
             self.values.scatter_(2, idx.expand(*slots.shape, self.values.shape[-1]), value_states)
             self.slot_pos.scatter_(2, slots, positions.expand_as(slots).contiguous())
-            for name, (tensor, init) in self._slot_state.items():
+            for tensor, init in self._slot_state.values():
                 tensor.scatter_(2, slots, torch.full(slots.shape, init, dtype=tensor.dtype, device=self.device))
         self.seen += n
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
@@ -115,10 +115,10 @@ class SlotLayer(CacheLayerMixin):
             return 0
         return self.keys.nbytes + self.values.nbytes
 
-    def _claim_free_slots(self, n: int) -> torch.Tensor:
-        """First `n` free slots of every (row, KV head), growing the buffers where a row has fewer."""
-        free_count = (self.slot_pos[..., : self.length] < 0).sum(-1)
-        missing = n - int(free_count.min())
+    def _claim_free_slots(self, n: int, free: torch.Tensor) -> torch.Tensor:
+        """First `n` free slots of every (row, KV head), growing the buffers where a row has fewer
+        (`free`: the current `[B, Hkv, S]` free-slot mask)."""
+        missing = n - int(free.sum(-1).min())
         if missing > 0:
             self._ensure_capacity(self.length + missing)
             self.slot_pos[..., self.length : self.length + missing] = -1
@@ -144,7 +144,6 @@ class SlotLayer(CacheLayerMixin):
     def _reallocate(self, capacity: int, source: torch.Tensor) -> None:
         """New buffers of `capacity` slots filled from slots `source` (`[n]` or `[B, Hkv, n]`)."""
         n = source.shape[-1]
-        b, h, _, d = self.keys.shape
 
         def moved(t: torch.Tensor, fill) -> torch.Tensor:
             new = torch.full((*t.shape[:2], capacity, *t.shape[3:]), fill, dtype=t.dtype, device=t.device)
