@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # Triton kernels run in Triton's interpreter on CPU (set before any @triton.jit)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     Gemma3ForCausalLM,

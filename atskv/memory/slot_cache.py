@@ -31,6 +31,9 @@ class SlotLayer(CacheLayerMixin):
         self.length = 0  # slots in use (occupied or free); views are cut to this
         self.seen = 0  # logical tokens written so far
         self._slot_state: dict[str, tuple[torch.Tensor, float]] = {}
+        # free-form per-layer selector state that is not per slot (Quest page bounds, SparCas's
+        # compact keys, ...): it lives and dies with the cache, so no state leaks between prompts
+        self.state: dict[str, object] = {}
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
@@ -80,6 +83,7 @@ class SlotLayer(CacheLayerMixin):
         self.keys = self.values = self.slot_pos = None
         self.length = self.seen = 0
         self._slot_state.clear()
+        self.state.clear()
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
