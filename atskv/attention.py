@@ -24,7 +24,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from atskv.gqa import grouped_attention, sdpa_attention
 from atskv.memory.slot_cache import SlotLayer, SparseKVCache
 from atskv.selectors import make_selector
-from atskv.selectors.base import LayerView, Selector, check_budget, select_top_budget
+from atskv.selectors.base import LayerView, Selector, check_budget, select_top_budget, select_top_indices
 
 ATTENTION_NAME = "atskv"
 _SESSION_ATTR = "_atskv_session"
@@ -77,33 +77,68 @@ class SparseSession:
     def attend(self, module, query, keys, values, attention_mask, scaling: float) -> torch.Tensor:
         """Attention of one managed layer: select, attend, let the selector observe, evict."""
         layer = self.cache.layers[module.layer_idx]
-        tq = query.shape[2]
-        valid, context = _visible_slots(layer, attention_mask, tq)
-        selector, cfg = self.selector, self.config
-        slot_pos = layer.slot_pos[..., : layer.length]
-        view = LayerView(module.layer_idx, query, keys, valid, slot_pos, context, scaling, cfg.budget, layer)
-        sparse = cfg.sparse_decode if tq == 1 else cfg.sparse_prefill
-        if sparse and not selector.keeps_all:
-            keep = select_top_budget(selector.scores(view), valid, cfg.budget, slot_pos, context)
-        else:
-            keep = valid
-        if selector.needs_attention:
-            out, mass = grouped_attention(query, keys, values, keep, scaling, want_mass=True)
-            selector.observe(view, mass)
-        else:
-            out = sdpa_attention(query, keys, values, keep, scaling)
-        if not sparse:
-            selector.prefill(view)
-        if selector.evicts:  # retain the budget as the newest query sees it, free the rest
-            if sparse:
-                retained = keep[:, :, -1]
-            else:
-                last = slice(-1, None)
-                scores = selector.scores(view)[:, :, last]
-                retained = select_top_budget(scores, valid[:, :, last], cfg.budget, slot_pos, context[:, :, last])
-                retained = retained[:, :, 0]
+        view = self.view(module.layer_idx, layer, query, keys, attention_mask, scaling)
+        sparse = self.is_sparse_step(query)
+        if sparse and query.shape[2] == 1 and self.uses_index_path():
+            return self.attend_indexed(view, values)
+        keep = self.keep(view, sparse)
+        out = self.attend_kept(view, values, keep)
+        retained = self.finish(view, keep, sparse)
+        if retained is not None:
             layer.evict(layer.occupied & ~retained)
         return out
+
+    # --- the steps of `attend`, shared with the recall probe (atskv.eval.recall) -------------
+    def view(self, layer_idx: int, layer: SlotLayer, query, keys, attention_mask, scaling: float) -> LayerView:
+        valid, context = _visible_slots(layer, attention_mask, query.shape[2])
+        slot_pos = layer.slot_pos[..., : layer.length]
+        return LayerView(layer_idx, query, keys, valid, slot_pos, context, scaling, self.config.budget, layer)
+
+    def is_sparse_step(self, query: torch.Tensor) -> bool:
+        sparse = self.config.sparse_decode if query.shape[2] == 1 else self.config.sparse_prefill
+        return sparse and not self.selector.keeps_all
+
+    def uses_index_path(self) -> bool:
+        """Decode of a query-aware selector attends over gathered index lists (the sparse decode
+        kernel) instead of masking the whole cache; evicting selectors already hold only their
+        budget, and H2O needs the per-slot mass, so both keep the mask path."""
+        s = self.selector
+        return s.query_aware and not s.evicts and not s.needs_attention
+
+    def keep(self, view: LayerView, sparse: bool) -> torch.Tensor:
+        """Keep-mask `[B, Hkv, Tq, S]`: the selector's budget on sparse steps, every visible slot otherwise."""
+        if not sparse:
+            return view.valid
+        return select_top_budget(self.selector.scores(view), view.valid, view.budget, view.slot_pos, view.context)
+
+    def attend_kept(self, view: LayerView, values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        if self.selector.needs_attention:
+            out, mass = grouped_attention(view.query, view.keys, values, keep, view.scaling, want_mass=True)
+            self.selector.observe(view, mass)
+            return out
+        return sdpa_attention(view.query, view.keys, values, keep, view.scaling)
+
+    def attend_indexed(self, view: LayerView, values: torch.Tensor) -> torch.Tensor:
+        """Decode step on the index path: top-budget slot ids per KV head, then the sparse kernel."""
+        from atskv.kernels.sparse_decode import sparse_decode_attention
+
+        indices, lengths = select_top_indices(self.selector.scores(view)[:, :, 0], view.valid[:, :, 0], view)
+        out = sparse_decode_attention(view.query[:, :, 0], view.keys, values, indices, lengths, view.scaling)
+        return out.unsqueeze(1)  # [B, 1, Hq, D], the layout transformers expects
+
+    def finish(self, view: LayerView, keep: torch.Tensor, sparse: bool) -> torch.Tensor | None:
+        """After attention: a dense step builds the selector's prompt state; an evicting selector
+        returns the slots to retain `[B, Hkv, S]` (the budget as the newest query sees it)."""
+        if not sparse:
+            self.selector.prefill(view)
+        if not self.selector.evicts:
+            return None
+        if sparse:
+            return keep[:, :, -1]
+        last = slice(-1, None)
+        scores = self.selector.scores(view)[:, :, last]
+        retained = select_top_budget(scores, view.valid[:, :, last], view.budget, view.slot_pos, view.context[:, :, last])
+        return retained[:, :, 0]
 
 
 def _visible_slots(
@@ -168,7 +203,17 @@ def sparse(
     if isinstance(selector, str):
         selector = make_selector(selector)
     session = SparseSession(model, selector, SparsityConfig(budget, dense_layers, sparse_prefill, sparse_decode))
+    with attach(model, session):
+        yield session
+
+
+@contextlib.contextmanager
+def attach(model, session: SparseSession) -> Iterator[SparseSession]:
+    """Route `model`'s attention and cache through `session` inside the block (what `sparse`
+    does with a `SparseSession`; the recall probe attaches its own session subclass)."""
     modules = _attention_modules(model)
+    if any(hasattr(m, _SESSION_ATTR) for m in modules):
+        raise RuntimeError("this model is already under atskv.sparse; nesting sessions on one model is not supported")
     previous_impl = model.config._attn_implementation
     original_forward, original_generate = model.forward, model.generate
     shadowed = {k: model.__dict__[k] for k in ("forward", "generate") if k in model.__dict__}

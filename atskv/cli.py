@@ -17,8 +17,6 @@ PENDING = {
     "fit": "supervised training of the relevance predictor arrives with the relevance-predictor work (issue 4)",
     "finetune": "policy-gradient fine-tuning arrives with the RL work (issue 6)",
     "export": "exporting a trained predictor arrives with the relevance-predictor work (issue 4)",
-    "eval": "the evaluation harness (recall, tasks, ppl) arrives with the baselines work (issue 3)",
-    "bench": "latency benchmarks arrive with the baselines and kernels work (issue 3)",
 }
 
 
@@ -64,8 +62,9 @@ def demo(
     device: str = "auto",
     dtype: str = "auto",
 ) -> None:
-    """Passkey retrieval in a ~2K-token haystack, generated with dense KV and with each selector
-    at the budget: prints whether the answer is right, the KV bytes held and tokens/s.
+    """Passkey retrieval in a ~2K-token haystack, dense KV against each selector at a budget.
+
+    Prints whether each answer is right, the KV bytes held and tokens/s.
 
     Args:
         model: a named model, a Hugging Face directory or a .gguf file.
@@ -171,6 +170,151 @@ def generate(
     )
 
 
+def _windows(tokenizer, corpus: str, window_tokens: int, n_windows: int) -> torch.Tensor:
+    """`n_windows` token windows `[N, window_tokens]` spread evenly over a corpus."""
+    from atskv.data import load_corpus, token_windows
+
+    every = list(token_windows(load_corpus(corpus), tokenizer, window_tokens))
+    if len(every) < n_windows:
+        raise ValueError(f"corpus {corpus!r} has only {len(every)} windows of {window_tokens} tokens; asked for {n_windows}")
+    step = len(every) / n_windows
+    return torch.stack([every[int(i * step)] for i in range(n_windows)])
+
+
+def eval_recall(
+    model: str = DEFAULT_MODEL,
+    corpus: str = "sotu",
+    window_tokens: int = 2048,
+    windows: int = 4,
+    n_queries: int = 16,
+    selectors: list[str] = ["oracle", "quest", "sparq", "sparcas", "h2o", "snapkv", "streaming_llm"],  # noqa: B006
+    budgets: list[int] = [32, 64, 128, 256, 512, 1024],  # noqa: B006
+    dense_layers: int = 2,
+    batch_size: int = 4,
+    out: Path = Path("results/recall"),
+    device: str = "auto",
+    dtype: str = "auto",
+) -> None:
+    """Attention recall of each selector at each budget on held-out text windows.
+
+    Beside them, the per-query oracle and the best-single-set ceilings; writes table.md,
+    recall.json and recall.png.
+
+    Args:
+        model: a named model, a Hugging Face directory or a .gguf file.
+        corpus: held-out text (a corpus name, a folder of .txt files, or hf:NAME[:split]).
+        window_tokens: tokens per window (prompt plus the decoded queries).
+        windows: how many windows, spread evenly over the corpus.
+        n_queries: the last tokens of each window, decoded one at a time and measured.
+        selectors: selectors to measure (see `atskv selectors`).
+        budgets: token budgets per layer and KV head.
+        dense_layers: the first layers stay dense (and are not measured).
+        batch_size: windows per forward.
+        out: output folder.
+        device: cpu, cuda, or auto.
+        dtype: float32, bfloat16, float16, or auto.
+    """
+    from atskv.eval.recall import attention_recall
+
+    _check_selection(selectors, budgets[0])
+    loaded = _load(model, device, dtype)
+    ids = _windows(loaded.tokenizer, corpus, window_tokens, windows)
+    report = attention_recall(
+        loaded.model, ids, selectors, budgets, n_queries=n_queries, dense_layers=dense_layers,
+        batch_size=batch_size, model_name=loaded.name,
+    )
+    report.write(out)
+    print(report.markdown())
+    print(f"\nwritten to {out}/ (table.md, recall.json, recall.png)")
+
+
+def eval_ppl(
+    model: str = DEFAULT_MODEL,
+    corpus: str = "sotu",
+    lengths: list[int] = [1024, 2048, 4096],  # noqa: B006
+    windows: int = 4,
+    n_eval: int = 64,
+    selectors: list[str] = ["quest", "h2o", "snapkv", "streaming_llm"],  # noqa: B006
+    budgets: list[int | float] = [0.1],  # noqa: B006
+    dense_layers: int = 2,
+    batch_size: int = 4,
+    out: Path = Path("results/ppl"),
+    device: str = "auto",
+    dtype: str = "auto",
+) -> None:
+    """Perplexity while decoding with each selector at each budget, beside the dense model's.
+
+    The last N_EVAL tokens of held-out windows are decoded one at a time after a dense prefill.
+
+    Args:
+        model: a named model, a Hugging Face directory or a .gguf file.
+        corpus: held-out text (a corpus name, a folder of .txt files, or hf:NAME[:split]).
+        lengths: window lengths in tokens.
+        windows: windows per length, spread evenly over the corpus.
+        n_eval: tokens scored at the end of each window.
+        selectors: selectors to measure.
+        budgets: token budgets (int) or fractions of the context (float).
+        dense_layers: the first layers stay dense.
+        batch_size: windows per forward.
+        out: output folder.
+        device: cpu, cuda, or auto.
+        dtype: float32, bfloat16, float16, or auto.
+    """
+    from atskv.eval import perplexity
+
+    for budget in budgets:
+        _check_selection(selectors, budget)
+    loaded = _load(model, device, dtype)
+    by_length = {n: _windows(loaded.tokenizer, corpus, n, windows) for n in lengths}
+    records = perplexity.evaluate_perplexity(
+        loaded.model, by_length, selectors, budgets, n_eval=n_eval, dense_layers=dense_layers, batch_size=batch_size
+    )
+    perplexity.write(records, out)
+    print(perplexity.markdown(records))
+
+
+def bench(
+    selectors: list[str] = ["oracle", "quest", "sparq", "sparcas", "snapkv"],  # noqa: B006
+    batch_sizes: list[int] = [1, 16],  # noqa: B006
+    contexts: list[int] = [8192, 32768, 131072],  # noqa: B006
+    budget: float = 0.05,
+    geometry: str = "llama3-8b",
+    steps: int = 50,
+    out: Path = Path("results/bench"),
+    device: str = "auto",
+    dtype: str = "auto",
+) -> None:
+    """Decode-attention latency of each selector's full path against dense SDPA, as ratios.
+
+    One managed layer's decode step (append, score, top budget, attend) is timed with CUDA events
+    in the same run as PyTorch SDPA over the whole context; writes table.md and bench.json.
+
+    Args:
+        selectors: selectors to time (see `atskv selectors`).
+        batch_sizes: batch sizes.
+        contexts: context lengths in tokens.
+        budget: KV budget as a fraction of the context.
+        geometry: attention shape: llama3-8b (32/8 heads, dim 128), smollm2-135m or gemma3-270m.
+        steps: timed decode steps per setting (after a warm-up).
+        out: output folder.
+        device: cuda, cpu, or auto.
+        dtype: bfloat16, float16, float32, or auto (bfloat16 on GPU, float32 on CPU).
+    """
+    import platform
+
+    from atskv.eval import bench as benchmark
+
+    device, torch_dtype = _resolve_device(device, dtype)
+    records = benchmark.bench_decode_attention(
+        selectors, batch_sizes, contexts, budget, geometry, torch_dtype, device, steps=steps, warmup=max(3, steps // 5)
+    )
+    gpu = torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu"
+    meta = {"device": gpu, "dtype": str(torch_dtype), "geometry": geometry, "budget": budget, "torch": torch.__version__}
+    benchmark.write(records, out, meta)
+    print(f"{gpu}, {geometry}, {str(torch_dtype).removeprefix('torch.')}, budget {budget:.0%} of the context\n")
+    print(benchmark.markdown(records))
+
+
 def selectors() -> None:
     """List the registered selectors and how the hook treats each."""
     from atskv.selectors import SELECTORS
@@ -218,6 +362,12 @@ COMMANDS = {
     "generate": generate,
     "selectors": selectors,
     "data": {"fetch": fetch, "list": corpora, "_help": "Offline corpora for training and evaluation."},
+    "bench": bench,
+    "eval": {
+        "recall": eval_recall,
+        "ppl": eval_ppl,
+        "_help": "Measure selectors against dense attention: attention recall, perplexity, tasks.",
+    },
     **{name: _pending(name) for name in PENDING},
 }
 

@@ -30,6 +30,7 @@ class SlotLayer(CacheLayerMixin):
         self.slot_pos: torch.Tensor | None = None
         self.length = 0  # slots in use (occupied or free); views are cut to this
         self.seen = 0  # logical tokens written so far
+        self.may_have_free = False  # host-side flag: lets append skip a device sync until a first eviction
         self._slot_state: dict[str, tuple[torch.Tensor, float]] = {}
         # free-form per-layer selector state that is not per slot (Quest page bounds, SparCas's
         # compact keys, ...): it lives and dies with the cache, so no state leaks between prompts
@@ -49,8 +50,8 @@ class SlotLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[-2]
         positions = torch.arange(self.seen, self.seen + n, device=self.device)
-        free = self.slot_pos[..., : self.length] < 0
-        if not bool(free.any()):  # common case: append contiguously
+        free = self.slot_pos[..., : self.length] < 0 if self.may_have_free else None
+        if free is None or not bool(free.any()):  # common case: append contiguously
             self._ensure_capacity(self.length + n)
             sl = slice(self.length, self.length + n)
             self.keys[:, :, sl] = key_states
@@ -82,6 +83,7 @@ class SlotLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.keys = self.values = self.slot_pos = None
         self.length = self.seen = 0
+        self.may_have_free = False
         self._slot_state.clear()
         self.state.clear()
         self.is_initialized = False
@@ -109,6 +111,7 @@ class SlotLayer(CacheLayerMixin):
     def evict(self, drop: torch.Tensor) -> None:
         """Free the slots where `drop` (`[B, Hkv, S]`) is True; compact once most slots are free."""
         self.slot_pos[..., : self.length].masked_fill_(drop, -1)
+        self.may_have_free = True
         kept = int(self.occupied.sum(-1).max())
         if self.length > 2 * self.min_growth and kept <= self.length // 2:
             self._compact(kept)

@@ -6,11 +6,24 @@ from atskv.selectors.base import LayerView, Selector
 from atskv.selectors.dense import DenseSelector
 from atskv.selectors.h2o import H2OSelector
 from atskv.selectors.oracle import OracleSelector
+from atskv.selectors.quest import QuestSelector
 from atskv.selectors.snapkv import SnapKVSelector
+from atskv.selectors.sparcas import SparCasSelector
+from atskv.selectors.sparq import SparQSelector
 from atskv.selectors.streaming_llm import StreamingLLMSelector
 
 SELECTORS: dict[str, type[Selector]] = {
-    cls.name: cls for cls in (DenseSelector, OracleSelector, StreamingLLMSelector, SnapKVSelector, H2OSelector)
+    cls.name: cls
+    for cls in (
+        DenseSelector,
+        OracleSelector,
+        StreamingLLMSelector,
+        SnapKVSelector,
+        H2OSelector,
+        QuestSelector,
+        SparQSelector,
+        SparCasSelector,
+    )
 }
 
 

@@ -110,3 +110,20 @@ def select_top_budget(
     in_budget = torch.arange(k_max, device=top.device) < k_row.unsqueeze(-1)
     keep = torch.zeros_like(valid).scatter_(-1, top, in_budget)
     return keep & valid
+
+
+def select_top_indices(scores: torch.Tensor, valid: torch.Tensor, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode-step twin of `select_top_budget` for the index path: slot ids `[B, Hkv, k]` of
+    the highest-scoring valid slots, best first, and how many of them count per row, `[B, Hkv]`
+    (`scores`, `valid`: `[B, Hkv, S]`, one decode query).
+
+    `k` comes from host-side counts (tokens seen, slots held), so no device sync is needed.
+    Unlike `select_top_budget`, exact ties are broken by `torch.topk`, not by recency: only
+    selectors that give many tokens the same score (Quest's pages) can choose differently, and
+    then only among equally rated tokens."""
+    seen, slots = view.layer.seen, view.keys.shape[2]
+    k = min(int(resolve_budget(view.budget, torch.tensor([seen]))), slots)
+    ranked = torch.where(valid, scores.float().clamp(min=torch.finfo(torch.float32).min), -math.inf)
+    indices = ranked.topk(k, dim=-1, sorted=True).indices
+    lengths = resolve_budget(view.budget, view.context[:, :, -1]).minimum(valid.sum(-1))  # [B, Hkv]
+    return indices, lengths

@@ -1,0 +1,63 @@
+"""Quest (Tang et al., 2024): query-aware selection of whole pages from per-page key bounds.
+
+The slots are cut into pages of `page_size` consecutive tokens (paper default 16). Each page keeps
+the element-wise min and max of its keys, and a query rates a page by the upper bound
+`sum_d max(q_d * min_d, q_d * max_d)` of its logits there (`atskv.kernels.quest`, max-pooled over
+the GQA group). Every token gets its page's score, so the hook's top-budget keeps whole pages: a
+budget that is a multiple of the page size buys the paper's "top budget/16 pages". Not evicting:
+the whole cache stays reachable for the next query.
+
+The bounds live in the layer's state and are updated incrementally: only the pages touched by new
+slots are recomputed. That relies on slots being append-only in position order, which holds for
+non-evicting selectors. With left padding a row's pages follow the batch's slot layout, so pad
+keys enter the bounds of its first page (the hook still never attends to them).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from atskv.kernels.quest import page_bounds, quest_page_scores
+from atskv.selectors.base import LayerView, Selector
+from atskv.selectors.buffers import with_room
+
+
+@dataclass
+class _PageBounds:
+    low: torch.Tensor  # [B, Hkv, room, D]
+    high: torch.Tensor
+    slots: int  # slots covered so far
+
+
+@dataclass
+class QuestSelector(Selector):
+    name = "quest"
+    query_aware = True
+    page_size: int = 16
+
+    def scores(self, view: LayerView):
+        low, high = self._bounds(view)
+        pages = quest_page_scores(view.query, low, high)  # [B, Hkv, Tq, P]
+        return pages.repeat_interleave(self.page_size, dim=-1)[..., : view.keys.shape[2]]
+
+    def _bounds(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
+        """Page bounds of every slot in `view`, recomputing only the pages new slots fall into."""
+        keys, size = view.keys, self.page_size
+        state = view.layer.state.get(self.name)
+        if state is None:
+            empty = keys.new_empty(*keys.shape[:2], 0, keys.shape[3])
+            state = view.layer.state[self.name] = _PageBounds(empty, empty, 0)
+        slots = keys.shape[2]
+        if slots > state.slots:
+            first = state.slots // size  # the last, partial page is recomputed with its new slots
+            low, high = page_bounds(keys[:, :, first * size :], size)
+            end = first + low.shape[2]
+            state.low, state.high = with_room(state.low, end), with_room(state.high, end)
+            state.low[:, :, first:end] = low
+            state.high[:, :, first:end] = high
+            state.slots = slots
+        pages = math.ceil(slots / size)
+        return state.low[:, :, :pages], state.high[:, :, :pages]

@@ -1,0 +1,268 @@
+"""Sparse decode attention: one query per row attends only to the slots a selector picked, per KV
+head, gathered by index straight out of the slot cache (flash-decoding over index lists).
+
+`query` `[B, Hq, D]`, `keys`/`values` `[B, Hkv, S, D]` (any strides: a view of a larger slot
+buffer is read in place), `indices` `[B, Hkv, K]` slot ids, `lengths` `[B, Hkv]` (only the first
+`lengths[b, h]` indices count; a row with none returns zeros). The G = Hq // Hkv query heads of a
+KV group share its indices, and K/V are never expanded to the query heads. Indices must be
+distinct within a row: a duplicate is attended twice (both here and in the reference), which is
+not attention over a set.
+
+The Triton kernel gives each program one (batch row, KV head) and one contiguous share ("split")
+of its index list. The G queries are loaded once, padded to at least 16 rows so both products run
+through `tl.dot` on tensor cores. The padding wastes MMA work when G is small (4 on Llama-3-8B),
+but a decode step is bound by the random-access gathers of K/V rows, not by arithmetic; the
+alternative, a broadcast product `q[:, None, :] * k[None, :, :]` on CUDA cores, holds a
+`G x BLOCK_N x D` float32 tile in registers (forcing small tiles, so fewer gathers in flight) and
+needs a separate path per G. Splits keep a running max / sum / accumulator (base-2 exponent, with
+the log2(e) folded into the scale) and a second small kernel merges them by log-sum-exp; a
+single split writes the output directly.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from atskv.gqa import grouped_probs
+from atskv.kernels.backend import jit, tl, triton, use_triton
+
+
+# Split heuristic (see `choose_split_size`): a split walks at least MIN_SPLIT_TILES tiles, aims at
+# WAVES programs per SM over the whole grid, and never exceeds MAX_SPLITS.
+MIN_SPLIT_TILES = 2
+WAVES = 2
+MAX_SPLITS = 64
+_LOG2E = 1.4426950408889634
+
+
+def sparse_decode_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    lengths: torch.Tensor | None = None,
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """Attention of each decode query over its KV group's indexed slots, `[B, Hq, D]` in the query
+    dtype: the Triton kernel on CUDA, the torch reference elsewhere (see `kernels.backend`)."""
+    if use_triton(query):
+        return sparse_decode_attention_triton(query, keys, values, indices, lengths, scaling)
+    return sparse_decode_attention_reference(query, keys, values, indices, lengths, scaling)
+
+
+def sparse_decode_attention_reference(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    lengths: torch.Tensor | None = None,
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """Plain torch: gather the indexed K/V rows (`[B, Hkv, K, D]`, the budget, not the cache), then
+    float32 logits, softmax and weighted sum. The CPU path and the kernel's ground truth."""
+    scaling = _check(query, keys, values, indices, lengths, scaling)
+    b, hq, d = query.shape
+    rows = indices.long().unsqueeze(-1)
+    picked_keys = keys.gather(2, rows.expand(-1, -1, -1, d)).float()
+    picked_values = values.gather(2, rows.expand(-1, -1, -1, values.shape[-1])).float()
+    valid = _valid_indices(indices, lengths)  # [B, Hkv, K]
+    probs = grouped_probs(query.unsqueeze(2).float(), picked_keys, valid.unsqueeze(2), scaling)
+    probs = probs * valid.any(-1)[..., None, None, None]  # empty rows: zeros, not a uniform average
+    out = torch.matmul(probs, picked_values.unsqueeze(2))  # [B, Hkv, G, 1, D]
+    return out.reshape(b, hq, -1).to(query.dtype)
+
+
+def sparse_decode_attention_triton(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    lengths: torch.Tensor | None = None,
+    scaling: float | None = None,
+    *,
+    split_size: int | None = None,
+) -> torch.Tensor:
+    """The Triton kernel. `split_size` (indices per split; whole tiles are fastest) overrides
+    `choose_split_size`, to cover the split merge in tests or to tune on a GPU."""
+    if triton is None:
+        raise RuntimeError("the sparse decode kernel needs Triton (pip install 'atskv[gpu]' or 'atskv[test]')")
+    scaling = _check(query, keys, values, indices, lengths, scaling)
+    b, hq, d = query.shape
+    hkv, num_indices = keys.shape[1], indices.shape[-1]
+    group = hq // hkv
+    if split_size is None:
+        split_size = choose_split_size(num_indices, b * hkv, d, query.device)
+    if split_size < 1:
+        raise ValueError(f"split_size must be >= 1, got {split_size}")
+    splits = max(1, math.ceil(num_indices / split_size))
+    out = torch.empty(b, hq, d, dtype=query.dtype, device=query.device)
+    if splits == 1:
+        partial = max_logit = total = out  # the split kernel writes the output itself
+    else:
+        partial = torch.empty(b * hkv, splits, group, d, dtype=torch.float32, device=query.device)
+        max_logit = torch.empty(b * hkv, splits, group, dtype=torch.float32, device=query.device)
+        total = torch.empty_like(max_logit)
+    has_lengths = lengths is not None
+    lengths = lengths if has_lengths else indices  # unused pointer when there are no lengths
+    _split_kernel[(b * hkv, splits)](
+        query, keys, values, indices, lengths, partial, max_logit, total,
+        *query.stride(), *keys.stride(), *values.stride(), *indices.stride(), lengths.stride(0), lengths.stride(1),
+        hkv, num_indices, split_size, splits, scaling * _LOG2E,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_N=_block_n(d),
+        HAS_LENGTHS=has_lengths, SINGLE_SPLIT=splits == 1,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,  # fp32 stays fp32, not TF32
+        # Triton's interpreter (the only way to run on CPU tensors) multiplies bf16 as raw integers
+        UPCAST_DOT=query.dtype == torch.bfloat16 and not query.is_cuda,
+        num_warps=4,
+    )  # fmt: skip
+    if splits > 1:
+        _merge_kernel[(b * hq,)](
+            partial, max_logit, total, out, group, splits,
+            HEAD_DIM=d, BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def choose_split_size(num_indices: int, programs: int, head_dim: int, device: torch.device) -> int:
+    """Indices per split. `programs` (B * Hkv) already give that many programs; a long index list is
+    split further until the grid holds about WAVES programs per SM, but never into shares under
+    MIN_SPLIT_TILES tiles (the merge and the query load would dominate), so short lists and large
+    batches run one split. Off CUDA (the interpreter) one split."""
+    block_n = _block_n(head_dim)
+    tiles = max(1, math.ceil(num_indices / block_n))
+    if device.type != "cuda":
+        return tiles * block_n
+    splits = max(1, min(math.ceil(WAVES * _sm_count(device) / programs), tiles // MIN_SPLIT_TILES, MAX_SPLITS))
+    return math.ceil(tiles / splits) * block_n
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _block_n(head_dim: int) -> int:
+    """Indices per tile: 4096 / D (64 at D <= 64, 32 at 128, 16 at 256), so a tile's K and V, both
+    gathered before the products, stay 16 KB in bf16. Compiled for sm_90 with 4 warps this takes
+    183-194 registers and no spills (two programs per SM); 8 KB more per tile spills."""
+    return min(64, 4096 // head_dim)
+
+
+def _valid_indices(indices: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+    """`[B, Hkv, K]` bool: which index positions count."""
+    if lengths is None:
+        return torch.ones(indices.shape, dtype=torch.bool, device=indices.device)
+    return torch.arange(indices.shape[-1], device=indices.device) < lengths.unsqueeze(-1)
+
+
+def _check(query, keys, values, indices, lengths, scaling) -> float:
+    """Validates shapes and dtypes (not index ranges: that would need a device sync); returns the scale."""
+    if query.dim() != 3 or keys.dim() != 4 or values.shape != keys.shape:
+        raise ValueError(f"expected query [B, Hq, D], keys = values [B, Hkv, S, D]; got {query.shape}, "
+                         f"{keys.shape}, {values.shape}")  # fmt: skip
+    b, hq, d = query.shape
+    hkv = keys.shape[1]
+    if keys.shape[0] != b or keys.shape[3] != d or hq % hkv:
+        raise ValueError(f"query {tuple(query.shape)} does not fit keys {tuple(keys.shape)} (GQA needs Hq % Hkv == 0)")
+    if d < 16 or d > 256 or d & (d - 1):
+        raise ValueError(f"head dim must be a power of two in [16, 256], got {d}")
+    if keys.dtype != query.dtype or values.dtype != query.dtype:
+        raise TypeError(f"query, keys and values must share a dtype, got {query.dtype}, {keys.dtype}, {values.dtype}")
+    if indices.dim() != 3 or indices.shape[:2] != (b, hkv) or indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"indices must be int32/int64 [B, Hkv, K] = [{b}, {hkv}, K], got {indices.dtype} "
+                         f"{tuple(indices.shape)}")  # fmt: skip
+    if lengths is not None and (lengths.shape != (b, hkv) or lengths.is_floating_point()):
+        raise ValueError(f"lengths must be an integer [B, Hkv] = [{b}, {hkv}], got {lengths.dtype} "
+                         f"{tuple(lengths.shape)}")  # fmt: skip
+    return d**-0.5 if scaling is None else float(scaling)
+
+
+@jit
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, idx_ptr, len_ptr, out_ptr, max_ptr, sum_ptr,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_ib, stride_ih, stride_ik,
+    stride_lb, stride_lh,
+    num_kv_heads, num_indices, split_size, num_splits, qk_scale,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr, SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):  # fmt: skip
+    """One (batch row, KV head) and one split: online softmax over the split's share of the index
+    list, for the group's G query heads at once (rows past G are zero queries, never stored)."""
+    bh = tl.program_id(0).to(tl.int64)  # 64-bit: batch/head offsets into a large cache overflow int32
+    split = tl.program_id(1)
+    b = bh // num_kv_heads
+    h = bh % num_kv_heads
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, HEAD_DIM)
+    in_group = g < GROUP
+    q = tl.load(
+        q_ptr + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :] * stride_qd,
+        mask=in_group[:, None],
+        other=0.0,
+    )
+    if UPCAST_DOT:
+        q = q.to(tl.float32)  # K, V and probabilities follow q's dtype into the products
+    length = num_indices
+    if HAS_LENGTHS:
+        length = tl.minimum(tl.load(len_ptr + b * stride_lb + h * stride_lh).to(tl.int32), num_indices)
+    start = split * split_size
+    stop = tl.minimum(start + split_size, length)
+    idx_row = idx_ptr + b * stride_ib + h * stride_ih
+    k_row = k_ptr + b * stride_kb + h * stride_kh
+    v_row = v_ptr + b * stride_vb + h * stride_vh
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for n in range(start, stop, BLOCK_N):
+        offs = n + tl.arange(0, BLOCK_N)
+        valid = offs < stop  # offs[0] always is, so every tile has a finite max
+        slot = tl.load(idx_row + offs * stride_ik, mask=valid, other=0).to(tl.int64)
+        k = tl.load(k_row + slot[:, None] * stride_ks + d[None, :] * stride_kd, mask=valid[:, None], other=0.0)
+        v = tl.load(v_row + slot[:, None] * stride_vs + d[None, :] * stride_vd, mask=valid[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    row = bh * GROUP + g  # = b * Hq + query head
+    if SINGLE_SPLIT:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty row has acc = 0: zeros
+        out_rows = out_ptr + row[:, None] * HEAD_DIM + d[None, :]
+        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=in_group[:, None])
+    else:
+        part = (bh * num_splits + split) * GROUP + g
+        tl.store(out_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=in_group[:, None])
+        tl.store(max_ptr + part, m_i, mask=in_group)
+        tl.store(sum_ptr + part, l_i, mask=in_group)
+
+
+@jit
+def _merge_kernel(
+    acc_ptr, max_ptr, sum_ptr, out_ptr, group, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """One query head: merges its splits' (max, sum, accumulator) by log-sum-exp. Splits that saw
+    no index have max -inf and weigh 0; if all did, the output is zeros."""
+    row = tl.program_id(0).to(tl.int64)  # = b * Hq + query head
+    bh = row // group
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, HEAD_DIM)
+    part = (bh * num_splits + s) * group + row % group
+    m = tl.load(max_ptr + part, mask=s < num_splits, other=float("-inf"))
+    m_all = tl.max(m, 0)
+    weight = tl.exp2(m - tl.where(m_all > float("-inf"), m_all, 0.0))
+    total = tl.sum(weight * tl.load(sum_ptr + part, mask=s < num_splits, other=0.0), 0)
+    acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=(s < num_splits)[:, None], other=0.0)
+    out = tl.sum(weight[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))

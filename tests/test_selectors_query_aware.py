@@ -1,0 +1,198 @@
+"""Quest, SparQ and SparCas inside `atskv.sparse` on tiny models, each against a direct computation
+from the query and keys the selector was shown (loops over query heads, written out here)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+import atskv
+from atskv.kernels.quest import page_bounds, quest_page_scores
+from atskv.selectors.base import LayerView, Selector, select_top_budget
+from tests.conftest import random_prompt, tiny_model
+
+PROMPT = 38
+BUDGET = 12
+
+
+@dataclass
+class Recorder(Selector):
+    """Passes `inner`'s scores through and keeps a copy of what it saw and returned."""
+
+    inner: Selector
+    calls: list[dict] = field(default_factory=list)
+    prompts: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> last prompt query
+    query_aware = True
+
+    def prefill(self, view: LayerView) -> None:
+        self.prompts[view.layer_idx] = view.query[:, :, -1:].clone()
+        self.inner.prefill(view)
+
+    def scores(self, view: LayerView):
+        out = self.inner.scores(view)
+        state = view.layer.state.get(self.inner.name)
+        self.calls.append(
+            dict(
+                layer=view.layer_idx,
+                query=view.query.clone(),
+                keys=view.keys.clone(),
+                valid=view.valid.clone(),
+                scaling=view.scaling,
+                slot_pos=view.slot_pos.clone(),
+                context=view.context.clone(),
+                scores=out.clone(),
+                dims=state.dims.clone() if hasattr(state, "dims") else None,
+            )
+        )
+        return out
+
+
+def run(family, selector, *, steps=9, sparse_prefill=False):
+    """Prompt + `steps` greedy decode steps with every global layer managed; the recorder."""
+    model = tiny_model(family)
+    recorder = Recorder(selector)
+    ids = random_prompt(PROMPT, seed=7)
+    length = dict(max_new_tokens=steps + 1, min_new_tokens=steps + 1)
+    with atskv.sparse(model, recorder, budget=BUDGET, dense_layers=0, sparse_prefill=sparse_prefill):
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, **length)
+    assert recorder.calls, "the selector was never asked"
+    return recorder
+
+
+def masked_softmax(logits, valid):
+    return logits.masked_fill(~valid, -math.inf).softmax(-1)
+
+
+def quest_reference(call, page_size):
+    query, keys = call["query"], call["keys"]
+    b, hq, tq, _ = query.shape
+    hkv, s = keys.shape[1], keys.shape[2]
+    g = hq // hkv
+    out = torch.empty(b, hkv, tq, s)
+    for start in range(0, s, page_size):
+        page = keys[:, :, start : start + page_size]
+        lo, hi = page.amin(2), page.amax(2)  # [B, Hkv, D]
+        for h in range(hkv):
+            q = query[:, h * g : (h + 1) * g]  # the group's query heads, [B, G, Tq, D]
+            bound = torch.maximum(q * lo[:, h, None, None], q * hi[:, h, None, None]).sum(-1)  # [B, G, Tq]
+            out[:, h, :, start : start + page_size] = bound.amax(1).unsqueeze(-1)
+    return out
+
+
+def sparq_reference(call, rank):
+    query, keys, valid = call["query"], call["keys"], call["valid"]
+    b, hq, tq, d = query.shape
+    g = hq // keys.shape[1]
+    out = torch.zeros(valid.shape)
+    for i in range(b):
+        for j in range(hq):
+            for t in range(tq):
+                q = query[i, j, t]
+                dims = q.abs().topk(rank).indices
+                approx = keys[i, j // g][:, dims] @ q[dims]
+                temperature = math.sqrt(d * float(q[dims].abs().sum() / q.abs().sum()))  # scaling is 1/sqrt(d) here
+                out[i, j // g, t] += masked_softmax(approx / temperature, valid[i, j // g, t])
+    return out
+
+
+def sparcas_reference(call, dims):
+    query, keys, valid = call["query"], call["keys"], call["valid"]
+    b, hq, tq, _ = query.shape
+    g = hq // keys.shape[1]
+    out = torch.zeros(valid.shape)
+    for i in range(b):
+        for j in range(hq):
+            sel = dims[i, j // g]
+            logits = query[i, j][:, sel] @ keys[i, j // g][:, sel].T * call["scaling"]  # [Tq, S]
+            out[i, j // g] += masked_softmax(logits, valid[i, j // g])
+    return out
+
+
+def sparcas_dims(query, num_kv_heads, n_dims):
+    b, hq, _, d = query.shape
+    return query[:, :, -1].abs().view(b, num_kv_heads, hq // num_kv_heads, d).sum(2).topk(n_dims, -1).indices
+
+
+def assert_scores_match(call, expected):
+    """Same scores on every slot the query may see, hence the same keep-mask."""
+    valid = call["valid"]
+    torch.testing.assert_close(call["scores"].expand_as(valid)[valid], expected[valid], rtol=1e-4, atol=1e-6)
+    keep = [select_top_budget(s, valid, BUDGET, call["slot_pos"], call["context"]) for s in (call["scores"], expected)]
+    assert torch.equal(*keep)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("sparse_prefill", [False, True])
+def test_quest_scores_are_page_bounds_and_pick_whole_pages(family, sparse_prefill):
+    page = 4
+    rec = run(family, atskv.make_selector("quest", page_size=page), sparse_prefill=sparse_prefill)
+    whole_page_checks = 0
+    for call in rec.calls:
+        assert_scores_match(call, quest_reference(call, page))
+        slots = call["keys"].shape[2]
+        if call["query"].shape[2] == 1 and slots % page == 0:  # the budget buys 3 full pages
+            keep = select_top_budget(call["scores"], call["valid"], BUDGET, call["slot_pos"], call["context"])
+            per_page = keep[:, :, 0].view(*keep.shape[:2], slots // page, page).sum(-1)
+            assert set(per_page.unique().tolist()) == {0, page}
+            assert bool((per_page.sum(-1) == BUDGET).all())
+            whole_page_checks += 1
+    assert whole_page_checks >= 2
+
+
+def test_quest_incremental_bounds_equal_bounds_rebuilt_from_scratch():
+    rec = run("llama", atskv.make_selector("quest", page_size=4))
+    for call in rec.calls:
+        low, high = page_bounds(call["keys"], 4)
+        pages = quest_page_scores(call["query"], low, high)
+        assert_scores_match(call, pages.repeat_interleave(4, dim=-1)[..., : call["keys"].shape[2]])
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("sparse_prefill", [False, True])
+def test_sparq_matches_direct_computation(family, sparse_prefill):
+    rec = run(family, atskv.make_selector("sparq", rank_fraction=0.25), steps=4, sparse_prefill=sparse_prefill)
+    for call in rec.calls:
+        assert_scores_match(call, sparq_reference(call, rank=4))  # head dim 16
+
+
+def test_sparq_triton_path_matches_direct_computation(monkeypatch):
+    monkeypatch.setenv("ATSKV_KERNELS", "triton")
+    rec = run("llama", atskv.make_selector("sparq", rank_fraction=0.25), steps=3)
+    for call in rec.calls:
+        assert_scores_match(call, sparq_reference(call, rank=4))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_sparcas_refreshes_dims_every_u_steps(family):
+    """Dimensions from the prompt's last query until decode step U, then from the query of steps
+    U and 2U; the partial scores always use the current ones."""
+    every, n_dims = 4, 4
+    rec = run(family, atskv.make_selector("sparcas", dims=n_dims, refresh_every=every))
+    hkv = rec.calls[0]["keys"].shape[1]
+    steps, dims = {}, {}
+    for call in rec.calls:
+        layer = call["layer"]
+        steps[layer] = step = steps.get(layer, 0) + 1
+        if layer not in dims:
+            dims[layer] = sparcas_dims(rec.prompts[layer], hkv, n_dims)
+        if step % every == 0:
+            stale, dims[layer] = dims[layer], sparcas_dims(call["query"], hkv, n_dims)
+            assert not torch.equal(stale.sort(-1).values, dims[layer].sort(-1).values), "the test needs new dims"
+            stale_scores = sparcas_reference(call, stale)
+            assert not torch.allclose(stale_scores, call["scores"].expand_as(stale_scores), atol=1e-4)
+        assert torch.equal(call["dims"], dims[layer].sort(-1).values)
+        assert_scores_match(call, sparcas_reference(call, dims[layer]))
+    assert min(steps.values()) >= 2 * every
+
+
+def test_sparcas_sparse_prefill_takes_dims_from_last_prompt_query():
+    rec = run("llama", atskv.make_selector("sparcas", dims=4, refresh_every=64), steps=3, sparse_prefill=True)
+    prefill_calls = [c for c in rec.calls if c["query"].shape[2] == PROMPT]
+    assert prefill_calls
+    for call in prefill_calls:
+        dims = sparcas_dims(call["query"], call["keys"].shape[1], 4)
+        assert_scores_match(call, sparcas_reference(call, dims))
