@@ -112,18 +112,20 @@ class SparseSession:
         return select_top_budget(self.selector.scores(view), view.valid, view.budget, view.slot_pos, view.context)
 
     def attend_kept(self, view: LayerView, values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        keys = self.selector.attention_keys(view)
         if self.selector.needs_attention:
-            out, mass = grouped_attention(view.query, view.keys, values, keep, view.scaling, want_mass=True)
+            out, mass = grouped_attention(view.query, keys, values, keep, view.scaling, want_mass=True)
             self.selector.observe(view, mass)
             return out
-        return sdpa_attention(view.query, view.keys, values, keep, view.scaling)
+        return sdpa_attention(view.query, keys, values, keep, view.scaling)
 
     def attend_indexed(self, view: LayerView, values: torch.Tensor) -> torch.Tensor:
         """Decode step on the index path: top-budget slot ids per KV head, then the sparse kernel."""
         from atskv.kernels.sparse_decode import sparse_decode_attention
 
         indices, lengths = select_top_indices(self.selector.scores(view)[:, :, 0], view.valid[:, :, 0], view)
-        out = sparse_decode_attention(view.query[:, :, 0], view.keys, values, indices, lengths, view.scaling)
+        keys = self.selector.attention_keys(view)
+        out = sparse_decode_attention(view.query[:, :, 0], keys, values, indices, lengths, view.scaling)
         return out.unsqueeze(1)  # [B, 1, Hq, D], the layout transformers expects
 
     def finish(self, view: LayerView, keep: torch.Tensor, sparse: bool) -> torch.Tensor | None:

@@ -10,7 +10,9 @@ from pathlib import Path
 import torch
 from jsonargparse import auto_cli
 
-from atskv.models import DEFAULT_MODEL
+from atskv.models import DEFAULT_MODEL, resolve_device
+from atskv.eval.tasks import tasks_command
+from atskv.selectors.kascade_profile import kascade_profile_command
 
 PENDING = {
     "collect": "collecting predictor features and labels arrives with the relevance-predictor work (issue 4)",
@@ -20,31 +22,19 @@ PENDING = {
 }
 
 
-def _resolve_device(device: str, dtype: str) -> tuple[str, torch.dtype]:
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    try:
-        return device, getattr(torch, dtype)
-    except AttributeError:
-        raise ValueError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16") from None
-
-
 def _check_selection(selectors: list[str], budget: int | float) -> None:
     """Refuse a bad budget or an unknown selector before any model is loaded."""
-    from atskv.selectors import make_selector
+    from atskv.selectors import check_selector_names
     from atskv.selectors.base import check_budget
 
     check_budget(budget)
-    for name in selectors:
-        make_selector(name)
+    check_selector_names(selectors)
 
 
 def _load(model: str, device: str, dtype: str):
     from atskv.models import load_model
 
-    device, torch_dtype = _resolve_device(device, dtype)
+    device, torch_dtype = resolve_device(device, dtype)
     print(f"loading {model} on {device} ({str(torch_dtype).removeprefix('torch.')}) ...", flush=True)
     return load_model(model, dtype=torch_dtype, device=device)
 
@@ -170,17 +160,6 @@ def generate(
     )
 
 
-def _windows(tokenizer, corpus: str, window_tokens: int, n_windows: int) -> torch.Tensor:
-    """`n_windows` token windows `[N, window_tokens]` spread evenly over a corpus."""
-    from atskv.data import load_corpus, token_windows
-
-    every = list(token_windows(load_corpus(corpus), tokenizer, window_tokens))
-    if len(every) < n_windows:
-        raise ValueError(f"corpus {corpus!r} has only {len(every)} windows of {window_tokens} tokens; asked for {n_windows}")
-    step = len(every) / n_windows
-    return torch.stack([every[int(i * step)] for i in range(n_windows)])
-
-
 def eval_recall(
     model: str = DEFAULT_MODEL,
     corpus: str = "sotu",
@@ -214,13 +193,15 @@ def eval_recall(
         device: cpu, cuda, or auto.
         dtype: float32, bfloat16, float16, or auto.
     """
+    from atskv.data import corpus_windows
     from atskv.eval.recall import attention_recall
+    from atskv.selectors import selectors_for_model
 
     _check_selection(selectors, budgets[0])
     loaded = _load(model, device, dtype)
-    ids = _windows(loaded.tokenizer, corpus, window_tokens, windows)
+    ids = corpus_windows(loaded.tokenizer, corpus, window_tokens, windows)
     report = attention_recall(
-        loaded.model, ids, selectors, budgets, n_queries=n_queries, dense_layers=dense_layers,
+        loaded.model, ids, selectors_for_model(selectors, loaded.name), budgets, n_queries=n_queries, dense_layers=dense_layers,
         batch_size=batch_size, model_name=loaded.name,
     )
     report.write(out)
@@ -260,14 +241,16 @@ def eval_ppl(
         device: cpu, cuda, or auto.
         dtype: float32, bfloat16, float16, or auto.
     """
+    from atskv.data import corpus_windows
     from atskv.eval import perplexity
+    from atskv.selectors import selectors_for_model
 
     for budget in budgets:
         _check_selection(selectors, budget)
     loaded = _load(model, device, dtype)
-    by_length = {n: _windows(loaded.tokenizer, corpus, n, windows) for n in lengths}
+    by_length = {n: corpus_windows(loaded.tokenizer, corpus, n, windows) for n in lengths}
     records = perplexity.evaluate_perplexity(
-        loaded.model, by_length, selectors, budgets, n_eval=n_eval, dense_layers=dense_layers, batch_size=batch_size
+        loaded.model, by_length, selectors_for_model(selectors, loaded.name), budgets, n_eval=n_eval, dense_layers=dense_layers, batch_size=batch_size
     )
     perplexity.write(records, out)
     print(perplexity.markdown(records))
@@ -304,7 +287,7 @@ def bench(
 
     from atskv.eval import bench as benchmark
 
-    device, torch_dtype = _resolve_device(device, dtype)
+    device, torch_dtype = resolve_device(device, dtype)
     records = benchmark.bench_decode_attention(
         selectors, batch_sizes, contexts, budget, geometry, torch_dtype, device, steps=steps, warmup=max(3, steps // 5)
     )
@@ -363,9 +346,14 @@ COMMANDS = {
     "selectors": selectors,
     "data": {"fetch": fetch, "list": corpora, "_help": "Offline corpora for training and evaluation."},
     "bench": bench,
+    "profile": {
+        "kascade": kascade_profile_command,
+        "_help": "Per-model profiles that selectors need (Kascade's anchor layers and head map).",
+    },
     "eval": {
         "recall": eval_recall,
         "ppl": eval_ppl,
+        "tasks": tasks_command,
         "_help": "Measure selectors against dense attention: attention recall, perplexity, tasks.",
     },
     **{name: _pending(name) for name in PENDING},

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atskv.eval.bench import DENSE, _selector_step, bench_decode_attention, markdown
+from atskv.eval.bench import DENSE, selector_step, bench_decode_attention, markdown
 
 
 def test_bench_times_dense_and_each_selector_in_one_run():
@@ -24,9 +24,9 @@ def test_bench_times_dense_and_each_selector_in_one_run():
 
 
 @pytest.mark.parametrize("name", ["oracle", "snapkv"])
-def test_selector_step_attends_over_the_budget_it_should(name):
+def testselector_step_attends_over_the_budget_it_should(name):
     """Query-aware selectors keep the whole context reachable; evicting ones hold only the budget."""
-    step = _selector_step(name, batch=1, context=64, budget=16, geometry=(4, 2, 16), dtype=torch.float32, device="cpu")
+    step = selector_step(name, batch=1, context=64, budget=16, geometry=(4, 2, 16), dtype=torch.float32, device="cpu")
     out = step()
     assert out.shape == (1, 1, 4, 16) and torch.isfinite(out).all()
     occupied = int(step.layer.occupied.sum(-1).max())

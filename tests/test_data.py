@@ -122,7 +122,7 @@ def test_token_windows_too_short(tokenizer):
         token_windows([Document("a", "short text", "t")], tokenizer, window=4096)
 
 
-# --- haystack --------------------------------------------------------------------------------
+# --- haystack (atskv.data.tasks; the other tasks: tests/test_tasks.py) -----------------------------
 
 
 @pytest.mark.parametrize("n_tokens", [256, 1000, 4096])
@@ -132,7 +132,7 @@ def test_passkey_length_and_depth(tokenizer, n_tokens, depth):
     ids = tokenizer(ex.prompt)["input_ids"]
     assert ex.n_tokens == len(ids)
     assert 0.98 * n_tokens <= ex.n_tokens <= n_tokens
-    start, end = ex.needle_token_range
+    ((start, end),) = ex.needle_token_ranges
     needle = tokenizer.decode(ids[start:end])
     assert (
         needle.strip() == f"The pass key is {ex.answer}. Remember it. {ex.answer} is the pass key."
@@ -171,11 +171,11 @@ def test_passkey_argument_errors(tokenizer):
 
 
 def test_score_is_exact():
-    ex = TaskExample("prompt", "12345", (3, 9), 100)
-    assert ex.score(" 12345. Remember it.")
-    assert ex.score("The pass key is 12345")
-    assert not ex.score(" 1234")
-    assert not ex.score(" 123456")
+    ex = TaskExample("prompt", ("12345",), ((3, 9),), 100)
+    assert ex.score(" 12345. Remember it.") == 1.0
+    assert ex.score("The pass key is 12345") == 1.0
+    assert ex.score(" 1234") == 0.0
+    assert ex.score(" 123456") == 0.0
     assert TASKS["passkey"] is passkey_example
 
 

@@ -267,3 +267,30 @@ def test_on_cuda_keep_all_matches_and_bf16_sparse_runs(family):
             _, logits = greedy(model, ids, steps=8)
         assert torch.isfinite(logits).all()
         assert all(layer.keys.device.type == "cuda" for layer in session.cache.layers)
+
+
+@pytest.mark.parametrize("base", ["dense", "oracle"])
+def test_attention_runs_on_the_selectors_attention_keys(base):
+    """A selector that changes the keys attention sees (as SparK does) is honoured on the mask path
+    (dense prefill) and on the index path (query-aware decode): the result equals a model whose
+    attention function uses the same changed keys."""
+    from atskv.selectors import SELECTORS
+
+    class Flipped(SELECTORS[base]):
+        def attention_keys(self, view):
+            return view.keys.flip(-1)
+
+    def flipped_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        return sdpa_attention_forward(module, query, key.flip(-1), value, attention_mask, dropout, scaling, **kwargs)
+
+    AttentionInterface.register("flipped_keys", flipped_attention)
+    AttentionMaskInterface.register("flipped_keys", sdpa_mask)
+    model = tiny_model("llama")
+    ids = random_prompt(20)
+    model.set_attn_implementation("flipped_keys")
+    ref_seq, ref_logits = greedy(model, ids, steps=6)
+    model.set_attn_implementation("sdpa")
+    with atskv.sparse(model, Flipped(), budget=1.0, dense_layers=0):
+        seq, logits = greedy(model, ids, steps=6)
+    assert torch.equal(seq, ref_seq)
+    assert rel_err(logits, ref_logits) <= 1e-5

@@ -1,15 +1,16 @@
 """Text for training and evaluation: offline corpora, readers, and synthetic long-context tasks."""
 
 from .corpora import CORPORA, CorpusFetchError, MissingToolError, fetch_corpus
-from .haystack import CLASSIC_FILLER, TASKS, TaskExample, passkey_example, synthetic_filler
 from .readers import (
     Document,
+    corpus_windows,
     load_corpus,
     read_hf_dataset,
     read_text_folder,
     split_documents,
     token_windows,
 )
+from .tasks import CLASSIC_FILLER, TASKS, TaskExample, filler_text, passkey_example, synthetic_filler
 
 __all__ = [
     "CLASSIC_FILLER",
@@ -17,9 +18,11 @@ __all__ = [
     "TASKS",
     "CorpusFetchError",
     "Document",
+    "corpus_windows",
     "MissingToolError",
     "TaskExample",
     "fetch_corpus",
+    "filler_text",
     "load_corpus",
     "passkey_example",
     "read_hf_dataset",

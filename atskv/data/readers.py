@@ -182,3 +182,13 @@ def token_windows(
         raise ValueError(f"corpus too short: {len(ids)} tokens < window {window}")
     stream = torch.tensor(ids, dtype=torch.long)
     return (stream[start : start + window] for start in range(0, len(ids) - window + 1, stride))
+
+
+def corpus_windows(tokenizer, corpus: str | Path, window_tokens: int, n_windows: int) -> torch.Tensor:
+    """`n_windows` token windows `[N, window_tokens]` spread evenly over a corpus (see `load_corpus`
+    and `token_windows`); a corpus with fewer windows is refused with the count it has."""
+    every = list(token_windows(load_corpus(corpus), tokenizer, window_tokens))
+    if len(every) < n_windows:
+        raise ValueError(f"corpus {corpus!r} has only {len(every)} windows of {window_tokens} tokens; asked for {n_windows}")
+    step = len(every) / n_windows
+    return torch.stack([every[int(i * step)] for i in range(n_windows)])

@@ -4,6 +4,7 @@ the answer, the KV bytes the cache actually holds, and the speed."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +14,7 @@ from transformers.generation.streamers import BaseStreamer
 import atskv
 from atskv.data import TaskExample
 from atskv.memory.slot_cache import kv_bytes
+from atskv.selectors import Selector
 
 
 @dataclass(frozen=True)
@@ -21,12 +23,17 @@ class GenerationRun:
 
     label: str
     text: str
-    correct: bool | None
+    score: float | None  # TaskExample.score of the text: the fraction of the answers found
     kv_bytes: int
     prompt_tokens: int
     new_tokens: int
     prefill_seconds: float  # prompt in, first token out
     decode_seconds: float  # the remaining tokens
+
+    @property
+    def correct(self) -> bool | None:
+        """Every answer found."""
+        return None if self.score is None else self.score == 1.0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -60,25 +67,68 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
     return ids
 
 
+def _pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def pad_left(tokenizer, sequences: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids `[B, T]` and attention mask of 1-D sequences of different lengths, left-padded so
+    that every row ends where generation continues (the hook supports left padding)."""
+    width = max(len(seq) for seq in sequences)
+    ids = torch.full((len(sequences), width), _pad_id(tokenizer), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, seq in enumerate(sequences):
+        ids[row, width - len(seq) :], mask[row, width - len(seq) :] = seq, 1
+    return ids, mask
+
+
 def generate(
     model,
     tokenizer,
     ids: torch.Tensor,
     *,
-    selector: str | None = None,
+    selector: str | Selector | None = None,
     budget: int | float | None = None,
     dense_layers: int = 2,
     sparse_prefill: bool = False,
     max_new_tokens: int = 16,
     example: TaskExample | None = None,
 ) -> GenerationRun:
-    """Greedy generation with dense KV (`selector=None`) or under `atskv.sparse`."""
-    ids = ids.to(model.device)
-    kwargs = dict(
-        attention_mask=torch.ones_like(ids),
+    """Greedy generation of one prompt `[1, T]` with dense KV (`selector=None`) or under `atskv.sparse`."""
+    return generate_batch(
+        model,
+        tokenizer,
+        ids,
+        selector=selector,
+        budget=budget,
+        dense_layers=dense_layers,
+        sparse_prefill=sparse_prefill,
         max_new_tokens=max_new_tokens,
-        do_sample=False,
-        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        examples=[example],
+    )[0]
+
+
+def generate_batch(
+    model,
+    tokenizer,
+    ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    selector: str | Selector | None = None,
+    budget: int | float | None = None,
+    dense_layers: int = 2,
+    sparse_prefill: bool = False,
+    max_new_tokens: int = 16,
+    examples: Sequence[TaskExample | None] | None = None,
+) -> list[GenerationRun]:
+    """Greedy generation of a batch `[B, T]` (left-padded, see `pad_left`), one run per row.
+
+    A row's text ends at its first end-of-sequence token. The timings are the batch's; `kv_bytes`
+    is the row's share of the batch cache (padding included)."""
+    ids = ids.to(model.device)
+    attention_mask = torch.ones_like(ids) if attention_mask is None else attention_mask.to(model.device)
+    kwargs = dict(
+        attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=_pad_id(tokenizer)
     )
     clock = _TokenClock(model.device)
     kwargs["streamer"] = clock
@@ -94,20 +144,35 @@ def generate(
             ) as session:
                 out = model.generate(ids, **kwargs)
                 cache = session.cache
-            label = f"{selector}@{budget}"
+            label = f"{session.selector.name}@{budget}"
     first_token, last_token = clock.times[1], clock.times[-2]
-    new = out[0, ids.shape[1] :]
-    text = tokenizer.decode(new, skip_special_tokens=True)
-    return GenerationRun(
-        label=label,
-        text=text,
-        correct=example.score(text) if example is not None else None,
-        kv_bytes=kv_bytes(cache),
-        prompt_tokens=ids.shape[1],
-        new_tokens=int(new.numel()),
-        prefill_seconds=first_token - start,
-        decode_seconds=last_token - first_token,
-    )
+    stops = _eos_ids(model, tokenizer)
+    runs = []
+    for row, example in enumerate(examples or [None] * len(ids)):
+        new = out[row, ids.shape[1] :].tolist()
+        ends = [i for i, token in enumerate(new) if token in stops]
+        new = new[: ends[0] + 1] if ends else new
+        text = tokenizer.decode(new, skip_special_tokens=True)
+        runs.append(
+            GenerationRun(
+                label=label,
+                text=text,
+                score=example.score(text) if example is not None else None,
+                kv_bytes=kv_bytes(cache) // len(ids),
+                prompt_tokens=int(attention_mask[row].sum()),
+                new_tokens=len(new),
+                prefill_seconds=first_token - start,
+                decode_seconds=last_token - first_token,
+            )
+        )
+    return runs
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    """Tokens that end a generation: the model's generation config and the tokenizer may each name some."""
+    eos = model.generation_config.eos_token_id
+    eos = set(eos) if isinstance(eos, (list, tuple)) else {eos}
+    return {token for token in (*eos, tokenizer.eos_token_id) if token is not None}
 
 
 def markdown_table(runs: list[GenerationRun]) -> str:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 import atskv
-from atskv.selectors import make_selector
+from atskv.selectors import Selector, make_selector
 from atskv.selectors.base import check_budget
 
 DENSE = "dense"
@@ -55,7 +55,7 @@ def decode_nll(model, windows: torch.Tensor, n_eval: int) -> torch.Tensor:
 def evaluate_perplexity(
     model,
     windows_by_length: dict[int, torch.Tensor],
-    selectors: Sequence[str],
+    selectors: Sequence[str | Selector],
     budgets: Sequence[int | float],
     *,
     n_eval: int = 64,
@@ -72,8 +72,7 @@ def evaluate_perplexity(
                     f"budget {budget} keeps the whole {length - n_eval}-token prompt of the {length}-token windows; "
                     "choose a smaller budget or longer windows"
                 )
-    for name in selectors:
-        make_selector(name)
+    selectors = [make_selector(s) if isinstance(s, str) else s for s in selectors]
     runs = [(None, None)] + [(s, b) for s in selectors for b in budgets]
     device = next(model.parameters()).device
     total = len(runs) * sum(math.ceil(len(w) / batch_size) for w in windows_by_length.values())
@@ -94,7 +93,8 @@ def evaluate_perplexity(
                             nll += float(decode_nll(model, batch, n_eval))
                 bar.update()
             tokens = len(windows) * n_eval
-            records.append(PerplexityRecord(selector or DENSE, budget, length, nll / tokens, math.exp(nll / tokens), tokens))
+            name = DENSE if selector is None else selector.name
+            records.append(PerplexityRecord(name, budget, length, nll / tokens, math.exp(nll / tokens), tokens))
     bar.close()
     return records
 

@@ -8,6 +8,7 @@ from atskv.models.loading import (
     LoadedModel,
     NamedModel,
     load_model,
+    resolve_device,
 )
 
 __all__ = [
@@ -19,4 +20,5 @@ __all__ = [
     "NamedModel",
     "load_model",
     "model_geometry",
+    "resolve_device",
 ]

@@ -128,6 +128,20 @@ class LoadedModel:
 
 
 
+def resolve_device(device: str = "auto", dtype: str | torch.dtype = "auto") -> tuple[str, torch.dtype]:
+    """`auto` device: CUDA when present, else CPU; `auto` dtype: bfloat16 on a GPU, float32 on CPU."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(dtype, torch.dtype):
+        return device, dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    resolved = getattr(torch, dtype, None)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
+    return device, resolved
+
+
 def load_model(
     spec: str | os.PathLike[str],
     *,

@@ -5,10 +5,12 @@ from __future__ import annotations
 from atskv.selectors.base import LayerView, Selector
 from atskv.selectors.dense import DenseSelector
 from atskv.selectors.h2o import H2OSelector
+from atskv.selectors.kascade import KascadeSelector
 from atskv.selectors.oracle import OracleSelector
 from atskv.selectors.quest import QuestSelector
 from atskv.selectors.snapkv import SnapKVSelector
 from atskv.selectors.sparcas import SparCasSelector
+from atskv.selectors.spark import SparKSelector
 from atskv.selectors.sparq import SparQSelector
 from atskv.selectors.streaming_llm import StreamingLLMSelector
 
@@ -23,6 +25,8 @@ SELECTORS: dict[str, type[Selector]] = {
         QuestSelector,
         SparQSelector,
         SparCasSelector,
+        KascadeSelector,
+        SparKSelector,
     )
 }
 
@@ -36,4 +40,22 @@ def make_selector(name: str, **kwargs) -> Selector:
     return cls(**kwargs)
 
 
-__all__ = ["SELECTORS", "LayerView", "Selector", "make_selector"]
+def selectors_for_model(names: list[str], model_name: str) -> list[Selector]:
+    """Selector instances for one loaded model: Kascade reads that model's profile from its
+    default path (written by `atskv profile kascade`); every other selector needs only its name."""
+    from atskv.selectors.kascade_profile import default_profile_path
+
+    return [
+        make_selector(name, profile=default_profile_path(model_name)) if name == "kascade" else make_selector(name)
+        for name in names
+    ]
+
+
+def check_selector_names(names: list[str]) -> None:
+    """Refuse unknown selector names (before any model is loaded), listing the valid ones."""
+    unknown = [name for name in names if name not in SELECTORS]
+    if unknown:
+        raise ValueError(f"unknown selector {unknown[0]!r}; choose one of: {', '.join(sorted(SELECTORS))}")
+
+
+__all__ = ["SELECTORS", "LayerView", "Selector", "check_selector_names", "make_selector", "selectors_for_model"]

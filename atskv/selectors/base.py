@@ -67,6 +67,11 @@ class Selector:
     def prefill(self, view: LayerView) -> None:
         """Called after a dense prefill step, to build per-token state from the prompt."""
 
+    def attention_keys(self, view: LayerView) -> torch.Tensor:
+        """The keys attention runs on: the cached ones, unless the selector approximates them
+        (SparK's pruned channels with recovery); scores and the cache always see the cached keys."""
+        return view.keys
+
     def observe(self, view: LayerView, attention_mass: torch.Tensor) -> None:
         """Called after every attention with the mass each slot received, `[B, Hkv, S]` (summed over
         the query heads of the group and the queries); only for selectors that set `needs_attention`."""

@@ -1,0 +1,252 @@
+"""Task accuracy under a KV budget: the synthetic long-context tasks of `atskv.data.tasks`, each
+example generated greedily with dense KV and with every selector at every budget, scored exactly.
+
+Every (task, length, depth, seed) example is built once and reused for all settings; the seeds
+of one (task, length, depth) run together as a left-padded batch. Results come as records, a
+markdown table (mean score per task and length), JSON and a plot of score against budget.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from atskv.data.tasks import DEPTH_FREE, TASKS, TaskExample, filler_text
+from atskv.eval.generation import encode_prompt, generate_batch, pad_left
+from atskv.models import DEFAULT_MODEL, load_model, resolve_device
+from atskv.selectors import Selector, check_selector_names, selectors_for_model
+from atskv.selectors.base import check_budget
+
+DENSE = "dense"
+
+
+@dataclass(frozen=True)
+class TaskResult:
+    """One example under one setting. `length` is the requested prompt length (`prompt_tokens`
+    the real one); `depth` is None for tasks without one; `selector`/`budget` None for dense."""
+
+    task: str
+    length: int
+    depth: float | None
+    seed: int
+    selector: str | None
+    budget: int | float | None
+    score: float
+    text: str
+    answers: tuple[str, ...]
+    prompt_tokens: int
+
+    @property
+    def label(self) -> str:
+        return DENSE if self.selector is None else f"{self.selector}@{self.budget}"
+
+
+def check_plan(
+    tasks: Sequence[str],
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    trials: int,
+    selectors: Sequence[str],
+    budgets: Sequence[int | float],
+) -> None:
+    """Refuse a bad plan before any work: unknown tasks or selectors, bad depths or budgets, and
+    an int budget that keeps a whole prompt (>= the shortest length: that is dense attention)."""
+    for task in tasks:
+        if task not in TASKS:
+            raise ValueError(f"unknown task {task!r}; choose from: {', '.join(TASKS)}")
+    if not lengths or min(lengths) < 1 or trials < 1 or not depths:
+        raise ValueError(f"need lengths >= 1, depths and trials >= 1; got {list(lengths)}, {list(depths)}, {trials}")
+    for depth in depths:
+        if not 0.0 <= depth <= 1.0:
+            raise ValueError(f"depth must be in [0, 1], got {depth}")
+    for budget in budgets:
+        check_budget(budget)
+        if isinstance(budget, int) and budget >= min(lengths):
+            raise ValueError(
+                f"budget {budget} keeps the whole {min(lengths)}-token prompt, which is dense attention; "
+                "choose a smaller budget or longer prompts"
+            )
+    check_selector_names([s for s in selectors if isinstance(s, str)])
+
+
+def _answer_room(tokenizer, examples: Sequence[TaskExample]) -> int:
+    """New tokens enough to state the answers with some wording around them."""
+    return 2 * max(len(tokenizer(" " + ex.answer, add_special_tokens=False)["input_ids"]) for ex in examples) + 4
+
+
+def evaluate_tasks(
+    loaded,
+    tasks: Sequence[str],
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    trials: int,
+    selectors: Sequence[str | Selector],
+    budgets: Sequence[int | float],
+    dense_layers: int = 2,
+    max_new_tokens: int | None = None,
+    batch_size: int = 8,
+    filler: str | None = None,
+    progress: bool = True,
+) -> list[TaskResult]:
+    """Dense and every selector x budget on `trials` seeded examples of each task, length and depth.
+
+    `loaded`: a `LoadedModel` (model and tokenizer). Budgets: int = tokens per layer and KV
+    head, float = fraction of the context. `max_new_tokens` None: twice the answer's tokens plus
+    4, per batch. `batch_size`: examples per `generate` call. `filler`: haystack text (see
+    `atskv.data.filler_text`); None for generated sentences.
+    """
+    check_plan(tasks, lengths, depths, trials, selectors, budgets)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    groups = [(t, n, d) for t in tasks for n in lengths for d in ([None] if t in DEPTH_FREE else depths)]
+    settings = [(None, None)] + [(s, b) for s in selectors for b in budgets]
+    batches = [range(i, min(i + batch_size, trials)) for i in range(0, trials, batch_size)]
+    bar = tqdm(total=len(groups) * len(batches) * len(settings), desc="tasks", disable=not progress)
+    results = []
+    for task, length, depth in groups:
+        for seeds in batches:
+            at = 0.0 if depth is None else depth
+            examples = [TASKS[task](tokenizer, length, at, seed, filler=filler) for seed in seeds]
+            ids, mask = pad_left(tokenizer, [encode_prompt(tokenizer, ex.prompt, chat=False)[0] for ex in examples])
+            new_tokens = max_new_tokens or _answer_room(tokenizer, examples)
+            for selector, budget in settings:
+                bar.set_postfix_str(f"{task} {length}")
+                runs = generate_batch(
+                    model,
+                    tokenizer,
+                    ids,
+                    mask,
+                    selector=selector,
+                    budget=budget,
+                    dense_layers=dense_layers,
+                    max_new_tokens=new_tokens,
+                    examples=examples,
+                )
+                results += [
+                    TaskResult(
+                        task, length, depth, seed, getattr(selector, "name", selector), budget, run.score, run.text,
+                        ex.answers, run.prompt_tokens,
+                    )
+                    for seed, ex, run in zip(seeds, examples, runs)
+                ]
+                bar.update()
+    bar.close()
+    return results
+
+
+def _means(results: Sequence[TaskResult], key) -> dict:
+    """Mean score per `key(result)`, in first-seen order."""
+    groups = defaultdict(list)
+    for r in results:
+        groups[key(r)].append(r.score)
+    return {k: sum(v) / len(v) for k, v in groups.items()}
+
+
+def markdown(results: Sequence[TaskResult]) -> str:
+    """Rows: dense first, then selector@budget; columns: task x length; cells: mean score over
+    depths and seeds."""
+    columns = list(dict.fromkeys((r.task, r.length) for r in results))
+    rows = sorted(dict.fromkeys(r.label for r in results), key=lambda label: label != DENSE)
+    mean = _means(results, lambda r: (r.label, r.task, r.length))
+    lines = [
+        "| setting | " + " | ".join(f"{task} {length}" for task, length in columns) + " |",
+        "|---" * (len(columns) + 1) + "|",
+    ]
+    for label in rows:
+        cells = [f"{mean[key]:.2f}" if (key := (label, *col)) in mean else "" for col in columns]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(results: Sequence[TaskResult], path: Path) -> None:
+    """Mean score against budget (over lengths, depths and seeds), one line per selector and one
+    panel per task; dense as a horizontal line. Budgets sit at even steps in the given order."""
+    from matplotlib.figure import Figure  # renders with Agg; no pyplot, no display
+
+    tasks = list(dict.fromkeys(r.task for r in results))
+    budgets = list(dict.fromkeys(r.budget for r in results if r.selector is not None))
+    selectors = list(dict.fromkeys(r.selector for r in results if r.selector is not None))
+    mean = _means(results, lambda r: (r.task, r.selector, r.budget))
+    fig = Figure(figsize=(4 * len(tasks), 3.4), layout="constrained")
+    for ax, task in zip(fig.subplots(1, len(tasks), squeeze=False)[0], tasks):
+        if (task, None, None) in mean:
+            ax.axhline(mean[task, None, None], color="black", linestyle="--", label=DENSE)
+        for selector in selectors:
+            points = [(i, mean[task, selector, b]) for i, b in enumerate(budgets) if (task, selector, b) in mean]
+            ax.plot(*zip(*points), marker="o", label=selector)
+        ax.set(title=task, xlabel="budget", ylabel="mean score", ylim=(-0.05, 1.05))
+        ax.set_xticks(range(len(budgets)), [str(b) for b in budgets])
+    fig.axes[0].legend(fontsize="small")
+    fig.savefig(path, dpi=120)
+
+
+def write_report(results: Sequence[TaskResult], out: Path) -> None:
+    """table.md, results.json (a list of records) and tasks.png under `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(markdown(results) + "\n")
+    (out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+    plot(results, out / "tasks.png")
+
+
+def tasks_command(
+    model: str = DEFAULT_MODEL,
+    tasks: list[str] = list(TASKS),  # noqa: B006, B008 (jsonargparse reads it)
+    lengths: list[int] = [1024, 2048],  # noqa: B006
+    depths: list[float] = [0.1, 0.5, 0.9],  # noqa: B006
+    trials: int = 4,
+    selectors: list[str] = ["oracle", "quest", "snapkv", "h2o", "streaming_llm"],  # noqa: B006
+    budgets: list[int | float] = [64, 128, 256],  # noqa: B006
+    dense_layers: int = 2,
+    max_new_tokens: int | None = None,
+    batch_size: int = 8,
+    filler: str = "classic",
+    out: Path = Path("results/tasks"),
+    device: str = "auto",
+    dtype: str = "auto",
+) -> None:
+    """Synthetic long-context tasks with exact scoring, dense KV against each selector at each budget.
+
+    Pass key, needles, variable tracking and common words; prints the mean scores and writes
+    table.md, results.json and tasks.png.
+
+    Args:
+        model: a named model, a Hugging Face directory or a .gguf file.
+        tasks: task names (see `atskv.data.tasks.TASKS`).
+        lengths: prompt lengths in tokens.
+        depths: where the needle sits, as fractions of the haystack (common_words has none).
+        trials: seeded examples per task, length and depth.
+        selectors: selectors to compare with dense KV (see `atskv selectors`).
+        budgets: KV tokens kept per layer and KV head (int), or fractions of the context (float).
+        dense_layers: the first layers stay dense.
+        max_new_tokens: tokens to generate; default: twice the answer's length plus 4.
+        batch_size: examples generated together (left-padded).
+        filler: the haystack: "classic" (the pass-key test's repeated lines), "varied"
+            (generated sentences), or a corpus (name, folder or hf:...) whose text is used.
+        out: output folder.
+        device: cpu, cuda, or auto.
+        dtype: float32, bfloat16, float16, or auto.
+    """
+    check_plan(tasks, lengths, depths, trials, selectors, budgets)
+    filler_str = filler_text(filler)
+    device, torch_dtype = resolve_device(device, dtype)
+    loaded = load_model(model, dtype=torch_dtype, device=device)
+    results = evaluate_tasks(
+        loaded,
+        tasks,
+        lengths,
+        depths,
+        trials,
+        selectors_for_model(selectors, loaded.name),
+        budgets,
+        dense_layers=dense_layers,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        filler=filler_str,
+    )
+    write_report(results, out)
+    print(markdown(results))
+    print(f"\nwritten to {out}/ (table.md, results.json, tasks.png)")

@@ -1,0 +1,102 @@
+"""SparK (Liao et al., 2025): query-aware unstructured pruning of key channels, with recovery.
+
+After a dense (prefill) step, every held token keeps its T = floor((1 - prune_ratio) * D) key
+channels of highest saliency `w[t, j] = a[j] * |k[t, j]|`, where `a[j]` is the magnitude of
+query channel j over the observation window (the last `window` queries, as in SnapKV); the other
+channels are pruned, and only their mean saliency `mu[t]` is kept. At attention, a pruned entry
+is recovered as `sign(k[t, j]) * mu[t] / a[j]` (the paper's degenerate recovery, its default), so
+it contributes the typical pruned saliency instead of zero. Tokens written after the last dense
+step keep all channels. Token choice is delegated to any other selector (`base`, default SnapKV,
+the pairing the paper reports most); tokens are scored on the recovered keys.
+Paper defaults: keys only, degenerate recovery, pruning ratios 0.5 and 0.8 (0.5 here), window 32.
+Choices made where the paper leaves one: `a[j]` is the root mean square of query channel j over
+the window and over the KV group's query heads (a signed mean could cancel to ~0, and recovery
+divides by it; the scale of `a` cancels out of both the ranking and the recovery); the recovered
+entry keeps the sign of the pruned one (as the authors' code does; the paper's Eq. 8 gives only
+its magnitude).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from atskv.gqa import grouped_queries
+from atskv.selectors.base import LayerView, Selector
+
+_THRESHOLD = "spark_threshold"  # per slot: saliency of its T-th channel (-inf: nothing pruned)
+_MEAN = "spark_pruned_mean"  # per slot: mean saliency of its pruned channels
+_QUERY_SCALE = "spark_query_scale"  # layer state: a[j] `[B, Hkv, D]` of the last dense step
+
+
+@dataclass
+class SparKSelector(Selector):
+    name = "spark"
+    base: str = "snapkv"
+    prune_ratio: float = 0.5
+    window: int = 32
+    base_options: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        from atskv.selectors import make_selector  # here: the registry imports this module
+
+        if not 0.0 <= self.prune_ratio < 1.0:
+            raise ValueError(f"prune_ratio must lie in [0, 1), got {self.prune_ratio}")
+        if self.base == self.name:
+            raise ValueError("spark needs another selector as its base")
+        self.base_selector = make_selector(self.base, **self.base_options)
+        for flag in ("query_aware", "evicts", "keeps_all", "needs_attention"):
+            setattr(self, flag, getattr(self.base_selector, flag))
+
+    def kept_channels(self, head_dim: int) -> int:
+        """T: key channels each pruned token keeps."""
+        return math.floor((1.0 - self.prune_ratio) * head_dim + 1e-9)
+
+    def key_channel_fraction(self, head_dim: int) -> float:
+        """Share of key channels stored for a pruned token (tokens after the prompt keep all), for
+        memory accounting; each pruned token also stores one float (`mu`) and, to recover, the
+        signs of its pruned entries."""
+        return self.kept_channels(head_dim) / head_dim
+
+    def prefill(self, view: LayerView) -> None:
+        self.base_selector.prefill(view)
+        d = view.keys.shape[-1]
+        kept = self.kept_channels(d)
+        if kept == d:
+            return
+        w = min(self.window, view.query.shape[2])
+        q = grouped_queries(view.query[:, :, -w:], view.keys.shape[1]).float()  # [B, Hkv, G, w, D]
+        scale = q.square().mean(dim=(2, 3)).sqrt()
+        # recovery divides by it: a channel the window never uses would recover to ~inf
+        scale = scale.maximum(1e-4 * scale.amax(dim=-1, keepdim=True))
+        view.layer.state[_QUERY_SCALE] = scale
+        saliency = self._saliency(view.keys, scale)
+        top = saliency.topk(kept, dim=-1).values  # [B, Hkv, S, T]
+        pruned_mean = (saliency.sum(-1) - top.sum(-1)) / (d - kept)
+        occupied = view.slot_pos >= 0
+        view.layer.slot_tensor(_THRESHOLD, init=-torch.inf).copy_(top[..., -1].masked_fill(~occupied, -torch.inf))
+        view.layer.slot_tensor(_MEAN).copy_(pruned_mean)
+
+    def attention_keys(self, view: LayerView) -> torch.Tensor:
+        """The keys attention must use, `[B, Hkv, S, D]`: pruned entries replaced by their recovery."""
+        scale = view.layer.state.get(_QUERY_SCALE)
+        if scale is None:
+            return view.keys
+        threshold = view.layer.slot_tensor(_THRESHOLD, init=-torch.inf).unsqueeze(-1)
+        pruned = self._saliency(view.keys, scale) < threshold
+        magnitude = view.layer.slot_tensor(_MEAN).unsqueeze(-1) / scale.unsqueeze(2)
+        recovered = torch.where(view.keys < 0, -magnitude, magnitude).to(view.keys.dtype)
+        return torch.where(pruned, recovered, view.keys)
+
+    def scores(self, view: LayerView):
+        return self.base_selector.scores(replace(view, keys=self.attention_keys(view)))
+
+    def observe(self, view: LayerView, attention_mass: torch.Tensor) -> None:
+        self.base_selector.observe(view, attention_mass)
+
+    @staticmethod
+    def _saliency(keys: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """`w[b, h, s, j] = a[b, h, j] * |k[b, h, s, j]|` in float32."""
+        return keys.float().abs() * scale.unsqueeze(2)

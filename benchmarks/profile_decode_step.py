@@ -1,0 +1,48 @@
+"""Where a selector's decode step spends its time: torch.profiler over the same step that
+`atskv bench` times (append, view, score, top budget, attend), ops sorted by CUDA time.
+
+    python benchmarks/profile_decode_step.py --selector quest --batch 16 --context 32768
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from atskv.eval.bench import GEOMETRIES, selector_step
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--selector", nargs="+", default=["quest"])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--budget", type=float, default=0.05)
+    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="llama3-8b")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rows", type=int, default=15)
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    budget = math.ceil(args.budget * args.context)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    for name in args.selector:
+        step = selector_step(name, args.batch, args.context, budget, GEOMETRIES[args.geometry], dtype, device)
+        with torch.no_grad():
+            for _ in range(5):
+                step()
+            with profile(activities=activities) as prof:
+                for _ in range(args.steps):
+                    step()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+        sort = "cuda_time_total" if device == "cuda" else "cpu_time_total"
+        print(f"\n## {name}: B={args.batch}, S={args.context}, budget {budget}, {args.steps} steps")
+        print(prof.key_averages().table(sort_by=sort, row_limit=args.rows, max_name_column_width=50))
+
+
+if __name__ == "__main__":
+    main()

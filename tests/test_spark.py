@@ -1,0 +1,126 @@
+"""SparK: key-channel pruning with recovery, composed with a token selector."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import atskv
+from atskv.gqa import grouped_probs
+from atskv.selectors import make_selector
+from atskv.selectors.spark import SparKSelector
+from tests.conftest import random_prompt, tiny_model
+
+WINDOW = 4
+
+
+class RecordingSparK(SparKSelector):
+    """Records the prompt's queries and keys at prefill, and what attention would use at decode."""
+
+    def prefill(self, view):
+        self.prompt[view.layer_idx] = (view.query.clone(), view.keys.clone(), view.slot_pos.clone())
+        super().prefill(view)
+
+    def scores(self, view):
+        self.decode[view.layer_idx] = (self.attention_keys(view), view.keys.clone(), view.slot_pos.clone())
+        out = super().scores(view)
+        self.scored[view.layer_idx] = (out, view)
+        return out
+
+
+def record(model, selector: RecordingSparK, ids, budget=1.0):
+    selector.prompt, selector.decode, selector.scored = {}, {}, {}
+    with atskv.sparse(model, selector, budget=budget, dense_layers=0), torch.no_grad():
+        cache = model(ids).past_key_values
+        model(ids[:, :1], past_key_values=cache)  # one decode step
+    return selector
+
+
+def direct_recovery(query, keys, prune_ratio, window=WINDOW):
+    """The paper's pruning and degenerate recovery, written out: saliency |q_j| * |k_tj| with the
+    window's query magnitude, top-T channels per token kept, the rest set to sign * mu_t / |q_j|."""
+    b, hq, _, d = query.shape
+    hkv = keys.shape[1]
+    q = query[:, :, -window:].reshape(b, hkv, hq // hkv * window, d)
+    magnitude = q.square().mean(2).sqrt()  # [B, Hkv, D]
+    saliency = magnitude[:, :, None] * keys.abs()
+    t = math.floor((1 - prune_ratio) * d + 1e-9)
+    kept = torch.zeros_like(keys, dtype=torch.bool).scatter_(-1, saliency.topk(t, dim=-1).indices, True)
+    mu = (saliency * ~kept).sum(-1, keepdim=True) / (d - t)
+    return torch.where(kept, keys, keys.sign() * mu / magnitude[:, :, None]), kept
+
+
+@pytest.mark.parametrize("prune_ratio", [0.5, 0.8])
+def test_recovered_keys_equal_a_direct_computation(prune_ratio):
+    model = tiny_model("llama")
+    ids = random_prompt(24, seed=1, batch=2)
+    selector = record(model, RecordingSparK(base="oracle", prune_ratio=prune_ratio, window=WINDOW), ids)
+    d = model.config.hidden_size // model.config.num_attention_heads
+    t = math.floor((1 - prune_ratio) * d + 1e-9)
+    assert selector.key_channel_fraction(d) == t / d
+    for layer, (query, keys, _) in selector.prompt.items():
+        expected, kept = direct_recovery(query, keys, prune_ratio)
+        used, raw, _ = selector.decode[layer]
+        assert torch.equal(raw[:, :, :24], keys)
+        torch.testing.assert_close(used[:, :, :24], expected, rtol=1e-6, atol=1e-6)
+        assert (kept.sum(-1) == t).all()
+        assert ((used[:, :, :24] == keys).sum(-1) == t).all(), "each prompt token keeps exactly T channels"
+        assert torch.equal(used[:, :, 24:], raw[:, :, 24:]), "tokens after the prompt are not pruned"
+
+
+def test_recovery_follows_tokens_through_eviction():
+    """With an evicting base (SnapKV) the cache is compacted; each kept token's recovered key is
+    still the one computed for it at prefill."""
+    model = tiny_model("llama")
+    ids = random_prompt(48, seed=2)
+    selector = record(model, RecordingSparK(base="snapkv", base_options={"window": 4}, window=WINDOW), ids, budget=8)
+    for layer, (query, keys, _) in selector.prompt.items():
+        expected, _ = direct_recovery(query, keys, 0.5)
+        used, _, pos = selector.decode[layer]
+        assert used.shape[2] < 48, "the base selector should have evicted and compacted"
+        prompt = (pos >= 0) & (pos < 48)
+        gathered = expected.gather(2, pos.clamp(min=0, max=47).unsqueeze(-1).expand_as(used))
+        torch.testing.assert_close(used[prompt], gathered[prompt], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("base", "options"), [("snapkv", {"window": 4}), ("oracle", {}), ("h2o", {})], ids=["snapkv", "oracle", "h2o"]
+)
+def test_keeping_every_channel_equals_the_base_selector(base, options):
+    model = tiny_model("llama")
+    ids = random_prompt(24, seed=3)
+    kwargs = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    runs = []
+    for selector in [SparKSelector(base=base, prune_ratio=0.0, base_options=options), make_selector(base, **options)]:
+        with atskv.sparse(model, selector, budget=6, dense_layers=1), torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        runs.append((out.sequences, torch.stack(out.logits)))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert torch.equal(runs[0][1], runs[1][1])
+    spark, plain = SparKSelector(base=base, prune_ratio=0.0, base_options=options), make_selector(base, **options)
+    assert spark.key_channel_fraction(16) == 1.0
+    for flag in ("query_aware", "evicts", "keeps_all", "needs_attention"):
+        assert getattr(spark, flag) == getattr(plain, flag), flag
+
+
+def test_a_query_aware_base_scores_the_recovered_keys():
+    """The base ranks tokens on the keys attention will use (the full keys are not stored)."""
+    model = tiny_model("llama")
+    ids = random_prompt(24, seed=4)
+    selector = record(model, RecordingSparK(base="oracle", prune_ratio=0.8, window=WINDOW), ids, budget=4)
+    differs = 0
+    for layer, (spark_scores, view) in selector.scored.items():
+        used = selector.decode[layer][0]
+        on_recovered = grouped_probs(view.query, used, view.valid, view.scaling).sum(2)
+        on_full = grouped_probs(view.query, view.keys, view.valid, view.scaling).sum(2)
+        torch.testing.assert_close(spark_scores, on_recovered)
+        differs += not torch.allclose(spark_scores, on_full)
+    assert differs == len(selector.scored) > 0
+
+
+@pytest.mark.parametrize("bad", [dict(prune_ratio=1.0), dict(prune_ratio=-0.1), dict(base="spark")])
+def test_bad_settings_are_refused(bad):
+    with pytest.raises(ValueError):
+        SparKSelector(**bad)
