@@ -168,15 +168,19 @@ class RecallReport:
         budgets = sorted({b for _, b in means})
         mid = budgets[len(budgets) // 2]
         fig, (ax_budget, ax_layer) = plt.subplots(1, 2, figsize=(12, 4.5))
-        for name in dict.fromkeys(s for s, _ in means):
-            style = "--" if name.startswith("ceiling") else "-"
+        names = list(dict.fromkeys(s for s, _ in means if not s.startswith("ceiling")))
+        colours = dict(zip(names, plt.get_cmap("tab20").colors[::2] + plt.get_cmap("tab20").colors[1::2]))
+        colours.update({ORACLE_CEILING: "black", WINDOW_CEILING: "dimgray"})
+        for name in [*names, ORACLE_CEILING, WINDOW_CEILING]:
+            style = dict(linestyle="--" if name.startswith("ceiling") else "-", color=colours[name], label=name)
             xs = [b for b in budgets if (name, b) in means]
-            ax_budget.plot(xs, [means[(name, b)] for b in xs], style, marker="o", label=name)
+            ax_budget.plot(xs, [means[(name, b)] for b in xs], marker="o", **style)
             layers = sorted((r.layer, r.recall) for r in self.records if r.selector == name and r.budget == mid)
             if layers:
-                ax_layer.plot(*zip(*layers), style, marker=".", label=name)
+                ax_layer.plot(*zip(*layers), marker=".", **style)
         ax_budget.set(xscale="log", xlabel="budget (tokens per KV head)", ylabel="attention recall", ylim=(0, 1.02))
         ax_budget.set_xticks(budgets, [str(b) for b in budgets])
+        ax_budget.minorticks_off()
         ax_layer.set(xlabel="layer", ylabel=f"attention recall at k={mid}", ylim=(0, 1.02))
         ax_budget.legend(fontsize=7)
         fig.suptitle(f"{self.model}: {self.n_windows} windows of {self.window_tokens} tokens, last {self.n_queries} queries")
