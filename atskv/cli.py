@@ -11,6 +11,7 @@ import torch
 from jsonargparse import auto_cli
 
 from atskv.models import DEFAULT_MODEL, resolve_device
+from atskv.eval.peer import peer_command
 from atskv.eval.tasks import tasks_command
 from atskv.selectors.kascade_profile import kascade_profile_command
 
@@ -354,6 +355,7 @@ COMMANDS = {
         "recall": eval_recall,
         "ppl": eval_ppl,
         "tasks": tasks_command,
+        "peer": peer_command,
         "_help": "Measure selectors against dense attention: attention recall, perplexity, tasks.",
     },
     **{name: _pending(name) for name in PENDING},

@@ -74,7 +74,7 @@ def check_plan(
     check_selector_names([s for s in selectors if isinstance(s, str)])
 
 
-def _answer_room(tokenizer, examples: Sequence[TaskExample]) -> int:
+def answer_room(tokenizer, examples: Sequence[TaskExample]) -> int:
     """New tokens enough to state the answers with some wording around them."""
     return 2 * max(len(tokenizer(" " + ex.answer, add_special_tokens=False)["input_ids"]) for ex in examples) + 4
 
@@ -112,7 +112,7 @@ def evaluate_tasks(
             at = 0.0 if depth is None else depth
             examples = [TASKS[task](tokenizer, length, at, seed, filler=filler) for seed in seeds]
             ids, mask = pad_left(tokenizer, [encode_prompt(tokenizer, ex.prompt, chat=False)[0] for ex in examples])
-            new_tokens = max_new_tokens or _answer_room(tokenizer, examples)
+            new_tokens = max_new_tokens or answer_room(tokenizer, examples)
             for selector, budget in settings:
                 bar.set_postfix_str(f"{task} {length}")
                 runs = generate_batch(

@@ -1,0 +1,111 @@
+"""Run NVIDIA kvpress presses on task examples: the external half of `atskv eval peer`.
+
+Standalone: executed by the python of the kvpress venv (see setup.sh), never imported by atskv,
+because kvpress pins an older transformers than atskv's.
+
+For each example and press, the whole prompt is prefilled under the press, so the compression
+covers the question too (the prompt ends with the question, as atskv runs it); kvpress's own
+pipeline would instead compress only a context and append the question uncompressed. Every
+layer is compressed, after that layer's (dense) prefill attention, as kvpress does; then greedy
+decoding continues on the compressed cache at the original positions, as kvpress's pipeline
+does, until EOS or `--max-new-tokens`. Press parameters are kvpress's defaults.
+
+Input: a JSON list of examples with `id`, `prompt`, `answer`. Output: a JSON list of records
+`{id, press, compression_ratio, prompt_tokens, kept_tokens, kv_bytes, new_tokens, text}`, where
+`kept_tokens` is the mean over layers of the tokens left after prefill compression and
+`kv_bytes` the bytes of the cache's tensors after generation. Press `none` runs with full KV
+(a check that this environment reproduces atskv's dense answers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from pathlib import Path
+
+import kvpress
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.utils import logging as hf_logging
+
+PRESSES = {
+    "none": None,
+    "snapkv": kvpress.SnapKVPress,
+    "streaming_llm": kvpress.StreamingLLMPress,
+    "observed_attention": kvpress.ObservedAttentionPress,
+    "expected_attention": kvpress.ExpectedAttentionPress,
+    "tova": kvpress.TOVAPress,
+}
+# ObservedAttentionPress scores with the attention weights the layer returns: eager attention only
+NEEDS_EAGER = {"observed_attention"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--examples", type=Path, required=True, help="JSON list of {id, prompt, answer}")
+    parser.add_argument("--model", type=Path, required=True, help="a Hugging Face model directory")
+    parser.add_argument("--presses", nargs="+", default=sorted(set(PRESSES) - {"none"}), choices=sorted(PRESSES))
+    parser.add_argument("--compression-ratios", nargs="+", type=float, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--max-new-tokens", type=int, default=12)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    return parser.parse_args(argv)
+
+
+def greedy_with_press(model, tokenizer, ids: torch.Tensor, press, max_new_tokens: int) -> dict:
+    """Prefill `ids` `[1, T]` under `press` (None: full KV), then greedy decode without it."""
+    cache = DynamicCache()
+    stop = model.generation_config.eos_token_id
+    stop = set(stop if isinstance(stop, list) else [stop])
+    with torch.inference_mode():
+        with press(model) if press is not None else contextlib.nullcontext():
+            out = model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
+        kept = [cache.get_seq_length(i) for i in range(len(cache))]
+        new = [int(out.logits[0, -1].argmax())]
+        position = ids.shape[1]
+        while len(new) < max_new_tokens and new[-1] not in stop:
+            step = torch.tensor([[new[-1]]], device=ids.device)
+            where = torch.tensor([[position]], device=ids.device)
+            out = model(input_ids=step, past_key_values=cache, position_ids=where)
+            new.append(int(out.logits[0, -1].argmax()))
+            position += 1
+    return {
+        "prompt_tokens": ids.shape[1],
+        "kept_tokens": sum(kept) / len(kept),
+        "kv_bytes": sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers),
+        "new_tokens": len(new),
+        "text": tokenizer.decode(new, skip_special_tokens=True),
+    }
+
+
+def main(args: argparse.Namespace) -> None:
+    hf_logging.disable_progress_bar()
+    examples = json.loads(args.examples.read_text())
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    models: dict[str, torch.nn.Module] = {}
+
+    def model_for(press_name: str):
+        attn = "eager" if press_name in NEEDS_EAGER else "sdpa"
+        if attn not in models:
+            models[attn] = AutoModelForCausalLM.from_pretrained(
+                args.model, dtype=getattr(torch, args.dtype), attn_implementation=attn
+            ).to(args.device).eval()
+        return models[attn]
+
+    records = []
+    for name in args.presses:
+        ratios = [0.0] if PRESSES[name] is None else args.compression_ratios
+        for ratio in ratios:
+            press = None if PRESSES[name] is None else PRESSES[name](compression_ratio=ratio)
+            for example in examples:
+                ids = tokenizer(example["prompt"], return_tensors="pt").input_ids.to(args.device)
+                result = greedy_with_press(model_for(name), tokenizer, ids, press, args.max_new_tokens)
+                records.append({"id": example["id"], "press": name, "compression_ratio": ratio, **result})
+                print(f"{name}@{ratio:g} {example['id']}: {result['text'].strip()[:40]!r}", flush=True)
+    args.out.write_text(json.dumps(records, indent=1))
+
+
+if __name__ == "__main__":
+    main(parse_args())
