@@ -294,3 +294,15 @@ def test_attention_runs_on_the_selectors_attention_keys(base):
         seq, logits = greedy(model, ids, steps=6)
     assert torch.equal(seq, ref_seq)
     assert rel_err(logits, ref_logits) <= 1e-5
+
+
+def test_nested_sessions_on_one_model_are_refused_and_the_outer_one_survives():
+    model = tiny_model("llama")
+    with atskv.sparse(model, "oracle", budget=8) as outer:
+        with pytest.raises(RuntimeError, match="already under atskv.sparse"):
+            with atskv.sparse(model, "h2o", budget=8):
+                pass
+        with torch.no_grad():
+            model(random_prompt(12))
+        assert outer.cache is not None and model.config._attn_implementation == "atskv"
+    assert model.config._attn_implementation == "sdpa"
