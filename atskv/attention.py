@@ -24,7 +24,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from atskv.gqa import grouped_attention, sdpa_attention
 from atskv.memory.slot_cache import SlotLayer, SparseKVCache
 from atskv.selectors import make_selector
-from atskv.selectors.base import LayerView, Selector, check_budget, select_top_budget, select_top_indices
+from atskv.selectors.base import LayerView, Selector, check_budget, select_top_budget
 
 ATTENTION_NAME = "atskv"
 _SESSION_ATTR = "_atskv_session"
@@ -123,7 +123,7 @@ class SparseSession:
         """Decode step on the index path: top-budget slot ids per KV head, then the sparse kernel."""
         from atskv.kernels.sparse_decode import sparse_decode_attention
 
-        indices, lengths = select_top_indices(self.selector.scores(view)[:, :, 0], view.valid[:, :, 0], view)
+        indices, lengths = self.selector.decode_indices(view)
         keys = self.selector.attention_keys(view)
         out = sparse_decode_attention(view.query[:, :, 0], keys, values, indices, lengths, view.scaling)
         return out.unsqueeze(1)  # [B, 1, Hq, D], the layout transformers expects
@@ -152,6 +152,8 @@ def _visible_slots(
     The model's mask speaks of logical positions; it is gathered at each slot's position."""
     slot_pos = layer.slot_pos[..., : layer.length]
     occupied = slot_pos >= 0
+    if attention_mask is None and tq == 1:  # a decode step without padding sees every held token
+        return occupied.unsqueeze(2), torch.full((1, 1, 1), layer.seen, device=slot_pos.device)
     if attention_mask is None:  # pure causal, no padding
         query_pos = torch.arange(layer.seen - tq, layer.seen, device=slot_pos.device)
         valid = occupied.unsqueeze(2) & (slot_pos.unsqueeze(2) <= query_pos.view(1, 1, tq, 1))

@@ -196,3 +196,34 @@ def test_sparcas_sparse_prefill_takes_dims_from_last_prompt_query():
     for call in prefill_calls:
         dims = sparcas_dims(call["query"], call["keys"].shape[1], 4)
         assert_scores_match(call, sparcas_reference(call, dims))
+
+
+@pytest.mark.parametrize("budget", [32, 40, 0.3])
+def test_quest_page_ranking_on_the_index_path_matches_the_token_mask_path(budget):
+    """Quest's decode_indices (top pages, listed newest first) keeps exactly the slots the mask
+    path keeps from its per-token scores (top budget, ties towards recent tokens), also with left
+    padding and a budget that cuts a page."""
+    from atskv.selectors.base import select_top_budget
+    from atskv.selectors.quest import QuestSelector
+
+    checked = []
+
+    class Checked(QuestSelector):
+        def decode_indices(self, view):
+            indices, lengths = super().decode_indices(view)
+            keep = select_top_budget(self.scores(view), view.valid, view.budget, view.slot_pos, view.context)[:, :, -1]
+            counted = (torch.arange(indices.shape[-1]) < lengths.unsqueeze(-1)).int()
+            chosen = torch.zeros(keep.shape, dtype=torch.int).scatter_add_(-1, indices, counted)
+            assert int(chosen.max()) <= 1, "a slot was counted twice"
+            chosen = chosen > 0
+            assert torch.equal(chosen, keep)
+            checked.append(view.layer_idx)
+            return indices, lengths
+
+    model = tiny_model("llama")
+    ids = random_prompt(70, seed=9, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0  # left padding in the second row
+    with atskv.sparse(model, Checked(), budget=budget, dense_layers=0), torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert len(checked) == 4 * model.config.num_hidden_layers

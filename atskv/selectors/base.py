@@ -67,6 +67,12 @@ class Selector:
     def prefill(self, view: LayerView) -> None:
         """Called after a dense prefill step, to build per-token state from the prompt."""
 
+    def decode_indices(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot ids `[B, Hkv, k]` (best first) and how many count per row `[B, Hkv]`, for a decode
+        step on the hook's index path. The default ranks `scores`; a selector with a coarser
+        structure (Quest's pages) ranks its units instead, which is cheaper."""
+        return select_top_indices(self.scores(view)[:, :, 0], view.valid[:, :, 0], view)
+
     def attention_keys(self, view: LayerView) -> torch.Tensor:
         """The keys attention runs on: the cached ones, unless the selector approximates them
         (SparK's pruned channels with recovery); scores and the cache always see the cached keys."""
@@ -126,9 +132,17 @@ def select_top_indices(scores: torch.Tensor, valid: torch.Tensor, view: LayerVie
     Unlike `select_top_budget`, exact ties are broken by `torch.topk`, not by recency: only
     selectors that give many tokens the same score (Quest's pages) can choose differently, and
     then only among equally rated tokens."""
-    seen, slots = view.layer.seen, view.keys.shape[2]
-    k = min(int(resolve_budget(view.budget, torch.tensor([seen]))), slots)
+    k = min(budget_tokens(view), view.keys.shape[2])
     ranked = torch.where(valid, scores.float().clamp(min=torch.finfo(torch.float32).min), -math.inf)
     indices = ranked.topk(k, dim=-1, sorted=True).indices
-    lengths = resolve_budget(view.budget, view.context[:, :, -1]).minimum(valid.sum(-1))  # [B, Hkv]
-    return indices, lengths
+    return indices, budget_lengths(view, valid)
+
+
+def budget_tokens(view: LayerView) -> int:
+    """The budget in tokens for the newest query of the longest row, from host-side counts only."""
+    return int(resolve_budget(view.budget, torch.tensor([view.layer.seen])))
+
+
+def budget_lengths(view: LayerView, valid: torch.Tensor) -> torch.Tensor:
+    """Tokens each (row, KV head) keeps on a decode step: its budget, at most its valid slots."""
+    return resolve_budget(view.budget, view.context[:, :, -1]).minimum(valid.sum(-1))  # [B, Hkv]

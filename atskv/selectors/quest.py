@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from atskv.kernels.quest import page_bounds, quest_page_scores
-from atskv.selectors.base import LayerView, Selector
+from atskv.selectors.base import LayerView, Selector, budget_lengths, budget_tokens
 from atskv.selectors.buffers import with_room
 
 
@@ -42,6 +42,27 @@ class QuestSelector(Selector):
         low, high = self._bounds(view)
         pages = quest_page_scores(view.query, low, high)  # [B, Hkv, Tq, P]
         return pages.repeat_interleave(self.page_size, dim=-1)[..., : view.keys.shape[2]]
+
+    def decode_indices(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank pages rather than tokens (P = S / 16 candidates for `topk`), then list the slots
+        of the best pages, newest first within a page, with slots that are past the end or not
+        visible (padding) moved behind the counted ones; the first k count. Two pages beyond
+        ceil(k / 16) cover a partial last page and a padded first one. Same choice as ranking the
+        token scores with ties broken towards recent tokens, except between pages of exactly
+        equal bound."""
+        low, high = self._bounds(view)
+        pages = quest_page_scores(view.query[:, :, -1], low, high)  # [B, Hkv, P]
+        slots, size = view.keys.shape[2], self.page_size
+        n_pages = min(math.ceil(budget_tokens(view) / size) + 2, pages.shape[-1])
+        best = pages.topk(n_pages, dim=-1, sorted=True).indices  # [B, Hkv, n]
+        newest_first = torch.arange(size - 1, -1, -1, device=best.device)
+        candidates = (best.unsqueeze(-1) * size + newest_first).flatten(-2)  # [B, Hkv, n * size]
+        in_range = candidates < slots
+        candidates = candidates.clamp(max=slots - 1)
+        valid = view.valid[:, :, -1]
+        usable = in_range & valid.gather(-1, candidates)
+        order = (~usable).to(torch.int8).argsort(dim=-1, stable=True)  # usable slots first, rank kept
+        return candidates.gather(-1, order), budget_lengths(view, valid).minimum(usable.sum(-1))
 
     def _bounds(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
         """Page bounds of every slot in `view`, recomputing only the pages new slots fall into."""
