@@ -11,6 +11,7 @@ from atskv import cli
 from tests.conftest import COMMON, tiny_bpe_tokenizer
 
 SUBCOMMANDS = ["demo", "generate", "selectors", "collect", "fit", "finetune", "export", "eval", "bench"]
+SUBCOMMANDS += ["eval recall", "eval tasks", "eval ppl", "eval peer", "profile kascade"]
 
 
 def run(args: list[str]) -> int:
@@ -66,13 +67,19 @@ def test_selectors_lists_the_registry(capsys):
     assert all(name in out for name in ["dense", "oracle", "snapkv", "h2o", "streaming_llm"])
 
 
-def test_demo_end_to_end_on_a_tiny_model(tmp_path, capsys):
+@pytest.fixture
+def tiny_model_dir(tmp_path) -> str:
+    """A tiny random Llama with the tiny BPE tokenizer, saved as a Hugging Face directory."""
     tokenizer = tiny_bpe_tokenizer()
     torch.manual_seed(0)
     config = LlamaConfig(num_hidden_layers=4, num_key_value_heads=2, **{**COMMON, "vocab_size": len(tokenizer)})
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    code = run(["demo", "--model", str(tmp_path), "--context_tokens", "300", "--budget", "32", "--max_new_tokens", "3", "--dense_layers", "0"])
+    return str(tmp_path)
+
+
+def test_demo_end_to_end_on_a_tiny_model(tiny_model_dir, capsys):
+    code = run(["demo", "--model", tiny_model_dir, "--context_tokens", "300", "--budget", "32", "--max_new_tokens", "3", "--dense_layers", "0"])
     assert code == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "MiB" in line]
@@ -85,3 +92,11 @@ def test_demo_end_to_end_on_a_tiny_model(tmp_path, capsys):
     ]
     held = {row.split("|")[1].strip(): float(row.split("|")[3].split()[0]) for row in rows}
     assert held["snapkv@32"] < held["dense"] / 2, "evicting selectors must hold less KV than dense"
+
+
+def test_generate_refuses_a_budget_larger_than_the_whole_context(tiny_model_dir, capsys):
+    """A token budget that covers prompt plus new tokens could never drop anything: a clear error."""
+    args = ["generate", "short prompt", "--model", tiny_model_dir, "--selector", "h2o", "--max_new_tokens", "4"]
+    assert run([*args, "--budget", "4096", "--device", "cpu"]) == 2
+    assert "not smaller than the whole context" in capsys.readouterr().err
+    assert run([*args, "--budget", "3", "--device", "cpu", "--chat", "false"]) == 0

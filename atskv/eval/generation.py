@@ -127,6 +127,12 @@ def generate_batch(
     is the row's share of the batch cache (padding included)."""
     ids = ids.to(model.device)
     attention_mask = torch.ones_like(ids) if attention_mask is None else attention_mask.to(model.device)
+    longest = int(attention_mask.sum(-1).max()) + max_new_tokens
+    if selector is not None and isinstance(budget, int) and not isinstance(budget, bool) and budget >= longest:
+        raise ValueError(
+            f"budget {budget} is not smaller than the whole context ({longest} tokens: prompt plus "
+            f"{max_new_tokens} new), so nothing would ever be dropped; choose a smaller budget or a fraction"
+        )
     kwargs = dict(
         attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=_pad_id(tokenizer)
     )
