@@ -58,6 +58,9 @@ class SparseSession:
             i for i, kind in enumerate(layer_types) if kind == "full_attention" and i >= config.dense_layers
         )
         self.cache: SparseKVCache | None = None
+        # what the step's forward saw, for selectors that set `needs_hidden` (filled by `attach`)
+        self.hidden: dict[int, torch.Tensor] = {}
+        self.token_ids: torch.Tensor | None = None
 
     def new_cache(self) -> SparseKVCache:
         return SparseKVCache(self.model.config, self.managed_layers)
@@ -92,7 +95,10 @@ class SparseSession:
     def view(self, layer_idx: int, layer: SlotLayer, query, keys, attention_mask, scaling: float) -> LayerView:
         valid, context = _visible_slots(layer, attention_mask, query.shape[2])
         slot_pos = layer.slot_pos[..., : layer.length]
-        return LayerView(layer_idx, query, keys, valid, slot_pos, context, scaling, self.config.budget, layer)
+        return LayerView(
+            layer_idx, query, keys, valid, slot_pos, context, scaling, self.config.budget, layer,
+            self.hidden.get(layer_idx), self.token_ids,
+        )
 
     def is_sparse_step(self, query: torch.Tensor) -> bool:
         sparse = self.config.sparse_decode if query.shape[2] == 1 else self.config.sparse_prefill
@@ -224,7 +230,11 @@ def attach(model, session: SparseSession) -> Iterator[SparseSession]:
 
     @functools.wraps(original_forward)
     def forward(*args, past_key_values=None, **kwargs):
+        session.token_ids = kwargs.get("input_ids", args[0] if args else None)
         return original_forward(*args, past_key_values=session.bind(past_key_values), **kwargs)
+
+    def keep_hidden(module, args, kwargs):  # the attention module's input: what a learned selector reads
+        session.hidden[module.layer_idx] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
 
     @functools.wraps(original_generate)
     def generate(*args, past_key_values=None, **kwargs):
@@ -233,10 +243,17 @@ def attach(model, session: SparseSession) -> Iterator[SparseSession]:
     model.set_attn_implementation(ATTENTION_NAME)
     for m in modules:
         setattr(m, _SESSION_ATTR, session)
+    hooks = []
+    if session.selector.needs_hidden:
+        managed = [m for m in modules if m.layer_idx in session.managed_layers]
+        hooks = [m.register_forward_pre_hook(keep_hidden, with_kwargs=True) for m in managed]
     model.forward, model.generate = forward, generate
     try:
         yield session
     finally:
+        for hook in hooks:
+            hook.remove()
+        session.hidden.clear()
         del model.forward, model.generate
         model.__dict__.update(shadowed)
         for m in modules:

@@ -306,3 +306,43 @@ def test_nested_sessions_on_one_model_are_refused_and_the_outer_one_survives():
             model(random_prompt(12))
         assert outer.cache is not None and model.config._attn_implementation == "atskv"
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_hidden_states_and_token_ids_reach_selectors_that_ask():
+    """A selector with `needs_hidden` sees, in every managed layer and step, the attention module's
+    input (the normed layer input) of the new tokens and their ids; others see None."""
+    from atskv.selectors import SELECTORS
+
+    seen = []
+
+    class Reading(SELECTORS["h2o"]):
+        needs_hidden = True
+
+        def scores(self, view):
+            seen.append((view.layer_idx, view.hidden.clone(), view.token_ids.clone()))
+            return super().scores(view)
+
+    model = tiny_model("llama")
+    ids = random_prompt(16, seed=2, batch=2)
+    # budget 1.0 keeps every token, so the run's hidden states are the dense model's
+    with atskv.sparse(model, Reading(), budget=1.0, dense_layers=1) as session, torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, min_new_tokens=3,
+                             do_sample=False, pad_token_id=0)
+    assert not session.hidden, "captured states must not outlive the session"
+    assert not model.model.layers[1].self_attn._forward_pre_hooks, "hooks must be removed"
+    with torch.no_grad():
+        states = model(out, output_hidden_states=True).hidden_states  # layer inputs, before the norm
+    decode = [s for s in seen if s[1].shape[1] == 1]
+    assert {s[0] for s in decode} == {1, 2, 3} and len(decode) == 3 * 2  # 2 sparse decode steps
+    by_layer = {}
+    for layer, hidden, token_ids in decode:
+        by_layer.setdefault(layer, []).append((hidden, token_ids))
+    for layer, steps in by_layer.items():
+        norm = model.model.layers[layer].input_layernorm
+        for step, (hidden, token_ids) in enumerate(steps):
+            position = ids.shape[1] + step  # decode steps feed the generated tokens one at a time
+            assert torch.equal(token_ids, out[:, position : position + 1])
+            torch.testing.assert_close(hidden, norm(states[layer][:, position : position + 1]), rtol=1e-4, atol=1e-5)
+    with atskv.sparse(model, "h2o", budget=8) as plain, torch.no_grad():
+        model(ids)
+        assert not plain.hidden

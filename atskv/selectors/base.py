@@ -39,6 +39,8 @@ class LayerView:
     scaling: float
     budget: int | float
     layer: SlotLayer
+    hidden: torch.Tensor | None = None  # [B, Tq, d_model]: the attention input of the new tokens (needs_hidden)
+    token_ids: torch.Tensor | None = None  # [B, Tq]: their input ids (needs_hidden; None with inputs_embeds)
 
     @property
     def group_size(self) -> int:
@@ -52,6 +54,8 @@ class Selector:
     - `query_aware`: its choice depends on the current query, so the full cache must stay reachable;
     - `evicts`: what it does not keep is dropped from the cache for good (real memory savings);
     - `keeps_all`: the budget is ignored (the dense reference).
+        - `needs_attention` / `needs_hidden`: the hook passes the attention mass to `observe` / the
+      new tokens' hidden states and ids in `LayerView.hidden` and `LayerView.token_ids`.
     """
 
     name: ClassVar[str] = ""
@@ -59,6 +63,7 @@ class Selector:
     evicts: ClassVar[bool] = False
     keeps_all: ClassVar[bool] = False
     needs_attention: ClassVar[bool] = False
+    needs_hidden: ClassVar[bool] = False
 
     def scores(self, view: LayerView) -> torch.Tensor:
         """Relevance of every slot, `[B, Hkv, Tq or 1, S]`; higher is kept first."""
