@@ -1,0 +1,254 @@
+"""Resumable shard store for the predictor's collected features and labels.
+
+A collection is split into units of work (e.g. one corpus window) named by a key. Each finished
+unit is one `shard-<n>.safetensors` file whose tensors share their first dimension (rows), and
+`manifest.json` lists the finished shards. The shard is written to a temporary name, synced and
+renamed before the manifest is replaced (also temp + rename), so a kill at any point leaves a
+manifest that lists only complete shards; a reopened writer removes what a killed run left
+behind and skips the keys the manifest lists. The manifest's `meta` (base model geometry,
+feature spec) guards against mixing collections made for different models or features.
+"""
+
+import bisect
+import json
+import os
+import re
+from collections import OrderedDict
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.utils.data import Dataset
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+_TMP_SUFFIX = ".tmp"
+_SHARD_NAME = re.compile(r"shard-\d+\.safetensors")
+
+
+def _canonical(meta: dict) -> dict:
+    """`meta` as it reads back from JSON (tuples become lists), so comparisons are exact."""
+    return json.loads(json.dumps(meta, sort_keys=True))
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename inside `folder` durable (POSIX: the directory entry needs its own sync)."""
+    if os.name != "posix":
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def _schema(tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
+    return {
+        name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+        for name, t in tensors.items()
+    }
+
+
+def _read_manifest(folder: Path) -> dict:
+    path = folder / MANIFEST
+    if not folder.is_dir():
+        raise FileNotFoundError(f"shard folder {folder} does not exist")
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder} has no {MANIFEST}: not a shard folder, or nothing was collected")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT_VERSION:
+        raise ValueError(
+            f"{path} has shard format {manifest.get('format')!r}; this atskv reads format {FORMAT_VERSION}"
+        )
+    return manifest
+
+
+class ShardWriter:
+    """Appends finished units of work to `folder`; reopening the folder resumes a collection.
+
+    One writer per folder at a time (processes collecting in parallel use one folder each).
+    """
+
+    def __init__(self, folder: str | os.PathLike, meta: dict):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        meta = _canonical(meta)
+        if (self.folder / MANIFEST).exists():
+            manifest = _read_manifest(self.folder)
+            if manifest["shards"] and manifest["meta"] != meta:
+                raise ValueError(
+                    f"{self.folder} holds shards collected with different settings "
+                    f"(manifest meta {manifest['meta']}, requested {meta}); use another folder"
+                )
+            self._shards = manifest["shards"]
+        else:
+            self._shards = []
+        self._meta = meta
+        self._remove_leftovers()
+        self._write_manifest()
+
+    @property
+    def meta(self) -> dict:
+        return self._meta
+
+    @property
+    def keys(self) -> list[str]:
+        """Keys of the finished shards, in the order they were written."""
+        return [s["key"] for s in self._shards]
+
+    def has(self, key: str) -> bool:
+        return any(s["key"] == key for s in self._shards)
+
+    def write(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Store one finished unit of work; it is listed (and `has(key)`) once this returns."""
+        if self.has(key):
+            raise ValueError(f"shard {key!r} is already finished in {self.folder}")
+        if not tensors:
+            raise ValueError(f"shard {key!r} has no tensors")
+        rows = {name: t.shape[0] if t.dim() else None for name, t in tensors.items()}
+        if None in rows.values() or len(set(rows.values())) != 1:
+            raise ValueError(f"shard {key!r}: all tensors must share their first dimension (rows), got {rows}")
+        tensors = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
+        self._check_columns(key, tensors)
+
+        name = f"shard-{len(self._shards)}.safetensors"
+        tmp = self.folder / (name + _TMP_SUFFIX)
+        save_file(tensors, tmp, metadata={"key": key})
+        _fsync_file(tmp)
+        os.replace(tmp, self.folder / name)
+        _fsync_dir(self.folder)
+        entry = {"key": key, "file": name, "rows": next(iter(rows.values())), "tensors": _schema(tensors)}
+        self._write_manifest(self._shards + [entry])
+        self._shards.append(entry)
+
+    def _check_columns(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Every shard has the same columns with the same dtype and per-row shape."""
+        if not self._shards:
+            return
+        expected = {n: (s["shape"][1:], s["dtype"]) for n, s in self._shards[0]["tensors"].items()}
+        got = {n: (s["shape"][1:], s["dtype"]) for n, s in _schema(tensors).items()}
+        if got != expected:
+            raise ValueError(
+                f"shard {key!r} has columns {got} (per-row shape, dtype); earlier shards have {expected}"
+            )
+
+    def _remove_leftovers(self) -> None:
+        """Delete temporary files and shards a killed run wrote but never listed."""
+        listed = {s["file"] for s in self._shards}
+        for path in self.folder.iterdir():
+            stray = path.name.endswith(_TMP_SUFFIX) or (
+                _SHARD_NAME.fullmatch(path.name) and path.name not in listed
+            )
+            if stray and path.is_file():
+                path.unlink()
+
+    def _write_manifest(self, shards: list[dict] | None = None) -> None:
+        manifest = {"format": FORMAT_VERSION, "meta": self._meta, "shards": self._shards if shards is None else shards}
+        tmp = self.folder / (MANIFEST + _TMP_SUFFIX)
+        with open(tmp, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.folder / MANIFEST)
+        _fsync_dir(self.folder)
+
+
+class ShardDataset(Dataset):
+    """All rows of the finished shards in `folder`, in the order the shards were written.
+
+    Shards are memory-mapped lazily through `safe_open` (a few kept open at a time), so a
+    dataset far larger than memory reads only the rows asked for. `columns` picks tensors
+    (default: all); `keys` restricts the dataset to those shards.
+    """
+
+    open_files = 8
+
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        columns: list[str] | None = None,
+        keys: Iterable[str] | None = None,
+    ):
+        self.folder = Path(folder)
+        manifest = _read_manifest(self.folder)
+        self._meta = manifest["meta"]
+        shards = manifest["shards"]
+        if keys is not None:
+            wanted = set(keys)
+            unknown = wanted - {s["key"] for s in shards}
+            if unknown:
+                raise KeyError(f"no finished shards for keys {sorted(unknown)} in {self.folder}")
+            shards = [s for s in shards if s["key"] in wanted]
+        available = list(shards[0]["tensors"]) if shards else []
+        self.columns = available if columns is None else list(columns)
+        missing = [c for c in self.columns if shards and c not in available]
+        if missing:
+            raise KeyError(f"columns {missing} not in {self.folder}; it has {available}")
+        self._shards = shards
+        self._ends = [0]
+        for s in shards:
+            self._ends.append(self._ends[-1] + s["rows"])
+        self._handles: OrderedDict[str, object] = OrderedDict()
+
+    @property
+    def meta(self) -> dict:
+        return self._meta
+
+    @property
+    def keys(self) -> list[str]:
+        return [s["key"] for s in self._shards]
+
+    def __len__(self) -> int:
+        return self._ends[-1]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"row {i} out of range for {len(self)} rows")
+        shard = bisect.bisect_right(self._ends, i) - 1
+        handle = self._handle(self._shards[shard]["file"])
+        row = i - self._ends[shard]
+        return {c: handle.get_slice(c)[row] for c in self.columns}
+
+    def split_by_key(self, fraction: float, seed: int = 0) -> tuple["ShardDataset", "ShardDataset"]:
+        """(train, held-out) over disjoint shard keys, `fraction` of the keys held out.
+
+        Splitting keys, not rows, keeps all rows of one window on one side; the split depends
+        only on the set of keys and the seed.
+        """
+        if not 0 < fraction < 1:
+            raise ValueError(f"fraction must be in (0, 1), got {fraction}")
+        keys = sorted(self.keys)
+        if len(keys) < 2:
+            raise ValueError(f"cannot split {len(keys)} shard(s) into two non-empty parts")
+        held = min(max(round(fraction * len(keys)), 1), len(keys) - 1)
+        order = torch.randperm(len(keys), generator=torch.Generator().manual_seed(seed)).tolist()
+        held_keys = {keys[j] for j in order[:held]}
+        train = [k for k in keys if k not in held_keys]
+        return (
+            ShardDataset(self.folder, self.columns, train),
+            ShardDataset(self.folder, self.columns, held_keys),
+        )
+
+    def _handle(self, file: str):
+        if file in self._handles:
+            self._handles.move_to_end(file)
+        else:
+            self._handles[file] = safe_open(self.folder / file, framework="pt")
+            if len(self._handles) > self.open_files:
+                self._handles.popitem(last=False)
+        return self._handles[file]
+
+    def __getstate__(self):
+        """Open files do not pickle (DataLoader workers); each process reopens its own."""
+        state = self.__dict__.copy()
+        state["_handles"] = OrderedDict()
+        return state

@@ -1,0 +1,161 @@
+import json
+import os
+import pickle
+
+import pytest
+import torch
+
+from atskv.predictor import shards
+from atskv.predictor.shards import MANIFEST, ShardDataset, ShardWriter
+
+META = {"model": "tiny", "layers": 4, "kv_heads": (2,), "features": ["h", "a", "type"]}
+
+
+def unit(rows: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "hidden": torch.randn(rows, 6, generator=g).to(torch.float16),
+        "mass": torch.rand(rows, generator=g, dtype=torch.float32).to(torch.bfloat16),
+        "layer": torch.randint(0, 4, (rows,), generator=g),
+        "member": torch.rand(rows, generator=g) > 0.5,
+    }
+
+
+def rows_of(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    n = next(iter(tensors.values())).shape[0]
+    return [{k: v[i] for k, v in tensors.items()} for i in range(n)]
+
+
+def assert_rows_equal(got, want):
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].dtype == want[k].dtype, k
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_round_trip_spans_shards_in_order(tmp_path):
+    units = {f"window-{i}": unit(rows, i) for i, rows in enumerate([3, 5, 1])}
+    writer = ShardWriter(tmp_path, META)
+    for key, tensors in units.items():
+        writer.write(key, tensors)
+    ds = ShardDataset(tmp_path)
+    assert len(ds) == 9 and ds.keys == list(units) and ds.meta == json.loads(json.dumps(META))
+    expected = [r for t in units.values() for r in rows_of(t)]
+    for i, want in enumerate(expected):
+        assert_rows_equal(ds[i], want)
+    assert_rows_equal(ds[-1], expected[-1])
+    with pytest.raises(IndexError):
+        ds[9]
+    only = ShardDataset(tmp_path, columns=["mass"])
+    assert list(only[4]) == ["mass"] and torch.equal(only[4]["mass"], expected[4]["mass"])
+    manifest = json.loads((tmp_path / MANIFEST).read_text())
+    assert manifest["shards"][1]["rows"] == 5
+    assert manifest["shards"][1]["tensors"]["hidden"] == {"shape": [5, 6], "dtype": "float16"}
+
+
+def test_reopened_writer_resumes(tmp_path):
+    ShardWriter(tmp_path, META).write("window-0", unit(2, 0))
+    writer = ShardWriter(tmp_path, META)
+    assert writer.has("window-0") and not writer.has("window-1")
+    with pytest.raises(ValueError, match="already finished"):
+        writer.write("window-0", unit(2, 0))
+    writer.write("window-1", unit(4, 1))
+    ds = ShardDataset(tmp_path)
+    assert ds.keys == ["window-0", "window-1"] and len(ds) == 6
+    assert_rows_equal(ds[2], rows_of(unit(4, 1))[0])
+
+
+def _kill_on(monkeypatch, name):
+    real = os.replace
+
+    def replace(src, dst):
+        if os.path.basename(dst).startswith(name):
+            raise KeyboardInterrupt("killed")
+        real(src, dst)
+
+    monkeypatch.setattr(shards.os, "replace", replace)
+
+
+@pytest.mark.parametrize("killed_at", [MANIFEST, "shard-"])
+def test_kill_loses_no_finished_shard_and_lists_no_partial(tmp_path, monkeypatch, killed_at):
+    ShardWriter(tmp_path, META).write("window-0", unit(3, 0))
+    writer = ShardWriter(tmp_path, META)
+    _kill_on(monkeypatch, killed_at)
+    with pytest.raises(KeyboardInterrupt):
+        writer.write("window-1", unit(2, 1))
+    monkeypatch.undo()
+    assert {p.name for p in tmp_path.iterdir()} > {MANIFEST, "shard-0.safetensors"}  # leftovers exist
+
+    ds = ShardDataset(tmp_path)
+    assert ds.keys == ["window-0"] and len(ds) == 3
+    resumed = ShardWriter(tmp_path, META)
+    assert {p.name for p in tmp_path.iterdir()} == {MANIFEST, "shard-0.safetensors"}
+    assert resumed.has("window-0") and not resumed.has("window-1")
+    resumed.write("window-1", unit(2, 1))
+    ds = ShardDataset(tmp_path)
+    assert ds.keys == ["window-0", "window-1"]
+    assert_rows_equal(ds[3], rows_of(unit(2, 1))[0])
+    assert_rows_equal(ds[0], rows_of(unit(3, 0))[0])
+
+
+def test_meta_mismatch_refused_unless_empty(tmp_path):
+    ShardWriter(tmp_path / "empty", META)
+    assert ShardWriter(tmp_path / "empty", {**META, "layers": 5}).meta["layers"] == 5
+    ShardWriter(tmp_path / "used", META).write("window-0", unit(1, 0))
+    with pytest.raises(ValueError, match="different settings"):
+        ShardWriter(tmp_path / "used", {**META, "layers": 5})
+    assert ShardWriter(tmp_path / "used", dict(META)).has("window-0")  # tuple vs list is the same meta
+
+
+def test_bad_shards_refused(tmp_path):
+    writer = ShardWriter(tmp_path, META)
+    bad_rows = {**unit(3, 0), "mass": torch.zeros(2)}
+    with pytest.raises(ValueError, match="first dimension"):
+        writer.write("window-0", bad_rows)
+    with pytest.raises(ValueError, match="first dimension"):
+        writer.write("window-0", {"scalar": torch.tensor(1.0)})
+    with pytest.raises(ValueError, match="no tensors"):
+        writer.write("window-0", {})
+    writer.write("window-0", unit(3, 0))
+    with pytest.raises(ValueError, match="columns"):
+        writer.write("window-1", {**unit(3, 1), "hidden": torch.zeros(3, 7, dtype=torch.float16)})
+    assert writer.keys == ["window-0"]
+    assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
+
+
+def test_dataset_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ShardDataset(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="manifest.json"):
+        ShardDataset(tmp_path)
+    ShardWriter(tmp_path, META).write("window-0", unit(2, 0))
+    with pytest.raises(KeyError, match="attention"):
+        ShardDataset(tmp_path, columns=["hidden", "attention"])
+    with pytest.raises(KeyError, match="window-9"):
+        ShardDataset(tmp_path, keys=["window-9"])
+
+
+def test_split_by_key_is_disjoint_and_deterministic(tmp_path):
+    writer = ShardWriter(tmp_path, META)
+    for i in range(10):
+        writer.write(f"window-{i}", unit(i % 3 + 1, i))
+    ds = ShardDataset(tmp_path)
+    train, held = ds.split_by_key(0.2, seed=1)
+    assert len(held.keys) == 2 and set(train.keys).isdisjoint(held.keys)
+    assert set(train.keys) | set(held.keys) == set(ds.keys)
+    assert len(train) + len(held) == len(ds)
+    assert ds.split_by_key(0.2, seed=1)[1].keys == held.keys
+    assert any(ds.split_by_key(0.2, seed=s)[1].keys != held.keys for s in range(2, 6))
+    # a held-out row is exactly the row its shard wrote
+    k = held.keys[0]
+    assert_rows_equal(held[0], rows_of(unit(int(k.split("-")[1]) % 3 + 1, int(k.split("-")[1])))[0])
+    with pytest.raises(ValueError):
+        ds.split_by_key(1.0)
+
+
+def test_dataset_pickles_for_workers(tmp_path):
+    ShardWriter(tmp_path, META).write("window-0", unit(2, 0))
+    ds = ShardDataset(tmp_path)
+    first = ds[1]
+    clone = pickle.loads(pickle.dumps(ds))
+    assert_rows_equal(clone[1], first)
