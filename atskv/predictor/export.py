@@ -1,0 +1,149 @@
+"""A trained predictor as one file a user can ship: `predictor.safetensors` holds the MLP's
+weights and the base model's token-type table, and its metadata holds a JSON header naming the
+base model (architecture, layer count, head counts, head dim, hidden size: its `ModelGeometry`),
+the managed layers the predictor scores, the feature spec and the MLP's widths. The same header
+is written beside it as `predictor.json` for people; loading reads the one inside the weights
+file, so the two can never disagree about what is loaded. Loading against another base model
+fails with both geometries in the message.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from atskv.models.geometry import ModelGeometry, model_geometry
+from atskv.predictor.model import FeatureSpec, RelevanceMLP
+
+FORMAT = 1
+_HEADER_KEY = "atskv_predictor"
+_TOKEN_TYPES = "token_types"
+
+
+@dataclass(frozen=True)
+class PredictorHeader:
+    """What a predictor file says about itself."""
+
+    base_model: str
+    geometry: ModelGeometry
+    managed_layers: tuple[int, ...]
+    feature_spec: FeatureSpec
+    widths: dict[str, int]  # RelevanceMLP's constructor widths
+    training: dict = field(default_factory=dict)  # free-form provenance (data, seed, metrics)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "format": FORMAT,
+                "base_model": self.base_model,
+                "geometry": self.geometry.to_dict(),
+                "managed_layers": list(self.managed_layers),
+                "feature_spec": self.feature_spec.to_dict(),
+                "widths": self.widths,
+                "training": self.training,
+            },
+            indent=1,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> PredictorHeader:
+        data = json.loads(text)
+        if data.pop("format", None) != FORMAT:
+            raise ValueError(f"not an atskv predictor header of format {FORMAT}")
+        return cls(
+            base_model=data["base_model"],
+            geometry=ModelGeometry.from_dict(data["geometry"]),
+            managed_layers=tuple(data["managed_layers"]),
+            feature_spec=FeatureSpec.from_dict(data["feature_spec"]),
+            widths=data["widths"],
+            training=data.get("training", {}),
+        )
+
+    def check_model(self, model_or_config) -> None:
+        """Refuse a base model whose geometry is not the one the predictor was trained on."""
+        config = getattr(model_or_config, "config", model_or_config)
+        geometry = model_geometry(config)
+        if geometry != self.geometry:
+            raise ValueError(
+                f"this predictor was trained for {self.base_model!r} ({_describe(self.geometry)}), "
+                f"but the model is {_describe(geometry)}; train or export a predictor for this model"
+            )
+
+
+@dataclass
+class LoadedPredictor:
+    mlp: RelevanceMLP  # in eval mode
+    header: PredictorHeader
+    token_types: torch.Tensor  # [vocab] int8: type of every input id of the base model
+
+
+def mlp_widths(mlp: RelevanceMLP) -> dict[str, int]:
+    """The constructor widths of `mlp`, read off its layers (what rebuilding it needs)."""
+    return {
+        "reduced_width": mlp.project.out_features,
+        "hidden": mlp.w1.out_features,
+        "layer_embedding": mlp.layer_embedding.embedding_dim,
+        "head_embedding": mlp.head_embedding.embedding_dim,
+    }
+
+
+def export_predictor(
+    mlp: RelevanceMLP,
+    token_types: torch.Tensor,
+    folder: str | Path,
+    *,
+    base_model: str,
+    geometry: ModelGeometry,
+    managed_layers: tuple[int, ...] | list[int],
+    training: dict | None = None,
+) -> Path:
+    """Write `predictor.safetensors` and `predictor.json` under `folder`; returns the weights path."""
+    if len(managed_layers) != mlp.spec.num_layers:
+        raise ValueError(f"{len(managed_layers)} managed layers given, the predictor scores {mlp.spec.num_layers}")
+    if geometry.num_kv_heads != mlp.spec.num_kv_heads:
+        raise ValueError(f"the model has {geometry.num_kv_heads} KV heads, the predictor {mlp.spec.num_kv_heads}")
+    header = PredictorHeader(
+        base_model, geometry, tuple(managed_layers), mlp.spec, mlp_widths(mlp), dict(training or {})
+    )
+    folder = Path(folder).expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().cpu().contiguous() for name, t in mlp.state_dict().items()}
+    tensors[_TOKEN_TYPES] = token_types.detach().cpu().to(torch.int8).contiguous()
+    path = folder / "predictor.safetensors"
+    save_file(tensors, str(path), metadata={_HEADER_KEY: header.to_json()})
+    (folder / "predictor.json").write_text(header.to_json() + "\n")
+    return path
+
+
+def load_predictor(path: str | Path, model=None, device: str | torch.device = "cpu") -> LoadedPredictor:
+    """Read a predictor file (or the folder holding `predictor.safetensors`); with `model`, also
+    check that it was trained for that base model."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        path = path / "predictor.safetensors"
+    if not path.is_file():
+        raise FileNotFoundError(f"no predictor at {path}; export one with `atskv export`")
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        metadata = f.metadata() or {}
+        if _HEADER_KEY not in metadata:
+            raise ValueError(f"{path} is a safetensors file but not an atskv predictor (no header)")
+        header = PredictorHeader.from_json(metadata[_HEADER_KEY])
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    if model is not None:
+        header.check_model(model)
+    token_types = tensors.pop(_TOKEN_TYPES)
+    mlp = RelevanceMLP(header.feature_spec, **header.widths)
+    mlp.load_state_dict(tensors)
+    return LoadedPredictor(mlp.to(device).eval(), header, token_types.to(device))
+
+
+def _describe(g: ModelGeometry) -> str:
+    return (
+        f"{g.model_type}, {g.num_layers} layers, {g.num_heads} query / {g.num_kv_heads} KV heads, "
+        f"head dim {g.head_dim}, hidden size {g.hidden_size}"
+    )
