@@ -346,3 +346,24 @@ def test_hidden_states_and_token_ids_reach_selectors_that_ask():
     with atskv.sparse(model, "h2o", budget=8) as plain, torch.no_grad():
         model(ids)
         assert not plain.hidden
+
+
+def test_slot_state_with_a_width_follows_its_token_through_eviction_reuse_and_compaction():
+    """A `[B, Hkv, S, width]` slot tensor (e.g. a learned selector's projected hidden states) stays
+    attached to its token whatever the cache does with the slots."""
+    torch.manual_seed(0)
+    layer = SlotLayer()
+    layer.min_growth = 4
+    for step in range(40):
+        n = 12 if step == 0 else 1
+        keys = torch.randn(2, 3, n, 8)
+        layer.update(keys, torch.randn_like(keys))
+        state = layer.slot_tensor("snapshot", init=float("nan"), width=8)
+        fresh = torch.isnan(state[..., 0]) & layer.occupied
+        state[fresh] = layer.keys[:, :, : layer.length][fresh]  # a token's state is written when it enters
+        drop = layer.occupied & (torch.rand(layer.occupied.shape) < 0.3)
+        layer.evict(drop)
+    occupied = layer.occupied
+    assert layer.length < layer.seen, "eviction must have freed and reused slots"
+    state = layer.slot_tensor("snapshot", width=8)
+    assert torch.equal(state[occupied], layer.keys[:, :, : layer.length][occupied])

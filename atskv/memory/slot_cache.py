@@ -67,7 +67,8 @@ class SlotLayer(CacheLayerMixin):
             self.values.scatter_(2, idx.expand(*slots.shape, self.values.shape[-1]), value_states)
             self.slot_pos.scatter_(2, slots, positions.expand_as(slots).contiguous())
             for tensor, init in self._slot_state.values():
-                tensor.scatter_(2, slots, torch.full(slots.shape, init, dtype=tensor.dtype, device=self.device))
+                idx = slots.view(*slots.shape, *[1] * (tensor.dim() - 3)).expand(*slots.shape, *tensor.shape[3:])
+                tensor.scatter_(2, idx, torch.full(idx.shape, init, dtype=tensor.dtype, device=self.device))
         self.seen += n
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
@@ -100,13 +101,17 @@ class SlotLayer(CacheLayerMixin):
         """`[B, Hkv, S]` bool: slots holding a token."""
         return self.slot_pos[..., : self.length] >= 0
 
-    def slot_tensor(self, name: str, init: float = 0.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """A per-slot float state `[B, Hkv, S]` for a selector, created on first use with `init`;
-        it is moved along with its tokens and reset to `init` when a slot gets a new token."""
+    def slot_tensor(
+        self, name: str, init: float = 0.0, dtype: torch.dtype = torch.float32, width: int | None = None
+    ) -> torch.Tensor:
+        """A per-slot state `[B, Hkv, S]` (or `[B, Hkv, S, width]`) for a selector, created on first
+        use with `init`; it is moved along with its tokens and reset to `init` when a slot gets a
+        new token."""
         if name not in self._slot_state:
             b, h, cap = self.slot_pos.shape
-            self._slot_state[name] = (torch.full((b, h, cap), init, dtype=dtype, device=self.device), init)
-        return self._slot_state[name][0][..., : self.length]
+            shape = (b, h, cap) if width is None else (b, h, cap, width)
+            self._slot_state[name] = (torch.full(shape, init, dtype=dtype, device=self.device), init)
+        return self._slot_state[name][0][:, :, : self.length]
 
     def evict(self, drop: torch.Tensor) -> None:
         """Free the slots where `drop` (`[B, Hkv, S]`) is True; compact once most slots are free."""
