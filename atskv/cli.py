@@ -13,13 +13,11 @@ from jsonargparse import auto_cli
 from atskv.models import DEFAULT_MODEL, resolve_device
 from atskv.eval.peer import peer_command
 from atskv.eval.tasks import tasks_command
+from atskv.predictor.collect import collect_command
 from atskv.selectors.kascade_profile import kascade_profile_command
 
 PENDING = {
-    "collect": "collecting predictor features and labels arrives with the relevance-predictor work (issue 4)",
-    "fit": "supervised training of the relevance predictor arrives with the relevance-predictor work (issue 4)",
     "finetune": "policy-gradient fine-tuning arrives with the RL work (issue 6)",
-    "export": "exporting a trained predictor arrives with the relevance-predictor work (issue 4)",
 }
 
 
@@ -299,6 +297,46 @@ def bench(
     print(benchmark.markdown(records))
 
 
+def export(checkpoint: Path, out: Path = Path("predictor"), model: str | None = None) -> None:
+    """Turn a training checkpoint into predictor.safetensors plus its JSON header.
+
+    Args:
+        checkpoint: a checkpoint written by `atskv fit` (e.g. runs/fit/.../checkpoints/last.ckpt).
+        out: output folder (predictor.safetensors, predictor.json).
+        model: the base model (for its tokenizer's token-type table); default: the one the
+            training data was collected from. Its geometry must match the collection's.
+    """
+    from atskv.models import ModelGeometry, load_model, model_geometry
+    from atskv.predictor.export import export_predictor
+    from atskv.predictor.token_types import token_type_table
+    from atskv.predictor.training import RelevanceModule
+
+    if not Path(checkpoint).is_file():
+        raise FileNotFoundError(f"{checkpoint}: no such checkpoint; `atskv fit` writes them under runs/fit/")
+    module = RelevanceModule.load_from_checkpoint(checkpoint, map_location="cpu")
+    collection = module.hparams.collection
+    geometry = ModelGeometry.from_dict(collection["geometry"])
+    loaded = load_model(model or collection["model"])
+    if model_geometry(loaded.model.config) != geometry:
+        raise ValueError(f"{loaded.name} is not the model the training data came from ({collection['model']})")
+    path = export_predictor(
+        module.model.eval(),
+        token_type_table(loaded.tokenizer, loaded.model.config.vocab_size),
+        out,
+        base_model=collection["model"],
+        geometry=geometry,
+        managed_layers=collection["managed_layers"],
+        training={"checkpoint": str(checkpoint), "hyperparameters": {k: v for k, v in module.hparams.items() if k != "collection"}},
+    )
+    print(f"wrote {path} ({module.model.parameter_count()} parameters) and {path.with_suffix('.json')}")
+
+
+def fit() -> None:
+    """Train the relevance predictor on collected shards (LightningCLI; see `atskv fit --help`).
+
+    Typical use: `atskv fit --config configs/fit.yaml --seed_everything N` for N = 0, 1, 2."""
+
+
 def selectors() -> None:
     """List the registered selectors and how the hook treats each."""
     from atskv.selectors import SELECTORS
@@ -347,6 +385,9 @@ COMMANDS = {
     "selectors": selectors,
     "data": {"fetch": fetch, "list": corpora, "_help": "Offline corpora for training and evaluation."},
     "bench": bench,
+    "collect": collect_command,
+    "fit": fit,
+    "export": export,
     "profile": {
         "kascade": kascade_profile_command,
         "_help": "Per-model profiles that selectors need (Kascade's anchor layers and head map).",
@@ -364,7 +405,13 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    argv = sys.argv[1:] if argv is None else argv
     try:
+        if argv[:1] == ["fit"]:  # Lightning's own CLI (trainer, model, data, checkpoints) takes over
+            from atskv.predictor.training import fit_main
+
+            fit_main(["fit", *argv[1:]])
+            return
         auto_cli(COMMANDS, args=argv, as_positional=True, prog="atskv")
     except (ValueError, FileNotFoundError, ImportError, TypeError) as error:
         print(f"atskv: error: {error}", file=sys.stderr)

@@ -6,6 +6,7 @@ from atskv.selectors.base import LayerView, Selector
 from atskv.selectors.dense import DenseSelector
 from atskv.selectors.h2o import H2OSelector
 from atskv.selectors.kascade import KascadeSelector
+from atskv.selectors.learned import LearnedSelector
 from atskv.selectors.oracle import OracleSelector
 from atskv.selectors.quest import QuestSelector
 from atskv.selectors.snapkv import SnapKVSelector
@@ -27,6 +28,7 @@ SELECTORS: dict[str, type[Selector]] = {
         SparCasSelector,
         KascadeSelector,
         SparKSelector,
+        LearnedSelector,
     )
 }
 

@@ -1,0 +1,173 @@
+"""The learned retention policy: an exported `RelevanceMLP` decides which tokens each managed
+layer and KV head keeps under the budget (query-agnostic and evicting, like H2O and SnapKV).
+
+Scores are not recomputed for every token at every step. A token's fixed features (its projected
+hidden state, hidden-state norm and token type) are computed once, when it enters the cache, and
+kept in slot tensors; all scores are refreshed from the current features every `refresh_every`
+steps and at the end of the prompt. Between refreshes a newly written token scores +inf, so the
+last few tokens are always kept (a short recent window of at most `refresh_every` tokens).
+
+The features are the collection's (`atskv.predictor.features`), computed from run-time state:
+`attention` from an H2O-style accumulator of the attention each token received (summed over the
+group's heads, divided by the group size and by the queries that could see it; after eviction the
+accumulated attention is that of the sparse run, not of the dense one the labels came from),
+`prev_attention` from the previous managed layer's accumulator matched by position, the rest
+from positions, keys and the stored hidden-state norms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from atskv.predictor.export import LoadedPredictor, load_predictor
+from atskv.predictor.features import SCALAR_FEATURES
+from atskv.selectors.base import LayerView, Selector
+
+_PROJECTED, _HIDDEN_NORM, _TYPE, _RECEIVED, _SCORE = (
+    "learned_projected", "learned_hidden_norm", "learned_type", "learned_received", "learned_score",
+)
+
+
+@dataclass
+class LearnedSelector(Selector):
+    name = "learned"
+    evicts = True
+    needs_attention = True
+    needs_hidden = True
+    predictor: str | Path | LoadedPredictor | None = None
+    refresh_every: int = 16
+    _previous: tuple[int, torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.predictor is None:
+            raise ValueError("the learned selector needs an exported predictor: LearnedSelector(predictor=PATH)")
+        if not isinstance(self.predictor, LoadedPredictor):
+            self.predictor = load_predictor(self.predictor)
+        if tuple(self.predictor.header.feature_spec.scalar_features) != SCALAR_FEATURES:
+            raise ValueError(
+                f"the predictor reads features {self.predictor.header.feature_spec.scalar_features}, "
+                f"this version of atskv computes {SCALAR_FEATURES}"
+            )
+        if self.refresh_every < 1:
+            raise ValueError(f"refresh_every must be >= 1, got {self.refresh_every}")
+        self._layer_index = {layer: i for i, layer in enumerate(self.predictor.header.managed_layers)}
+
+    # --- the selector protocol ---------------------------------------------------------------
+    def prefill(self, view: LayerView) -> None:
+        self._check(view)
+        self._enter(view)
+        self._refresh(view)
+
+    def observe(self, view: LayerView, attention_mass: torch.Tensor) -> None:
+        view.layer.slot_tensor(_RECEIVED).add_(attention_mass)
+
+    def scores(self, view: LayerView) -> torch.Tensor:
+        self._enter(view)
+        state = view.layer.state.setdefault(self.name, {"refreshed_at": view.layer.seen})
+        if view.layer.seen - state["refreshed_at"] >= self.refresh_every:
+            self._refresh(view)
+        return view.layer.slot_tensor(_SCORE, init=torch.inf).unsqueeze(2)
+
+    def _check(self, view: LayerView) -> None:
+        g = self.predictor.header.geometry
+        shape = (view.query.shape[1], view.keys.shape[1], view.keys.shape[-1])
+        if shape != (g.num_heads, g.num_kv_heads, g.head_dim):
+            raise ValueError(
+                f"the predictor was trained for {self.predictor.header.base_model!r} ({g.num_heads} query / "
+                f"{g.num_kv_heads} KV heads, head dim {g.head_dim}); this model has {shape[0]} / {shape[1]}, "
+                f"head dim {shape[2]}"
+            )
+        if view.layer_idx not in self._layer_index:
+            raise ValueError(
+                f"layer {view.layer_idx} is managed by the hook but the predictor scores layers "
+                f"{list(self._layer_index)}; run with the dense_layers it was collected with"
+            )
+
+    # --- features ------------------------------------------------------------------------------
+    def features(self, view: LayerView) -> torch.Tensor:
+        """`[B, Hkv, S, F]` scalar features of every slot, in `SCALAR_FEATURES` order."""
+        layer = view.layer
+        # positions within each row's own text: left padding shifts a row's slots, not its features
+        padding = (layer.seen - view.context[:, 0, -1]).view(-1, 1, 1)
+        pos = (view.slot_pos - padding).clamp(min=0).float()
+        newest = (view.context[:, 0, -1] - 1).float().view(-1, 1, 1)
+        seen_by = (newest - pos + 1).clamp(min=1)  # queries that could attend to the token so far
+        attention = layer.slot_tensor(_RECEIVED) / view.group_size / seen_by
+        columns = {
+            "attention": attention,
+            "position": pos / newest.clamp(min=1.0),
+            "log_age": torch.log1p((newest - pos).clamp(min=0)),
+            "hidden_norm": layer.slot_tensor(_HIDDEN_NORM),
+            "key_norm": view.keys.float().norm(dim=-1),
+            "prev_attention": self._previous_attention(view),
+        }
+        self._previous = (view.layer_idx, self._head_mean_by_position(view, attention))
+        return torch.stack([columns[name] for name in SCALAR_FEATURES], dim=-1)
+
+    def _previous_attention(self, view: LayerView) -> torch.Tensor:
+        """The previous managed layer's mean attention per token, read at this layer's slots."""
+        index = self._layer_index.get(view.layer_idx)
+        if self._previous is None or index in (None, 0) or self._previous[0] >= view.layer_idx:
+            return torch.zeros(view.slot_pos.shape, device=view.keys.device)
+        by_position = self._previous[1]  # [B, seen]
+        if by_position.shape[-1] != view.layer.seen:
+            return torch.zeros(view.slot_pos.shape, device=view.keys.device)
+        b, h, s = view.slot_pos.shape
+        mean = by_position.gather(-1, view.slot_pos.clamp(min=0).reshape(b, h * s)).view(b, h, s)
+        return mean.masked_fill(view.slot_pos < 0, 0.0)
+
+    @staticmethod
+    def _head_mean_by_position(view: LayerView, per_slot: torch.Tensor) -> torch.Tensor:
+        """Per-slot values `[B, Hkv, S]` averaged over the KV heads that hold each token, laid out
+        by position `[B, seen]` (each head has its own slot layout once it has evicted)."""
+        b, h, _ = per_slot.shape
+        seen = view.layer.seen
+        pos = view.slot_pos.masked_fill(view.slot_pos < 0, seen)  # free slots land in a spare column
+        total = torch.zeros(b, h, seen + 1, device=per_slot.device).scatter_(-1, pos, per_slot.float())
+        held = torch.zeros(b, h, seen + 1, device=per_slot.device).scatter_(-1, pos, torch.ones_like(per_slot))
+        return (total.sum(1) / held.sum(1).clamp(min=1))[:, :seen]
+
+    # --- state ---------------------------------------------------------------------------------
+    def _enter(self, view: LayerView) -> None:
+        """Store the fixed features of the tokens written in this step (projected hidden state,
+        its norm, token type); their score stays +inf until the next refresh."""
+        layer, mlp = view.layer, self.predictor.mlp
+        width = mlp.project.out_features
+        kind = layer.slot_tensor(_TYPE, init=-1.0)
+        fresh = (kind < 0) & (view.slot_pos >= 0)
+        if view.hidden is None or not bool(fresh.any()):
+            return
+        tq = view.hidden.shape[1]
+        offset = (view.slot_pos - (layer.seen - tq)).clamp(min=0, max=tq - 1)  # [B, Hkv, S]: row of view.hidden
+        b, h, s = offset.shape
+        rows = fresh.nonzero(as_tuple=True)
+        hidden = view.hidden[rows[0], offset[rows]]  # [n, d_model]
+        with torch.no_grad():
+            layer.slot_tensor(_PROJECTED, width=width)[rows] = mlp.project_hidden(hidden).float()
+        layer.slot_tensor(_HIDDEN_NORM)[rows] = hidden.float().norm(dim=-1)
+        ids = view.token_ids[rows[0], offset[rows]] if view.token_ids is not None else None
+        types = self.predictor.token_types.to(view.keys.device)
+        kind[rows] = types[ids].float() if ids is not None else float(len(self.predictor.header.feature_spec.token_types) - 1)
+
+    def _refresh(self, view: LayerView) -> None:
+        """Recompute every held token's score from its current features."""
+        layer, mlp = view.layer, self.predictor.mlp
+        scalars = self.features(view)
+        occupied = view.slot_pos >= 0
+        rows = occupied.nonzero(as_tuple=True)
+        index = self._layer_index[view.layer_idx]
+        with torch.no_grad():
+            logits = mlp.score(
+                layer.slot_tensor(_PROJECTED, width=mlp.project.out_features)[rows],
+                scalars[rows],
+                layer.slot_tensor(_TYPE, init=-1.0)[rows].clamp(min=0).long(),
+                torch.full_like(rows[0], index),
+                rows[1],
+            )
+        score = layer.slot_tensor(_SCORE, init=torch.inf)
+        score.fill_(-torch.inf)
+        score[rows] = logits.float()
+        layer.state.setdefault(self.name, {})["refreshed_at"] = layer.seen

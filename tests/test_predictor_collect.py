@@ -1,0 +1,180 @@
+"""`atskv collect`: shard columns, features and labels against eager attention, influence against
+a finite difference, resumability and bad input."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+from transformers.models.llama.modeling_llama import eager_attention_forward
+
+import atskv.predictor.collect as collect_module
+from atskv.predictor.collect import collect, collect_command
+from atskv.predictor.features import SCALAR_FEATURES
+from atskv.predictor.shards import ShardDataset
+from atskv.predictor.token_types import token_type_table
+from tests.conftest import random_prompt, tiny_bpe_tokenizer, tiny_model
+
+T, W, K = 64, 8, 6
+DECISIONS = (0.5, 0.75)  # t = 32, 48
+
+
+def _run(tmp_path, family="llama", windows=2, name="out", **kw):
+    model = tiny_model(family)
+    kw = {"decision_points": DECISIONS, "future_queries": W, "topk": K, "dense_layers": 1, "progress": False, **kw}
+    folder = collect(model, tiny_bpe_tokenizer(), random_prompt(T, batch=windows), tmp_path / name, **kw)
+    return model, folder
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_columns_and_balanced_sampling(tmp_path, family):
+    model, folder = _run(tmp_path, family)
+    meta = ShardDataset(folder).meta
+    managed = meta["managed_layers"]
+    assert managed == ([1, 2, 3] if family == "llama" else [2, 5])  # Gemma: global layers only
+    assert meta["feature_spec"]["scalar_features"] == list(SCALAR_FEATURES) and meta["influence"] is False
+    hkv, d = model.config.num_key_value_heads, model.config.hidden_size
+    dtypes = {
+        "hidden": torch.float16, "scalars": torch.float32, "token_type": torch.int8, "layer": torch.int16,
+        "head": torch.int8, "mass": torch.float32, "in_topk": torch.bool, "influence": torch.float32,
+        "group": torch.int64, "position": torch.int32, "decision": torch.int32,
+    }
+    groups = set()
+    for i in range(2):
+        shard = load_file(folder / f"shard-{i}.safetensors")
+        assert {k: v.dtype for k, v in shard.items()} == dtypes
+        n = shard["mass"].shape[0]
+        assert shard["hidden"].shape == (n, d) and shard["scalars"].shape == (n, len(SCALAR_FEATURES))
+        assert torch.isnan(shard["influence"]).all()
+        assert (shard["position"] <= shard["decision"]).all()
+        keys = torch.stack([shard["decision"], shard["layer"].int(), shard["head"].int()], 1)
+        combos = keys.unique(dim=0)
+        assert len(combos) == len(DECISIONS) * len(managed) * hkv
+        for t, layer, h in combos.tolist():
+            rows = (keys == torch.tensor([t, layer, h])).all(1)
+            members = shard["in_topk"][rows]
+            assert members.sum() == K and (~members).sum() == K  # all top-k, as many negatives
+            assert shard["position"][rows].unique().numel() == 2 * K
+            # members are the top-k of mass among all tokens <= t: every member outranks every sampled other
+            assert shard["mass"][rows][members].min() >= shard["mass"][rows][~members].max()
+            assert shard["group"][rows].unique().numel() == 1
+            groups.add(int(shard["group"][rows][0]))
+    assert len(groups) == 2 * len(DECISIONS) * len(managed) * hkv  # group ids unique across windows
+
+
+def test_features_and_labels_match_eager_attention(tmp_path):
+    model, folder = _run(tmp_path, windows=1)
+    window = random_prompt(T, batch=1)
+    shard = load_file(folder / "shard-0.safetensors")
+    managed = [1, 2, 3]
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        out = model(window, output_attentions=True, output_hidden_states=True, use_cache=True)
+    hkv = model.config.num_key_value_heads
+    pooled = {l: out.attentions[l][0].view(hkv, -1, T, T).mean(1) for l in managed}  # [Hkv, T, T]
+    received = {(l, t): torch.stack([pooled[l][:, i : t + 1, i].mean(-1) for i in range(t + 1)], -1)
+                for l in managed for t in (32, 48)}  # [Hkv, t+1]
+    types = token_type_table(tiny_bpe_tokenizer(), model.config.vocab_size)
+    for r in torch.linspace(0, shard["mass"].shape[0] - 1, 40).long().tolist():
+        t, li, h, i = (int(shard[c][r]) for c in ("decision", "layer", "head", "position"))
+        layer = managed[li]
+        hidden = model.model.layers[layer].input_layernorm(out.hidden_states[layer])[0, i]
+        key = out.past_key_values.layers[layer].keys[0, h, i]
+        future = pooled[layer][h, t + 1 : t + 1 + W, : t + 1].mean(0)
+        prev = received[managed[li - 1], t][:, i].mean() if li else torch.tensor(0.0)
+        expected = torch.stack([received[layer, t][h, i], torch.tensor(i / t), torch.log1p(torch.tensor(t - i)),
+                                hidden.norm(), key.norm(), prev])
+        torch.testing.assert_close(shard["scalars"][r], expected.float(), rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(shard["hidden"][r], hidden.half(), rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(shard["mass"][r], future[i], rtol=1e-4, atol=1e-7)
+        assert bool(shard["in_topk"][r]) == (i in future.topk(K).indices.tolist())
+        assert shard["token_type"][r] == types[window[0, i]]
+
+
+def _biased_eager(target):
+    """Eager attention with `eps` added to the logits of KV head h's query heads, queries after t, key i."""
+
+    def forward(module, query, key, value, attention_mask, **kwargs):
+        layer, h, t, i, eps = target
+        if module.layer_idx == layer:
+            g = query.shape[1] // key.shape[1]
+            attention_mask = attention_mask.expand(-1, query.shape[1], -1, -1).clone()
+            attention_mask[:, h * g : (h + 1) * g, t + 1 :, i] += eps
+        return eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    return forward
+
+
+def test_influence_matches_finite_difference(tmp_path):
+    model64 = tiny_model("llama").double()  # float64, so the finite difference is exact enough
+    kw = {"decision_points": DECISIONS, "future_queries": W, "topk": K, "dense_layers": 1, "progress": False}
+    folder = collect(model64, tiny_bpe_tokenizer(), random_prompt(T, batch=1), tmp_path, influence=True, **kw)
+    assert ShardDataset(folder).meta["influence"] is True
+    shard = load_file(folder / "shard-0.safetensors")
+    assert torch.isfinite(shard["influence"]).all()
+    r = int(shard["influence"].abs().argmax())
+    t, li, h, i = (int(shard[c][r]) for c in ("decision", "layer", "head", "position"))
+    ids = random_prompt(T, batch=1)[:, : t + W + 2]
+    target = [[1, 2, 3][li], h, t, i, 0.0]
+    AttentionInterface.register("test_biased_eager", _biased_eager(target))
+    AttentionMaskInterface.register("test_biased_eager", eager_mask)
+    model64.set_attn_implementation("test_biased_eager")
+
+    def loss(eps):
+        target[4] = eps
+        with torch.no_grad():
+            logits = model64(ids[:, :-1], use_cache=False).logits[0]
+        return F.cross_entropy(logits, ids[0, 1:], reduction="none")[t + 1 : t + 1 + W].mean()
+
+    eps = 1e-2
+    finite = (loss(eps) - loss(-eps)) / (2 * eps)
+    assert abs(float(finite)) > 1e-5
+    torch.testing.assert_close(shard["influence"][r].double(), finite, rtol=1e-4, atol=1e-8)
+
+
+def test_resumes_and_loses_no_finished_shard(tmp_path, monkeypatch):
+    model, tokenizer = tiny_model("llama"), tiny_bpe_tokenizer()
+    kw = {"decision_points": DECISIONS, "future_queries": W, "topk": K, "progress": False}
+    windows = random_prompt(T, batch=4)
+    real_tqdm = collect_module.tqdm
+
+    def killed_after_two(items, **kwargs):
+        for n, item in enumerate(real_tqdm(items, **kwargs)):
+            if n == 2:
+                raise KeyboardInterrupt
+            yield item
+
+    monkeypatch.setattr(collect_module, "tqdm", killed_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        collect(model, tokenizer, windows, tmp_path, **kw)
+    assert ShardDataset(tmp_path).keys == ["corpus-w0", "corpus-w1"]
+    first = (tmp_path / "shard-0.safetensors").stat().st_mtime_ns
+
+    seen = []
+    monkeypatch.setattr(collect_module, "tqdm", lambda items, **kwargs: seen.extend(k for k, _ in items) or items)
+    collect(model, tokenizer, windows[:3], tmp_path, **kw)
+    assert seen == ["corpus-w2"]  # only the new window is run
+    collect(model, tokenizer, windows, tmp_path, **kw)
+    assert ShardDataset(tmp_path).keys == ["corpus-w0", "corpus-w1", "corpus-w2", "corpus-w3"]
+    assert (tmp_path / "shard-0.safetensors").stat().st_mtime_ns == first
+
+
+def test_bad_input(tmp_path):
+    _run(tmp_path, windows=1)
+    with pytest.raises(ValueError, match="different settings"):
+        _run(tmp_path, windows=1, topk=K + 1)
+    with pytest.raises(ValueError, match=r"t \+ W \+ 2 <= 64"):
+        _run(tmp_path, windows=1, name="w", future_queries=40)
+    with pytest.raises(ValueError, match="1 <= t"):
+        _run(tmp_path, windows=1, name="t", decision_points=(0.0,))
+    with pytest.raises(ValueError, match="t \\+ W"):  # checked before the model is loaded
+        collect_command(model="no-such-model", window_tokens=64, future_queries=64)
+
+    model_dir, corpus = tmp_path / "tiny-llama", tmp_path / "corpus"
+    tiny_model("llama").save_pretrained(model_dir)
+    tiny_bpe_tokenizer().save_pretrained(model_dir)
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("Too short to fill a window.")
+    with pytest.raises(ValueError, match=r"corpus too short: \d+ tokens < window 64"):
+        collect_command(model=str(model_dir), corpus=str(corpus), windows=1, window_tokens=64, future_queries=8, topk=4)

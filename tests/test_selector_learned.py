@@ -1,0 +1,115 @@
+"""The learned selector: run-time features equal the collection's, it evicts to its budget, it
+refreshes on its cadence, and it refuses a predictor made for another model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import atskv
+from atskv.models import model_geometry
+from atskv.predictor.export import export_predictor
+from atskv.predictor.features import SCALAR_FEATURES, attention_so_far, scalar_features
+from atskv.predictor.model import FeatureSpec, RelevanceMLP
+from atskv.selectors.learned import LearnedSelector
+from tests.conftest import VOCAB, random_prompt, tiny_model
+
+MANAGED = [2, 3]  # a 4-layer tiny Llama with dense_layers=2
+
+
+@pytest.fixture
+def predictor_dir(tmp_path):
+    model = tiny_model("llama")
+    torch.manual_seed(1)
+    spec = FeatureSpec(model.config.hidden_size, SCALAR_FEATURES, len(MANAGED), model.config.num_key_value_heads)
+    mlp = RelevanceMLP(spec, reduced_width=8, hidden=16).eval()
+    types = torch.randint(0, spec.num_token_types, (VOCAB,), dtype=torch.int8)
+    export_predictor(mlp, types, tmp_path, base_model="tiny-llama", geometry=model_geometry(model.config),
+                     managed_layers=MANAGED)
+    return tmp_path
+
+
+class Capturing(LearnedSelector):
+    def features(self, view):
+        features = super().features(view)
+        self.captured = getattr(self, "captured", {})
+        self.captured[view.layer_idx] = (features, view.keys.clone(), view.hidden.clone())
+        return features
+
+
+def test_run_time_features_equal_the_collections(predictor_dir):
+    model = tiny_model("llama")
+    ids = random_prompt(20, seed=4, batch=2)
+    selector = Capturing(predictor=predictor_dir)
+    with atskv.sparse(model, selector, budget=1.0, dense_layers=2), torch.no_grad():
+        model(ids)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        probs = model(ids, output_attentions=True).attentions
+    model.set_attn_implementation("sdpa")
+    t, hkv = ids.shape[1] - 1, model.config.num_key_value_heads
+    previous = None
+    for layer in MANAGED:
+        p = probs[layer]
+        pooled = p.view(p.shape[0], hkv, -1, *p.shape[-2:]).mean(2)
+        attention = attention_so_far(pooled, t)
+        features, keys, hidden = selector.captured[layer]
+        expected = scalar_features(attention, previous, hidden, keys, t)
+        torch.testing.assert_close(features, expected, rtol=1e-4, atol=1e-5)
+        previous = attention.mean(1)
+
+
+def test_evicts_to_its_budget_and_left_padding_does_not_change_a_rows_choice(predictor_dir):
+    model = tiny_model("llama")
+    ids = random_prompt(30, seed=5, batch=2)
+    budget = 12
+
+    def run(batch, mask):
+        with atskv.sparse(model, LearnedSelector(predictor=predictor_dir, refresh_every=4), budget=budget) as s:
+            with torch.no_grad():
+                out = model.generate(batch, attention_mask=mask, max_new_tokens=10, min_new_tokens=10,
+                                     do_sample=False, pad_token_id=0)
+            held = int(s.cache.layers[3].occupied.sum(-1).max())
+        return out, held
+
+    alone, held = run(ids[:1, 5:], torch.ones_like(ids[:1, 5:]))
+    assert held <= budget
+    padded = ids.clone()
+    padded[0, :5] = 0
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    batched, _ = run(padded, mask)
+    assert torch.equal(batched[0, 5:], alone[0])
+
+
+def test_scores_refresh_every_n_steps_and_new_tokens_wait_at_plus_inf(predictor_dir):
+    model = tiny_model("llama")
+    ids = random_prompt(16, seed=6)
+    selector = LearnedSelector(predictor=predictor_dir, refresh_every=3)
+    snapshots = []
+    with atskv.sparse(model, selector, budget=1.0) as s, torch.no_grad():
+        out = model(ids, use_cache=True)
+        cache = out.past_key_values
+        token = out.logits[:, -1:].argmax(-1)
+        for _ in range(4):
+            out = model(token, past_key_values=cache, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+            snapshots.append(s.cache.layers[3].slot_tensor("learned_score").clone())
+    prompt = slice(0, ids.shape[1])
+    assert torch.isinf(snapshots[0][..., -1]).all(), "a new token waits at +inf for the next refresh"
+    assert torch.equal(snapshots[0][..., prompt], snapshots[1][..., prompt]), "no refresh before 3 steps"
+    assert not torch.equal(snapshots[1][..., prompt], snapshots[2][..., prompt]), "refresh at step 3"
+    assert torch.isfinite(snapshots[2]).all()
+
+
+def test_a_predictor_for_another_model_or_layout_is_refused(predictor_dir):
+    other = tiny_model("gemma3")  # one KV head, head dim 16
+    with pytest.raises(ValueError, match="trained for 'tiny-llama'"):
+        with atskv.sparse(other, LearnedSelector(predictor=predictor_dir)), torch.no_grad():
+            other(random_prompt(8))
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="run with the dense_layers"):
+        with atskv.sparse(model, LearnedSelector(predictor=predictor_dir), dense_layers=1), torch.no_grad():
+            model(random_prompt(8))
+    with pytest.raises(ValueError, match="needs an exported predictor"):
+        LearnedSelector()
