@@ -159,3 +159,21 @@ def test_dataset_pickles_for_workers(tmp_path):
     first = ds[1]
     clone = pickle.loads(pickle.dumps(ds))
     assert_rows_equal(clone[1], first)
+
+
+def test_batched_reads_equal_row_reads_in_any_order(tmp_path):
+    """`__getitems__` (one slice per shard) returns exactly the rows `__getitem__` does, in the
+    order asked, across shards; `column` reads a whole column."""
+    writer = ShardWriter(tmp_path, {"m": 1})
+    for n, rows in enumerate([5, 3, 7]):
+        writer.write(f"w{n}", {"x": torch.arange(rows * 2, dtype=torch.float32).view(rows, 2) + 100 * n,
+                               "g": torch.full((rows,), n, dtype=torch.int64)})
+    dataset = ShardDataset(tmp_path)
+    asked = [14, 0, 6, 5, 9, 2, 13]
+    batch = dataset.__getitems__(asked)
+    for position, i in enumerate(asked):
+        row = dataset[i]
+        assert torch.equal(batch["x"][position], row["x"]) and torch.equal(batch["g"][position], row["g"])
+    assert torch.equal(dataset.column("g"), torch.tensor([0] * 5 + [1] * 3 + [2] * 7))
+    with pytest.raises(IndexError):
+        dataset.__getitems__([15])

@@ -218,6 +218,31 @@ class ShardDataset(Dataset):
         row = i - self._ends[shard]
         return {c: handle.get_slice(c)[row] for c in self.columns}
 
+    def __getitems__(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """A batch of rows as one dict of stacked tensors, in the order asked: each shard's rows
+        are read as one slice. DataLoader calls this instead of `__getitem__` per row (pass
+        `collate_fn=stacked`); it is what makes training read fast."""
+        index = torch.as_tensor(indices, dtype=torch.long)
+        if index.numel() and (index.min() < 0 or index.max() >= len(self)):
+            raise IndexError(f"rows out of range for {len(self)} rows")
+        shard_of = torch.bucketize(index, torch.tensor(self._ends[1:]), right=True)
+        parts, order = {c: [] for c in self.columns}, []
+        for shard in shard_of.unique().tolist():
+            where = (shard_of == shard).nonzero().flatten()
+            local = index[where] - self._ends[shard]
+            lo, hi = int(local.min()), int(local.max()) + 1
+            handle = self._handle(self._shards[shard]["file"])
+            for c in self.columns:
+                parts[c].append(handle.get_slice(c)[lo:hi][local - lo])
+            order.append(where)
+        inverse = torch.empty_like(index)
+        inverse[torch.cat(order)] = torch.arange(index.numel())
+        return {c: torch.cat(parts[c])[inverse] for c in self.columns}
+
+    def column(self, name: str) -> torch.Tensor:
+        """One column of every row, read shard by shard (e.g. the group ids a sampler needs)."""
+        return torch.cat([self._handle(s["file"]).get_tensor(name) for s in self._shards])
+
     def split_by_key(self, fraction: float, seed: int = 0) -> tuple["ShardDataset", "ShardDataset"]:
         """(train, held-out) over disjoint shard keys, `fraction` of the keys held out.
 
@@ -252,3 +277,8 @@ class ShardDataset(Dataset):
         state = self.__dict__.copy()
         state["_handles"] = OrderedDict()
         return state
+
+
+def stacked(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """DataLoader `collate_fn` for `ShardDataset.__getitems__`: the batch is already stacked."""
+    return batch

@@ -39,7 +39,7 @@ from torchmetrics.classification import BinaryAUROC
 from torchmetrics.utilities import dim_zero_cat
 
 from atskv.predictor.model import FeatureSpec, RelevanceMLP
-from atskv.predictor.shards import ShardDataset
+from atskv.predictor.shards import ShardDataset, stacked
 
 COLUMNS = ["hidden", "scalars", "token_type", "layer", "head", "mass", "in_topk", "group"]
 MONITOR = "val/mass_recall"
@@ -189,10 +189,10 @@ class RelevanceData(L.LightningDataModule):
             self.train_set, self.val_set = self.dataset.split_by_key(fraction, seed)
 
     def _loader(self, dataset: ShardDataset, shuffle: bool) -> DataLoader:
-        groups = torch.stack([row["group"] for row in ShardDataset(dataset.folder, ["group"], dataset.keys)])
         return DataLoader(
             dataset,
-            batch_sampler=GroupBatchSampler(groups, self.hparams.batch_size, shuffle),
+            batch_sampler=GroupBatchSampler(dataset.column("group"), self.hparams.batch_size, shuffle),
+            collate_fn=stacked,
             num_workers=self.hparams.num_workers,
             persistent_workers=self.hparams.num_workers > 0,
         )
