@@ -33,6 +33,20 @@ class ModelGeometry:
         """Indices of the layers that attend over the whole context: the ones atskv manages."""
         return tuple(i for i, kind in enumerate(self.layer_types) if kind == FULL_ATTENTION)
 
+    def describe(self) -> str:
+        return (
+            f"{self.model_type}, {self.num_layers} layers, {self.num_heads} query / {self.num_kv_heads} KV heads, "
+            f"head dim {self.head_dim}, hidden size {self.hidden_size}"
+        )
+
+    def require_same(self, model_or_config, made_for: str, remedy: str) -> None:
+        """Refuse a model (or config) whose geometry is not this one, which something (a profile,
+        a predictor) `made_for` a model was measured on; `remedy` says what to do instead."""
+        config = getattr(model_or_config, "config", model_or_config)
+        geometry = model_geometry(config)
+        if geometry != self:
+            raise ValueError(f"{made_for} ({self.describe()}), but the model is {geometry.describe()}; {remedy}")
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (layer_types as a list), for checkpoint headers."""
         return {**asdict(self), "layer_types": list(self.layer_types)}

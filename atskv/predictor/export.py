@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from atskv.models.geometry import ModelGeometry, model_geometry
+from atskv.models.geometry import ModelGeometry
 from atskv.predictor.model import FeatureSpec, RelevanceMLP
 
 FORMAT = 1
@@ -66,13 +66,9 @@ class PredictorHeader:
 
     def check_model(self, model_or_config) -> None:
         """Refuse a base model whose geometry is not the one the predictor was trained on."""
-        config = getattr(model_or_config, "config", model_or_config)
-        geometry = model_geometry(config)
-        if geometry != self.geometry:
-            raise ValueError(
-                f"this predictor was trained for {self.base_model!r} ({_describe(self.geometry)}), "
-                f"but the model is {_describe(geometry)}; train or export a predictor for this model"
-            )
+        self.geometry.require_same(
+            model_or_config, f"this predictor was trained for {self.base_model!r}", "train and export one for this model"
+        )
 
 
 @dataclass
@@ -141,9 +137,3 @@ def load_predictor(path: str | Path, model=None, device: str | torch.device = "c
     mlp.load_state_dict(tensors)
     return LoadedPredictor(mlp.to(device).eval(), header, token_types.to(device))
 
-
-def _describe(g: ModelGeometry) -> str:
-    return (
-        f"{g.model_type}, {g.num_layers} layers, {g.num_heads} query / {g.num_kv_heads} KV heads, "
-        f"head dim {g.head_dim}, hidden size {g.hidden_size}"
-    )

@@ -82,14 +82,11 @@ class KascadeProfile:
 
     def check_model(self, model_or_config) -> None:
         """Refuse a model whose attention geometry differs from the one the profile was measured on."""
-        config = getattr(model_or_config, "config", model_or_config)
-        geometry = model_geometry(config)
-        if geometry != self.geometry:
-            raise ValueError(
-                f"this Kascade profile was computed for {self.model!r} ({_describe(self.geometry)}), "
-                f"but the model is {_describe(geometry)}; compute a profile for this model "
-                "with `atskv profile kascade --model MODEL`"
-            )
+        self.geometry.require_same(
+            model_or_config,
+            f"this Kascade profile was computed for {self.model!r}",
+            "compute a profile for this model with `atskv profile kascade --model MODEL`",
+        )
 
     def save(self, path: str | Path) -> Path:
         """Write the profile as JSON (parent folders created)."""
@@ -118,13 +115,6 @@ HOW_TO_COMPUTE = (
     "compute one per model with `atskv profile kascade --model MODEL` "
     f"(saved to {default_profile_path('<model name>')}; in Python: KascadeSelector(profile=PATH))"
 )
-
-
-def _describe(g: ModelGeometry) -> str:
-    return (
-        f"{g.model_type}, {g.num_layers} layers, {g.num_heads} query / {g.num_kv_heads} KV heads, "
-        f"head dim {g.head_dim}, hidden {g.hidden_size}"
-    )
 
 
 def choose_anchors(weighted: torch.Tensor, n_anchors: int) -> list[int]:
