@@ -145,7 +145,8 @@ class SparseSession:
             return keep[:, :, -1]
         last = slice(-1, None)
         scores = self.selector.scores(view)[:, :, last]
-        retained = select_top_budget(scores, view.valid[:, :, last], view.budget, view.slot_pos, view.context[:, :, last])
+        valid, context = view.valid[:, :, last], view.context[:, :, last]
+        retained = select_top_budget(scores, valid, view.budget, view.slot_pos, context)
         return retained[:, :, 0]
 
 

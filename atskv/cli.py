@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 from jsonargparse import auto_cli
 
-from atskv.models import DEFAULT_MODEL, resolve_device
 from atskv.eval.peer import peer_command
 from atskv.eval.tasks import tasks_command
+from atskv.models import DEFAULT_MODEL, resolve_device
 from atskv.predictor.collect import collect_command
 from atskv.selectors.kascade_profile import kascade_profile_command
 
@@ -200,7 +200,8 @@ def eval_recall(
     loaded = _load(model, device, dtype)
     ids = corpus_windows(loaded.tokenizer, corpus, window_tokens, windows)
     report = attention_recall(
-        loaded.model, ids, selectors_for_model(selectors, loaded.name), budgets, n_queries=n_queries, dense_layers=dense_layers,
+        loaded.model, ids, selectors_for_model(selectors, loaded.name), budgets,
+        n_queries=n_queries, dense_layers=dense_layers,
         batch_size=batch_size, model_name=loaded.name,
     )
     report.write(out)
@@ -249,7 +250,8 @@ def eval_ppl(
     loaded = _load(model, device, dtype)
     by_length = {n: corpus_windows(loaded.tokenizer, corpus, n, windows) for n in lengths}
     records = perplexity.evaluate_perplexity(
-        loaded.model, by_length, selectors_for_model(selectors, loaded.name), budgets, n_eval=n_eval, dense_layers=dense_layers, batch_size=batch_size
+        loaded.model, by_length, selectors_for_model(selectors, loaded.name), budgets,
+        n_eval=n_eval, dense_layers=dense_layers, batch_size=batch_size
     )
     perplexity.write(records, out)
     print(perplexity.markdown(records))
@@ -291,7 +293,8 @@ def bench(
         selectors, batch_sizes, contexts, budget, geometry, torch_dtype, device, steps=steps, warmup=max(3, steps // 5)
     )
     gpu = torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu"
-    meta = {"device": gpu, "dtype": str(torch_dtype), "geometry": geometry, "budget": budget, "torch": torch.__version__}
+    meta = {"device": gpu, "dtype": str(torch_dtype), "geometry": geometry, "budget": budget}
+    meta["torch"] = torch.__version__
     benchmark.write(records, out, meta)
     print(f"{gpu}, {geometry}, {str(torch_dtype).removeprefix('torch.')}, budget {budget:.0%} of the context\n")
     print(benchmark.markdown(records))
@@ -326,7 +329,10 @@ def export(checkpoint: Path, out: Path = Path("predictor"), model: str | None = 
         base_model=collection["model"],
         geometry=geometry,
         managed_layers=collection["managed_layers"],
-        training={"checkpoint": str(checkpoint), "hyperparameters": {k: v for k, v in module.hparams.items() if k != "collection"}},
+        training={
+            "checkpoint": str(checkpoint),
+            "hyperparameters": {k: v for k, v in module.hparams.items() if k != "collection"},
+        },
     )
     print(f"wrote {path} ({module.model.parameter_count()} parameters) and {path.with_suffix('.json')}")
 

@@ -76,13 +76,12 @@ def main(argv=None) -> None:
         if not args.smoke:
             raise SystemExit("no CUDA device: only --smoke runs here (Triton's interpreter)")
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels module imports triton
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     from atskv.kernels.sparse_decode import (
         choose_split_size,
         sparse_decode_attention_reference,
         sparse_decode_attention_triton,
     )
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     hq, hkv, d = GEOMETRIES[args.geometry]
     dtype = DTYPES[args.dtype]
@@ -120,7 +119,6 @@ def main(argv=None) -> None:
             print(f"| {b} | {s} | {k} | {splits} | {dense_us:.1f} | {sparse_us:.1f} | {dense_us / sparse_us:.2f} "
                   f"| {dense_bytes / dense_us / 1e3:.0f} | {sparse_bytes / sparse_us / 1e3:.0f} "
                   f"| {error.max().item():.1e} |")  # fmt: skip
-            del query, keys, values, indices
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 

@@ -17,11 +17,11 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
-    PreTrainedTokenizerFast,
 )
 
 from atskv.data import synthetic_filler

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atskv.eval.bench import DENSE, selector_step, bench_decode_attention, markdown
+from atskv.eval.bench import DENSE, bench_decode_attention, markdown, selector_step
 
 
 def test_bench_times_dense_and_each_selector_in_one_run():

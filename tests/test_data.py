@@ -11,7 +11,6 @@ import json
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from tests.conftest import tiny_bpe_tokenizer
 from atskv.data import (
     CORPORA,
     TASKS,
@@ -28,6 +27,7 @@ from atskv.data import (
     synthetic_filler,
     token_windows,
 )
+from tests.conftest import tiny_bpe_tokenizer
 
 PROSE = (
     "It is a truth universally acknowledged, that a single man in possession of a good fortune, "

@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-
 from atskv.kernels import sparse_decode
 from atskv.kernels.sparse_decode import (
     choose_split_size,

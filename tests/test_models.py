@@ -22,8 +22,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from atskv.models import MODELS, ModelGeometry, NamedModel, load_model, model_geometry
-from atskv.models import loading
+from atskv.models import MODELS, ModelGeometry, NamedModel, load_model, loading, model_geometry
 
 VOCAB = 300
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)

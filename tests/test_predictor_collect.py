@@ -72,9 +72,9 @@ def test_features_and_labels_match_eager_attention(tmp_path):
     with torch.no_grad():
         out = model(window, output_attentions=True, output_hidden_states=True, use_cache=True)
     hkv = model.config.num_key_value_heads
-    pooled = {l: out.attentions[l][0].view(hkv, -1, T, T).mean(1) for l in managed}  # [Hkv, T, T]
-    received = {(l, t): torch.stack([pooled[l][:, i : t + 1, i].mean(-1) for i in range(t + 1)], -1)
-                for l in managed for t in (32, 48)}  # [Hkv, t+1]
+    pooled = {m: out.attentions[m][0].view(hkv, -1, T, T).mean(1) for m in managed}  # [Hkv, T, T]
+    received = {(m, t): torch.stack([pooled[m][:, i : t + 1, i].mean(-1) for i in range(t + 1)], -1)
+                for m in managed for t in (32, 48)}  # [Hkv, t+1]
     types = token_type_table(tiny_bpe_tokenizer(), model.config.vocab_size)
     for r in torch.linspace(0, shard["mass"].shape[0] - 1, 40).long().tolist():
         t, li, h, i = (int(shard[c][r]) for c in ("decision", "layer", "head", "position"))

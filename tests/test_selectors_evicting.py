@@ -31,7 +31,8 @@ def test_snapkv_scores_are_pooled_window_votes():
     model = tiny_model("llama")
     ids = random_prompt(T, seed=5, batch=2)
     window, kernel = 8, 5
-    with atskv.sparse(model, atskv.make_selector("snapkv", window=window, kernel=kernel), budget=1.0, dense_layers=0) as s:
+    selector = atskv.make_selector("snapkv", window=window, kernel=kernel)
+    with atskv.sparse(model, selector, budget=1.0, dense_layers=0) as s:
         with torch.no_grad():
             model(ids)
         scores = [s.cache.layers[i].slot_tensor("snapkv").clone() for i in range(model.config.num_hidden_layers)]

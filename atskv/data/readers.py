@@ -189,6 +189,8 @@ def corpus_windows(tokenizer, corpus: str | Path, window_tokens: int, n_windows:
     and `token_windows`); a corpus with fewer windows is refused with the count it has."""
     every = list(token_windows(load_corpus(corpus), tokenizer, window_tokens))
     if len(every) < n_windows:
-        raise ValueError(f"corpus {corpus!r} has only {len(every)} windows of {window_tokens} tokens; asked for {n_windows}")
+        raise ValueError(
+            f"corpus {corpus!r} has only {len(every)} windows of {window_tokens} tokens; asked for {n_windows}"
+        )
     step = len(every) / n_windows
     return torch.stack([every[int(i * step)] for i in range(n_windows)])

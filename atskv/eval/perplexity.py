@@ -80,7 +80,8 @@ def evaluate_perplexity(
     records = []
     for length, windows in windows_by_length.items():
         if windows.shape[1] != length or length <= n_eval:
-            raise ValueError(f"windows for length {length} have shape {tuple(windows.shape)}; need [N, {length}] > n_eval")
+            shape = tuple(windows.shape)
+            raise ValueError(f"windows for length {length} have shape {shape}; need [N, {length}] > n_eval")
         for selector, budget in runs:
             nll = 0.0
             for start in range(0, len(windows), batch_size):

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from atskv.attention import SparseSession, SparsityConfig, attach
 from atskv.gqa import grouped_probs, sdpa_attention
 from atskv.selectors import Selector, make_selector
-from atskv.selectors.base import LayerView, select_top_budget
+from atskv.selectors.base import LayerView
 
 ORACLE_CEILING = "ceiling: per-query oracle"
 WINDOW_CEILING = "ceiling: best single set"
@@ -183,7 +183,8 @@ class RecallReport:
         ax_budget.minorticks_off()
         ax_layer.set(xlabel="layer", ylabel=f"attention recall at k={mid}", ylim=(0, 1.02))
         ax_budget.legend(fontsize=7)
-        fig.suptitle(f"{self.model}: {self.n_windows} windows of {self.window_tokens} tokens, last {self.n_queries} queries")
+        windows = f"{self.n_windows} windows of {self.window_tokens} tokens"
+        fig.suptitle(f"{self.model}: {windows}, last {self.n_queries} queries")
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)
@@ -211,7 +212,9 @@ def attention_recall(
     budgets = sorted(set(budgets))
     too_big = [b for b in budgets if not isinstance(b, int) or not 1 <= b < context]
     if too_big:
-        raise ValueError(f"recall budgets must be token counts in [1, {context}) for {context}-token prompts: {too_big}")
+        raise ValueError(
+            f"recall budgets must be token counts in [1, {context}) for {context}-token prompts: {too_big}"
+        )
     selectors = [make_selector(s) if isinstance(s, str) else s for s in selectors]
     runs = [(make_selector("dense"), budgets[0], True)]
     runs += [(s, b, False) for s in selectors for b in budgets]

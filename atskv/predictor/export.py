@@ -67,7 +67,9 @@ class PredictorHeader:
     def check_model(self, model_or_config) -> None:
         """Refuse a base model whose geometry is not the one the predictor was trained on."""
         self.geometry.require_same(
-            model_or_config, f"this predictor was trained for {self.base_model!r}", "train and export one for this model"
+            model_or_config,
+            f"this predictor was trained for {self.base_model!r}",
+            "train and export one for this model",
         )
 
 

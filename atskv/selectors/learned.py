@@ -150,7 +150,8 @@ class LearnedSelector(Selector):
         layer.slot_tensor(_HIDDEN_NORM)[rows] = hidden.float().norm(dim=-1)
         ids = view.token_ids[rows[0], offset[rows]] if view.token_ids is not None else None
         types = self.predictor.token_types.to(view.keys.device)
-        kind[rows] = types[ids].float() if ids is not None else float(len(self.predictor.header.feature_spec.token_types) - 1)
+        other = float(len(self.predictor.header.feature_spec.token_types) - 1)  # no ids: inputs_embeds
+        kind[rows] = types[ids].float() if ids is not None else other
 
     def _refresh(self, view: LayerView) -> None:
         """Recompute every held token's score from its current features."""
