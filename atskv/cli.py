@@ -300,17 +300,18 @@ def bench(
     print(benchmark.markdown(records))
 
 
-def export(checkpoint: Path, out: Path = Path("predictor"), model: str | None = None) -> None:
+def export(checkpoint: Path, out: Path | None = None, model: str | None = None) -> None:
     """Turn a training checkpoint into predictor.safetensors plus its JSON header.
 
     Args:
         checkpoint: a checkpoint written by `atskv fit` (e.g. runs/fit/.../checkpoints/last.ckpt).
-        out: output folder (predictor.safetensors, predictor.json).
+        out: output folder (predictor.safetensors, predictor.json); default
+            <cache>/predictors/<model name>, where `--selectors [learned]` finds it.
         model: the base model (for its tokenizer's token-type table); default: the one the
             training data was collected from. Its geometry must match the collection's.
     """
     from atskv.models import ModelGeometry, load_model, model_geometry
-    from atskv.predictor.export import export_predictor
+    from atskv.predictor.export import default_predictor_dir, export_predictor
     from atskv.predictor.token_types import token_type_table
     from atskv.predictor.training import RelevanceModule
 
@@ -325,7 +326,7 @@ def export(checkpoint: Path, out: Path = Path("predictor"), model: str | None = 
     path = export_predictor(
         module.model.eval(),
         token_type_table(loaded.tokenizer, loaded.model.config.vocab_size),
-        out,
+        out or default_predictor_dir(collection["model"]),
         base_model=collection["model"],
         geometry=geometry,
         managed_layers=collection["managed_layers"],

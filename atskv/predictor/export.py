@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from atskv.models.geometry import ModelGeometry
+from atskv.paths import default_cache_dir
 from atskv.predictor.model import FeatureSpec, RelevanceMLP
 
 FORMAT = 1
@@ -78,6 +79,11 @@ class LoadedPredictor:
     mlp: RelevanceMLP  # in eval mode
     header: PredictorHeader
     token_types: torch.Tensor  # [vocab] int8: type of every input id of the base model
+
+
+def default_predictor_dir(model_name: str) -> Path:
+    """Where `atskv export` puts a model's predictor by default, and where the CLI looks for it."""
+    return default_cache_dir() / "predictors" / model_name
 
 
 def mlp_widths(mlp: RelevanceMLP) -> dict[str, int]:

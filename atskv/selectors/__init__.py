@@ -43,14 +43,17 @@ def make_selector(name: str, **kwargs) -> Selector:
 
 
 def selectors_for_model(names: list[str], model_name: str) -> list[Selector]:
-    """Selector instances for one loaded model: Kascade reads that model's profile from its
-    default path (written by `atskv profile kascade`); every other selector needs only its name."""
+    """Selector instances for one loaded model: Kascade reads that model's profile (written by
+    `atskv profile kascade`) and the learned selector its predictor (written by `atskv export`)
+    from their default paths; every other selector needs only its name."""
+    from atskv.predictor.export import default_predictor_dir
     from atskv.selectors.kascade_profile import default_profile_path
 
-    return [
-        make_selector(name, profile=default_profile_path(model_name)) if name == "kascade" else make_selector(name)
-        for name in names
-    ]
+    per_model = {
+        "kascade": lambda: {"profile": default_profile_path(model_name)},
+        "learned": lambda: {"predictor": default_predictor_dir(model_name)},
+    }
+    return [make_selector(name, **per_model.get(name, dict)()) for name in names]
 
 
 def check_selector_names(names: list[str]) -> None:

@@ -1,0 +1,60 @@
+"""`atskv collect`, `atskv fit` and `atskv export` chained on a tiny model, then the exported
+predictor found by name and used as the `learned` selector."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from atskv import cli
+from atskv.data import synthetic_filler
+from atskv.eval.recall import attention_recall
+from atskv.models import load_model
+from atskv.selectors import selectors_for_model
+from tests.conftest import COMMON, tiny_bpe_tokenizer
+
+
+def run(args: list[str]) -> int:
+    try:
+        cli.main(args)
+    except SystemExit as stop:
+        return int(stop.code or 0)
+    return 0
+
+
+def test_collect_fit_export_then_the_learned_selector_by_name(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATSKV_CACHE", str(tmp_path / "cache"))
+    model_dir, corpus = tmp_path / "tiny-llama", tmp_path / "corpus"
+    tokenizer = tiny_bpe_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(num_hidden_layers=4, num_key_value_heads=2, **{**COMMON, "vocab_size": len(tokenizer)})
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"doc{i}.txt").write_text(synthetic_filler(600, seed=i))
+    collected = tmp_path / "collect"
+    assert run(["collect", "--model", str(model_dir), "--corpus", str(corpus), "--windows", "4",
+                "--window_tokens", "96", "--decision_points", "[0.5]", "--future_queries", "8", "--topk", "8",
+                "--out", str(collected), "--device", "cpu"]) == 0
+    assert run(["fit", "--config", "configs/fit.yaml", "--data.folder", str(collected), "--data.num_workers", "0",
+                "--data.batch_size", "256", "--data.validation_fraction", "0.25", "--trainer.max_epochs", "1",
+                "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
+                "--trainer.default_root_dir", str(tmp_path / "fit"),
+                "--trainer.logger.init_args.save_dir", str(tmp_path / "fit")]) == 0
+    checkpoint = next((tmp_path / "fit").rglob("last.ckpt"))
+    assert run(["export", str(checkpoint), "--model", str(model_dir)]) == 0
+    loaded = load_model(str(model_dir))
+    (learned,) = selectors_for_model(["learned"], loaded.name)
+    assert learned.predictor.header.managed_layers == (2, 3)
+    windows = torch.randint(3, len(tokenizer), (2, 64))
+    report = attention_recall(loaded.model, windows, [learned], [16], n_queries=4, progress=False)
+    recalls = [r.recall for r in report.records if r.selector == "learned"]
+    assert recalls and all(0 < r <= 1 for r in recalls)
+
+
+def test_the_learned_selector_without_an_exported_predictor_says_how_to_make_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATSKV_CACHE", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="atskv export"):
+        selectors_for_model(["learned"], "some-model")
