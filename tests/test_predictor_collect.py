@@ -5,16 +5,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from transformers import AttentionInterface
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 import atskv.predictor.collect as collect_module
+from atskv.data import TASKS
 from atskv.predictor.collect import collect, collect_command
 from atskv.predictor.features import SCALAR_FEATURES
 from atskv.predictor.shards import ShardDataset
 from atskv.predictor.token_types import token_type_table
-from tests.conftest import random_prompt, tiny_bpe_tokenizer, tiny_model
+from tests.conftest import COMMON, random_prompt, tiny_bpe_tokenizer, tiny_model
 
 T, W, K = 64, 8, 6
 DECISIONS = (0.5, 0.75)  # t = 32, 48
@@ -152,7 +153,7 @@ def test_resumes_and_loses_no_finished_shard(tmp_path, monkeypatch):
     first = (tmp_path / "shard-0.safetensors").stat().st_mtime_ns
 
     seen = []
-    monkeypatch.setattr(collect_module, "tqdm", lambda items, **kwargs: seen.extend(k for k, _ in items) or items)
+    monkeypatch.setattr(collect_module, "tqdm", lambda items, **kwargs: seen.extend(item[0] for item in items) or items)
     collect(model, tokenizer, windows[:3], tmp_path, **kw)
     assert seen == ["corpus-w2"]  # only the new window is run
     collect(model, tokenizer, windows, tmp_path, **kw)
@@ -178,3 +179,28 @@ def test_bad_input(tmp_path):
     (corpus / "a.txt").write_text("Too short to fill a window.")
     with pytest.raises(ValueError, match=r"corpus too short: \d+ tokens < window 64"):
         collect_command(model=str(model_dir), corpus=str(corpus), windows=1, window_tokens=64, future_queries=8, topk=4)
+
+
+def test_task_prompts_are_decided_at_the_prompts_end_with_the_answer_as_the_future(tmp_path):
+    """A task item's decision time is its prompt's last token and its future queries are the
+    answer's; the labels are then the attention the answer pays, which the needle should win."""
+    from atskv.predictor.collect import CollectSpec, task_item
+
+    tokenizer = tiny_bpe_tokenizer()
+    spec = CollectSpec(window_tokens=64, decision_points=(0.5,), future_queries=8, topk=4)
+    key, window, item = task_item(tokenizer, "passkey", 200, 3, spec)
+    answer = tokenizer(" " + TASKS["passkey"](tokenizer, 200, (3 * 0.37) % 1.0, 3).answer,
+                       add_special_tokens=False)["input_ids"]
+    assert key == "passkey-e3"
+    assert item.decision_times == (window.numel() - len(answer) - 1,)
+    assert item.future_queries == len(answer) - 1 and item.span + 1 == window.numel()
+    assert window[-len(answer):].tolist() == answer
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=4, num_key_value_heads=2,
+                                         **{**COMMON, "vocab_size": len(tokenizer)})).eval()
+    folder = collect(model, tokenizer, random_prompt(64, batch=1), tmp_path, decision_points=(0.5,),
+                     future_queries=8, topk=4, tasks=["passkey"], task_examples=2, task_tokens=200, progress=False)
+    data = ShardDataset(folder, keys=["passkey-e0", "passkey-e1"])
+    decisions = {int(data[i]["decision"]) for i in range(len(data))}
+    assert len(decisions) <= 2 and all(d > 150 for d in decisions)
+    assert ShardDataset(folder).meta["tasks"] == {"names": ["passkey"], "examples": 2, "tokens": 200}

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -85,6 +85,30 @@ class CollectSpec:
     def span(self) -> int:
         """Tokens of a window that are run: positions 0..max(t)+W."""
         return max(self.decision_times) + self.future_queries + 1
+
+
+def task_item(
+    tokenizer, task: str, n_tokens: int, seed: int, spec: CollectSpec
+) -> tuple[str, torch.Tensor, CollectSpec]:
+    """A synthetic task prompt with its answer appended, as a work item whose decision time is
+    the prompt's last token and whose future queries are the answer's: what the policy must keep
+    at the end of a prompt is what the answer will read. Needle depth varies with the seed."""
+    from atskv.data import CLASSIC_FILLER, TASKS
+    from atskv.eval.generation import encode_prompt
+
+    depth = (seed * 0.37) % 1.0
+    example = TASKS[task](tokenizer, n_tokens, depth, seed, filler=CLASSIC_FILLER)
+    prompt = encode_prompt(tokenizer, example.prompt, chat=False)[0]
+    answer = torch.tensor(tokenizer(" " + example.answer, add_special_tokens=False)["input_ids"])
+    if answer.numel() < 2:
+        raise ValueError(f"task {task!r}: the answer {example.answer!r} is one token; it needs two to label")
+    window = torch.cat([prompt, answer])
+    t = prompt.numel() - 1  # queries t+1.. are the answer's tokens after its first (predicted at t)
+    item_spec = replace(
+        spec, window_tokens=window.numel(), decision_points=((t + 0.5) / window.numel(),),
+        future_queries=answer.numel() - 1,
+    )
+    return f"{task}-e{seed}", window, item_spec
 
 
 def collection_meta(model, spec: CollectSpec, model_name: str) -> dict:
@@ -284,20 +308,20 @@ def collect_window(
 def collect_items(
     model,
     tokenizer,
-    items: Iterable[tuple[str, torch.Tensor]],
+    items: Iterable[tuple],
     writer: ShardWriter,
     spec: CollectSpec,
     *,
     progress: bool = True,
 ) -> list[str]:
-    """Process `(key, window)` work items into `writer`, skipping finished keys; returns the keys
-    written now. Each shard is durable once written, so an interruption loses only the window
-    in progress."""
-    todo = [(key, window) for key, window in items if not writer.has(key)]
+    """Process `(key, window)` work items (or `(key, window, item_spec)`, e.g. a `task_item`) into
+    `writer`, skipping finished keys; returns the keys written now. Each shard is durable once
+    written, so an interruption loses only the window in progress."""
+    todo = [(item[0], item[1], item[2] if len(item) > 2 else spec) for item in items if not writer.has(item[0])]
     types = token_type_table(tokenizer, model.config.get_text_config(decoder=True).vocab_size)
     written = []
-    for key, window in tqdm(todo, desc="collect", unit="window", disable=not progress):
-        writer.write(key, collect_window(model, key, window, types, spec))
+    for key, window, item_spec in tqdm(todo, desc="collect", unit="window", disable=not progress):
+        writer.write(key, collect_window(model, key, window, types, item_spec))
         written.append(key)
     return written
 
@@ -316,16 +340,26 @@ def collect(
     seed: int = 0,
     model_name: str | None = None,
     corpus: str = "corpus",
+    tasks: Sequence[str] = (),
+    task_examples: int = 0,
+    task_tokens: int | None = None,
     progress: bool = True,
 ) -> Path:
     """Collect features and labels of `windows` `[N, T]` into `out_folder`, one shard per window
-    keyed "<corpus>-w<i>"; windows already in the folder are skipped. Returns the folder."""
+    keyed "<corpus>-w<i>", plus `task_examples` prompts of every task in `tasks` (see
+    `task_item`, `task_tokens` long; keyed "<task>-e<seed>"); work already in the folder is
+    skipped. Returns the folder."""
     if windows.dim() != 2:
         raise ValueError(f"windows must be [N, T] token ids, got shape {tuple(windows.shape)}")
     spec = CollectSpec(windows.shape[1], tuple(decision_points), future_queries, topk, influence, dense_layers, seed)
     name = model_name or getattr(model.config, "_name_or_path", "") or model.config.model_type
-    writer = ShardWriter(out_folder, collection_meta(model, spec, name))
-    items = ((f"{corpus}-w{i}", w) for i, w in enumerate(windows))
+    meta = collection_meta(model, spec, name)
+    if tasks and task_examples:
+        meta["tasks"] = {"names": list(tasks), "examples": task_examples, "tokens": task_tokens or spec.window_tokens}
+    writer = ShardWriter(out_folder, meta)
+    items = [(f"{corpus}-w{i}", w) for i, w in enumerate(windows)]
+    for task in tasks:
+        items += [task_item(tokenizer, task, task_tokens or spec.window_tokens, s, spec) for s in range(task_examples)]
     collect_items(model, tokenizer, items, writer, spec, progress=progress)
     return writer.folder
 
@@ -341,6 +375,8 @@ def collect_command(
     influence: bool = False,
     dense_layers: int = 2,
     seed: int = 0,
+    tasks: list[str] = [],  # noqa: B006
+    task_examples: int = 0,
     out: Path | None = None,
     device: str = "auto",
     dtype: str = "auto",
@@ -363,6 +399,9 @@ def collect_command(
         influence: also compute the influence label (one extra forward and backward per window).
         dense_layers: the first layers the hook keeps dense; use the same value at run time.
         seed: seed of the negative sampling.
+        tasks: synthetic tasks (e.g. [passkey,needle_single]) whose prompts, answer appended, are
+            collected too, decided at the prompt's end with the answer's queries as the future.
+        task_examples: prompts per task (window_tokens long each).
         out: output folder (default: data/collect/<model name>).
         device: cpu, cuda, or auto.
         dtype: float32, bfloat16, float16, or auto (bfloat16 on GPU, float32 on CPU).
@@ -393,8 +432,11 @@ def collect_command(
         seed=seed,
         model_name=loaded.name,
         corpus=Path(corpus).name if "/" in corpus else corpus,
+        tasks=tasks,
+        task_examples=task_examples,
     )
-    print(f"collected {windows} windows into {folder}")
+    extra = f" and {task_examples} prompts of each of {', '.join(tasks)}" if tasks and task_examples else ""
+    print(f"collected {windows} windows{extra} into {folder}")
     return folder
 
 
