@@ -69,18 +69,13 @@ def demo(
         device: cpu, cuda, or auto.
         dtype: float32, bfloat16, float16, or auto (bfloat16 on GPU, float32 on CPU).
     """
-    from atskv.data import CLASSIC_FILLER, load_corpus, passkey_example
+    from atskv.data import filler_text, passkey_example
     from atskv.eval.generation import encode_prompt, generate, markdown_table
 
     _check_selection(selectors, budget)
-    if filler == "classic":
-        filler_text = CLASSIC_FILLER
-    elif filler == "varied":
-        filler_text = None
-    else:
-        filler_text = "\n\n".join(doc.text for doc in load_corpus(filler))
+    haystack = filler_text(filler)
     loaded = _load(model, device, dtype)
-    example = passkey_example(loaded.tokenizer, context_tokens, depth, seed, filler=filler_text)
+    example = passkey_example(loaded.tokenizer, context_tokens, depth, seed, filler=haystack)
     ids = encode_prompt(loaded.tokenizer, example.prompt, chat=False)  # the prompt ends "The pass key is"
     print(f"passkey {example.answer} at depth {depth:.0%} of a {ids.shape[1]}-token prompt; budget {budget}")
     runs = []
