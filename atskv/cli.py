@@ -43,7 +43,7 @@ def demo(
     context_tokens: int = 2048,
     depth: float = 0.5,
     seed: int = 0,
-    selectors: list[str] = ["oracle", "snapkv", "h2o", "streaming_llm"],  # noqa: B006 (jsonargparse reads it)
+    selectors: list[str] = ["learned", "oracle", "snapkv", "h2o", "streaming_llm"],  # noqa: B006 (jsonargparse reads it)
     budget: int | float = 256,
     dense_layers: int = 2,
     max_new_tokens: int = 12,
@@ -71,6 +71,7 @@ def demo(
     """
     from atskv.data import filler_text, passkey_example
     from atskv.eval.generation import encode_prompt, generate, markdown_table
+    from atskv.selectors import selectors_for_model
 
     _check_selection(selectors, budget)
     haystack = filler_text(filler)
@@ -79,7 +80,7 @@ def demo(
     ids = encode_prompt(loaded.tokenizer, example.prompt, chat=False)  # the prompt ends "The pass key is"
     print(f"passkey {example.answer} at depth {depth:.0%} of a {ids.shape[1]}-token prompt; budget {budget}")
     runs = []
-    for selector in [None, *selectors]:
+    for selector in [None, *selectors_for_model(selectors, loaded.name)]:
         run = generate(
             loaded.model,
             loaded.tokenizer,
@@ -97,7 +98,7 @@ def demo(
     print(
         f"\nKV held: bytes of the cache's buffers after generation (all {loaded.geometry.num_layers} layers; "
         f"the first {dense_layers} stay dense). Query-aware selectors (oracle) keep the full cache reachable; "
-        "evicting ones (snapkv, h2o, streaming_llm) free what they drop."
+        "evicting ones (learned, snapkv, h2o, streaming_llm) free what they drop."
     )
 
 

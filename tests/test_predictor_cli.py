@@ -58,3 +58,27 @@ def test_the_learned_selector_without_an_exported_predictor_says_how_to_make_one
     monkeypatch.setenv("ATSKV_CACHE", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="atskv export"):
         selectors_for_model(["learned"], "some-model")
+
+
+def test_a_users_export_wins_over_the_shipped_predictor(tmp_path, monkeypatch):
+    from atskv.predictor import export
+
+    monkeypatch.setenv("ATSKV_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(export, "SHIPPED", tmp_path / "shipped")
+    (tmp_path / "shipped" / "m").mkdir(parents=True)
+    (tmp_path / "shipped" / "m" / "predictor.safetensors").write_bytes(b"")
+    assert export.find_predictor("m") == tmp_path / "shipped" / "m"
+    own = export.default_predictor_dir("m")
+    own.mkdir(parents=True)
+    (own / "predictor.safetensors").write_bytes(b"")
+    assert export.find_predictor("m") == own
+    assert export.find_predictor("other") == export.default_predictor_dir("other")
+
+
+def test_the_shipped_smollm2_predictor_loads_and_fits_the_embedded_model():
+    from atskv.predictor.export import SHIPPED, load_predictor
+
+    predictor = load_predictor(SHIPPED / "smollm2-135m")
+    assert predictor.header.base_model == "smollm2-135m"
+    assert predictor.header.geometry.num_layers == 30 and predictor.header.managed_layers[0] == 2
+    assert 100_000 <= predictor.mlp.parameter_count() <= 500_000

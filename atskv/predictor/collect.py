@@ -87,6 +87,11 @@ class CollectSpec:
         return max(self.decision_times) + self.future_queries + 1
 
 
+# Training prompts draw their seeds from here on, so they never coincide with evaluation prompts
+# (`atskv eval tasks` and the demo use seeds from 0).
+TASK_SEED_BASE = 1_000_000
+
+
 def task_item(
     tokenizer, task: str, n_tokens: int, seed: int, spec: CollectSpec
 ) -> tuple[str, torch.Tensor, CollectSpec]:
@@ -359,7 +364,8 @@ def collect(
     writer = ShardWriter(out_folder, meta)
     items = [(f"{corpus}-w{i}", w) for i, w in enumerate(windows)]
     for task in tasks:
-        items += [task_item(tokenizer, task, task_tokens or spec.window_tokens, s, spec) for s in range(task_examples)]
+        seeds = range(TASK_SEED_BASE, TASK_SEED_BASE + task_examples)
+        items += [task_item(tokenizer, task, task_tokens or spec.window_tokens, s, spec) for s in seeds]
     collect_items(model, tokenizer, items, writer, spec, progress=progress)
     return writer.folder
 

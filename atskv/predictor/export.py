@@ -81,9 +81,23 @@ class LoadedPredictor:
     token_types: torch.Tensor  # [vocab] int8: type of every input id of the base model
 
 
+SHIPPED = Path(__file__).resolve().parent.parent / "predictors"  # predictors that come with atskv
+
+
 def default_predictor_dir(model_name: str) -> Path:
-    """Where `atskv export` puts a model's predictor by default, and where the CLI looks for it."""
+    """Where `atskv export` puts a model's predictor by default."""
     return default_cache_dir() / "predictors" / model_name
+
+
+def find_predictor(model_name: str) -> Path:
+    """The predictor the CLI uses for a model: the user's own export if there is one, else the
+    one shipped with atskv (SmolLM2-135M), else the export folder (whose absence `load_predictor`
+    then reports with how to make one)."""
+    own = default_predictor_dir(model_name)
+    if (own / "predictor.safetensors").is_file():
+        return own
+    shipped = SHIPPED / model_name
+    return shipped if (shipped / "predictor.safetensors").is_file() else own
 
 
 def mlp_widths(mlp: RelevanceMLP) -> dict[str, int]:

@@ -44,14 +44,14 @@ def make_selector(name: str, **kwargs) -> Selector:
 
 def selectors_for_model(names: list[str], model_name: str) -> list[Selector]:
     """Selector instances for one loaded model: Kascade reads that model's profile (written by
-    `atskv profile kascade`) and the learned selector its predictor (written by `atskv export`)
-    from their default paths; every other selector needs only its name."""
-    from atskv.predictor.export import default_predictor_dir
+    `atskv profile kascade`) and the learned selector its predictor (the user's `atskv export`,
+    else the one shipped for the model); every other selector needs only its name."""
+    from atskv.predictor.export import find_predictor
     from atskv.selectors.kascade_profile import default_profile_path
 
     per_model = {
         "kascade": lambda: {"profile": default_profile_path(model_name)},
-        "learned": lambda: {"predictor": default_predictor_dir(model_name)},
+        "learned": lambda: {"predictor": find_predictor(model_name)},
     }
     return [make_selector(name, **per_model.get(name, dict)()) for name in names]
 
