@@ -103,3 +103,14 @@ def tiny_bpe_tokenizer(vocab_size: int = 400, extra_texts: list[str] = ()) -> Pr
     bpe.train_from_iterator(texts, trainer)
     bpe.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def run_cli(args: list[str]) -> int:
+    """Run the `atskv` command in-process; its exit status."""
+    from atskv import cli
+
+    try:
+        cli.main(args)
+    except SystemExit as stop:
+        return int(stop.code or 0)
+    return 0

@@ -8,29 +8,21 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from atskv import cli
-from tests.conftest import COMMON, tiny_bpe_tokenizer
+from tests.conftest import COMMON, run_cli, tiny_bpe_tokenizer
 
 SUBCOMMANDS = ["demo", "generate", "selectors", "collect", "fit", "finetune", "export", "eval", "bench"]
 SUBCOMMANDS += ["eval recall", "eval tasks", "eval ppl", "eval peer", "profile kascade"]
 
 
-def run(args: list[str]) -> int:
-    try:
-        cli.main(args)
-    except SystemExit as stop:
-        return int(stop.code or 0)
-    return 0
-
-
 @pytest.mark.parametrize("command", [*SUBCOMMANDS, "data fetch", "data list"])
 def test_every_subcommand_has_help(command, capsys):
-    assert run([*command.split(), "--help"]) == 0
+    assert run_cli([*command.split(), "--help"]) == 0
     assert "usage: atskv" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("command", sorted(cli.PENDING))
 def test_pending_subcommands_say_which_issue_brings_them(command, capsys):
-    assert run([command]) == 2
+    assert run_cli([command]) == 2
     assert "not available yet" in capsys.readouterr().err
 
 
@@ -52,17 +44,17 @@ def no_model_loading(monkeypatch):
     ],
 )
 def test_bad_input_fails_clearly_before_loading(args, message, capsys, no_model_loading):
-    assert run(args) == 2
+    assert run_cli(args) == 2
     assert message in capsys.readouterr().err
 
 
 def test_missing_model_path_is_a_clear_error(capsys):
-    assert run(["generate", "hi", "--model", "/no/such/model"]) == 2
+    assert run_cli(["generate", "hi", "--model", "/no/such/model"]) == 2
     assert "no such file or directory" in capsys.readouterr().err
 
 
 def test_selectors_lists_the_registry(capsys):
-    assert run(["selectors"]) == 0
+    assert run_cli(["selectors"]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in ["dense", "oracle", "snapkv", "h2o", "streaming_llm"])
 
@@ -79,7 +71,7 @@ def tiny_model_dir(tmp_path) -> str:
 
 
 def test_demo_end_to_end_on_a_tiny_model(tiny_model_dir, capsys):
-    code = run(["demo", "--model", tiny_model_dir, "--context_tokens", "300", "--budget", "32",
+    code = run_cli(["demo", "--model", tiny_model_dir, "--context_tokens", "300", "--budget", "32",
                 "--max_new_tokens", "3", "--dense_layers", "0",
                 "--selectors", "[oracle,snapkv,h2o,streaming_llm]"])
     assert code == 0
@@ -99,6 +91,6 @@ def test_demo_end_to_end_on_a_tiny_model(tiny_model_dir, capsys):
 def test_generate_refuses_a_budget_larger_than_the_whole_context(tiny_model_dir, capsys):
     """A token budget that covers prompt plus new tokens could never drop anything: a clear error."""
     args = ["generate", "short prompt", "--model", tiny_model_dir, "--selector", "h2o", "--max_new_tokens", "4"]
-    assert run([*args, "--budget", "4096", "--device", "cpu"]) == 2
+    assert run_cli([*args, "--budget", "4096", "--device", "cpu"]) == 2
     assert "not smaller than the whole context" in capsys.readouterr().err
-    assert run([*args, "--budget", "3", "--device", "cpu", "--chat", "false"]) == 0
+    assert run_cli([*args, "--budget", "3", "--device", "cpu", "--chat", "false"]) == 0

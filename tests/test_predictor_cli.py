@@ -7,20 +7,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from atskv import cli
 from atskv.data import synthetic_filler
 from atskv.eval.recall import attention_recall
 from atskv.models import load_model
 from atskv.selectors import selectors_for_model
-from tests.conftest import COMMON, tiny_bpe_tokenizer
-
-
-def run(args: list[str]) -> int:
-    try:
-        cli.main(args)
-    except SystemExit as stop:
-        return int(stop.code or 0)
-    return 0
+from tests.conftest import COMMON, run_cli, tiny_bpe_tokenizer
 
 
 def test_collect_fit_export_then_the_learned_selector_by_name(tmp_path, monkeypatch):
@@ -35,16 +26,16 @@ def test_collect_fit_export_then_the_learned_selector_by_name(tmp_path, monkeypa
     for i in range(3):
         (corpus / f"doc{i}.txt").write_text(synthetic_filler(600, seed=i))
     collected = tmp_path / "collect"
-    assert run(["collect", "--model", str(model_dir), "--corpus", str(corpus), "--windows", "4",
+    assert run_cli(["collect", "--model", str(model_dir), "--corpus", str(corpus), "--windows", "4",
                 "--window_tokens", "96", "--decision_points", "[0.5]", "--future_queries", "8", "--topk", "8",
                 "--out", str(collected), "--device", "cpu"]) == 0
-    assert run(["fit", "--config", "configs/fit.yaml", "--data.folder", str(collected), "--data.num_workers", "0",
+    assert run_cli(["fit", "--config", "configs/fit.yaml", "--data.folder", str(collected), "--data.num_workers", "0",
                 "--data.batch_size", "256", "--data.validation_fraction", "0.25", "--trainer.max_epochs", "1",
                 "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
                 "--trainer.default_root_dir", str(tmp_path / "fit"),
                 "--trainer.logger.init_args.save_dir", str(tmp_path / "fit")]) == 0
     checkpoint = next((tmp_path / "fit").rglob("last.ckpt"))
-    assert run(["export", str(checkpoint), "--model", str(model_dir)]) == 0
+    assert run_cli(["export", str(checkpoint), "--model", str(model_dir)]) == 0
     loaded = load_model(str(model_dir))
     (learned,) = selectors_for_model(["learned"], loaded.name)
     assert learned.predictor.header.managed_layers == (2, 3)

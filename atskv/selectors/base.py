@@ -88,6 +88,22 @@ class Selector:
         the query heads of the group and the queries); only for selectors that set `needs_attention`."""
 
 
+def check_view_fits(view: LayerView, geometry, layers, made_for: str, remedy: str) -> None:
+    """Refuse to run per-model state (a Kascade profile, a predictor: `made_for` a model whose
+    `geometry` and managed `layers` it records) on a layer of another model or layout."""
+    shape = (view.query.shape[1], view.keys.shape[1], view.keys.shape[-1])
+    if shape != (geometry.num_heads, geometry.num_kv_heads, geometry.head_dim):
+        raise ValueError(
+            f"{made_for} ({geometry.num_heads} query / {geometry.num_kv_heads} KV heads, head dim "
+            f"{geometry.head_dim}); this model has {shape[0]} / {shape[1]}, head dim {shape[2]}; {remedy}"
+        )
+    if view.layer_idx not in layers:
+        raise ValueError(
+            f"layer {view.layer_idx} is managed by the hook but {made_for} covers layers {list(layers)}; "
+            "run with the dense_layers it was made with"
+        )
+
+
 def resolve_budget(budget: int | float, context: torch.Tensor) -> torch.Tensor:
     """Tokens to keep per row: an int is a token count, a float in (0, 1] a fraction of each row's
     own context length (so a left-padded row gets the same budget as when run alone)."""

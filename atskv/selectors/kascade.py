@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from atskv.gqa import grouped_probs
-from atskv.selectors.base import LayerView, Selector
+from atskv.selectors.base import LayerView, Selector, check_view_fits
 from atskv.selectors.kascade_profile import HOW_TO_COMPUTE, KascadeProfile
 
 _STATE = "kascade_topk"  # anchor layer state: (layer.seen when scored, scores by logical position)
@@ -79,17 +79,5 @@ class KascadeSelector(Selector):
         return pooled
 
     def _check(self, view: LayerView) -> None:
-        g = self.profile.geometry
-        shape = (view.query.shape[1], view.keys.shape[1], view.keys.shape[-1])
-        if shape != (g.num_heads, g.num_kv_heads, g.head_dim):
-            raise ValueError(
-                f"the kascade profile of {self.profile.model!r} ({g.num_heads} query / {g.num_kv_heads} KV heads, "
-                f"head dim {g.head_dim}) does not fit this model ({shape[0]} / {shape[1]}, head dim {shape[2]}); "
-                f"{HOW_TO_COMPUTE}"
-            )
-        if view.layer_idx not in self.profile.managed_layers:
-            raise ValueError(
-                f"kascade: layer {view.layer_idx} is managed by the hook but not by the profile of "
-                f"{self.profile.model!r} (layers {self.profile.managed_layers}); run with the dense_layers "
-                "the profile was computed with"
-            )
+        made_for = f"the kascade profile of {self.profile.model!r}"
+        check_view_fits(view, self.profile.geometry, self.profile.managed_layers, made_for, HOW_TO_COMPUTE)

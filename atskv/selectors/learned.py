@@ -24,7 +24,7 @@ import torch
 
 from atskv.predictor.export import LoadedPredictor, load_predictor
 from atskv.predictor.features import SCALAR_FEATURES
-from atskv.selectors.base import LayerView, Selector
+from atskv.selectors.base import LayerView, Selector, check_view_fits
 
 _PROJECTED, _HIDDEN_NORM, _TYPE, _RECEIVED, _SCORE = (
     "learned_projected", "learned_hidden_norm", "learned_type", "learned_received", "learned_score",
@@ -72,19 +72,9 @@ class LearnedSelector(Selector):
         return view.layer.slot_tensor(_SCORE, init=torch.inf).unsqueeze(2)
 
     def _check(self, view: LayerView) -> None:
-        g = self.predictor.header.geometry
-        shape = (view.query.shape[1], view.keys.shape[1], view.keys.shape[-1])
-        if shape != (g.num_heads, g.num_kv_heads, g.head_dim):
-            raise ValueError(
-                f"the predictor was trained for {self.predictor.header.base_model!r} ({g.num_heads} query / "
-                f"{g.num_kv_heads} KV heads, head dim {g.head_dim}); this model has {shape[0]} / {shape[1]}, "
-                f"head dim {shape[2]}"
-            )
-        if view.layer_idx not in self._layer_index:
-            raise ValueError(
-                f"layer {view.layer_idx} is managed by the hook but the predictor scores layers "
-                f"{list(self._layer_index)}; run with the dense_layers it was collected with"
-            )
+        header = self.predictor.header
+        made_for = f"the predictor trained for {header.base_model!r}"
+        check_view_fits(view, header.geometry, header.managed_layers, made_for, "export one for this model")
 
     # --- features ------------------------------------------------------------------------------
     def features(self, view: LayerView) -> torch.Tensor:
