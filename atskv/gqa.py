@@ -16,12 +16,17 @@ def grouped_queries(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return query.view(b, num_kv_heads, hq // num_kv_heads, tq, d)
 
 
-def grouped_probs(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
+def grouped_probs(
+    query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scaling: float, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """Softmax attention probabilities `[B, Hkv, G, Tq, S]` in float32 over the slots where `mask`
     (`[B, Hkv, Tq, S]`) is True. Rows with no allowed slot come out uniform rather than NaN, so
-    padded queries never poison valid ones."""
+    padded queries never poison valid ones. `bias` (`[B, Hkv, Tq, S]`), if given, is added to the
+    scaled logits of every query head of the group (the influence label's per-token gates)."""
     q = grouped_queries(query, keys.shape[1])
     logits = torch.matmul(q, keys.unsqueeze(2).transpose(-1, -2)).float() * scaling
+    if bias is not None:
+        logits = logits + bias.unsqueeze(2)
     logits = logits.masked_fill(~mask.unsqueeze(2), torch.finfo(torch.float32).min)
     return torch.softmax(logits, dim=-1)
 

@@ -16,6 +16,7 @@ heads, and reports:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import defaultdict
@@ -77,7 +78,7 @@ class RecallProbe(SparseSession):
         layer = self.cache.layers[module.layer_idx]
         full = self.view(module.layer_idx, layer, query, keys, attention_mask, scaling)
         selectable = layer.slot_tensor("recall_selectable", init=1.0) > 0  # what the real run would still hold
-        view = LayerView(**{**full.__dict__, "valid": full.valid & selectable.unsqueeze(2)})
+        view = dataclasses.replace(full, valid=full.valid & selectable.unsqueeze(2))
         sparse = self.is_sparse_step(query)
         keep = self.keep(view, sparse)
         if self.selector.needs_attention:  # the selector observes the attention it would have had

@@ -39,7 +39,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from atskv.gqa import grouped_probs, grouped_queries
+from atskv.gqa import grouped_probs
 from atskv.models import DEFAULT_MODEL, model_geometry
 from atskv.predictor.features import SCALAR_FEATURES, attention_so_far, future_mass, scalar_features, topk_members
 from atskv.predictor.model import FeatureSpec
@@ -211,7 +211,7 @@ def biased_attention_forward(module, query, key, value, attention_mask, dropout=
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("attention logit soft-capping is not supported by the influence collection")
-    b, hkv, s, _ = key.shape
+    b, s = key.shape[0], key.shape[2]
     tq = query.shape[2]
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     if attention_mask is None:
@@ -223,9 +223,8 @@ def biased_attention_forward(module, query, key, value, attention_mask, dropout=
     bias = sum(
         F.pad(g, (0, s - t - 1))[:, :, None, :] * (queries > t).to(g.dtype)[:, None] for t, g in biases
     )  # [B, Hkv, Tq, S]
-    logits = torch.matmul(grouped_queries(query, hkv), key.unsqueeze(2).transpose(-1, -2)).float() * scaling
-    logits = (logits + bias.unsqueeze(2)).masked_fill(~mask.view(-1, 1, 1, tq, s), torch.finfo(torch.float32).min)
-    out = torch.matmul(torch.softmax(logits, dim=-1).to(value.dtype), value.unsqueeze(2))
+    probs = grouped_probs(query, key, mask.view(-1, 1, tq, s), scaling, bias=bias)
+    out = torch.matmul(probs.to(value.dtype), value.unsqueeze(2))
     return out.view(b, -1, tq, value.shape[-1]).transpose(1, 2), None
 
 
