@@ -75,6 +75,8 @@ class LearnedSelector(Selector):
         header = self.predictor.header
         made_for = f"the predictor trained for {header.base_model!r}"
         check_view_fits(view, header.geometry, header.managed_layers, made_for, "export one for this model")
+        if self.predictor.mlp.w1.weight.device != view.keys.device:  # loaded on the CPU, run beside the model
+            self.predictor.mlp.to(view.keys.device)
 
     # --- features ------------------------------------------------------------------------------
     def features(self, view: LayerView) -> torch.Tensor:
