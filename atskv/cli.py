@@ -16,9 +16,7 @@ from atskv.models import DEFAULT_MODEL, resolve_device
 from atskv.predictor.collect import collect_command
 from atskv.selectors.kascade_profile import kascade_profile_command
 
-PENDING = {
-    "finetune": "policy-gradient fine-tuning arrives with the RL work (issue 6)",
-}
+PENDING: dict[str, str] = {}
 
 
 def _check_selection(selectors: list[str], budget: int | float) -> None:
@@ -300,7 +298,8 @@ def export(checkpoint: Path, out: Path | None = None, model: str | None = None) 
     """Turn a training checkpoint into predictor.safetensors plus its JSON header.
 
     Args:
-        checkpoint: a checkpoint written by `atskv fit` (e.g. runs/fit/.../checkpoints/last.ckpt).
+        checkpoint: a checkpoint written by `atskv fit` or `atskv finetune` (e.g.
+            runs/fit/.../checkpoints/last.ckpt).
         out: output folder (predictor.safetensors, predictor.json); default
             <cache>/predictors/<model name>, where `--selectors [learned]` finds it.
         model: the base model (for its tokenizer's token-type table); default: the one the
@@ -338,6 +337,13 @@ def fit() -> None:
     """Train the relevance predictor on collected shards (LightningCLI; see `atskv fit --help`).
 
     Typical use: `atskv fit --config configs/fit.yaml --seed_everything N` for N = 0, 1, 2."""
+
+
+def finetune() -> None:
+    """Fine-tune a predictor with policy gradients on rollouts through the base model
+    (LightningCLI; see `atskv finetune --help`).
+
+    Typical use: `atskv finetune --config configs/finetune.yaml --seed_everything N --model.alpha A`."""
 
 
 def selectors() -> None:
@@ -390,6 +396,7 @@ COMMANDS = {
     "bench": bench,
     "collect": collect_command,
     "fit": fit,
+    "finetune": finetune,
     "export": export,
     "profile": {
         "kascade": kascade_profile_command,
@@ -414,6 +421,11 @@ def main(argv: list[str] | None = None) -> None:
             from atskv.predictor.training import fit_main
 
             fit_main(["fit", *argv[1:]])
+            return
+        if argv[:1] == ["finetune"]:  # the same for policy-gradient fine-tuning
+            from atskv.rl.training import finetune_main
+
+            finetune_main(argv[1:])
             return
         auto_cli(COMMANDS, args=argv, as_positional=True, prog="atskv")
     except (ValueError, FileNotFoundError, ImportError, TypeError) as error:

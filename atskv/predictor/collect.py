@@ -8,9 +8,10 @@ future loss with respect to an additive bias on the token's attention logits.
 - Features and mass come from one dense forward through the hook (`atskv.sparse`) with a
   capturing selector: its `prefill` sees one managed layer at a time, builds that layer's
   pooled probabilities `[B, Hkv, T, T]` in query chunks, keeps the sampled rows and drops the
-  rest, so no two layers' T x T tensors are alive together.
+  rest, so no two layers' T x T tensors are alive together. The same capture, keeping every
+  row (`decision_features`), gives the policy-gradient rollouts (`atskv.rl`) their features.
 - Influence needs gradients through attention logits, which the hook's fused paths do not give;
-  a collection-only attention function (`INFLUENCE_ATTENTION`) adds zero bias tensors
+  a biased attention function (`INFLUENCE_ATTENTION`, also the rollouts' masking) adds zero bias tensors
   `[B, Hkv, t+1]` to the logits of queries after t, and one forward plus one backward per
   decision time read their gradients. Choice: the loss is the mean NLL of the predictions made
   by queries t+1..t+W (tokens t+2..t+W+1), the same queries the mass label averages; token
@@ -27,8 +28,9 @@ folder; it skips finished keys, so a rerun resumes. Spreading over GPUs (a later
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -92,12 +94,9 @@ class CollectSpec:
 TASK_SEED_BASE = 1_000_000
 
 
-def task_item(
-    tokenizer, task: str, n_tokens: int, seed: int, spec: CollectSpec
-) -> tuple[str, torch.Tensor, CollectSpec]:
-    """A synthetic task prompt with its answer appended, as a work item whose decision time is
-    the prompt's last token and whose future queries are the answer's: what the policy must keep
-    at the end of a prompt is what the answer will read. Needle depth varies with the seed."""
+def task_prompt(tokenizer, task: str, n_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids of a synthetic task prompt (at most `n_tokens`, classic filler, needle depth
+    varying with the seed) and of its answer as the model should continue it (" " + answer)."""
     from atskv.data import CLASSIC_FILLER, TASKS
     from atskv.eval.generation import encode_prompt
 
@@ -105,8 +104,18 @@ def task_item(
     example = TASKS[task](tokenizer, n_tokens, depth, seed, filler=CLASSIC_FILLER)
     prompt = encode_prompt(tokenizer, example.prompt, chat=False)[0]
     answer = torch.tensor(tokenizer(" " + example.answer, add_special_tokens=False)["input_ids"])
+    return prompt, answer
+
+
+def task_item(
+    tokenizer, task: str, n_tokens: int, seed: int, spec: CollectSpec
+) -> tuple[str, torch.Tensor, CollectSpec]:
+    """A synthetic task prompt with its answer appended, as a work item whose decision time is
+    the prompt's last token and whose future queries are the answer's: what the policy must keep
+    at the end of a prompt is what the answer will read."""
+    prompt, answer = task_prompt(tokenizer, task, n_tokens, seed)
     if answer.numel() < 2:
-        raise ValueError(f"task {task!r}: the answer {example.answer!r} is one token; it needs two to label")
+        raise ValueError(f"task {task!r}: the answer {tokenizer.decode(answer)!r} is one token; it needs two to label")
     window = torch.cat([prompt, answer])
     t = prompt.numel() - 1  # queries t+1.. are the answer's tokens after its first (predicted at t)
     item_spec = replace(
@@ -139,23 +148,22 @@ def managed_layers(model, dense_layers: int) -> list[int]:
     """The layers the hook manages with `dense_layers` (what the learned selector will score)."""
     from atskv.attention import SparseSession, SparsityConfig
 
-    return sorted(SparseSession(model, _FeatureCapture(), SparsityConfig(1.0, dense_layers)).managed_layers)
+    return sorted(SparseSession(model, FeatureCapture(), SparsityConfig(1.0, dense_layers)).managed_layers)
 
 
 @dataclass
-class _FeatureCapture(Selector):
-    """Keeps everything (dense prefill); in each managed layer's `prefill` it computes features
-    and labels at every decision time and keeps only the sampled rows of each (t, KV head)."""
+class FeatureCapture(Selector):
+    """Keeps everything (dense prefill); in each managed layer's `prefill` it computes the
+    features of tokens 0..t at every decision time and hands them to `record`, which by default
+    keeps all of them in `features[layer_idx][t]` = (hidden `[t+1, d_model]`, scalars
+    `[Hkv, t+1, F]`)."""
 
     needs_hidden = True
     keeps_all = True
     decision_times: tuple[int, ...] = ()
-    future_queries: int = 1
-    topk: int = 1
     query_chunk: int = 512
-    generator: torch.Generator | None = None
-    groups: list[dict] = field(default_factory=list)
     prev: dict[int, torch.Tensor] = field(default_factory=dict)  # t -> previous managed layer's attention
+    features: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
 
     def prefill(self, view: LayerView) -> None:
         n, c = view.query.shape[2], self.query_chunk
@@ -170,24 +178,56 @@ class _FeatureCapture(Selector):
         del chunks
         for t in self.decision_times:
             attention = attention_so_far(probs, t)
-            mass = future_mass(probs, t, self.future_queries)
-            members = topk_members(mass, self.topk)
             scalars = scalar_features(attention, self.prev.get(t), view.hidden[:, : t + 1], view.keys[:, :, : t + 1], t)
             self.prev[t] = attention.mean(1)
-            for h in range(attention.shape[1]):
-                rows = self._sample(members[0, h])
-                self.groups.append(
-                    {
-                        "layer_idx": view.layer_idx,
-                        "t": t,
-                        "head": h,
-                        "position": rows,
-                        "hidden": view.hidden[0, rows].to(torch.float16),
-                        "scalars": scalars[0, h, rows],
-                        "mass": mass[0, h, rows],
-                        "in_topk": members[0, h, rows],
-                    }
-                )
+            self.record(view, t, probs, scalars)
+
+    def record(self, view: LayerView, t: int, probs: torch.Tensor, scalars: torch.Tensor) -> None:
+        """Keep the features of every token 0..t (`probs` `[1, Hkv, T, T]`, `scalars` `[1, Hkv, t+1, F]`)."""
+        self.features.setdefault(view.layer_idx, {})[t] = (view.hidden[0, : t + 1], scalars[0])
+
+
+def decision_features(
+    model, ids: torch.Tensor, t: int, dense_layers: int
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """`{managed layer: (hidden [t+1, d_model], scalars [Hkv, t+1, F])}`: the features of every
+    token 0..t at decision time t, from one dense forward of `ids[:, :t+1]` (`[1, >t]`) through
+    the hook. No gradients (`no_grad`, not `inference_mode`: the results may feed a trained MLP)."""
+    from atskv.attention import sparse
+
+    capture = FeatureCapture((t,))
+    with sparse(model, capture, budget=1.0, dense_layers=dense_layers), torch.no_grad():
+        model(ids[:, : t + 1])
+    return {layer: by_time[t] for layer, by_time in capture.features.items()}
+
+
+@dataclass
+class _FeatureCapture(FeatureCapture):
+    """The collection's capture: at every (t, KV head) it keeps the labels and features of the
+    sampled rows only."""
+
+    future_queries: int = 1
+    topk: int = 1
+    generator: torch.Generator | None = None
+    groups: list[dict] = field(default_factory=list)
+
+    def record(self, view: LayerView, t: int, probs: torch.Tensor, scalars: torch.Tensor) -> None:
+        mass = future_mass(probs, t, self.future_queries)
+        members = topk_members(mass, self.topk)
+        for h in range(mass.shape[1]):
+            rows = self._sample(members[0, h])
+            self.groups.append(
+                {
+                    "layer_idx": view.layer_idx,
+                    "t": t,
+                    "head": h,
+                    "position": rows,
+                    "hidden": view.hidden[0, rows].to(torch.float16),
+                    "scalars": scalars[0, h, rows],
+                    "mass": mass[0, h, rows],
+                    "in_topk": members[0, h, rows],
+                }
+            )
 
     def _sample(self, members: torch.Tensor) -> torch.Tensor:
         """Positions of all members plus as many uniformly drawn non-members (all if fewer), sorted."""
@@ -203,9 +243,11 @@ def _stable_int(text: str, bits: int = 63) -> int:
 
 
 def biased_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """The collection-only attention function: layers carrying bias tensors attend eagerly with
-    `bias[b, h, i]` added to the logits of every query after t on token i <= t (all query heads
-    of KV head h); other layers run SDPA. Full-sequence forwards only (no cache)."""
+    """The biased attention function (influence labels here, policy rollouts in `atskv.rl`):
+    layers carrying bias tensors attend eagerly with `bias[b, h, i]` added to the logits of
+    every query after t on token i <= t (all query heads of KV head h); other layers run SDPA.
+    Full-sequence forwards, or forwards continuing a plain `DynamicCache` (queries are the last
+    Tq positions)."""
     biases = getattr(module, _BIAS_ATTR, None)
     if biases is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
@@ -232,42 +274,53 @@ AttentionInterface.register(INFLUENCE_ATTENTION, biased_attention_forward)
 AttentionMaskInterface.register(INFLUENCE_ATTENTION, sdpa_mask)
 
 
+@contextlib.contextmanager
+def attention_biases(model, biases: dict[int, list[tuple[int, torch.Tensor]]]) -> Iterator[None]:
+    """Inside the block `model` attends through `biased_attention_forward`: layer l adds every
+    `(t, bias [B, Hkv, t+1])` of `biases[l]` to the logits of its queries after t; the other
+    layers run SDPA. Full-sequence forwards, or a forward continuing a plain `DynamicCache`."""
+    from atskv.attention import _attention_modules
+
+    modules = [m for m in _attention_modules(model) if m.layer_idx in biases]
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(INFLUENCE_ATTENTION)
+    for m in modules:
+        setattr(m, _BIAS_ATTR, biases[m.layer_idx])
+    try:
+        yield
+    finally:
+        for m in modules:
+            delattr(m, _BIAS_ATTR)
+        model.set_attn_implementation(previous)
+
+
 def influence_gradients(
     model, ids: torch.Tensor, layers: Sequence[int], spec: CollectSpec
 ) -> dict[tuple[int, int], torch.Tensor]:
     """`{(t, layer): d loss_t / d bias}` `[1, Hkv, t+1]` for ids `[1, span]`, where loss_t is the mean
     NLL of the predictions of queries t+1..t+W. One forward; one backward per decision time."""
-    from atskv.attention import _attention_modules
-
     hkv = model_geometry(model.config).num_kv_heads
     times = spec.decision_times
     biases = {
         (t, layer): torch.zeros(1, hkv, t + 1, device=ids.device, requires_grad=True) for t in times for layer in layers
     }
-    modules = [m for m in _attention_modules(model) if m.layer_idx in layers]
     params = [p for p in model.parameters() if p.requires_grad]
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(INFLUENCE_ATTENTION)
-    for m in modules:
-        setattr(m, _BIAS_ATTR, [(t, biases[t, m.layer_idx]) for t in times])
     try:
         for p in params:  # no parameter gradients: saves the activations only they would need
             p.requires_grad_(False)
-        with torch.enable_grad():
-            logits = model(ids[:, :-1], use_cache=False).logits[0].float()
-            nll = F.cross_entropy(logits, ids[0, 1:], reduction="none")  # nll[p]: token p+1 predicted at p
-            grads = {}
-            for n, t in enumerate(times):
-                wanted = [biases[t, layer] for layer in layers]
-                loss = nll[t + 1 : t + 1 + spec.future_queries].mean()
-                for layer, g in zip(layers, torch.autograd.grad(loss, wanted, retain_graph=n < len(times) - 1)):
-                    grads[t, layer] = g
+        with attention_biases(model, {layer: [(t, biases[t, layer]) for t in times] for layer in layers}):
+            with torch.enable_grad():
+                logits = model(ids[:, :-1], use_cache=False).logits[0].float()
+                nll = F.cross_entropy(logits, ids[0, 1:], reduction="none")  # nll[p]: token p+1 predicted at p
+                grads = {}
+                for n, t in enumerate(times):
+                    wanted = [biases[t, layer] for layer in layers]
+                    loss = nll[t + 1 : t + 1 + spec.future_queries].mean()
+                    for layer, g in zip(layers, torch.autograd.grad(loss, wanted, retain_graph=n < len(times) - 1)):
+                        grads[t, layer] = g
     finally:
         for p in params:
             p.requires_grad_(True)
-        for m in modules:
-            delattr(m, _BIAS_ATTR)
-        model.set_attn_implementation(previous)
     return grads
 
 
@@ -280,7 +333,9 @@ def collect_window(
     device = next(model.parameters()).device
     ids = window[: spec.span + 1].reshape(1, -1).to(device)
     generator = torch.Generator().manual_seed(_stable_int(f"{spec.seed}/{key}"))
-    capture = _FeatureCapture(spec.decision_times, spec.future_queries, spec.topk, generator=generator)
+    capture = _FeatureCapture(
+        spec.decision_times, future_queries=spec.future_queries, topk=spec.topk, generator=generator
+    )
     with sparse(model, capture, budget=1.0, dense_layers=spec.dense_layers) as session, torch.inference_mode():
         model(ids[:, :-1])
     managed = sorted(session.managed_layers)

@@ -1,0 +1,185 @@
+"""Retention policies over the predictor's logits of one decision: which context tokens each
+managed layer and KV head keeps at the end of the prompt.
+
+Logits are `[*rows, N]` (rows: managed layers x KV heads; N: the context tokens 0..t). Samples
+carry a leading sample dim K. Both policies divide logits by a `temperature` first (s = l / T).
+
+- `BernoulliPolicy`: token i is kept with p_i = sigmoid(s_i), independently; memory varies with
+  the sample. Log-probability and entropy are exact; `greedy` keeps p_i > 0.5 (l_i > 0).
+- `GumbelTopKPolicy(budget)`: k tokens drawn without replacement with probability proportional
+  to exp(s) among those left (Plackett-Luce), sampled in one shot by perturbing s with Gumbel
+  noise and taking the top k (Kool et al., 2019); memory is fixed at k. The log-probability is
+  exact for the *ordered* selection it sampled (the unordered set would need a sum over k!
+  orders): sum_j s_(j) - log sum_{i not yet drawn} exp(s_i). The normaliser after j draws is
+  the mass of the tokens never drawn plus that of draws j..k, both sums of positive terms (a
+  reverse cumulative logsumexp), so it does not lose precision as the mass left shrinks.
+  `greedy` is the top k of the logits, what `LearnedSelector` keeps.
+
+Entropy is in nats per token decision (a row's entropy divided by N, averaged over rows), so
+its weight does not depend on the context length. For Plackett-Luce it is an estimate: along
+each sampled order, the sum of the entropies of the j-th draw's distribution over the tokens
+left. By the chain rule its expectation is the exact entropy of the ordered selection.
+
+`keep_marginal_logits` gives a per-token keep probability for the KL to the supervised
+predictor (`marginal_kl`): exact for Bernoulli; for Plackett-Luce the marginal has no closed
+form and is approximated by sigmoid(s_i - c), c half-way between the k-th and (k+1)-th largest
+s of the row, which is invariant to shifting a row's logits, as the policy is, and puts about k
+tokens above 1/2.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Sampled retention: `keep` `[K, *rows, N]` bool; `order` `[K, *rows, k]`: the tokens of a
+    Plackett-Luce sample in the order drawn (None for Bernoulli)."""
+
+    keep: torch.Tensor
+    order: torch.Tensor | None = None
+
+    @property
+    def memory(self) -> torch.Tensor:
+        """`[K]`: retained fraction of the tokens, over all rows."""
+        return self.keep.flatten(1).float().mean(1)
+
+
+def _check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"the policy's temperature must be positive, got {temperature}")
+
+
+@dataclass(frozen=True)
+class BernoulliPolicy:
+    """Keep each token independently with probability sigmoid(logit / temperature)."""
+
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        _check_temperature(self.temperature)
+
+    def check(self, context_tokens: int) -> None:
+        """Any context can be decided on (memory is free)."""
+
+    def sample(self, logits: torch.Tensor, num_samples: int, generator: torch.Generator | None = None) -> Selection:
+        p = torch.sigmoid(logits.detach().float() / self.temperature)
+        u = torch.rand((num_samples, *p.shape), generator=generator, device=p.device)
+        return Selection(u < p)
+
+    def log_prob(self, logits: torch.Tensor, selection: Selection) -> torch.Tensor:
+        s = logits.float() / self.temperature
+        lp = torch.where(selection.keep, F.logsigmoid(s), F.logsigmoid(-s))
+        return lp.flatten(1).sum(1)
+
+    def entropy(self, logits: torch.Tensor, selection: Selection | None = None) -> torch.Tensor:
+        """Exact mean binary entropy per token (`selection` is not needed)."""
+        s = logits.float() / self.temperature
+        p = torch.sigmoid(s)
+        return -(p * F.logsigmoid(s) + (1 - p) * F.logsigmoid(-s)).mean()
+
+    def keep_marginal_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.float() / self.temperature
+
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits > 0
+
+
+@dataclass(frozen=True)
+class GumbelTopKPolicy:
+    """Keep `budget` tokens per row (an int, or a fraction of the context in (0, 1), rounded up),
+    drawn without replacement in proportion to exp(logit / temperature) (Plackett-Luce)."""
+
+    budget: int | float
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        _check_temperature(self.temperature)
+        b = self.budget
+        if isinstance(b, bool) or not isinstance(b, (int, float)):
+            raise TypeError(f"budget must be an int (tokens) or a float fraction in (0, 1), got {b!r}")
+        if isinstance(b, int) and b < 1:
+            raise ValueError(f"the Gumbel top-k budget must be at least 1 token, got {b}")
+        if isinstance(b, float) and not 0.0 < b < 1.0:
+            raise ValueError(f"a fractional Gumbel top-k budget must lie in (0, 1), got {b}")
+
+    def tokens(self, context_tokens: int) -> int:
+        """k for a context of N tokens."""
+        return self.budget if isinstance(self.budget, int) else max(1, math.ceil(self.budget * context_tokens))
+
+    def check(self, context_tokens: int) -> None:
+        """Refuse a context in which keeping k tokens is no choice at all (k >= N)."""
+        if self.tokens(context_tokens) >= context_tokens:
+            raise ValueError(
+                f"a Gumbel top-k budget of {self.tokens(context_tokens)} tokens keeps the whole context of "
+                f"{context_tokens} tokens: there is nothing to choose; use a budget below the context length"
+            )
+
+    def sample(self, logits: torch.Tensor, num_samples: int, generator: torch.Generator | None = None) -> Selection:
+        n = logits.shape[-1]
+        self.check(n)
+        s = logits.detach().float() / self.temperature
+        exponential = torch.empty((num_samples, *s.shape), device=s.device).exponential_(generator=generator)
+        order = (s - exponential.log()).topk(self.tokens(n), dim=-1).indices  # Gumbel(0, 1) = -log Exp(1)
+        return Selection(torch.zeros_like(exponential, dtype=torch.bool).scatter_(-1, order, True), order)
+
+    def _drawn(self, logits: torch.Tensor, selection: Selection) -> tuple[torch.Tensor, torch.Tensor]:
+        """s (in the dtype of `logits`) broadcast to the samples `[K, *rows, N]`, and s of the drawn
+        tokens in the order drawn `[K, *rows, k]`."""
+        if selection.order is None:
+            raise ValueError("a Plackett-Luce log-probability needs the order of the draws (a GumbelTopKPolicy sample)")
+        s = (logits / self.temperature).expand(selection.keep.shape)
+        return s, s.gather(-1, selection.order)
+
+    def log_prob(self, logits: torch.Tensor, selection: Selection) -> torch.Tensor:
+        s, drawn = self._drawn(logits.float(), selection)
+        never = s.masked_fill(selection.keep, -math.inf).logsumexp(-1, keepdim=True)  # tokens never drawn
+        still = drawn.flip(-1).logcumsumexp(-1).flip(-1)  # draws j..k
+        return (drawn - torch.logaddexp(still, never)).flatten(1).sum(1)
+
+    def entropy(self, logits: torch.Tensor, selection: Selection) -> torch.Tensor:
+        """Estimate per token: the entropies of the successive draws along each sampled order,
+        summed, averaged over samples and rows, divided by N (float64: exp of the shifted logits)."""
+        s, drawn = self._drawn(logits.double(), selection)
+        top = s.amax(-1, keepdim=True).detach()
+        e, e_drawn = (s - top).exp(), (drawn - top).exp()
+        mass = (e * (~selection.keep)).sum(-1, keepdim=True) + e_drawn.flip(-1).cumsum(-1).flip(-1)
+        weighted = (e * (s - top) * (~selection.keep)).sum(-1, keepdim=True)
+        weighted = weighted + (e_drawn * (drawn - top)).flip(-1).cumsum(-1).flip(-1)
+        per_draw = mass.log() - weighted / mass  # H = log Z - E[s], both shifted by `top`
+        return (per_draw.sum(-1).mean() / s.shape[-1]).float()
+
+    def keep_marginal_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        s = logits.float() / self.temperature
+        k = self.tokens(s.shape[-1])
+        kth = s.topk(k + 1, dim=-1).values[..., -2:].mean(-1, keepdim=True)
+        return s - kth
+
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        k = self.tokens(logits.shape[-1])
+        return torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, logits.topk(k, dim=-1).indices, True)
+
+
+Policy = BernoulliPolicy | GumbelTopKPolicy
+POLICIES = {"bernoulli": BernoulliPolicy, "gumbel_topk": GumbelTopKPolicy}
+
+
+def make_policy(name: str, budget: int | float = 0.1, temperature: float = 1.0) -> Policy:
+    """A policy by name; `budget` applies to `gumbel_topk` only."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}")
+    return BernoulliPolicy(temperature) if name == "bernoulli" else GumbelTopKPolicy(budget, temperature)
+
+
+def marginal_kl(policy: Policy, logits: torch.Tensor, reference_logits: torch.Tensor) -> torch.Tensor:
+    """Mean per-token KL(q || q_ref) of the keep marginals (Bernoulli distributions) of `logits`
+    and of the frozen reference's `reference_logits`, under `policy`."""
+    a = policy.keep_marginal_logits(logits)
+    b = policy.keep_marginal_logits(reference_logits)
+    p = torch.sigmoid(a)
+    return (p * (F.logsigmoid(a) - F.logsigmoid(b)) + (1 - p) * (F.logsigmoid(-a) - F.logsigmoid(-b))).mean()

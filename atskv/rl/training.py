@@ -1,0 +1,328 @@
+"""Policy-gradient fine-tuning of the relevance predictor (`atskv finetune`), in Lightning.
+
+Every training item (a corpus window or a task prompt, `atskv.rl.items`) is one context: the
+predictor scores its tokens, the policy samples K retentions, the base model scores the
+continuation under each (`atskv.rl.rollout`), and the reward `alpha * performance - (1 - alpha)
+* memory` (`atskv.rl.reward`) weighs the samples' log-probabilities (REINFORCE):
+
+    loss = -mean_k(A_k * log pi(a_k)) / D - entropy_weight * H + kl_weight * KL(pi || pi_sup)
+
+A_k: leave-one-out advantage over the K samples of the context; D: the number of token decisions
+(managed layers x KV heads x context tokens), so the loss is per decision like H and KL and the
+weights do not depend on the context length; H, KL: per-token entropy and keep-marginal KL to
+the frozen supervised predictor (`atskv.rl.policy`). Entropy and KL weights are relative to the
+reward's scale (alpha x nats of NLL, fractions of memory).
+
+Choices where the plan leaves one:
+- Manual optimisation: the items of a batch are backpropagated one by one (each graph is freed
+  before the next rollout), then the gradient norm is clipped to `gradient_clip` and AdamW steps.
+- The predictor runs as it does at inference all through training: its BatchNorm keeps the
+  running statistics of the supervised phase (eval mode), so scores mean the same at run time.
+- Performance is -NLL on corpus windows; on task prompts -NLL too, or exact-match in {0, 1} with
+  `task_metric: exact_match` (sparser: a context whose K samples all agree gives no gradient).
+- The base model is frozen and lives outside the module's parameters and state: checkpoints
+  hold the predictor as `model.*` and the hyperparameters `collection` and the MLP widths, the
+  form `RelevanceModule` writes, so `atskv export` reads a fine-tuning checkpoint unchanged (and
+  `atskv finetune --model.predictor CKPT` continues from one). The frozen reference predictor is
+  rebuilt from `predictor` when a module is made, not saved.
+- Initialisation: `predictor` is an exported predictor (folder or .safetensors), a training
+  checkpoint (.ckpt, from `atskv fit` or `atskv finetune`), or a model name whose predictor is
+  found as the CLI finds it (the user's export, else the one shipped with atskv).
+- Task prompts for training draw their seeds from `TASK_SEED_BASE` on, like the collection's;
+  held-out evaluation uses another range (`atskv.rl.evaluate`).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from torch.utils.data import DataLoader
+
+from atskv.models import DEFAULT_MODEL, ModelGeometry, resolve_device
+from atskv.predictor.collect import TASK_SEED_BASE, managed_layers
+from atskv.predictor.export import PredictorHeader, find_predictor, load_predictor, mlp_widths
+from atskv.predictor.features import SCALAR_FEATURES
+from atskv.predictor.model import FeatureSpec, RelevanceMLP
+from atskv.predictor.token_types import token_type_table
+from atskv.rl.items import RolloutItem, corpus_items, task_items
+from atskv.rl.policy import Policy, Selection, make_policy, marginal_kl
+from atskv.rl.reward import check_alpha, leave_one_out, reward
+from atskv.rl.rollout import context_features, predictor_logits, rollout
+
+TASK_METRICS = ("nll", "exact_match")
+
+
+@dataclass
+class StartingPoint:
+    """The supervised predictor fine-tuning starts from, and what `atskv export` needs to know."""
+
+    mlp: RelevanceMLP
+    collection: dict  # model, geometry, feature_spec, managed_layers (a collection manifest's keys)
+
+    @property
+    def header(self) -> PredictorHeader:
+        c = self.collection
+        return PredictorHeader(
+            c["model"], ModelGeometry.from_dict(c["geometry"]), tuple(c["managed_layers"]),
+            FeatureSpec.from_dict(c["feature_spec"]), mlp_widths(self.mlp),
+        )
+
+
+def starting_point(source: str | Path) -> StartingPoint:
+    """Read the predictor to start from: a .ckpt, an exported predictor, or a model name."""
+    path = Path(source).expanduser()
+    if path.suffix == ".ckpt":
+        from atskv.predictor.training import RelevanceModule
+
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such checkpoint")
+        module = RelevanceModule.load_from_checkpoint(path, map_location="cpu")
+        start = StartingPoint(module.model, dict(module.hparams.collection))
+    else:
+        loaded = load_predictor(path if path.exists() else find_predictor(str(source)))
+        h = loaded.header
+        collection = {
+            "model": h.base_model, "geometry": h.geometry.to_dict(), "feature_spec": h.feature_spec.to_dict(),
+            "managed_layers": list(h.managed_layers),
+        }
+        start = StartingPoint(loaded.mlp, collection)
+    features = tuple(start.collection["feature_spec"]["scalar_features"])
+    if features != SCALAR_FEATURES:
+        raise ValueError(f"the predictor reads features {features}, this version of atskv computes {SCALAR_FEATURES}")
+    return start
+
+
+def reinforce_loss(
+    policy: Policy,
+    logits: torch.Tensor,
+    selection: Selection,
+    rewards: torch.Tensor,
+    reference_logits: torch.Tensor,
+    entropy_weight: float,
+    kl_weight: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss of one context (see the module docstring) and its parts, detached, for logging.
+    `logits` `[*rows, N]`; `selection` K samples from them; `rewards` `[K]`."""
+    log_prob = policy.log_prob(logits, selection)
+    advantages = leave_one_out(rewards.detach())
+    gradient = -(advantages * log_prob).mean() / logits.numel()
+    entropy = policy.entropy(logits, selection)
+    kl = marginal_kl(policy, logits, reference_logits.detach())
+    loss = gradient - entropy_weight * entropy + kl_weight * kl
+    return loss, {"loss": loss.detach(), "reward": rewards.mean(), "entropy": entropy.detach(), "kl": kl.detach()}
+
+
+@dataclass
+class _Frozen:
+    """What the module uses but never trains or saves (kept off its parameters and state dict)."""
+
+    base: torch.nn.Module  # the base model
+    reference: RelevanceMLP  # the supervised predictor, for the KL term
+    type_table: torch.Tensor  # token type of every id
+
+
+class PolicyGradientModule(L.LightningModule):
+    """REINFORCE on the predictor with rollouts through the frozen base model."""
+
+    def __init__(
+        self,
+        predictor: str = DEFAULT_MODEL,
+        model: str | None = None,
+        policy: str = "bernoulli",
+        budget: int | float = 0.1,
+        temperature: float = 1.0,
+        alpha: float = 0.5,
+        samples: int = 8,
+        task_metric: str = "nll",
+        lr: float = 1e-4,
+        weight_decay: float = 0.0,
+        entropy_weight: float = 1e-3,
+        kl_weight: float = 1e-2,
+        gradient_clip: float = 1.0,
+        dtype: str = "auto",
+    ):
+        """
+        Args:
+            predictor: the supervised predictor to start from: an exported predictor (folder or
+                .safetensors), a checkpoint of `atskv fit` / `atskv finetune` (.ckpt), or a model
+                name (its exported or shipped predictor).
+            model: the base model (named model, Hugging Face folder or .gguf); default: the one the
+                predictor was trained for. Its geometry must be the predictor's.
+            policy: bernoulli (keep each token with p = sigmoid(logit / temperature); memory
+                varies) or gumbel_topk (sample `budget` tokens per layer and KV head; memory fixed).
+            budget: gumbel_topk's tokens per layer and KV head (int) or fraction of the context.
+            temperature: logits are divided by it before the policy reads them.
+            alpha: reward = alpha * performance - (1 - alpha) * memory, alpha in [0, 1].
+            samples: K, retentions sampled per context (>= 2, for the leave-one-out baseline).
+            task_metric: performance on task prompts: nll (-NLL of the answer) or exact_match.
+            lr: AdamW learning rate.
+            weight_decay: AdamW weight decay.
+            entropy_weight: weight of the entropy bonus (nats per token decision).
+            kl_weight: weight of the KL to the supervised predictor (per token decision).
+            gradient_clip: the gradient's norm is clipped to this before each step.
+            dtype: the base model's dtype: float32, bfloat16, float16, or auto (bfloat16 on GPU).
+        """
+        super().__init__()
+        self.automatic_optimization = False
+        check_alpha(alpha)
+        self.policy = make_policy(policy, budget, temperature)
+        if samples < 2:
+            raise ValueError(f"samples must be >= 2 (the leave-one-out baseline), got {samples}")
+        if task_metric not in TASK_METRICS:
+            raise ValueError(f"task_metric must be one of {TASK_METRICS}, got {task_metric!r}")
+        self.save_hyperparameters()
+        from atskv.models import load_model  # looked up at call time (tests check nothing loads before the checks)
+
+        start = starting_point(predictor)
+        loaded = load_model(model or start.collection["model"])
+        start.header.check_model(loaded.model)
+        self.layers = tuple(start.collection["managed_layers"])
+        hooked = managed_layers(loaded.model, self.layers[0])
+        if hooked != list(self.layers):
+            raise ValueError(f"the predictor covers layers {list(self.layers)}, the hook would manage {hooked}")
+        self.model = start.mlp.requires_grad_(True)
+        reference = copy.deepcopy(start.mlp).eval().requires_grad_(False)
+        types = token_type_table(loaded.tokenizer, loaded.model.config.get_text_config(decoder=True).vocab_size)
+        self.frozen = _Frozen(loaded.model.eval().requires_grad_(False), reference, types)
+        self.tokenizer = loaded.tokenizer
+        self.hparams.update(collection=start.collection, **mlp_widths(start.mlp))  # what `atskv export` reads
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.model.eval()  # BatchNorm keeps the supervised phase's running statistics
+        return self
+
+    def setup(self, stage: str) -> None:
+        device = self.trainer.strategy.root_device
+        self.frozen.base.to(device=device, dtype=resolve_device(device.type, self.hparams.dtype)[1])
+        self.frozen.reference.to(device)
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is not None and (items := datamodule.items()):
+            self.policy.check(min(item.context for item in items))
+
+    def item_loss(self, item: RolloutItem) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss and statistics of one context: features, K samples, rollouts, REINFORCE."""
+        hp = self.hparams
+        self.policy.check(item.context)
+        features = context_features(self.frozen.base, item.ids[: item.context], self.layers, self.frozen.type_table)
+        logits = predictor_logits(self.model, features)
+        with torch.no_grad():
+            reference = predictor_logits(self.frozen.reference, features)
+        selection = self.policy.sample(logits, hp.samples)
+        result = rollout(self.frozen.base, item, selection.keep, self.layers)
+        exact = item.is_task and hp.task_metric == "exact_match"
+        performance = result.exact.float() if exact else -result.nll
+        rewards = reward(performance, selection.memory, hp.alpha)
+        loss, stats = reinforce_loss(
+            self.policy, logits, selection, rewards, reference, hp.entropy_weight, hp.kl_weight
+        )
+        stats.update(nll=result.nll.mean(), memory=selection.memory.mean())
+        if item.is_task:
+            stats["exact"] = result.exact.float().mean()
+        return loss, stats
+
+    def training_step(self, batch: list[RolloutItem], batch_idx: int) -> None:
+        optimiser = self.optimizers()
+        optimiser.zero_grad()
+        stats = defaultdict(list)
+        for item in batch:
+            loss, parts = self.item_loss(item)
+            self.manual_backward(loss / len(batch))
+            for name, value in parts.items():
+                stats[name].append(value)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.hparams.gradient_clip)
+        optimiser.step()
+        logged = {f"train/{name}": torch.stack(values).mean() for name, values in stats.items()}
+        self.log_dict({**logged, "train/grad_norm": norm}, batch_size=len(batch))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.model.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+
+
+class RolloutData(L.LightningDataModule):
+    """Training contexts: corpus windows and synthetic task prompts, a few per optimiser step."""
+
+    def __init__(
+        self,
+        tokenizer: Any = None,
+        corpus: str = "austen",
+        windows: int = 64,
+        context_tokens: int = 2048,
+        continuation_tokens: int = 32,
+        tasks: list[str] = ["passkey", "needle_single"],  # noqa: B006 (read-only; a list for the CLI)
+        task_examples: int = 16,
+        task_tokens: int | None = None,
+        batch_size: int = 2,
+    ):
+        """
+        Args:
+            tokenizer: the base model's (the CLI links it from the model).
+            corpus: training text: a corpus name, a folder of .txt files or hf:<dataset>.
+            windows: corpus windows, spread evenly over the corpus.
+            context_tokens: T, the tokens a window's retention is decided on.
+            continuation_tokens: C, the tokens after them whose NLL is the performance.
+            tasks: synthetic tasks whose prompts (answer as continuation) are trained on too.
+            task_examples: prompts per task (seeds from TASK_SEED_BASE on).
+            task_tokens: length of the task prompts (default: context_tokens).
+            batch_size: contexts per optimiser step.
+        """
+        super().__init__()
+        self.save_hyperparameters(ignore=["tokenizer"])
+        if continuation_tokens < 2 or context_tokens < 2:
+            raise ValueError(
+                f"need context_tokens and continuation_tokens >= 2, got {context_tokens}, {continuation_tokens}"
+            )
+        self.tokenizer = tokenizer
+        self._items: list[RolloutItem] | None = None
+
+    def items(self) -> list[RolloutItem]:
+        if self._items is None:
+            hp = self.hparams
+            if self.tokenizer is None:
+                raise ValueError("RolloutData needs the base model's tokenizer")
+            items = corpus_items(self.tokenizer, hp.corpus, hp.windows, hp.context_tokens, hp.continuation_tokens)
+            seeds = range(TASK_SEED_BASE, TASK_SEED_BASE + hp.task_examples)
+            self._items = items + task_items(self.tokenizer, hp.tasks, seeds, hp.task_tokens or hp.context_tokens)
+        return self._items
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.items(), batch_size=self.hparams.batch_size, shuffle=True, collate_fn=list)
+
+
+class FinetuneCLI(LightningCLI):
+    """LightningCLI with the tokenizer linked from the model, the policy's budget checked against
+    the data before anything loads, and a checkpoint of the last step."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.link_arguments("model.tokenizer", "data.tokenizer", apply_on="instantiate")
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.set_defaults({"checkpoint.save_last": True})
+
+    def before_instantiate_classes(self) -> None:
+        model, data = self.config["model"], self.config["data"]
+        check_alpha(model["alpha"])
+        policy = make_policy(model["policy"], model["budget"], model["temperature"])
+        contexts = [data["context_tokens"]] + ([data["task_tokens"] or data["context_tokens"]] if data["tasks"] else [])
+        policy.check(min(contexts))
+
+
+def finetune_main(args: list[str] | None = None) -> FinetuneCLI:
+    """`atskv finetune --config configs/finetune.yaml [--seed_everything N] [--model.alpha A]`:
+    parse (no Lightning subcommand: fitting is the only thing it does), then fit."""
+    with warnings.catch_warnings():  # `atskv finetune` passes its own argv on purpose
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+        cli = FinetuneCLI(
+            PolicyGradientModule, RolloutData, args=args, run=False, save_config_kwargs={"overwrite": True},
+            parser_kwargs={"prog": "atskv finetune"},
+        )
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    return cli

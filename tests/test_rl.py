@@ -1,0 +1,325 @@
+"""Policy-gradient fine-tuning (`atskv.rl`): policies against enumeration, rollouts against dense
+and eager attention and against the learned selector in the hook, the reward, a REINFORCE step
+that learns, and `atskv finetune` -> `atskv export` -> the learned selector on a tiny model."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+from transformers.models.llama.modeling_llama import eager_attention_forward
+
+from atskv.data import synthetic_filler
+from atskv.models import load_model, model_geometry
+from atskv.predictor.export import export_predictor, load_predictor
+from atskv.predictor.features import SCALAR_FEATURES
+from atskv.predictor.model import FeatureSpec, RelevanceMLP
+from atskv.predictor.token_types import token_type_table
+from atskv.rl.evaluate import DENSE, THRESHOLD, evaluate_predictors, evaluate_selectors, selector_rollout, summary
+from atskv.rl.items import CORPUS, RolloutItem, task_items
+from atskv.rl.policy import BernoulliPolicy, GumbelTopKPolicy, Selection, marginal_kl
+from atskv.rl.reward import leave_one_out, reward
+from atskv.rl.rollout import context_features, predictor_logits, rollout
+from atskv.rl.training import PolicyGradientModule, reinforce_loss
+from atskv.selectors.learned import LearnedSelector
+from tests.conftest import COMMON, random_prompt, run_cli, tiny_bpe_tokenizer, tiny_model
+
+MANAGED = [2, 3]  # a 4-layer tiny Llama with dense_layers=2
+
+
+# --- policies -----------------------------------------------------------------------------------
+def _all_ordered_pairs(n: int = 4) -> Selection:
+    order = torch.tensor(list(itertools.permutations(range(n), 2)))
+    return Selection(torch.zeros(len(order), n, dtype=torch.bool).scatter_(-1, order, True), order)
+
+
+def test_plackett_luce_log_probs_are_exact_and_match_sampling():
+    logits = torch.tensor([1.2, -0.3, 0.4, 2.0])
+    policy = GumbelTopKPolicy(2, temperature=0.8)
+    pairs = _all_ordered_pairs()
+    probs = policy.log_prob(logits, pairs).exp()
+    s = logits / 0.8
+    by_hand = [
+        s[a].exp() / s.exp().sum() * s[b].exp() / (s.exp().sum() - s[a].exp()) for a, b in pairs.order.tolist()
+    ]
+    torch.testing.assert_close(probs, torch.stack(by_hand))
+    assert probs.sum().item() == pytest.approx(1.0, abs=1e-6)
+    drawn = policy.sample(logits, 40_000, torch.Generator().manual_seed(0))
+    assert (drawn.keep.sum(-1) == 2).all() and drawn.keep.gather(-1, drawn.order).all()
+    codes = torch.bincount(drawn.order[:, 0] * 4 + drawn.order[:, 1], minlength=16).float() / 40_000
+    frequencies = codes[pairs.order[:, 0] * 4 + pairs.order[:, 1]]
+    assert (frequencies - probs).abs().max() < 0.01
+
+
+def test_plackett_luce_entropy_estimate_is_unbiased():
+    logits = torch.tensor([0.5, -1.0, 1.5, 0.0])
+    policy = GumbelTopKPolicy(2)
+    pairs = _all_ordered_pairs()
+    log_probs = policy.log_prob(logits, pairs)
+    exact = -(log_probs.exp() * log_probs).sum()
+    estimates = torch.stack(  # per pair: the sum of its draws' entropies (the estimate is per token)
+        [policy.entropy(logits, Selection(pairs.keep[i : i + 1], pairs.order[i : i + 1])) * 4 for i in range(12)]
+    )
+    assert (log_probs.exp() * estimates).sum().item() == pytest.approx(exact.item(), rel=1e-5)
+
+
+def test_bernoulli_log_probs_and_entropy_against_enumeration():
+    logits = torch.tensor([[0.7, -1.1, 0.2], [2.0, 0.0, -0.4]])  # 2 rows x 3 tokens
+    policy = BernoulliPolicy(temperature=1.5)
+    masks = torch.tensor(list(itertools.product([False, True], repeat=6))).view(64, 2, 3)
+    log_probs = policy.log_prob(logits, Selection(masks))
+    assert log_probs.exp().sum().item() == pytest.approx(1.0, abs=1e-6)
+    exact = -(log_probs.exp() * log_probs).sum() / 6  # per token
+    assert policy.entropy(logits).item() == pytest.approx(exact.item(), rel=1e-5)
+    drawn = policy.sample(logits, 20_000, torch.Generator().manual_seed(0))
+    assert (drawn.keep.float().mean(0) - torch.sigmoid(logits / 1.5)).abs().max() < 0.015
+
+
+def test_greedy_decisions_and_budgets():
+    logits = torch.tensor([[0.3, -2.0, 1.0, -0.1, 0.5]])
+    assert BernoulliPolicy(temperature=3.0).greedy(logits).tolist() == [[True, False, True, False, True]]
+    assert GumbelTopKPolicy(2).greedy(logits).tolist() == [[False, False, True, False, True]]
+    assert GumbelTopKPolicy(0.5).tokens(5) == 3 and GumbelTopKPolicy(0.01).tokens(5) == 1
+    # the Plackett-Luce keep marginal is shift-invariant, like the policy
+    policy = GumbelTopKPolicy(2)
+    torch.testing.assert_close(policy.keep_marginal_logits(logits), policy.keep_marginal_logits(logits + 7.0))
+    assert (torch.sigmoid(policy.keep_marginal_logits(logits)) > 0.5).sum() == 2
+
+
+@pytest.mark.parametrize("policy", [BernoulliPolicy(), GumbelTopKPolicy(2)], ids=["bernoulli", "gumbel_topk"])
+def test_reinforce_moves_probability_toward_the_rewarded_token(policy):
+    torch.manual_seed(0)
+    logits = torch.zeros(2, 6, requires_grad=True)  # 2 rows (layer, head) x 6 tokens
+    reference = logits.detach().clone()
+    optimiser = torch.optim.Adam([logits], lr=0.05)
+
+    def p_keep_3() -> float:
+        return policy.sample(logits, 4000, torch.Generator().manual_seed(1)).keep[..., 3].float().mean().item()
+
+    before = p_keep_3()
+    for _ in range(40):
+        selection = policy.sample(logits, 8)
+        rewards = selection.keep[..., 3].float().mean(-1)  # pays only for keeping token 3
+        loss, parts = reinforce_loss(policy, logits, selection, rewards, reference, 1e-3, 1e-3)
+        optimiser.zero_grad()
+        loss.backward()
+        optimiser.step()
+    assert p_keep_3() > before + 0.25
+    assert parts["kl"] > 0  # it moved away from the reference
+
+
+def test_marginal_kl_is_zero_against_itself_and_positive_otherwise():
+    logits = torch.randn(3, 10)
+    for policy in (BernoulliPolicy(), GumbelTopKPolicy(4)):
+        assert marginal_kl(policy, logits, logits).item() == pytest.approx(0.0, abs=1e-7)
+        assert marginal_kl(policy, logits, logits.flip(-1)).item() > 0
+
+
+# --- reward -------------------------------------------------------------------------------------
+def test_reward_and_leave_one_out():
+    performance, memory = torch.tensor([-2.0, -3.0, -1.0]), torch.tensor([0.5, 0.2, 1.0])
+    torch.testing.assert_close(reward(performance, memory, 0.8), 0.8 * performance - 0.2 * memory)
+    torch.testing.assert_close(reward(performance, memory, 1.0), performance)
+    torch.testing.assert_close(reward(performance, memory, 0), -memory)
+    torch.testing.assert_close(leave_one_out(torch.tensor([1.0, 2.0, 6.0])), torch.tensor([-3.0, -1.5, 4.5]))
+    for alpha in (-0.1, 1.5, float("nan"), True):
+        with pytest.raises(ValueError, match=r"alpha .* \[0, 1\]"):
+            reward(performance, memory, alpha)
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        leave_one_out(torch.tensor([1.0]))
+
+
+def test_budgets_the_policy_cannot_meet():
+    for budget, message in [(0, "at least 1 token"), (-3, "at least 1 token"), (1.0, r"in \(0, 1\)"),
+                            (0.0, r"in \(0, 1\)")]:
+        with pytest.raises(ValueError, match=message):
+            GumbelTopKPolicy(budget)
+    with pytest.raises(ValueError, match="keeps the whole context of 8 tokens"):
+        GumbelTopKPolicy(8).check(8)
+    with pytest.raises(ValueError, match="keeps the whole context"):
+        GumbelTopKPolicy(8).sample(torch.zeros(1, 6), 2)
+    with pytest.raises(ValueError, match="temperature"):
+        BernoulliPolicy(temperature=0.0)
+
+
+# --- rollouts -----------------------------------------------------------------------------------
+def _eager_with_dropped(model, dropped: dict[int, torch.Tensor], t: int):
+    """Eager attention in which `dropped[layer]` `[Hkv, t+1]` tokens are masked for queries after t."""
+
+    def forward(module, query, key, value, attention_mask, **kwargs):
+        if module.layer_idx in dropped:
+            g = query.shape[1] // key.shape[1]
+            attention_mask = attention_mask.expand(-1, query.shape[1], -1, -1).clone()
+            for h, row in enumerate(dropped[module.layer_idx]):
+                attention_mask[:, h * g : (h + 1) * g, t + 1 :, : t + 1][..., row] = torch.finfo(query.dtype).min
+        return eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("test_rl_dropped", forward)
+    AttentionMaskInterface.register("test_rl_dropped", eager_mask)
+    model.set_attn_implementation("test_rl_dropped")
+    try:
+        with torch.no_grad():
+            return model(random_prompt(40, seed=1)).logits[0]
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_rollout_nll_against_dense_and_eager_attention(family):
+    model = tiny_model(family)
+    layers = [2, 3] if family == "llama" else [2, 5]  # Gemma: the global layers only
+    ids = random_prompt(40, seed=1)[0]
+    item, t = RolloutItem(ids, 30, CORPUS), 29
+    hkv = model.config.num_key_value_heads
+    keep = torch.ones(3, len(layers), hkv, 30, dtype=torch.bool)
+    keep[1] = False  # everything dropped
+    keep[2] = torch.rand(len(layers), hkv, 30, generator=torch.Generator().manual_seed(0)) < 0.5
+    result = rollout(model, item, keep, layers)
+    with torch.no_grad():
+        dense = F.cross_entropy(model(ids[None]).logits[0, 30:-1], ids[31:])
+    assert result.nll[0].item() == pytest.approx(dense.item(), rel=1e-5)
+    assert abs(result.nll[1].item() - dense.item()) > 1e-3
+    eager = _eager_with_dropped(model, {layer: ~keep[2, i] for i, layer in enumerate(layers)}, t)
+    assert result.nll[2].item() == pytest.approx(F.cross_entropy(eager[30:-1], ids[31:]).item(), rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Llama saved as a Hugging Face folder with its tokenizer, a small corpus, and a
+    random supervised predictor for it exported as `atskv export` would."""
+    root = tmp_path_factory.mktemp("rl")
+    tokenizer = tiny_bpe_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(num_hidden_layers=4, num_key_value_heads=2, **{**COMMON, "vocab_size": len(tokenizer)})
+    LlamaForCausalLM(config).save_pretrained(root / "tiny-llama")
+    tokenizer.save_pretrained(root / "tiny-llama")
+    (root / "corpus").mkdir()
+    for i in range(3):
+        (root / "corpus" / f"doc{i}.txt").write_text(synthetic_filler(600, seed=i))
+    spec = FeatureSpec(config.hidden_size, SCALAR_FEATURES, len(MANAGED), config.num_key_value_heads)
+    torch.manual_seed(1)
+    mlp = RelevanceMLP(spec, reduced_width=8, hidden=16).eval()
+    export_predictor(mlp, token_type_table(tokenizer, len(tokenizer)), root / "supervised", base_model="tiny-llama",
+                     geometry=model_geometry(config), managed_layers=MANAGED)
+    return root
+
+
+def test_greedy_rollout_equals_the_learned_selector_in_the_hook(tiny):
+    lm = load_model(str(tiny / "tiny-llama"))
+    predictor = load_predictor(tiny / "supervised")
+    item = RolloutItem(torch.randint(3, len(lm.tokenizer), (60,), generator=torch.Generator().manual_seed(2)), 48,
+                       CORPUS)
+    features = context_features(lm.model, item.ids[:48], MANAGED, predictor.token_types)
+    with torch.no_grad():
+        keep = GumbelTopKPolicy(12).greedy(predictor_logits(predictor.mlp, features))
+    ours = rollout(lm.model, item, keep[None], MANAGED)
+    hooked = selector_rollout(lm.model, item, LearnedSelector(predictor=predictor), 12, dense_layers=2)
+    assert ours.nll.item() == pytest.approx(hooked.nll.item(), rel=1e-5)
+    assert bool(ours.exact) == bool(hooked.exact)
+
+
+def test_evaluation_records_and_summary(tiny):
+    lm = load_model(str(tiny / "tiny-llama"))
+    predictor = load_predictor(tiny / "supervised")
+    items = [RolloutItem(random_prompt(40, seed=s)[0], 32, CORPUS) for s in range(2)]
+    items += task_items(lm.tokenizer, ["passkey"], [2_000_000], 220)
+    records = evaluate_predictors(lm.model, {"supervised-seed0": predictor.mlp}, MANAGED, predictor.token_types,
+                                  items, [0.25, THRESHOLD], progress=False)
+    records += evaluate_selectors(lm.model, ["h2o"], items, [0.25], dense_layers=2, progress=False)
+    assert len(records) == 3 * (1 + 2) + 3
+    for r in records:
+        expected = {DENSE: 1.0, "top0.25": math.ceil(0.25 * r["context"]) / r["context"]}.get(r["retention"])
+        assert expected is None or r["memory"] == pytest.approx(expected)
+    rows = {(r["group"], r["retention"]): r for r in summary(records, {})}
+    assert set(rows) == {("dense", DENSE), ("supervised", "top0.25"), ("supervised", THRESHOLD), ("h2o", "top0.25")}
+    assert {"memory", "nll", "accuracy", "passkey", "reward"} <= set(rows["supervised", "top0.25"])
+    with pytest.raises(ValueError, match="not an evicting"):
+        evaluate_selectors(lm.model, ["quest"], items, [0.25], dense_layers=2)
+
+
+# --- the module and the command line ------------------------------------------------------------
+def _module(tiny, **kw):
+    return PolicyGradientModule(predictor=str(tiny / "supervised"), model=str(tiny / "tiny-llama"), **kw)
+
+
+def test_kl_is_zero_at_initialisation_and_the_loss_has_a_gradient(tiny):
+    module = _module(tiny, samples=3)
+    item = RolloutItem(random_prompt(40, seed=3)[0], 32, CORPUS)
+    loss, parts = module.item_loss(item)
+    assert parts["kl"].item() == pytest.approx(0.0, abs=1e-7)
+    assert 0 < parts["memory"] < 1 and parts["nll"] > 0 and "exact" not in parts
+    loss.backward()
+    assert module.model.w1.weight.grad.abs().sum() > 0
+    assert module.frozen.reference.w1.weight.grad is None
+    assert all(not p.requires_grad for p in module.frozen.base.parameters())
+    module.train()
+    assert not module.model.scalar_norm.training  # the supervised running statistics are kept
+
+
+def test_a_predictor_for_another_model_is_refused(tiny, tmp_path):
+    other = tiny_model("qwen3")  # another geometry (head dim 16)
+    spec = FeatureSpec(other.config.hidden_size, SCALAR_FEATURES, 2, other.config.num_key_value_heads)
+    export_predictor(RelevanceMLP(spec, 8, 16), torch.zeros(96, dtype=torch.int8), tmp_path, base_model="tiny-qwen3",
+                     geometry=model_geometry(other.config), managed_layers=MANAGED)
+    with pytest.raises(ValueError, match="trained for 'tiny-qwen3'"):
+        PolicyGradientModule(predictor=str(tmp_path), model=str(tiny / "tiny-llama"))
+    with pytest.raises(ValueError, match="samples must be >= 2"):
+        _module(tiny, samples=1)
+
+
+def _finetune_args(tiny, out, *extra):
+    return [
+        "finetune", "--config", "configs/finetune.yaml", "--model.predictor", str(tiny / "supervised"),
+        "--model.model", str(tiny / "tiny-llama"), "--model.samples", "3", "--model.lr", "0.01",
+        "--data.corpus", str(tiny / "corpus"), "--data.windows", "3", "--data.context_tokens", "48",
+        "--data.continuation_tokens", "6", "--data.tasks", "[]",
+        "--trainer.max_steps", "3", "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
+        "--trainer.enable_model_summary", "false", "--trainer.log_every_n_steps", "1",
+        "--trainer.default_root_dir", str(out), "--trainer.logger.init_args.save_dir", str(out), *extra,
+    ]
+
+
+def test_finetune_then_export_then_the_learned_selector(tiny, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert run_cli(_finetune_args(tiny, tmp_path / "ft")) == 0
+    checkpoint = next((tmp_path / "ft").rglob("last.ckpt"))
+    events = EventAccumulator(str(checkpoint.parent.parent)).Reload()
+    for curve in ("reward", "nll", "memory", "entropy", "kl"):
+        assert len(events.Scalars(f"train/{curve}")) == 3
+    assert run_cli(["export", str(checkpoint), "--out", str(tmp_path / "exported"), "--model",
+                    str(tiny / "tiny-llama")]) == 0
+    tuned, supervised = load_predictor(tmp_path / "exported"), load_predictor(tiny / "supervised")
+    assert tuned.header.managed_layers == tuple(MANAGED) and tuned.header.base_model == "tiny-llama"
+    assert not torch.equal(tuned.mlp.w1.weight, supervised.mlp.w1.weight)  # it trained
+    torch.testing.assert_close(tuned.mlp.scalar_norm.running_var, supervised.mlp.scalar_norm.running_var)
+    resumed = PolicyGradientModule(predictor=str(checkpoint), model=str(tiny / "tiny-llama"))  # a .ckpt starts too
+    torch.testing.assert_close(resumed.model.w1.weight, tuned.mlp.w1.weight)
+    lm = load_model(str(tiny / "tiny-llama"))
+    item = RolloutItem(random_prompt(40, seed=5)[0], 32, CORPUS)
+    result = selector_rollout(lm.model, item, LearnedSelector(predictor=tmp_path / "exported"), 8, dense_layers=2)
+    assert torch.isfinite(result.nll).all()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--model.alpha", "1.5"], r"alpha .* must lie in \[0, 1\]"),
+        (["--model.policy", "gumbel_topk", "--model.budget", "48"], "keeps the whole context of 48 tokens"),
+        (["--model.policy", "gumbel_topk", "--model.budget", "0"], "at least 1 token"),
+        (["--model.policy", "topk"], "unknown policy 'topk'"),
+    ],
+)
+def test_bad_finetune_input_fails_before_loading(tiny, tmp_path, extra, message, capsys, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr("atskv.models.load_model", refuse)
+    assert run_cli(_finetune_args(tiny, tmp_path, *extra)) == 2
+    assert re.search(message, capsys.readouterr().err)
