@@ -16,8 +16,6 @@ from atskv.models import DEFAULT_MODEL, resolve_device
 from atskv.predictor.collect import collect_command
 from atskv.selectors.kascade_profile import kascade_profile_command
 
-PENDING: dict[str, str] = {}
-
 
 def _check_selection(selectors: list[str], budget: int | float) -> None:
     """Refuse a bad budget or an unknown selector before any model is loaded."""
@@ -378,16 +376,6 @@ def corpora() -> None:
         print(name)
 
 
-def _pending(name: str):
-    def command() -> None:
-        print(f"atskv {name}: not available yet: {PENDING[name]}.", file=sys.stderr)
-        raise SystemExit(2)
-
-    command.__name__ = name
-    command.__doc__ = f"Not available yet: {PENDING[name]}."
-    return command
-
-
 COMMANDS = {
     "demo": demo,
     "generate": generate,
@@ -409,7 +397,6 @@ COMMANDS = {
         "peer": peer_command,
         "_help": "Measure selectors against dense attention: attention recall, perplexity, tasks.",
     },
-    **{name: _pending(name) for name in PENDING},
 }
 
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from atskv import cli
 from tests.conftest import COMMON, run_cli, tiny_bpe_tokenizer
 
 SUBCOMMANDS = ["demo", "generate", "selectors", "collect", "fit", "finetune", "export", "eval", "bench"]
@@ -18,12 +17,6 @@ SUBCOMMANDS += ["eval recall", "eval tasks", "eval ppl", "eval peer", "profile k
 def test_every_subcommand_has_help(command, capsys):
     assert run_cli([*command.split(), "--help"]) == 0
     assert "usage: atskv" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("command", sorted(cli.PENDING))
-def test_pending_subcommands_say_which_issue_brings_them(command, capsys):
-    assert run_cli([command]) == 2
-    assert "not available yet" in capsys.readouterr().err
 
 
 @pytest.fixture
