@@ -38,6 +38,7 @@ from torchmetrics import Metric
 from torchmetrics.classification import BinaryAUROC
 from torchmetrics.utilities import dim_zero_cat
 
+from atskv.eval.figures import save_figure
 from atskv.predictor.model import FeatureSpec, RelevanceMLP
 from atskv.predictor.shards import ShardDataset, stacked
 
@@ -334,9 +335,4 @@ def training_curves(log_dir: str | Path, out_png: str | Path) -> Path:
         ax.set_xlabel("step")
         ax.set_title(" / ".join(names))
         ax.legend(fontsize="small")
-    fig.tight_layout()
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
-    return out_png
+    return save_figure(fig, out_png)

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from atskv.eval.figures import save_figure
 from atskv.models import DEFAULT_MODEL
 from atskv.predictor.model import RelevanceMLP
 from atskv.rl.items import CORPUS, RolloutItem, corpus_items, task_items
@@ -246,12 +247,7 @@ def quality_memory_plot(rows: Sequence[dict], out_png: str | Path) -> Path:
         ax.set_xlabel("retained fraction of the managed layers' context KV")
         ax.set_ylabel({"nll": "NLL of the continuation (held-out)", "accuracy": "task exact-match"}[metric])
         ax.legend(fontsize="x-small")
-    fig.tight_layout()
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
-    return out_png
+    return save_figure(fig, out_png)
 
 
 def heldout_report(
