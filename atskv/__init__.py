@@ -3,6 +3,10 @@
 from atskv.attention import SparseSession, SparsityConfig, sparse
 from atskv.memory.slot_cache import SparseKVCache, kv_bytes
 from atskv.selectors import SELECTORS, make_selector
+from atskv.tiered import TieredSession, TieringConfig, tiered
 
 __version__ = "0.1.0"
-__all__ = ["SELECTORS", "SparseKVCache", "SparseSession", "SparsityConfig", "kv_bytes", "make_selector", "sparse"]
+__all__ = [
+    "SELECTORS", "SparseKVCache", "SparseSession", "SparsityConfig", "TieredSession", "TieringConfig",
+    "kv_bytes", "make_selector", "sparse", "tiered",
+]

@@ -242,7 +242,7 @@ def test_many_small_adds_and_removes(index):
 
 
 def test_lsh_storage_grows_geometrically_and_reuses_free_slots():
-    index = LSHIndex(D)
+    index = LSHIndex(D, tables=4)
     keys, positions, _ = random_entries(300, hole=0.0)
     capacities = set()
     for t in range(300):

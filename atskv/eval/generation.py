@@ -11,10 +11,10 @@ import torch
 from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
-import atskv
 from atskv.data import TaskExample
 from atskv.memory.slot_cache import kv_bytes
 from atskv.selectors import Selector
+from atskv.tiered import memory_session
 
 
 @dataclass(frozen=True)
@@ -120,8 +120,10 @@ def generate_batch(
     sparse_prefill: bool = False,
     max_new_tokens: int = 16,
     examples: Sequence[TaskExample | None] | None = None,
+    tiering: dict | None = None,
 ) -> list[GenerationRun]:
-    """Greedy generation of a batch `[B, T]` (left-padded, see `pad_left`), one run per row.
+    """Greedy generation of a batch `[B, T]` (left-padded, see `pad_left`), one run per row, under
+    `atskv.sparse`, or `atskv.tiered` with the `tiering` options when given.
 
     A row's text ends at its first end-of-sequence token. The timings are the batch's; `kv_bytes`
     is the row's share of the batch cache (padding included)."""
@@ -145,8 +147,8 @@ def generate_batch(
             out = model.generate(ids, past_key_values=cache, **kwargs)
             label = "dense"
         else:
-            with atskv.sparse(
-                model, selector, budget, dense_layers=dense_layers, sparse_prefill=sparse_prefill
+            with memory_session(
+                model, selector, budget, dense_layers=dense_layers, sparse_prefill=sparse_prefill, tiering=tiering
             ) as session:
                 out = model.generate(ids, **kwargs)
                 cache = session.cache

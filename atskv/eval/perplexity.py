@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-import atskv
 from atskv.selectors import Selector, make_selector
 from atskv.selectors.base import check_budget
+from atskv.tiered import memory_session
 
 DENSE = "dense"
 
@@ -62,8 +62,10 @@ def evaluate_perplexity(
     dense_layers: int = 2,
     batch_size: int = 4,
     progress: bool = True,
+    tiering: dict | None = None,
 ) -> list[PerplexityRecord]:
-    """Dense and every selector x budget on the windows of every length (`{length: [N, length]}`)."""
+    """Dense and every selector x budget on the windows of every length (`{length: [N, length]}`),
+    under `atskv.sparse`, or `atskv.tiered` with the `tiering` options when given."""
     for budget in budgets:
         check_budget(budget)
         for length in windows_by_length:
@@ -90,7 +92,7 @@ def evaluate_perplexity(
                     if selector is None:
                         nll += float(decode_nll(model, batch, n_eval))
                     else:
-                        with atskv.sparse(model, selector, budget, dense_layers=dense_layers):
+                        with memory_session(model, selector, budget, dense_layers=dense_layers, tiering=tiering):
                             nll += float(decode_nll(model, batch, n_eval))
                 bar.update()
             tokens = len(windows) * n_eval

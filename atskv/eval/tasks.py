@@ -92,13 +92,15 @@ def evaluate_tasks(
     batch_size: int = 8,
     filler: str | None = None,
     progress: bool = True,
+    tiering: dict | None = None,
 ) -> list[TaskResult]:
     """Dense and every selector x budget on `trials` seeded examples of each task, length and depth.
 
     `loaded`: a `LoadedModel` (model and tokenizer). Budgets: int = tokens per layer and KV
     head, float = fraction of the context. `max_new_tokens` None: twice the answer's tokens plus
     4, per batch. `batch_size`: examples per `generate` call. `filler`: haystack text (see
-    `atskv.data.filler_text`); None for generated sentences.
+    `atskv.data.filler_text`); None for generated sentences. `tiering`: run the selectors under
+    `atskv.tiered` with these options instead of `atskv.sparse`.
     """
     check_plan(tasks, lengths, depths, trials, selectors, budgets)
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -125,6 +127,7 @@ def evaluate_tasks(
                     dense_layers=dense_layers,
                     max_new_tokens=new_tokens,
                     examples=examples,
+                    tiering=tiering,
                 )
                 results += [
                     TaskResult(

@@ -117,7 +117,7 @@ class LSHIndex(_Groups):
       scans all codes either way, so this costs the same; it keeps the information the collision
       count throws away. On SmolLM2-135M (2K tokens of prose, 4 layers, top 64 of 1900 parked
       keys, b=8, L=4) the attention mass retrieved was 0.51 against 0.18 for "collisions" (exact
-      top 64: 0.84, random: 0.03).
+      top 64: 0.84, random: 0.03); with L=16 tables, 0.71. Hence the defaults: hamming, b=8, L=16.
     """
 
     min_capacity = 16
@@ -125,7 +125,7 @@ class LSHIndex(_Groups):
     ranks = ("collisions", "hamming")
 
     def __init__(
-        self, head_dim: int, bits: int = 8, tables: int = 4, seed: int = 0, device="cpu", rank: str = "collisions"
+        self, head_dim: int, bits: int = 8, tables: int = 16, seed: int = 0, device="cpu", rank: str = "hamming"
     ):
         super().__init__(head_dim)
         if rank not in self.ranks:

@@ -12,7 +12,7 @@ the standard transformers layer classes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, get_layer_types_and_kwargs
@@ -62,13 +62,7 @@ class SlotLayer(CacheLayerMixin):
             self.length += n
         else:
             slots = self._claim_free_slots(n, free)  # [B, Hkv, n]
-            idx = slots.unsqueeze(-1)
-            self.keys.scatter_(2, idx.expand(*slots.shape, self.keys.shape[-1]), key_states)
-            self.values.scatter_(2, idx.expand(*slots.shape, self.values.shape[-1]), value_states)
-            self.slot_pos.scatter_(2, slots, positions.expand_as(slots).contiguous())
-            for tensor, init in self._slot_state.values():
-                idx = slots.view(*slots.shape, *[1] * (tensor.dim() - 3)).expand(*slots.shape, *tensor.shape[3:])
-                tensor.scatter_(2, idx, torch.full(idx.shape, init, dtype=tensor.dtype, device=self.device))
+            self._write_slots(slots, key_states, value_states, positions.expand_as(slots).contiguous())
         self.seen += n
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
@@ -127,6 +121,20 @@ class SlotLayer(CacheLayerMixin):
             return 0
         return self.keys.nbytes + self.values.nbytes
 
+    def _write_slots(
+        self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+    ) -> None:
+        """Write tokens `[B, Hkv, n, D]` with their `positions` `[B, Hkv, n]` into free `slots`
+        `[B, Hkv, n]`; the slots' selector state restarts at its init. Position -1 leaves a slot
+        free (ragged rows travel padded)."""
+        idx = slots.unsqueeze(-1)
+        self.keys.scatter_(2, idx.expand(*slots.shape, self.keys.shape[-1]), keys)
+        self.values.scatter_(2, idx.expand(*slots.shape, self.values.shape[-1]), values)
+        self.slot_pos.scatter_(2, slots, positions)
+        for tensor, init in self._slot_state.values():
+            idx = slots.view(*slots.shape, *[1] * (tensor.dim() - 3)).expand(*slots.shape, *tensor.shape[3:])
+            tensor.scatter_(2, idx, torch.full(idx.shape, init, dtype=tensor.dtype, device=self.device))
+
     def _claim_free_slots(self, n: int, free: torch.Tensor) -> torch.Tensor:
         """First `n` free slots of every (row, KV head), growing the buffers where a row has fewer
         (`free`: the current `[B, Hkv, S]` free-slot mask)."""
@@ -174,15 +182,17 @@ class SlotLayer(CacheLayerMixin):
 
 
 class SparseKVCache(Cache):
-    """The cache used under `atskv.sparse`: `SlotLayer` for managed layers, the standard
-    transformers layer (full or sliding window) for every other layer."""
+    """The cache used under `atskv.sparse`: `make_layer(layer_idx)` (a `SlotLayer`) for managed layers,
+    the standard transformers layer (full or sliding window) for every other layer."""
 
-    def __init__(self, config, managed_layers: Iterable[int]):
+    def __init__(
+        self, config, managed_layers: Iterable[int], make_layer: Callable[[int], SlotLayer] = lambda i: SlotLayer()
+    ):
         text_config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         managed = set(managed_layers)
         layers = [
-            SlotLayer() if i in managed else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs)
+            make_layer(i) if i in managed else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs)
             for i, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs))
         ]
         super().__init__(layers=layers)

@@ -1,0 +1,250 @@
+"""`atskv.tiered`: generation with the KV of managed layers split between the GPU and the host.
+
+Under `atskv.sparse` a selector decides what attention reads, and an evicting selector drops
+the rest for good. Under `atskv.tiered` nothing is dropped: the active tier (GPU slots) holds at
+most `budget` tokens per managed layer, row and KV head, the rest is parked in host memory, and
+parked tokens come back when a query needs them. The selector (any that ranks tokens: the
+learned one, H2O, SnapKV, Quest, ...) only supplies relevance; the `SparsityManager` turns it
+into demotions with its adaptive thresholds, momentum and hard cap.
+
+One attention call of a managed layer (`TieredSession.attend`):
+1. every step attends over the whole active tier (dense over what is resident); every
+   `retrieve_every` decode steps (default: every step) the index is searched with the group's
+   queries and the `retrieve` best parked candidates are fetched and attended directly in that
+   step together with the active tier, so a token that left the GPU is still read by the query
+   that needs it (a needle asked about right after the prompt);
+2. every `refresh_every` tokens (and at the end of the prompt) the layer is rebalanced: the
+   manager demotes active tokens by the selector's scores (they leave for the host) and promotes
+   the fetched candidates whose attention mass in that step clears its promotion threshold, a
+   quantile of the mass the kept active tokens received (attention mass is the one relevance
+   scale that active tokens and freshly fetched ones share).
+The hard cap leaves `refresh_every` slots of headroom, so the tokens written between two
+refreshes never push the active tier past `budget`.
+
+Choices where DESIGN.md is silent: a fractional budget is a fraction of the prompt, fixed when
+the prompt arrives (the GPU pool does not grow with the generated text); the host tier holds
+`max_tokens` (default: prompt + 1024) and is allocated when the prompt arrives, before any token
+moves; attention reads the cached keys (a selector's approximate keys, SparK's, are not used).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from atskv.attention import SparseSession, SparsityConfig, attach, sparse
+from atskv.gqa import grouped_attention, grouped_queries, sdpa_attention
+from atskv.memory.host_tier import HostTier
+from atskv.memory.retrieval import make_index
+from atskv.memory.sparsity import INITIAL_MOMENTUM, LayerPolicy, SparsityBudget, SparsityManager
+from atskv.memory.tiered_cache import MOMENTUM, TieredKVCache, TieredLayer
+from atskv.selectors import make_selector
+from atskv.selectors.base import LayerView, Selector, check_budget
+
+_REFRESHED_AT, _PROMPT = "tiered_refreshed_at", "tiered_prompt_tokens"
+
+
+@dataclass(frozen=True)
+class TieringConfig:
+    """The active-tier budget and how tokens move. `budget`: GPU tokens per managed layer, row
+    and KV head (int), or a fraction of the prompt; `retrieve`: parked candidates fetched per
+    retrieval (0: retrieval off), every `retrieve_every` decode steps; `index`: "lsh" or
+    "faiss", built with `index_options`; `host_path`: a folder for memory-mapped host tiers
+    instead of pinned memory; `max_tokens`: the longest sequence the host tier holds."""
+
+    budget: int | float
+    refresh_every: int = 16
+    retrieve: int = 64
+    retrieve_every: int = 1
+    index: str = "lsh"
+    index_options: dict = field(default_factory=dict)
+    host_path: str | Path | None = None
+    max_tokens: int | None = None
+    sinks: int = 4
+    recent: int = 64
+    policy: LayerPolicy = LayerPolicy()
+
+    def __post_init__(self):
+        check_budget(self.budget)
+        if self.refresh_every < 1 or self.retrieve_every < 1 or self.retrieve < 0:
+            raise ValueError(
+                "need refresh_every >= 1, retrieve_every >= 1 and retrieve >= 0, got "
+                f"{self.refresh_every}, {self.retrieve_every}, {self.retrieve}"
+            )
+        if isinstance(self.budget, int):
+            self.sparsity_budget(self.budget)  # a budget too small for sinks + recent fails here, before any work
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+    def active_tokens(self, prompt_tokens: int) -> int:
+        if isinstance(self.budget, int):
+            return self.budget
+        return max(1, math.ceil(self.budget * prompt_tokens))
+
+    def sparsity_budget(self, active_tokens: int) -> SparsityBudget:
+        """The manager's budget: the hard cap minus the headroom for the tokens of one refresh period."""
+        cap = active_tokens - self.refresh_every
+        need = self.sinks + self.recent + self.refresh_every
+        if cap < max(1, self.sinks + self.recent):
+            raise ValueError(
+                f"a GPU budget of {active_tokens} tokens per KV head cannot hold the {self.sinks} sink + {self.recent} "
+                f"recent tokens that stay active plus {self.refresh_every} tokens of headroom between refreshes: "
+                f"it needs at least {need} (raise the budget, or lower sinks/recent/refresh_every)"
+            )
+        return SparsityBudget(max_active=cap, sinks=self.sinks, recent=self.recent)
+
+
+class TieredSession(SparseSession):
+    """A `SparseSession` whose managed layers keep a two-tier cache; see the module docstring."""
+
+    def __init__(self, model, selector: Selector, config: SparsityConfig, tiering: TieringConfig):
+        if selector.keeps_all:
+            raise ValueError(f"atskv.tiered needs a selector that ranks tokens; {selector.name!r} keeps everything")
+        super().__init__(model, selector, config)
+        self.tiering = tiering
+        self.manager: SparsityManager | None = None
+
+    def new_cache(self) -> TieredKVCache:
+        self.manager = None  # sized from the next prompt
+        return TieredKVCache(self.model.config, self.managed_layers, self._make_host, self._make_index)
+
+    def bind(self, cache) -> TieredKVCache:
+        if cache is not None and not isinstance(cache, TieredKVCache):
+            raise TypeError(f"under atskv.tiered the cache must be a TieredKVCache (got {type(cache).__name__})")
+        return super().bind(cache)
+
+    # --- the tiers of one layer -----------------------------------------------------------------
+    def _make_host(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> HostTier:
+        b, h, prompt, _ = keys.shape
+        if self.manager is None:
+            active = self.tiering.active_tokens(prompt)
+            self.manager = SparsityManager(self.tiering.policy, self.tiering.sparsity_budget(active))
+        capacity = self.tiering.max_tokens or prompt + 1024
+        path = self.tiering.host_path
+        return HostTier(
+            b,
+            h,
+            keys.shape[-1],
+            values.shape[-1],
+            capacity,
+            keys.dtype,
+            path=None if path is None else Path(path) / f"layer{layer_idx}.kv",
+        )
+
+    def _make_index(self, keys: torch.Tensor):
+        if self.tiering.retrieve == 0:
+            return None
+        options = {"head_dim": keys.shape[-1], "device": keys.device, **self.tiering.index_options}
+        return make_index(self.tiering.index, **options)
+
+    # --- attention ------------------------------------------------------------------------------
+    def attend(self, module, query, keys, values, attention_mask, scaling: float) -> torch.Tensor:
+        layer: TieredLayer = self.cache.layers[module.layer_idx]
+        view = self.view(module.layer_idx, layer, query, keys, attention_mask, scaling)
+        decode = query.shape[2] == 1
+        since = layer.seen - layer.state.setdefault(_PROMPT, layer.seen)  # decode steps so far
+        refresh = not decode or layer.seen - layer.state.get(_REFRESHED_AT, 0) >= self.tiering.refresh_every
+        fetch = decode and (refresh or since % self.tiering.retrieve_every == 0)
+        fetched = self._retrieve(layer, view) if fetch else None
+        want_mass = self.selector.needs_attention or fetched is not None
+        if fetched is None:
+            if want_mass:
+                out, mass = grouped_attention(query, keys, values, view.valid, scaling, want_mass=True)
+            else:
+                out, mass = sdpa_attention(query, keys, values, view.valid, scaling), None
+            fetched_mass = None
+        else:
+            positions, fetched_keys, fetched_values = fetched
+            valid = torch.cat([view.valid, (positions >= 0).unsqueeze(2)], dim=-1)
+            out, both = grouped_attention(
+                query,
+                torch.cat([keys, fetched_keys], 2),
+                torch.cat([values, fetched_values], 2),
+                valid,
+                scaling,
+                want_mass=True,
+            )
+            mass, fetched_mass = both[..., : keys.shape[2]], both[..., keys.shape[2] :]
+        if self.selector.needs_attention:
+            self.selector.observe(view, mass)
+        if not decode:
+            self.selector.prefill(view)
+        if refresh:
+            self._rebalance(layer, view, mass, fetched, fetched_mass)
+        return out
+
+    def _retrieve(self, layer: TieredLayer, view: LayerView):
+        """The best parked candidates for this step's queries, fetched: (positions, keys, values)."""
+        if layer.index is None or int(layer.index.count().sum()) == 0:
+            return None
+        queries = grouped_queries(view.query, view.keys.shape[1])[:, :, :, -1]  # [B, Hkv, G, D]
+        positions = layer.index.search(queries, self.tiering.retrieve)
+        keys, values = layer.host.fetch(positions, view.keys.device)
+        return positions.to(view.keys.device), keys, values
+
+    def _rebalance(self, layer: TieredLayer, view: LayerView, mass, fetched, fetched_mass) -> None:
+        """Demote by the selector's scores (manager.decide), promote fetched candidates by mass."""
+        last = replace(view, query=view.query[:, :, -1:], valid=view.valid[:, :, -1:], context=view.context[:, :, -1:])
+        active = layer.occupied
+        scores = self.selector.scores(last)[:, :, 0].float()
+        scores = torch.nan_to_num(scores, posinf=torch.finfo(scores.dtype).max).masked_fill(~active, -math.inf)
+        momentum = layer.slot_tensor(MOMENTUM, init=INITIAL_MOMENTUM)
+        positions = layer.slot_pos[..., : layer.length]
+        decision = self.manager.decide(view.layer_idx, scores, active, positions, momentum, layer.seen)
+        momentum.copy_(decision.momentum)
+        promoted = None
+        if fetched is not None:
+            _, tau_promote = self.manager.thresholds(view.layer_idx, mass, decision.keep)
+            candidates = fetched[0]
+            chosen = self.manager.promote(fetched_mass, candidates >= 0, tau_promote, decision.free)
+            promoted = candidates.masked_fill(~chosen, -1)
+        layer.demote(decision.demote)
+        if promoted is not None:
+            layer.promote(promoted)
+        layer.state[_REFRESHED_AT] = layer.seen
+
+
+@contextlib.contextmanager
+def tiered(
+    model,
+    selector: Selector | str = "h2o",
+    budget: int | float = 0.1,
+    *,
+    dense_layers: int = 2,
+    **tiering,
+) -> Iterator[TieredSession]:
+    """Run `model(...)`/`model.generate(...)` with at most `budget` tokens of KV per managed layer
+    and KV head on the GPU; the rest waits in host memory (keyword options: `TieringConfig`).
+
+    >>> with atskv.tiered(model, selector="learned", budget=0.1, retrieve=64) as session:
+    ...     out = model.generate(**inputs, max_new_tokens=64)
+    """
+    if isinstance(selector, str):
+        selector = make_selector(selector)
+    config = SparsityConfig(budget, dense_layers, sparse_prefill=False, sparse_decode=True)
+    session = TieredSession(model, selector, config, TieringConfig(budget, **tiering))
+    with attach(model, session):
+        yield session
+
+
+def memory_session(
+    model,
+    selector: Selector | str,
+    budget: int | float,
+    *,
+    dense_layers: int = 2,
+    sparse_prefill: bool = False,
+    tiering: dict | None = None,
+) -> contextlib.AbstractContextManager[SparseSession]:
+    """`atskv.sparse(...)`, or `atskv.tiered(...)` with the `tiering` options (`TieringConfig`
+    fields) when given: what the evaluations run a selector under."""
+    if tiering is None:
+        return sparse(model, selector, budget, dense_layers=dense_layers, sparse_prefill=sparse_prefill)
+    if sparse_prefill:
+        raise ValueError("atskv.tiered prefills densely; sparse_prefill applies to atskv.sparse only")
+    return tiered(model, selector, budget, dense_layers=dense_layers, **tiering)

@@ -1,0 +1,208 @@
+"""The two-tier KV store measured (issue 5): GPU KV memory by the allocator, task accuracy and
+perplexity, decode-step latency, for GPU budgets given as fractions of the prompt, with
+retrieval off / LSH / FAISS, each beside the dense model measured in the same run; and the
+host-to-device bandwidth of the tier's fetches against a plain pinned copy on the same GPU.
+
+    python benchmarks/tiered_measure.py --model M --out DIR [--selector learned --predictor P]
+        [--context 8192] [--budgets 0.1 0.2 0.5] [--retrieval off lsh faiss]
+        [--tasks needle_single passkey --trials 8] [--ppl_windows 4] [--decode_steps 64]
+
+Writes DIR/summary.md and DIR/results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+import atskv
+from atskv.data import corpus_windows
+from atskv.eval.perplexity import evaluate_perplexity
+from atskv.eval.tasks import evaluate_tasks
+from atskv.memory.host_tier import HostTier
+from atskv.memory.slot_cache import kv_bytes
+from atskv.models import load_model, resolve_device
+from atskv.selectors import make_selector
+
+RETRIEVAL = {"off": dict(retrieve=0), "lsh": dict(index="lsh"), "faiss": dict(index="faiss")}
+
+
+def run_decode(model, prompt: torch.Tensor, steps: int, session_factory=None) -> dict:
+    """Prefill `prompt` `[1, T]` and decode `steps` greedy tokens; GPU bytes the cache holds by the
+    allocator (after the run, everything else freed; 0 on CPU) and the median / mean decode-step time."""
+    cuda = prompt.is_cuda
+    sync = torch.cuda.synchronize if cuda else lambda: None
+    allocated = torch.cuda.memory_allocated if cuda else lambda: 0
+    sync()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    base = allocated()
+    times = []
+    with torch.inference_mode(), session_factory() if session_factory else contextlib.nullcontext() as session:
+        cache = session.new_cache() if session else DynamicCache(config=model.config)
+        token = model(prompt, past_key_values=cache).logits[:, -1:].argmax(-1)
+        for _ in range(steps):
+            sync()
+            start = time.perf_counter()
+            token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+            sync()
+            times.append(time.perf_counter() - start)
+        record = {
+            "allocated_bytes": allocated() - base,
+            "peak_bytes": torch.cuda.max_memory_allocated() - base if cuda else 0,
+            "cache_kv_bytes": kv_bytes(cache),
+            "decode_ms_median": 1e3 * statistics.median(times),
+            "decode_ms_mean": 1e3 * statistics.mean(times),
+        }
+        if session is not None:
+            record["host_bytes"] = cache.host_bytes()
+            record["moved"] = vars(cache.stats)
+            active = [cache.layers[i].occupied.sum(-1).float().mean().item() for i in sorted(cache.managed_layers)]
+            record["active_tokens_mean"] = round(statistics.mean(active), 1)
+    return record
+
+
+def copy_bandwidth(device: str, kv_heads: int, head_dim: int, dtype) -> dict:
+    """GB/s of a 256 MiB pinned host-to-device copy (the ceiling) and of `HostTier.fetch` of n
+    scattered tokens (gather on the host, one pinned copy per tensor)."""
+    out = {}
+    if not device.startswith("cuda"):
+        return out
+    block = torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True)
+    for _ in range(2):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        block.to(device, non_blocking=True)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+    out["pinned_copy_GBps"] = block.nbytes / elapsed / 1e9
+    capacity = 32768
+    tier = HostTier(1, kv_heads, head_dim, head_dim, capacity, dtype)
+    keys = torch.randn(1, kv_heads, capacity, head_dim, dtype=dtype)
+    tier.park(keys, keys.clone(), torch.arange(capacity).expand(1, kv_heads, capacity).contiguous())
+    for n in (64, 1024, 16384):
+        positions = torch.stack([torch.randperm(capacity)[:n] for _ in range(kv_heads)]).unsqueeze(0)
+        tier.fetch(positions, device)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        repeats = 10
+        for _ in range(repeats):
+            tier.fetch(positions, device)
+        torch.cuda.synchronize()
+        moved = repeats * 2 * positions.numel() * head_dim * keys.element_size()
+        out[f"fetch_{n}_tokens_GBps"] = moved / (time.perf_counter() - start) / 1e9
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--selector", default="learned")
+    parser.add_argument("--predictor", help="exported predictor (the learned selector)")
+    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.2, 0.5])
+    parser.add_argument("--retrieval", nargs="+", default=["off", "lsh", "faiss"], choices=sorted(RETRIEVAL))
+    parser.add_argument("--tasks", nargs="*", default=["needle_single", "passkey"])
+    parser.add_argument("--trials", type=int, default=8)
+    parser.add_argument("--batch_size", type=int, default=4)
+    parser.add_argument("--corpus", default="moby-dick")
+    parser.add_argument("--ppl_windows", type=int, default=4)
+    parser.add_argument("--decode_steps", type=int, default=64)
+    parser.add_argument("--dense_layers", type=int, default=2)
+    args = parser.parse_args()
+
+    device, dtype = resolve_device("auto", "auto")
+    loaded = load_model(args.model, dtype=dtype, device=device)
+    model = loaded.model
+    options = {"predictor": args.predictor} if args.predictor else {}
+    selector = make_selector(args.selector, **options)
+    text = loaded.model.config.get_text_config(decoder=True)
+    gpu = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
+    results: dict = {"model": loaded.name, "context": args.context, "gpu": gpu}
+    results["bandwidth"] = copy_bandwidth(device, text.num_key_value_heads, text.head_dim, dtype)
+    print(results["bandwidth"], flush=True)
+
+    windows = corpus_windows(loaded.tokenizer, args.corpus, args.context, args.ppl_windows)
+    prompt = windows[:1, : args.context - args.decode_steps].to(device)
+    runs = {"dense": run_decode(model, prompt, args.decode_steps)}
+    for mode in args.retrieval:
+        for budget in args.budgets:
+            factory = lambda b=budget, m=mode: atskv.tiered(  # noqa: E731
+                model, selector, b, dense_layers=args.dense_layers, **RETRIEVAL[m]
+            )
+            runs[f"{mode}@{budget}"] = run_decode(model, prompt, args.decode_steps, factory)
+            print(f"{mode}@{budget}", runs[f"{mode}@{budget}"], flush=True)
+    results["decode"] = runs
+    results["perplexity"], results["tasks"] = {}, {}
+    for i, mode in enumerate(args.retrieval):
+        records = evaluate_perplexity(
+            model, {args.context: windows}, [selector], args.budgets, n_eval=64, dense_layers=args.dense_layers,
+            batch_size=1, tiering=RETRIEVAL[mode],
+        )
+        results["perplexity"][mode] = [vars(r) for r in records]
+        if args.tasks:
+            tasks = evaluate_tasks(
+                loaded, args.tasks, [args.context], [0.1, 0.5, 0.9], args.trials, [selector], args.budgets,
+                dense_layers=args.dense_layers, batch_size=args.batch_size, tiering=RETRIEVAL[mode],
+            )
+            results["tasks"][mode] = [vars(r) for r in tasks]
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    (args.out / "summary.md").write_text(summary(results, args))
+    print((args.out / "summary.md").read_text())
+
+
+def summary(results: dict, args) -> str:
+    runs = results["decode"]
+    dense = runs["dense"]
+    lines = [
+        f"# {results['model']}: tiered KV at {args.context} tokens on {results['gpu']}\n",
+        "## GPU memory and decode step (one prompt, batch 1)\n",
+        "| setting | GPU KV by allocator (MiB) | vs dense | active tokens / KV head | host (MiB) | "
+        "decode ms (median) | vs dense | promoted | demoted |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    mib, dense_bytes = 2**20, max(1, dense["allocated_bytes"])
+    for name, r in runs.items():
+        moved = r.get("moved", {})
+        lines.append(
+            f"| {name} | {r['allocated_bytes'] / mib:.1f} | {r['allocated_bytes'] / dense_bytes:.2f} | "
+            f"{r.get('active_tokens_mean', '')} | {r.get('host_bytes', 0) / mib:.0f} | {r['decode_ms_median']:.2f} | "
+            f"{r['decode_ms_median'] / dense['decode_ms_median']:.2f} | {moved.get('promoted_tokens', '')} | "
+            f"{moved.get('demoted_tokens', '')} |"
+        )
+    lines += ["", "## Perplexity (64 decoded tokens per window) and tasks (mean exact match)\n"]
+    lines.append("| retrieval | budget | ppl | dense ppl | " + " | ".join(args.tasks) + " | dense tasks |")
+    lines.append("|---" * (4 + len(args.tasks) + 1) + "|")
+    for mode, records in results["perplexity"].items():
+        dense_ppl = next(r["perplexity"] for r in records if r["budget"] is None)
+        tasks = results["tasks"].get(mode, [])
+
+        def mean(task, budget):
+            scores = [t["score"] for t in tasks if t["task"] == task and t["budget"] == budget]
+            return f"{statistics.mean(scores):.2f}" if scores else ""
+
+        dense_tasks = " / ".join(mean(t, None) for t in args.tasks)
+        for r in records:
+            if r["budget"] is not None:
+                cells = " | ".join(mean(t, r["budget"]) for t in args.tasks)
+                lines.append(
+                    f"| {mode} | {r['budget']} | {r['perplexity']:.3f} | {dense_ppl:.3f} | {cells} | {dense_tasks} |"
+                )
+    bw = results["bandwidth"]
+    lines += ["", "## Host to device\n", "| transfer | GB/s |", "|---|---|"]
+    lines += [f"| {k} | {v:.2f} |" for k, v in bw.items()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

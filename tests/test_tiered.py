@@ -1,0 +1,255 @@
+"""The two-tier KV cache and `atskv.tiered`: every token in exactly one tier, bit-identical after
+moves, selector state carried along, the same output as dense when nothing has to leave, rows of a
+batch independent, and clear errors that lose nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import atskv
+from atskv.memory.host_tier import HostTier
+from atskv.memory.retrieval import FaissIndex, make_index
+from atskv.memory.sparsity import LayerPolicy
+from atskv.memory.tiered_cache import MOMENTUM, TieredLayer, TierStats
+from tests.conftest import random_prompt, tiny_model
+from tests.test_selector_learned import predictor_dir as learned_predictor_dir
+
+B, H, D = 2, 3, 8
+
+
+def _layer(capacity: int = 256, index: bool = True, path=None) -> TieredLayer:
+    return TieredLayer(
+        layer_idx=0,
+        make_host=lambda i, k, v: HostTier(B, H, D, D, capacity, k.dtype, path=path),
+        make_index=(lambda k: make_index("lsh", head_dim=D)) if index else None,
+        stats=TierStats(),
+    )
+
+
+def _held(layer: TieredLayer) -> tuple[list[set[int]], list[set[int]]]:
+    gpu, host = layer.held_positions()
+    as_sets = lambda t: [set(t[b, h][t[b, h] >= 0].tolist()) for b in range(B) for h in range(H)]  # noqa: E731
+    return as_sets(gpu), as_sets(host)
+
+
+def _lookup(layer: TieredLayer, positions: torch.Tensor):
+    """Keys/values of every position `[n]`, read from whichever tier holds it, `[B, H, n, D]`."""
+    gpu_pos = layer.slot_pos[..., : layer.length]
+    keys = torch.zeros(B, H, len(positions), D)
+    values = torch.zeros_like(keys)
+    on_host = torch.zeros(B, H, len(positions), dtype=torch.bool)
+    for j, p in enumerate(positions.tolist()):
+        hit = gpu_pos == p  # [B, H, S]
+        slot = hit.float().argmax(-1)
+        found = hit.any(-1)
+        at = slot[..., None, None].expand(B, H, 1, D)
+        keys[:, :, j] = torch.where(found[..., None], layer.keys.gather(2, at)[:, :, 0], 0)
+        values[:, :, j] = torch.where(found[..., None], layer.values.gather(2, at)[:, :, 0], 0)
+        on_host[:, :, j] = ~found
+    host_pos = torch.where(on_host, positions.view(1, 1, -1).expand(B, H, -1), -1)
+    k_host, v_host = layer.host.fetch(host_pos, "cpu")
+    return keys + k_host, values + v_host
+
+
+def test_moves_keep_every_token_in_exactly_one_tier_bit_identical():
+    torch.manual_seed(0)
+    layer = _layer()
+    written_k, written_v = [], []
+    for step in range(12):
+        k, v = torch.randn(B, H, 16, D), torch.randn(B, H, 16, D)
+        layer.update(k, v)
+        written_k.append(k)
+        written_v.append(v)
+        occupied = layer.occupied
+        layer.slot_tensor("score")[:] = torch.randn(B, H, layer.length)  # some selector state
+        layer.demote(occupied & (torch.rand(occupied.shape) < 0.5))
+        if step % 3 == 2:  # bring back a random ragged set of parked positions
+            _, host = layer.held_positions()
+            pick = torch.where(torch.rand(host.shape) < 0.3, host, -1)
+            layer.promote(pick)
+        gpu, host = _held(layer)
+        for g, h in zip(gpu, host):
+            assert not g & h
+            assert g | h == set(range(layer.seen))
+    assert layer.stats.promoted_tokens > 0 and layer.stats.demoted_tokens > layer.stats.promoted_tokens
+    keys, values = _lookup(layer, torch.arange(layer.seen))
+    assert torch.equal(keys, torch.cat(written_k, 2))
+    assert torch.equal(values, torch.cat(written_v, 2))
+    # the index covers exactly the parked tokens
+    assert torch.equal(layer.index.count(), layer.parked)
+
+
+def test_promoted_tokens_get_their_selector_state_back_and_fresh_momentum():
+    layer = _layer()
+    layer.update(torch.randn(B, H, 8, D), torch.randn(B, H, 8, D))
+    state = layer.slot_tensor("received")
+    state[:] = torch.arange(8.0).view(1, 1, 8) + 10 * torch.arange(B * H).view(B, H, 1)
+    before = state.clone()
+    layer.slot_tensor(MOMENTUM, init=1.0)[:] = 0.1
+    drop = torch.zeros(B, H, 8, dtype=torch.bool)
+    drop[..., 2:5] = True
+    layer.demote(drop)
+    layer.update(torch.randn(B, H, 2, D), torch.randn(B, H, 2, D))  # new tokens take freed slots
+    layer.promote(torch.tensor([3, 4, 2]).expand(B, H, 3))
+    slot_pos = layer.slot_pos[..., : layer.length]
+    for p in (2, 3, 4):
+        at = slot_pos == p
+        assert torch.equal(layer.slot_tensor("received")[at], before[..., p].flatten())
+        assert (layer.slot_tensor(MOMENTUM)[at] == 1.0).all()
+
+
+def test_a_failed_transfer_leaves_the_tokens_on_the_gpu():
+    layer = _layer()
+    layer.update(torch.randn(B, H, 8, D), torch.randn(B, H, 8, D))
+
+    def broken(*args):
+        raise RuntimeError("copy failed")
+
+    layer.host.park = broken
+    with pytest.raises(RuntimeError, match="copy failed"):
+        layer.demote(torch.ones(B, H, 8, dtype=torch.bool))
+    gpu, host = _held(layer)
+    assert all(g == set(range(8)) for g in gpu) and not any(host)
+
+
+def test_host_tier_in_a_memory_mapped_file(tmp_path):
+    layer = _layer(capacity=64, path=tmp_path / "kv" / "layer0.kv")
+    k = torch.randn(B, H, 10, D)
+    layer.update(k, torch.randn(B, H, 10, D))
+    layer.demote(layer.occupied)
+    assert (tmp_path / "kv" / "layer0.kv").stat().st_size == 2 * B * H * 64 * D * 4
+    keys, _ = layer.host.fetch(torch.arange(10).expand(B, H, 10), "cpu")
+    assert torch.equal(keys, k)
+
+
+def test_sequence_longer_than_the_host_tier_fails_before_writing():
+    layer = _layer(capacity=16)
+    layer.update(torch.randn(B, H, 12, D), torch.randn(B, H, 12, D))
+    with pytest.raises(ValueError, match="max_tokens"):
+        layer.update(torch.randn(B, H, 8, D), torch.randn(B, H, 8, D))
+    assert layer.seen == 12
+
+
+def _keep_everything() -> dict:
+    # tau = beta * min score ~ 0 for H2O's non-negative mass: every token clears it
+    return dict(policy=LayerPolicy(beta=1e-9, q_min=0.0, q_max=0.0), sinks=4, recent=8, refresh_every=4)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_tiered_with_nothing_to_move_equals_dense(family):
+    model = tiny_model(family)
+    prompt = random_prompt(48, batch=2)
+    options = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        dense = model.generate(prompt, **options)
+        with atskv.tiered(model, "h2o", budget=1000, **_keep_everything()) as session:
+            out = model.generate(prompt, **options)
+    assert session.cache.stats.demoted_tokens == 0
+    assert torch.equal(out.sequences, dense.sequences)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(dense.logits), atol=1e-4, rtol=1e-4)
+
+
+def _teacher_forced_logits(model, prompt, follow, **options):
+    """Prefill `prompt`, then decode the tokens `follow` one by one; logits of every step and the session."""
+    with atskv.tiered(model, **options) as session:
+        cache = session.new_cache()
+        out = model(prompt, past_key_values=cache)
+        logits = [out.logits[:, -1]]
+        for t in range(follow.shape[1]):
+            logits.append(model(follow[:, t : t + 1], past_key_values=cache).logits[:, -1])
+    return torch.stack(logits, 1), session
+
+
+def test_tiered_moves_tokens_and_rows_of_a_batch_are_independent():
+    model = tiny_model("llama")
+    prompt, follow = random_prompt(96, seed=1, batch=2), random_prompt(40, seed=2, batch=2)
+    options = dict(selector="h2o", budget=40, sinks=2, recent=8, refresh_every=4, retrieve=8)
+    with torch.no_grad():
+        both, session = _teacher_forced_logits(model, prompt, follow, **options)
+        alone = [_teacher_forced_logits(model, prompt[i : i + 1], follow[i : i + 1], **options)[0] for i in range(2)]
+    stats = session.cache.stats
+    assert stats.demoted_tokens > 0 and stats.promoted_tokens > 0
+    torch.testing.assert_close(both, torch.cat(alone), atol=1e-4, rtol=1e-4)
+    for i in session.cache.managed_layers:  # the hard cap held, and nothing was lost
+        layer = session.cache.layers[i]
+        assert int(layer.occupied.sum(-1).max()) <= 40
+        gpu, host = layer.held_positions()
+        for b in range(2):
+            for h in range(gpu.shape[1]):
+                g, p = set(gpu[b, h][gpu[b, h] >= 0].tolist()), set(host[b, h][host[b, h] >= 0].tolist())
+                assert not g & p and g | p == set(range(layer.seen))
+
+
+def test_retrieval_off_never_promotes_and_differs_from_retrieval_on(monkeypatch):
+    model = tiny_model("llama")
+    prompt, follow = random_prompt(96, seed=3), random_prompt(40, seed=4)
+    common = dict(selector="h2o", budget=40, sinks=2, recent=8, refresh_every=4)
+    searches = []
+    search = FaissIndex.search
+    monkeypatch.setattr(FaissIndex, "search", lambda self, *a: searches.append(1) or search(self, *a))
+    with torch.no_grad():
+        off, session_off = _teacher_forced_logits(model, prompt, follow, retrieve=0, **common)
+        on, session_on = _teacher_forced_logits(model, prompt, follow, retrieve=16, index="faiss", **common)
+    assert len(searches) == 40 * 2  # every decode step of both managed layers reads the host tier
+    assert session_off.cache.stats.promoted_tokens == 0
+    assert all(session_off.cache.layers[i].index is None for i in session_off.cache.managed_layers)
+    assert session_on.cache.stats.promoted_tokens > 0
+    assert not torch.allclose(on, off)
+
+
+predictor_dir = learned_predictor_dir  # the fixture: an exported predictor for the tiny Llama
+
+
+def test_learned_selector_runs_tiered(predictor_dir):
+    model = tiny_model("llama")
+    selector = atskv.make_selector("learned", predictor=predictor_dir, refresh_every=4)
+    with torch.no_grad(), atskv.tiered(model, selector, budget=0.5, sinks=2, recent=8, refresh_every=4) as session:
+        out = model.generate(random_prompt(64, batch=2), max_new_tokens=20, do_sample=False)
+    assert out.shape == (2, 84)
+    assert session.cache.stats.demoted_tokens > 0
+
+
+def test_bad_budgets_and_selectors_fail_before_any_work():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="at least 84"):
+        atskv.TieringConfig(budget=50)  # 4 sinks + 64 recent + 16 headroom
+    with pytest.raises(ValueError, match="keeps everything"), atskv.tiered(model, "dense", budget=200):
+        pass
+    with pytest.raises(ValueError, match="cannot hold"), atskv.tiered(model, "h2o", budget=0.1):
+        model(random_prompt(100))  # 10 tokens of 100: known only when the prompt arrives
+    with pytest.raises(TypeError, match="TieredKVCache"), atskv.tiered(model, "h2o", budget=100):
+        model(random_prompt(10), past_key_values=atskv.SparseKVCache(model.config, [2, 3]))
+
+
+@pytest.mark.gpu
+def test_gpu_kv_memory_shrinks_by_allocator_figures():
+    model = tiny_model("llama").cuda()
+    prompt = random_prompt(900).cuda()
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        base = torch.cuda.memory_allocated()
+        dense_cache = atskv.SparseKVCache(model.config, [])
+        model(prompt, past_key_values=dense_cache)
+        dense = torch.cuda.memory_allocated() - base
+        del dense_cache
+        base = torch.cuda.memory_allocated()
+        with atskv.tiered(model, "h2o", budget=100, dense_layers=0) as session:
+            cache = session.new_cache()
+            model(prompt, past_key_values=cache)
+            tiered = torch.cuda.memory_allocated() - base
+    assert tiered < 0.3 * dense
+    assert all(cache.layers[i].host.keys.is_pinned() for i in cache.managed_layers)
+
+
+def test_perplexity_evaluation_runs_tiered_and_matches_dense_when_nothing_moves():
+    from atskv.eval.perplexity import evaluate_perplexity
+
+    model = tiny_model("llama")
+    windows = random_prompt(80, seed=5, batch=2)
+    keep_all, tight = _keep_everything(), dict(sinks=2, recent=8, refresh_every=4, retrieve=8)
+    same = evaluate_perplexity(model, {80: windows}, ["h2o"], [60], n_eval=16, progress=False, tiering=keep_all)
+    moved = evaluate_perplexity(model, {80: windows}, ["h2o"], [24], n_eval=16, progress=False, tiering=tight)
+    dense, tiered = same
+    assert tiered.perplexity == pytest.approx(dense.perplexity, rel=1e-5)
+    assert moved[1].perplexity != pytest.approx(dense.perplexity, rel=1e-5)
