@@ -5,7 +5,7 @@ host-to-device bandwidth of the tier's fetches against a plain pinned copy on th
 
     python benchmarks/tiered_measure.py --model M --out DIR [--selector learned --predictor P]
         [--context 8192] [--budgets 0.1 0.2 0.5] [--retrieval off lsh faiss]
-        [--tasks needle_single passkey --trials 8] [--ppl_windows 4] [--decode_steps 64]
+        [--tasks needle_single passkey --trials 8 --depths 0.1 0.5 0.9] [--ppl_windows 4] [--decode_steps 64]
 
 Writes DIR/summary.md and DIR/results.json.
 """
@@ -113,6 +113,7 @@ def main() -> None:
     parser.add_argument("--retrieval", nargs="+", default=["off", "lsh", "faiss"], choices=sorted(RETRIEVAL))
     parser.add_argument("--tasks", nargs="*", default=["needle_single", "passkey"])
     parser.add_argument("--trials", type=int, default=8)
+    parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
     parser.add_argument("--batch_size", type=int, default=4)
     parser.add_argument("--corpus", default="moby-dick")
     parser.add_argument("--ppl_windows", type=int, default=4)
@@ -151,7 +152,7 @@ def main() -> None:
         results["perplexity"][mode] = [vars(r) for r in records]
         if args.tasks:
             tasks = evaluate_tasks(
-                loaded, args.tasks, [args.context], [0.1, 0.5, 0.9], args.trials, [selector], args.budgets,
+                loaded, args.tasks, [args.context], args.depths, args.trials, [selector], args.budgets,
                 dense_layers=args.dense_layers, batch_size=args.batch_size, tiering=RETRIEVAL[mode],
             )
             results["tasks"][mode] = [vars(r) for r in tasks]

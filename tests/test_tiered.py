@@ -253,3 +253,16 @@ def test_perplexity_evaluation_runs_tiered_and_matches_dense_when_nothing_moves(
     dense, tiered = same
     assert tiered.perplexity == pytest.approx(dense.perplexity, rel=1e-5)
     assert moved[1].perplexity != pytest.approx(dense.perplexity, rel=1e-5)
+
+
+@pytest.mark.gpu
+def test_host_tier_moves_on_side_streams_are_bit_identical():
+    tier = HostTier(B, H, D, D, 512, torch.bfloat16)
+    keys = torch.randn(B, H, 300, D, device="cuda", dtype=torch.bfloat16)
+    values = torch.randn_like(keys)
+    tier.park(keys, values, torch.arange(300, device="cuda").expand(B, H, 300).contiguous())
+    for n in (8, 200, 16):  # staging buffers grow, then are reused
+        positions = torch.randperm(300)[:n].expand(B, H, n).contiguous()
+        got_k, got_v = tier.fetch(positions, "cuda")
+        idx = positions.cuda().unsqueeze(-1).expand(B, H, n, D)
+        assert torch.equal(got_k, keys.gather(2, idx)) and torch.equal(got_v, values.gather(2, idx))

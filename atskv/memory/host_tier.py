@@ -61,6 +61,8 @@ class HostTier:
         self.slot_of = torch.full((batch, kv_heads, capacity), -1, dtype=torch.long)
         self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, object]] = []
         self._stream = None
+        self._stage: list[torch.Tensor | None] = [None, None]  # pinned staging of `fetch`
+        self._staged = None  # the event of the last copy out of the staging buffers
 
     # --- accounting ---------------------------------------------------------------------------
     @property
@@ -105,15 +107,20 @@ class HostTier:
         missing = (positions >= 0) & (slots < 0)
         if bool(missing.any()):
             raise KeyError(f"positions not in the host tier: {positions[missing][:8].tolist()}")
-        slots = slots.clamp(min=0)
-        keys = _gather_slots(self.keys, slots).masked_fill_((positions < 0).unsqueeze(-1), 0)
-        values = _gather_slots(self.values, slots).masked_fill_((positions < 0).unsqueeze(-1), 0)
+        slots, absent = slots.clamp(min=0), (positions < 0).unsqueeze(-1)
         if torch.device(device).type != "cuda":
-            return keys.to(device), values.to(device)
-        keys, values = keys.pin_memory(), values.pin_memory()
+            keys, values = _gather_slots(self.keys, slots), _gather_slots(self.values, slots)
+            return keys.masked_fill_(absent, 0).to(device), values.masked_fill_(absent, 0).to(device)
+        # gathered straight into reused pinned staging buffers: no pinned allocation per step
+        keys, values = (
+            _gather_slots(store, slots, out=self._staging(i, (*slots.shape, store.shape[-1]))).masked_fill_(absent, 0)
+            for i, store in enumerate((self.keys, self.values))
+        )
         stream = self._side_stream(device)
         with torch.cuda.stream(stream):
             out = keys.to(device, non_blocking=True), values.to(device, non_blocking=True)
+            self._staged = torch.cuda.Event()
+            self._staged.record(stream)
         compute = torch.cuda.current_stream(device)
         compute.wait_stream(stream)
         for t in out:
@@ -136,6 +143,18 @@ class HostTier:
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=device)
         return self._stream
+
+    def _staging(self, which: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """A pinned buffer of `shape` for fetch `which` (0 keys, 1 values), grown when too small;
+        the previous fetch's copy out of it is waited for before it is written again."""
+        if self._staged is not None:
+            self._staged.synchronize()
+            self._staged = None
+        n, stage = _numel(shape), self._stage[which]
+        if stage is None or stage.numel() < n:
+            size = max(n, 2 * stage.numel()) if stage is not None else n
+            self._stage[which] = stage = torch.empty(size, dtype=self.keys.dtype, pin_memory=True)
+        return stage[:n].view(shape)
 
     def _drain(self) -> None:
         """Write the blocks whose device-to-host copies were in flight into host slots."""
@@ -167,8 +186,8 @@ def _numel(shape) -> int:
     return n
 
 
-def _gather_slots(store: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    return store.gather(2, slots.unsqueeze(-1).expand(*slots.shape, store.shape[-1]))
+def _gather_slots(store: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.gather(store, 2, slots.unsqueeze(-1).expand(*slots.shape, store.shape[-1]), out=out)
 
 
 def _mapped(path: Path, shape_k, shape_v, dtype) -> tuple[torch.Tensor, torch.Tensor]:
