@@ -180,7 +180,7 @@ class TieredSession(SparseSession):
 
     def _retrieve(self, layer: TieredLayer, view: LayerView):
         """The best parked candidates for this step's queries, fetched: (positions, keys, values)."""
-        if layer.index is None or int(layer.index.count().sum()) == 0:
+        if layer.index is None or layer.parked_tokens == 0:
             return None
         queries = grouped_queries(view.query, view.keys.shape[1])[:, :, :, -1]  # [B, Hkv, G, D]
         positions = layer.index.search(queries, self.tiering.retrieve)

@@ -76,8 +76,9 @@ def test_moves_keep_every_token_in_exactly_one_tier_bit_identical():
     keys, values = _lookup(layer, torch.arange(layer.seen))
     assert torch.equal(keys, torch.cat(written_k, 2))
     assert torch.equal(values, torch.cat(written_v, 2))
-    # the index covers exactly the parked tokens
+    # the index covers exactly the parked tokens, and the host-side count agrees
     assert torch.equal(layer.index.count(), layer.parked)
+    assert layer.parked_tokens == int(layer.parked.sum())
 
 
 def test_promoted_tokens_get_their_selector_state_back_and_fresh_momentum():

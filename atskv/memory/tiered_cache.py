@@ -60,6 +60,7 @@ class TieredLayer(SlotLayer):
         self.layer_idx, self._make_host, self._make_index, self.stats = layer_idx, make_host, make_index, stats
         self.host: HostTier | None = None
         self.index: KeyIndex | None = None
+        self.parked_tokens = 0  # over all rows and KV heads, kept on the host side: no device sync to read
         self._parked_state: dict[str, torch.Tensor] = {}
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -78,6 +79,7 @@ class TieredLayer(SlotLayer):
     def reset(self) -> None:
         super().reset()
         self.host = self.index = None
+        self.parked_tokens = 0
         self._parked_state.clear()
 
     @property
@@ -99,6 +101,7 @@ class TieredLayer(SlotLayer):
         self._park_state(slots, positions)
         self.evict(drop)
         moved = int(real.sum())
+        self.parked_tokens += moved
         self.stats.demoted_tokens += moved
         self.stats.demoted_bytes += moved * _token_bytes(keys, values)
 
@@ -117,6 +120,7 @@ class TieredLayer(SlotLayer):
         if self.index is not None:
             self.index.remove(positions)
         moved = int((positions >= 0).sum())
+        self.parked_tokens -= moved
         self.stats.promoted_tokens += moved
         self.stats.promoted_bytes += moved * _token_bytes(keys, values)
 
