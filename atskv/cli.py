@@ -304,7 +304,7 @@ def export(checkpoint: Path, out: Path | None = None, model: str | None = None) 
             training data was collected from. Its geometry must match the collection's.
     """
     from atskv.models import ModelGeometry, load_model, model_geometry
-    from atskv.predictor.export import default_predictor_dir, export_predictor
+    from atskv.predictor.export import checkpoint_provenance, default_predictor_dir, export_predictor
     from atskv.predictor.token_types import token_type_table
     from atskv.predictor.training import RelevanceModule
 
@@ -323,10 +323,7 @@ def export(checkpoint: Path, out: Path | None = None, model: str | None = None) 
         base_model=collection["model"],
         geometry=geometry,
         managed_layers=collection["managed_layers"],
-        training={
-            "checkpoint": str(checkpoint),
-            "hyperparameters": {k: v for k, v in module.hparams.items() if k != "collection"},
-        },
+        training=checkpoint_provenance(checkpoint),
     )
     print(f"wrote {path} ({module.model.parameter_count()} parameters) and {path.with_suffix('.json')}")
 

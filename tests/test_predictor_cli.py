@@ -39,6 +39,8 @@ def test_collect_fit_export_then_the_learned_selector_by_name(tmp_path, monkeypa
     loaded = load_model(str(model_dir))
     (learned,) = selectors_for_model(["learned"], loaded.name)
     assert learned.predictor.header.managed_layers == (2, 3)
+    training = learned.predictor.header.training
+    assert training["stage"] == "fit" and training["hyperparameters"]["lr"] == 1e-3 and "started_from" not in training
     windows = torch.randint(3, len(tokenizer), (2, 64))
     report = attention_recall(loaded.model, windows, [learned], [16], n_queries=4, progress=False)
     recalls = [r.recall for r in report.records if r.selector == "learned"]

@@ -206,7 +206,7 @@ def tiny(tmp_path_factory):
     torch.manual_seed(1)
     mlp = RelevanceMLP(spec, reduced_width=8, hidden=16).eval()
     export_predictor(mlp, token_type_table(tokenizer, len(tokenizer)), root / "supervised", base_model="tiny-llama",
-                     geometry=model_geometry(config), managed_layers=MANAGED)
+                     geometry=model_geometry(config), managed_layers=MANAGED, training={"stage": "fit", "seed": 7})
     return root
 
 
@@ -297,6 +297,13 @@ def test_finetune_then_export_then_the_learned_selector(tiny, tmp_path):
                     str(tiny / "tiny-llama")]) == 0
     tuned, supervised = load_predictor(tmp_path / "exported"), load_predictor(tiny / "supervised")
     assert tuned.header.managed_layers == tuple(MANAGED) and tuned.header.base_model == "tiny-llama"
+    training = tuned.header.training  # what the fine-tuning used, not RelevanceModule's defaults
+    assert training["stage"] == "finetune" and training["checkpoint"] == str(checkpoint) and training["steps"] == 3
+    assert training["data"]["context_tokens"] == 48 and "_instantiator" not in training["hyperparameters"]
+    assert {k: training["hyperparameters"][k] for k in ("alpha", "policy", "samples", "lr")} == {
+        "alpha": 0.5, "policy": "bernoulli", "samples": 3, "lr": 0.01}
+    assert "bce_weight" not in training["hyperparameters"]
+    assert training["started_from"] == {"predictor": str(tiny / "supervised"), "training": {"stage": "fit", "seed": 7}}
     assert not torch.equal(tuned.mlp.w1.weight, supervised.mlp.w1.weight)  # it trained
     torch.testing.assert_close(tuned.mlp.scalar_norm.running_var, supervised.mlp.scalar_norm.running_var)
     resumed = PolicyGradientModule(predictor=str(checkpoint), model=str(tiny / "tiny-llama"))  # a .ckpt starts too

@@ -110,6 +110,31 @@ def mlp_widths(mlp: RelevanceMLP) -> dict[str, int]:
     }
 
 
+def checkpoint_provenance(checkpoint: str | Path) -> dict:
+    """What a training checkpoint says about how its predictor was made, for a header's `training`:
+    the checkpoint, the stage (`fit`, or `finetune` when it holds a policy), the optimiser steps,
+    the model's and the data's hyper-parameters as the run saved them (read from the file, not
+    from the class that loads the weights, whose defaults would stand in for a fine-tuning run's
+    alpha, policy and samples), and for fine-tuning the predictor it started from with that
+    predictor's own provenance."""
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+
+    def own(hparams: dict) -> dict:  # without the CLI's bookkeeping (`_instantiator`)
+        return {k: v for k, v in hparams.items() if not k.startswith("_")}
+
+    saved = own(state["hyper_parameters"])
+    saved.pop("collection", None)  # the header holds it in its own fields
+    started_from = saved.pop("started_from", None)
+    provenance = {
+        "checkpoint": str(checkpoint), "stage": "finetune" if "policy" in saved else "fit",
+        "steps": state.get("global_step"), "hyperparameters": saved,
+        "data": own(state.get("datamodule_hyper_parameters", {})),
+    }
+    if started_from is not None:
+        provenance["started_from"] = started_from
+    return provenance
+
+
 def export_predictor(
     mlp: RelevanceMLP,
     token_types: torch.Tensor,

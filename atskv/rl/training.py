@@ -23,8 +23,9 @@ Choices where the plan leaves one:
 - The base model is frozen and lives outside the module's parameters and state: checkpoints
   hold the predictor as `model.*` and the hyperparameters `collection` and the MLP widths, the
   form `RelevanceModule` writes, so `atskv export` reads a fine-tuning checkpoint unchanged (and
-  `atskv finetune --model.predictor CKPT` continues from one). The frozen reference predictor is
-  rebuilt from `predictor` when a module is made, not saved.
+  `atskv finetune --model.predictor CKPT` continues from one); `started_from` (the predictor read
+  and its own provenance) goes into the exported header beside alpha, policy and samples. The
+  frozen reference predictor is rebuilt from `predictor` when a module is made, not saved.
 - Initialisation: `predictor` is an exported predictor (folder or .safetensors), a training
   checkpoint (.ckpt, from `atskv fit` or `atskv finetune`), or a model name whose predictor is
   found as the CLI finds it (the user's export, else the one shipped with atskv).
@@ -49,7 +50,7 @@ from torch.utils.data import DataLoader
 
 from atskv.models import DEFAULT_MODEL, ModelGeometry, resolve_device
 from atskv.predictor.collect import TASK_SEED_BASE, managed_layers
-from atskv.predictor.export import PredictorHeader, find_predictor, load_predictor, mlp_widths
+from atskv.predictor.export import PredictorHeader, checkpoint_provenance, find_predictor, load_predictor, mlp_widths
 from atskv.predictor.features import SCALAR_FEATURES
 from atskv.predictor.model import FeatureSpec, RelevanceMLP
 from atskv.predictor.token_types import token_type_table
@@ -67,6 +68,8 @@ class StartingPoint:
 
     mlp: RelevanceMLP
     collection: dict  # model, geometry, feature_spec, managed_layers (a collection manifest's keys)
+    source: str  # the file or folder it was read from
+    training: dict  # its own provenance (an exported header's `training`, or a checkpoint's)
 
     @property
     def header(self) -> PredictorHeader:
@@ -86,15 +89,16 @@ def starting_point(source: str | Path) -> StartingPoint:
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such checkpoint")
         module = RelevanceModule.load_from_checkpoint(path, map_location="cpu")
-        start = StartingPoint(module.model, dict(module.hparams.collection))
+        start = StartingPoint(module.model, dict(module.hparams.collection), str(path), checkpoint_provenance(path))
     else:
-        loaded = load_predictor(path if path.exists() else find_predictor(str(source)))
+        folder = path if path.exists() else find_predictor(str(source))
+        loaded = load_predictor(folder)
         h = loaded.header
         collection = {
             "model": h.base_model, "geometry": h.geometry.to_dict(), "feature_spec": h.feature_spec.to_dict(),
             "managed_layers": list(h.managed_layers),
         }
-        start = StartingPoint(loaded.mlp, collection)
+        start = StartingPoint(loaded.mlp, collection, str(folder), h.training)
     features = tuple(start.collection["feature_spec"]["scalar_features"])
     if features != SCALAR_FEATURES:
         raise ValueError(f"the predictor reads features {features}, this version of atskv computes {SCALAR_FEATURES}")
@@ -143,7 +147,7 @@ class PolicyGradientModule(L.LightningModule):
         alpha: float = 0.5,
         samples: int = 8,
         task_metric: str = "nll",
-        lr: float = 1e-4,
+        lr: float = 1e-3,
         weight_decay: float = 0.0,
         entropy_weight: float = 1e-3,
         kl_weight: float = 1e-2,
@@ -194,7 +198,8 @@ class PolicyGradientModule(L.LightningModule):
         types = token_type_table(loaded.tokenizer, loaded.model.config.get_text_config(decoder=True).vocab_size)
         self.frozen = _Frozen(loaded.model.eval().requires_grad_(False), reference, types)
         self.tokenizer = loaded.tokenizer
-        self.hparams.update(collection=start.collection, **mlp_widths(start.mlp))  # what `atskv export` reads
+        started_from = {"predictor": start.source, "training": start.training}  # for `atskv export`'s header
+        self.hparams.update(collection=start.collection, started_from=started_from, **mlp_widths(start.mlp))
 
     def train(self, mode: bool = True):
         super().train(mode)
