@@ -16,8 +16,9 @@ One attention call of a managed layer (`TieredSession.attend`):
 2. every `refresh_every` tokens (and at the end of the prompt) the layer is rebalanced: the
    manager demotes active tokens by the selector's scores (they leave for the host) and promotes
    the fetched candidates whose attention mass in that step clears its promotion threshold, a
-   quantile of the mass the kept active tokens received (attention mass is the one relevance
-   scale that active tokens and freshly fetched ones share).
+   quantile of the mass the active tokens received (attention mass is the one relevance scale
+   that active tokens and freshly fetched ones share); room for them under the cap is made
+   first, so they displace the least relevant active tokens.
 The hard cap leaves `refresh_every` slots of headroom, so the tokens written between two
 refreshes never push the active tier past `budget`.
 
@@ -188,24 +189,30 @@ class TieredSession(SparseSession):
         return positions.to(view.keys.device), keys, values
 
     def _rebalance(self, layer: TieredLayer, view: LayerView, mass, fetched, fetched_mass) -> None:
-        """Demote by the selector's scores (manager.decide), promote fetched candidates by mass."""
+        """Demote by the selector's scores (manager.decide), promote fetched candidates by mass:
+        candidates that clear the promotion threshold get room under the cap first, so a needed
+        parked token displaces the least relevant active one even when the tier is full."""
         last = replace(view, query=view.query[:, :, -1:], valid=view.valid[:, :, -1:], context=view.context[:, :, -1:])
         active = layer.occupied
         scores = self.selector.scores(last)[:, :, 0].float()
         scores = torch.nan_to_num(scores, posinf=torch.finfo(scores.dtype).max).masked_fill(~active, -math.inf)
         momentum = layer.slot_tensor(MOMENTUM, init=INITIAL_MOMENTUM)
         positions = layer.slot_pos[..., : layer.length]
-        decision = self.manager.decide(view.layer_idx, scores, active, positions, momentum, layer.seen)
-        momentum.copy_(decision.momentum)
-        promoted = None
+        eligible = reserve = None
         if fetched is not None:
-            _, tau_promote = self.manager.thresholds(view.layer_idx, mass, decision.keep)
-            candidates = fetched[0]
-            chosen = self.manager.promote(fetched_mass, candidates >= 0, tau_promote, decision.free)
-            promoted = candidates.masked_fill(~chosen, -1)
+            _, tau_promote = self.manager.thresholds(view.layer_idx, mass, active, total=layer.seen)
+            eligible = (fetched[0] >= 0) & (fetched_mass > tau_promote)
+            reserve = eligible.sum(-1)
+        decision = self.manager.decide(
+            view.layer_idx, scores, active, positions, momentum, layer.seen, total=layer.seen, reserve=reserve
+        )
+        momentum.copy_(decision.momentum)
         layer.demote(decision.demote)
-        if promoted is not None:
-            layer.promote(promoted)
+        if eligible is not None:
+            chosen = self.manager.promote(
+                fetched_mass, eligible, torch.full_like(tau_promote, -math.inf), decision.free
+            )
+            layer.promote(fetched[0].masked_fill(~chosen, -1))
         layer.state[_REFRESHED_AT] = layer.seen
 
 

@@ -307,3 +307,37 @@ def test_decide_on_cuda_matches_cpu():
     gpu = mgr.decide(0, scores.cuda(), active.cuda(), positions.cuda(), momentum.cuda(), seen=400)
     for name in ("keep", "demote", "momentum", "tau", "tau_promote", "free"):
         torch.testing.assert_close(getattr(gpu, name).cpu(), getattr(cpu, name))
+
+
+@pytest.mark.parametrize("counted_parked", [True, False])
+def test_with_parked_tokens_counted_the_tier_settles_at_the_top_share_of_the_context(counted_parked):
+    """Static scores, repeated refreshes, demoted tokens leave: counting the parked tokens (total)
+    the active tier converges to the top 1 - q of the whole context; over the active ones alone
+    it keeps draining towards the protected tokens."""
+    g = torch.Generator().manual_seed(0)
+    n, q = 1000, 0.8
+    manager = SparsityManager(fixed_q(q, momentum=0.5), SparsityBudget(max_active=n, sinks=0, recent=0))
+    scores, active, positions = one_row(torch.rand(n, generator=g))
+    momentum = torch.full(scores.shape, INITIAL_MOMENTUM)
+    for _ in range(40):
+        d = manager.decide(0, scores, active, positions, momentum, seen=n, total=n if counted_parked else None)
+        active, momentum = d.keep, d.momentum
+    kept = int(active.sum())
+    if counted_parked:
+        assert abs(kept - (1 - q) * n) <= 0.02 * n
+        # and it is the top share: every kept token outscores every parked one
+        assert scores[active].min() > scores[~active].max()
+    else:
+        assert kept < 0.05 * n
+
+
+def test_reserve_frees_room_under_the_cap_from_the_lowest_unprotected_tokens():
+    manager = SparsityManager(fixed_q(0.0), SparsityBudget(max_active=6, sinks=1, recent=1))
+    scores, active, positions = one_row([0.0, 5.0, 1.0, 4.0, 3.0, 2.0, 0.5])  # 7 tokens, cap 6
+    momentum = torch.full(scores.shape, INITIAL_MOMENTUM)
+    plain = manager.decide(0, scores, active, positions, momentum, seen=7)
+    reserved = manager.decide(0, scores, active, positions, momentum, seen=7, reserve=torch.tensor([[2]]))
+    assert plain.keep.sum() == 6 and int(plain.free) == 0
+    # 6 - 2 = 4 stay: sink (position 0) and recent (position 6), then the best others (5.0, 4.0)
+    assert reserved.keep[0, 0].tolist() == [True, True, False, True, False, False, True]
+    assert int(reserved.free) == 2
