@@ -6,6 +6,7 @@ host-to-device bandwidth of the tier's fetches against a plain pinned copy on th
     python benchmarks/tiered_measure.py --model M --out DIR [--selector learned --predictor P]
         [--context 8192] [--budgets 0.1 0.2 0.5] [--retrieval off lsh faiss]
         [--tasks needle_single passkey --trials 8 --depths 0.1 0.5 0.9] [--ppl_windows 4] [--decode_steps 64]
+        [--adaptive]
 
 Writes DIR/summary.md and DIR/results.json.
 """
@@ -29,6 +30,7 @@ from atskv.eval.perplexity import evaluate_perplexity
 from atskv.eval.tasks import evaluate_tasks
 from atskv.memory.host_tier import HostTier
 from atskv.memory.slot_cache import kv_bytes
+from atskv.memory.sparsity import LayerPolicy
 from atskv.models import load_model, resolve_device
 from atskv.selectors import make_selector
 
@@ -37,7 +39,19 @@ RETRIEVAL = {
     "lsh": dict(index="lsh"),
     "faiss": dict(index="faiss"),
     "lsh-every8": dict(index="lsh", retrieve_every=8),  # retrieval on one decode step in 8
+    "faiss-256": dict(index="faiss", retrieve=256),
 }
+
+
+def tiering(mode: str, budget: float, adaptive: bool) -> dict:
+    """The `atskv.tiered` options of a run. Not adaptive (the default here): the quantile is fixed
+    at 1 - budget, so the soft rule and the hard cap agree and the active tier sits at the budget
+    from the end of the prompt on; adaptive: the default `LayerPolicy` (q from 0.5 to 0.9 with
+    memory pressure), whose tier settles over several refreshes wherever its quantile puts it."""
+    options = dict(RETRIEVAL[mode])
+    if not adaptive:
+        options["policy"] = LayerPolicy(q_min=1.0 - budget, q_max=1.0 - budget)
+    return options
 
 
 def run_decode(model, prompt: torch.Tensor, steps: int, session_factory=None) -> dict:
@@ -132,6 +146,7 @@ def main() -> None:
     parser.add_argument("--ppl_windows", type=int, default=4)
     parser.add_argument("--decode_steps", type=int, default=64)
     parser.add_argument("--dense_layers", type=int, default=2)
+    parser.add_argument("--adaptive", action="store_true", help="default LayerPolicy instead of q = 1 - budget")
     args = parser.parse_args()
 
     device, dtype = resolve_device("auto", "auto")
@@ -151,24 +166,28 @@ def main() -> None:
     for mode in args.retrieval:
         for budget in args.budgets:
             factory = lambda b=budget, m=mode: atskv.tiered(  # noqa: E731
-                model, selector, b, dense_layers=args.dense_layers, **RETRIEVAL[m]
+                model, selector, b, dense_layers=args.dense_layers, **tiering(m, b, args.adaptive)
             )
             runs[f"{mode}@{budget}"] = run_decode(model, prompt, args.decode_steps, factory)
             print(f"{mode}@{budget}", runs[f"{mode}@{budget}"], flush=True)
     results["decode"] = runs
     results["perplexity"], results["tasks"] = {}, {}
-    for i, mode in enumerate(args.retrieval):
-        records = evaluate_perplexity(
-            model, {args.context: windows}, [selector], args.budgets, n_eval=64, dense_layers=args.dense_layers,
-            batch_size=1, tiering=RETRIEVAL[mode],
-        )
-        results["perplexity"][mode] = [vars(r) for r in records]
-        if args.tasks:
-            tasks = evaluate_tasks(
-                loaded, args.tasks, [args.context], args.depths, args.trials, [selector], args.budgets,
-                dense_layers=args.dense_layers, batch_size=args.batch_size, tiering=RETRIEVAL[mode],
+    for mode in args.retrieval:
+        perplexity, tasks = [], []
+        for budget in args.budgets:  # one call per budget: the policy depends on it; keep one dense row
+            records = evaluate_perplexity(
+                model, {args.context: windows}, [selector], [budget], n_eval=64, dense_layers=args.dense_layers,
+                batch_size=1, tiering=tiering(mode, budget, args.adaptive),
             )
-            results["tasks"][mode] = [vars(r) for r in tasks]
+            perplexity += [vars(r) for r in records if r.budget is not None or not perplexity]
+            if args.tasks:
+                found = evaluate_tasks(
+                    loaded, args.tasks, [args.context], args.depths, args.trials, [selector], [budget],
+                    dense_layers=args.dense_layers, batch_size=args.batch_size,
+                    tiering=tiering(mode, budget, args.adaptive),
+                )
+                tasks += [vars(r) for r in found if r.budget is not None or not tasks]
+        results["perplexity"][mode], results["tasks"][mode] = perplexity, tasks
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     (args.out / "summary.md").write_text(summary(results, args))
