@@ -176,14 +176,27 @@ def main() -> None:
         perplexity, tasks = [], []
         for budget in args.budgets:  # one call per budget: the policy depends on it; keep one dense row
             records = evaluate_perplexity(
-                model, {args.context: windows}, [selector], [budget], n_eval=64, dense_layers=args.dense_layers,
-                batch_size=1, tiering=tiering(mode, budget, args.adaptive),
+                model,
+                {args.context: windows},
+                [selector],
+                [budget],
+                n_eval=64,
+                dense_layers=args.dense_layers,
+                batch_size=1,
+                tiering=tiering(mode, budget, args.adaptive),
             )
             perplexity += [vars(r) for r in records if r.budget is not None or not perplexity]
             if args.tasks:
                 found = evaluate_tasks(
-                    loaded, args.tasks, [args.context], args.depths, args.trials, [selector], [budget],
-                    dense_layers=args.dense_layers, batch_size=args.batch_size,
+                    loaded,
+                    args.tasks,
+                    [args.context],
+                    args.depths,
+                    args.trials,
+                    [selector],
+                    [budget],
+                    dense_layers=args.dense_layers,
+                    batch_size=args.batch_size,
                     tiering=tiering(mode, budget, args.adaptive),
                 )
                 tasks += [vars(r) for r in found if r.budget is not None or not tasks]
@@ -191,7 +204,37 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     (args.out / "summary.md").write_text(summary(results, args))
+    plot(results, args.out / "quality-memory.png")
     print((args.out / "summary.md").read_text())
+
+
+def plot(results: dict, path: Path) -> None:
+    """Perplexity over dense against the GPU memory the cache holds over dense, one marker per
+    retrieval mode, one point per budget: where people would rather look than read."""
+    from matplotlib.figure import Figure
+
+    from atskv.eval.figures import save_figure
+
+    dense_bytes = results["decode"]["dense"]["cache_owned_bytes"]
+    fig = Figure(figsize=(5.2, 3.6))
+    ax = fig.subplots()
+    for mode, records in results["perplexity"].items():
+        dense = next(r["perplexity"] for r in records if r["budget"] is None)
+        points = [
+            (results["decode"][f"{mode}@{r['budget']}"]["cache_owned_bytes"] / dense_bytes, r["perplexity"] / dense)
+            for r in records
+            if r["budget"] is not None
+        ]
+        ax.plot(*zip(*sorted(points)), marker="o", label=f"retrieval {mode}")
+    ax.axhline(1.0, color="black", lw=0.8, label="dense")
+    ax.axhline(1.02, color="grey", ls=":", lw=0.8, label="dense + 2%")
+    ax.set(
+        xlabel="GPU memory of the cache / dense (allocator)",
+        ylabel="perplexity / dense",
+        title=f"{results['model']}, {results['context']} tokens",
+    )
+    ax.legend(fontsize=7)
+    save_figure(fig, path)
 
 
 def summary(results: dict, args) -> str:
