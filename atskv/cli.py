@@ -107,6 +107,7 @@ def generate(
     sparse_prefill: bool = False,
     max_new_tokens: int = 64,
     chat: bool = True,
+    tiering: dict | None = None,
     device: str = "auto",
     dtype: str = "auto",
 ) -> None:
@@ -121,6 +122,8 @@ def generate(
         sparse_prefill: select during the prompt too (default: dense prefill, sparse decode).
         max_new_tokens: tokens to generate.
         chat: wrap the prompt in the model's chat template, if it has one.
+        tiering: run under `atskv.tiered` (GPU/host KV tiers) with these `TieringConfig` options,
+            e.g. '{retrieve: 64, index: faiss}' ('{}' for the defaults); none: `atskv.sparse`.
         device: cpu, cuda, or auto.
         dtype: float32, bfloat16, float16, or auto.
     """
@@ -142,6 +145,7 @@ def generate(
         dense_layers=dense_layers,
         sparse_prefill=sparse_prefill,
         max_new_tokens=max_new_tokens,
+        tiering=tiering,
     )
     print(run.text)
     print(
@@ -181,6 +185,8 @@ def eval_recall(
         dense_layers: the first layers stay dense (and are not measured).
         batch_size: windows per forward.
         out: output folder.
+        tiering: run under `atskv.tiered` (GPU/host KV tiers) with these `TieringConfig` options,
+            e.g. '{retrieve: 64, index: faiss}' ('{}' for the defaults); none: `atskv.sparse`.
         device: cpu, cuda, or auto.
         dtype: float32, bfloat16, float16, or auto.
     """
@@ -212,6 +218,7 @@ def eval_ppl(
     dense_layers: int = 2,
     batch_size: int = 4,
     out: Path = Path("results/ppl"),
+    tiering: dict | None = None,
     device: str = "auto",
     dtype: str = "auto",
 ) -> None:
@@ -230,6 +237,8 @@ def eval_ppl(
         dense_layers: the first layers stay dense.
         batch_size: windows per forward.
         out: output folder.
+        tiering: run under `atskv.tiered` (GPU/host KV tiers) with these `TieringConfig` options,
+            e.g. '{retrieve: 64, index: faiss}' ('{}' for the defaults); none: `atskv.sparse`.
         device: cpu, cuda, or auto.
         dtype: float32, bfloat16, float16, or auto.
     """
@@ -243,7 +252,7 @@ def eval_ppl(
     by_length = {n: corpus_windows(loaded.tokenizer, corpus, n, windows) for n in lengths}
     records = perplexity.evaluate_perplexity(
         loaded.model, by_length, selectors_for_model(selectors, loaded.name), budgets,
-        n_eval=n_eval, dense_layers=dense_layers, batch_size=batch_size
+        n_eval=n_eval, dense_layers=dense_layers, batch_size=batch_size, tiering=tiering
     )
     perplexity.write(records, out)
     print(perplexity.markdown(records))

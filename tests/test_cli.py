@@ -87,3 +87,16 @@ def test_generate_refuses_a_budget_larger_than_the_whole_context(tiny_model_dir,
     assert run_cli([*args, "--budget", "4096", "--device", "cpu"]) == 2
     assert "not smaller than the whole context" in capsys.readouterr().err
     assert run_cli([*args, "--budget", "3", "--device", "cpu", "--chat", "false"]) == 0
+
+
+def test_generate_tiered_from_the_command_line(tiny_model_dir, capsys):
+    """`--tiering` runs under atskv.tiered: a budget too small for sinks + recent is refused
+    clearly, a workable one generates and reports the GPU-held KV."""
+    prompt = " ".join(["word"] * 200)
+    args = ["generate", prompt, "--model", tiny_model_dir, "--selector", "h2o", "--max_new_tokens", "4",
+            "--device", "cpu", "--chat", "false"]
+    assert run_cli([*args, "--budget", "40", "--tiering", "{}"]) == 2
+    assert "cannot hold" in capsys.readouterr().err
+    tiering = "{sinks: 2, recent: 8, refresh_every: 4, retrieve: 8}"
+    assert run_cli([*args, "--budget", "40", "--tiering", tiering, "--dense_layers", "0"]) == 0
+    assert "KV held" in capsys.readouterr().err

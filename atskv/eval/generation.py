@@ -93,6 +93,7 @@ def generate(
     sparse_prefill: bool = False,
     max_new_tokens: int = 16,
     example: TaskExample | None = None,
+    tiering: dict | None = None,
 ) -> GenerationRun:
     """Greedy generation of one prompt `[1, T]` with dense KV (`selector=None`) or under `atskv.sparse`."""
     return generate_batch(
@@ -105,6 +106,7 @@ def generate(
         sparse_prefill=sparse_prefill,
         max_new_tokens=max_new_tokens,
         examples=[example],
+        tiering=tiering,
     )[0]
 
 

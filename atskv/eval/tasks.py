@@ -208,6 +208,7 @@ def tasks_command(
     batch_size: int = 8,
     filler: str = "classic",
     out: Path = Path("results/tasks"),
+    tiering: dict | None = None,
     device: str = "auto",
     dtype: str = "auto",
 ) -> None:
@@ -230,6 +231,8 @@ def tasks_command(
         filler: the haystack: "classic" (the pass-key test's repeated lines), "varied"
             (generated sentences), or a corpus (name, folder or hf:...) whose text is used.
         out: output folder.
+        tiering: run under `atskv.tiered` (GPU/host KV tiers) with these `TieringConfig` options,
+            e.g. '{retrieve: 64, index: faiss}' ('{}' for the defaults); none: `atskv.sparse`.
         device: cpu, cuda, or auto.
         dtype: float32, bfloat16, float16, or auto.
     """
@@ -249,6 +252,7 @@ def tasks_command(
         max_new_tokens=max_new_tokens,
         batch_size=batch_size,
         filler=filler_str,
+        tiering=tiering,
     )
     write_report(results, out)
     print(markdown(results))
