@@ -267,3 +267,14 @@ def test_host_tier_moves_on_side_streams_are_bit_identical():
         got_k, got_v = tier.fetch(positions, "cuda")
         idx = positions.cuda().unsqueeze(-1).expand(B, H, n, D)
         assert torch.equal(got_k, keys.gather(2, idx)) and torch.equal(got_v, values.gather(2, idx))
+
+
+def test_a_host_tier_that_cannot_be_allocated_fails_clearly(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(RuntimeError, match="cannot allocate the host KV tier"):
+        HostTier(B, H, D, D, 64, torch.float32, path=blocker / "layer0.kv")
+    model = tiny_model("llama")
+    with pytest.raises(RuntimeError, match="memory-mapped file"), torch.no_grad():
+        with atskv.tiered(model, "h2o", budget=100, host_path=blocker):
+            model(random_prompt(20))
