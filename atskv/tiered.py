@@ -185,7 +185,7 @@ class TieredSession(SparseSession):
             return None
         queries = grouped_queries(view.query, view.keys.shape[1])[:, :, :, -1]  # [B, Hkv, G, D]
         positions = layer.index.search(queries, self.tiering.retrieve)
-        keys, values = layer.host.fetch(positions, view.keys.device)
+        keys, values = layer.read(positions)
         return positions.to(view.keys.device), keys, values
 
     def _rebalance(self, layer: TieredLayer, view: LayerView, mass, fetched, fetched_mass) -> None:

@@ -88,6 +88,7 @@ def run_decode(model, prompt: torch.Tensor, steps: int, session_factory=None) ->
         if session is not None:
             record["host_bytes"] = cache.host_bytes()
             record["moved"] = vars(cache.stats)
+            record["read_bytes_per_step"] = cache.stats.read_bytes / max(1, steps)  # host -> GPU for attention
             active = [cache.layers[i].occupied.sum(-1).float().mean().item() for i in sorted(cache.managed_layers)]
             record["active_tokens_mean"] = round(statistics.mean(active), 1)
         del cache, session, token

@@ -193,6 +193,7 @@ def test_retrieval_off_never_promotes_and_differs_from_retrieval_on(monkeypatch)
         off, session_off = _teacher_forced_logits(model, prompt, follow, retrieve=0, **common)
         on, session_on = _teacher_forced_logits(model, prompt, follow, retrieve=16, index="faiss", **common)
     assert len(searches) == 40 * 2  # every decode step of both managed layers reads the host tier
+    assert 0 < session_on.cache.stats.read_tokens <= 40 * 2 * 2 * 16  # steps x layers x KV heads x retrieve
     assert session_off.cache.stats.promoted_tokens == 0
     assert all(session_off.cache.layers[i].index is None for i in session_off.cache.managed_layers)
     assert session_on.cache.stats.promoted_tokens > 0

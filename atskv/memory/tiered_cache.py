@@ -32,12 +32,15 @@ MOMENTUM = "tier_momentum"  # the manager's per-slot momentum: a promoted token 
 
 @dataclass
 class TierStats:
-    """Tokens and bytes moved by a cache so far (all layers, rows and KV heads)."""
+    """Tokens and bytes moved by a cache so far (all layers, rows and KV heads): demoted to the
+    host, promoted back, and read from the host for one step's attention (retrieval)."""
 
     demoted_tokens: int = 0
     promoted_tokens: int = 0
+    read_tokens: int = 0
     demoted_bytes: int = 0
     promoted_bytes: int = 0
+    read_bytes: int = 0
 
 
 class TieredLayer(SlotLayer):
@@ -123,6 +126,15 @@ class TieredLayer(SlotLayer):
         self.parked_tokens -= moved
         self.stats.promoted_tokens += moved
         self.stats.promoted_bytes += moved * _token_bytes(keys, values)
+
+    def read(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of parked `positions` `[B, Hkv, n]` (-1: zeros) on this layer's device, for
+        one step's attention; they stay parked."""
+        keys, values = self.host.fetch(positions, self.device)
+        moved = int((positions >= 0).sum())
+        self.stats.read_tokens += moved
+        self.stats.read_bytes += moved * _token_bytes(keys, values)
+        return keys, values
 
     def held_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(GPU positions `[B, Hkv, S]`, host positions `[B, Hkv, capacity]`), -1 for free slots."""
