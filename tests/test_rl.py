@@ -26,7 +26,7 @@ from atskv.rl.items import CORPUS, RolloutItem, task_items
 from atskv.rl.policy import BernoulliPolicy, GumbelTopKPolicy, Selection, marginal_kl
 from atskv.rl.reward import leave_one_out, reward
 from atskv.rl.rollout import context_features, predictor_logits, rollout
-from atskv.rl.training import PolicyGradientModule, reinforce_loss
+from atskv.rl.training import PolicyGradientModule, policy_loss
 from atskv.selectors.learned import LearnedSelector
 from tests.conftest import COMMON, random_prompt, run_cli, tiny_bpe_tokenizer, tiny_model
 
@@ -105,13 +105,61 @@ def test_reinforce_moves_probability_toward_the_rewarded_token(policy):
     before = p_keep_3()
     for _ in range(40):
         selection = policy.sample(logits, 8)
-        rewards = selection.keep[..., 3].float().mean(-1)  # pays only for keeping token 3
-        loss, parts = reinforce_loss(policy, logits, selection, rewards, reference, 1e-3, 1e-3)
+        performance = selection.keep[..., 3].float().mean(-1)  # pays only for keeping token 3
+        loss, parts = policy_loss(policy, logits, selection, performance, 1.0, reference, 1e-3, 1e-3)
         optimiser.zero_grad()
         loss.backward()
         optimiser.step()
     assert p_keep_3() > before + 0.25
     assert parts["kl"] > 0  # it moved away from the reference
+
+
+def test_memory_and_entropy_enter_the_loss_with_their_exact_gradients_on_one_scale():
+    """With a constant performance (no advantage) the loss is (1 - alpha) E[memory] - w H: its
+    gradient must be that of E[memory] and of the entropy taken over every mask (2 rows x 3
+    tokens = 6 decisions, 64 masks), both as means over the 6 decisions."""
+    policy = BernoulliPolicy(temperature=1.5)
+    logits = torch.tensor([[0.7, -1.1, 0.2], [2.0, 0.0, -0.4]], requires_grad=True)
+    masks = torch.tensor(list(itertools.product([False, True], repeat=6))).view(64, 2, 3)
+    log_probs = policy.log_prob(logits, Selection(masks))  # differentiable in `logits`
+    expected_memory = (log_probs.exp() * masks.flatten(1).float().mean(1)).sum()
+    entropy = -(log_probs.exp() * log_probs).sum() / 6
+    (memory_grad,) = torch.autograd.grad(expected_memory, logits, retain_graph=True)
+    (entropy_grad,) = torch.autograd.grad(entropy, logits)
+    p = torch.sigmoid(logits.detach() / 1.5)
+    torch.testing.assert_close(memory_grad, p * (1 - p) / 1.5 / 6)  # d mean(sigmoid(l / T)) / dl
+    drawn = policy.sample(logits, 5, torch.Generator().manual_seed(0))
+    for alpha, entropy_weight in [(0.3, 0.0), (0.8, 0.05), (1.0, 0.05)]:
+        loss, parts = policy_loss(policy, logits, drawn, torch.full((5,), -2.5), alpha, logits, entropy_weight, 0.3)
+        (grad,) = torch.autograd.grad(loss, logits)
+        torch.testing.assert_close(grad, (1 - alpha) * memory_grad - entropy_weight * entropy_grad)
+        assert parts["expected_memory"].item() == pytest.approx(expected_memory.item(), rel=1e-6)
+    topk = GumbelTopKPolicy(1)  # memory is fixed by the budget: nothing to learn from it
+    logits = torch.randn(2, 3, requires_grad=True)
+    fixed = topk.expected_memory(logits)
+    assert fixed.item() == pytest.approx(1 / 3) and not fixed.requires_grad
+    loss, _ = policy_loss(topk, logits, topk.sample(logits, 4), torch.zeros(4), 0.2, logits.detach(), 0.0, 0.0)
+    (grad,) = torch.autograd.grad(loss, logits)
+    assert grad.abs().max().item() == 0.0
+
+
+def test_smaller_alpha_lowers_keep_probabilities_more():
+    """One SGD step from the same logits and samples, performance constant: the memory price
+    (1 - alpha) is all that differs, so the mean keep probability must fall, and fall more the
+    smaller alpha; with the default entropy and KL weights beside it."""
+    policy = BernoulliPolicy()
+    start = torch.randn(3, 4, 50, generator=torch.Generator().manual_seed(0))
+    selection = policy.sample(start, 8, torch.Generator().manual_seed(1))
+    drops = []
+    for alpha in (0.2, 0.5, 0.9, 0.99):
+        logits = start.clone().requires_grad_(True)
+        optimiser = torch.optim.SGD([logits], lr=1000.0)  # the memory gradient per logit is ~1 / D
+        loss, _ = policy_loss(policy, logits, selection, torch.full((8,), -3.0), alpha, start, 1e-3, 1e-2)
+        loss.backward()
+        optimiser.step()
+        drops.append((policy.expected_memory(start) - policy.expected_memory(logits)).item())
+    assert drops[-1] > 0
+    assert drops == sorted(drops, reverse=True) and drops[0] > 10 * drops[-1]
 
 
 def test_marginal_kl_is_zero_against_itself_and_positive_otherwise():

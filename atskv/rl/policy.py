@@ -15,6 +15,12 @@ carry a leading sample dim K. Both policies divide logits by a `temperature` fir
   reverse cumulative logsumexp), so it does not lose precision as the mass left shrinks.
   `greedy` is the top k of the logits, what `LearnedSelector` keeps.
 
+`expected_memory` is E[retained fraction] as a differentiable function of the logits, so the
+reward's memory term enters the loss with its exact gradient instead of a REINFORCE estimate
+(`atskv.rl.training`): for Bernoulli it is the mean keep probability, mean(sigmoid(s)); for
+Gumbel top-k memory is k / N whatever is sampled, a constant with no gradient, so only
+performance is learned there.
+
 Entropy is in nats per token decision (a row's entropy divided by N, averaged over rows), so
 its weight does not depend on the context length. For Plackett-Luce it is an estimate: along
 each sampled order, the sum of the entropies of the j-th draw's distribution over the tokens
@@ -82,6 +88,10 @@ class BernoulliPolicy:
         s = logits.float() / self.temperature
         p = torch.sigmoid(s)
         return -(p * F.logsigmoid(s) + (1 - p) * F.logsigmoid(-s)).mean()
+
+    def expected_memory(self, logits: torch.Tensor) -> torch.Tensor:
+        """E[retained fraction] = mean keep probability (every row has the same N tokens)."""
+        return torch.sigmoid(logits.float() / self.temperature).mean()
 
     def keep_marginal_logits(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.float() / self.temperature
@@ -153,6 +163,11 @@ class GumbelTopKPolicy:
         weighted = weighted + (e_drawn * (drawn - top)).flip(-1).cumsum(-1).flip(-1)
         per_draw = mass.log() - weighted / mass  # H = log Z - E[s], both shifted by `top`
         return (per_draw.sum(-1).mean() / s.shape[-1]).float()
+
+    def expected_memory(self, logits: torch.Tensor) -> torch.Tensor:
+        """k / N, fixed by the budget: a constant (no gradient)."""
+        n = logits.shape[-1]
+        return torch.tensor(self.tokens(n) / n, device=logits.device)
 
     def keep_marginal_logits(self, logits: torch.Tensor) -> torch.Tensor:
         s = logits.float() / self.temperature

@@ -4,6 +4,10 @@ and the leave-one-out baseline over the K samples of one context.
 Performance is -NLL of the continuation (corpus windows) or task exact-match in {0, 1}; memory
 is the retained fraction of the managed layers' context KV in [0, 1]. alpha = 1 cares only
 about quality, alpha = 0 only about memory.
+
+Training maximises E[R] but does not estimate both parts from samples: the leave-one-out
+baseline is taken over the performances alone (REINFORCE), and E[memory] enters with its exact
+gradient (`atskv.rl.training`); `reward` is what is logged and evaluated.
 """
 
 from __future__ import annotations

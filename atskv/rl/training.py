@@ -1,17 +1,34 @@
 """Policy-gradient fine-tuning of the relevance predictor (`atskv finetune`), in Lightning.
 
 Every training item (a corpus window or a task prompt, `atskv.rl.items`) is one context: the
-predictor scores its tokens, the policy samples K retentions, the base model scores the
-continuation under each (`atskv.rl.rollout`), and the reward `alpha * performance - (1 - alpha)
-* memory` (`atskv.rl.reward`) weighs the samples' log-probabilities (REINFORCE):
+predictor scores its tokens, the policy samples K retentions, and the base model scores the
+continuation under each (`atskv.rl.rollout`). The reward is `R = alpha * performance - (1 -
+alpha) * memory` (`atskv.rl.reward`); the loss of one context is
 
-    loss = -mean_k(A_k * log pi(a_k)) / D - entropy_weight * H + kl_weight * KL(pi || pi_sup)
+    loss = -(alpha * mean_k(A_k * log pi(a_k)) - (1 - alpha) * E[memory]) - entropy_weight * H + kl_weight * KL
 
-A_k: leave-one-out advantage over the K samples of the context; D: the number of token decisions
-(managed layers x KV heads x context tokens), so the loss is per decision like H and KL and the
-weights do not depend on the context length; H, KL: per-token entropy and keep-marginal KL to
-the frozen supervised predictor (`atskv.rl.policy`). Entropy and KL weights are relative to the
-reward's scale (alpha x nats of NLL, fractions of memory).
+- Performance by REINFORCE: A_k is the leave-one-out advantage of sample k's performance (-NLL,
+  or exact match) over the K samples of the context; its gradient is an unbiased estimate of
+  the gradient of E[performance].
+- Memory exactly: E[memory] is a closed-form function of the logits (`Policy.expected_memory`:
+  the mean keep probability for Bernoulli), so its gradient is taken by autograd. Estimating it
+  by REINFORCE as well drowned it: with ~10^5 independent keep decisions per context the K
+  samples differ in memory by ~1e-3 but in NLL by ~2e-2, so alpha hardly reached the gradient
+  (`benchmarks/rl_signal.py`). For Gumbel top-k memory is k / N whatever is sampled: the term is
+  a constant and only performance is learned.
+- One scale: R is per context, with memory a mean over the D token decisions (managed layers x
+  KV heads x context tokens); H (nats) and KL are means over the same decisions. So
+  entropy_weight is reward per nat of mean entropy and kl_weight reward per nat of mean KL, to
+  weigh against (1 - alpha) per unit of retained fraction and alpha per nat of NLL, at any
+  context length. Per logit of keep probability p, memory pulls with (1 - alpha) p (1 - p) / D,
+  the entropy bonus towards p = 1/2 with entropy_weight |l| p (1 - p) / D and (Bernoulli) the KL
+  back to the supervised logit with kl_weight |l - l_sup| p (1 - p) / D: with the defaults
+  (1e-3, 1e-2) memory dominates both unless |l| > 1000 (1 - alpha) or the logit has moved by
+  more than 100 (1 - alpha). (An earlier version divided the REINFORCE term alone by D: entropy
+  and KL then weighed D times more than stated, ~170,000x at 2K tokens for SmolLM2.)
+
+H, KL: per-token entropy of the policy and keep-marginal KL to the frozen supervised predictor
+(`atskv.rl.policy`).
 
 Choices where the plan leaves one:
 - Manual optimisation: the items of a batch are backpropagated one by one (each graph is freed
@@ -105,24 +122,30 @@ def starting_point(source: str | Path) -> StartingPoint:
     return start
 
 
-def reinforce_loss(
+def policy_loss(
     policy: Policy,
     logits: torch.Tensor,
     selection: Selection,
-    rewards: torch.Tensor,
+    performance: torch.Tensor,
+    alpha: float,
     reference_logits: torch.Tensor,
     entropy_weight: float,
     kl_weight: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one context (see the module docstring) and its parts, detached, for logging.
-    `logits` `[*rows, N]`; `selection` K samples from them; `rewards` `[K]`."""
-    log_prob = policy.log_prob(logits, selection)
-    advantages = leave_one_out(rewards.detach())
-    gradient = -(advantages * log_prob).mean() / logits.numel()
+    `logits` `[*rows, N]`; `selection` K samples from them; `performance` `[K]` of the samples."""
+    alpha = check_alpha(alpha)
+    performance = performance.detach().float()
+    surrogate = (leave_one_out(performance) * policy.log_prob(logits, selection)).mean()
+    expected_memory = policy.expected_memory(logits)
     entropy = policy.entropy(logits, selection)
     kl = marginal_kl(policy, logits, reference_logits.detach())
-    loss = gradient - entropy_weight * entropy + kl_weight * kl
-    return loss, {"loss": loss.detach(), "reward": rewards.mean(), "entropy": entropy.detach(), "kl": kl.detach()}
+    loss = -(alpha * surrogate - (1 - alpha) * expected_memory) - entropy_weight * entropy + kl_weight * kl
+    rewards = reward(performance, selection.memory, alpha)
+    return loss, {
+        "loss": loss.detach(), "reward": rewards.mean(), "entropy": entropy.detach(), "kl": kl.detach(),
+        "expected_memory": expected_memory.detach(),
+    }
 
 
 @dataclass
@@ -135,7 +158,8 @@ class _Frozen:
 
 
 class PolicyGradientModule(L.LightningModule):
-    """REINFORCE on the predictor with rollouts through the frozen base model."""
+    """Policy gradient on the predictor (REINFORCE for performance, the exact gradient of memory)
+    with rollouts through the frozen base model."""
 
     def __init__(
         self,
@@ -170,8 +194,9 @@ class PolicyGradientModule(L.LightningModule):
             task_metric: performance on task prompts: nll (-NLL of the answer) or exact_match.
             lr: AdamW learning rate.
             weight_decay: AdamW weight decay.
-            entropy_weight: weight of the entropy bonus (nats per token decision).
-            kl_weight: weight of the KL to the supervised predictor (per token decision).
+            entropy_weight: reward per nat of the policy's mean entropy per token decision.
+            kl_weight: reward lost per nat of the mean KL per token decision to the supervised
+                predictor.
             gradient_clip: the gradient's norm is clipped to this before each step.
             dtype: the base model's dtype: float32, bfloat16, float16, or auto (bfloat16 on GPU).
         """
@@ -215,7 +240,7 @@ class PolicyGradientModule(L.LightningModule):
             self.policy.check(min(item.context for item in items))
 
     def item_loss(self, item: RolloutItem) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Loss and statistics of one context: features, K samples, rollouts, REINFORCE."""
+        """Loss and statistics of one context: features, K samples, rollouts, `policy_loss`."""
         hp = self.hparams
         self.policy.check(item.context)
         features = context_features(self.frozen.base, item.ids[: item.context], self.layers, self.frozen.type_table)
@@ -226,9 +251,8 @@ class PolicyGradientModule(L.LightningModule):
         result = rollout(self.frozen.base, item, selection.keep, self.layers)
         exact = item.is_task and hp.task_metric == "exact_match"
         performance = result.exact.float() if exact else -result.nll
-        rewards = reward(performance, selection.memory, hp.alpha)
-        loss, stats = reinforce_loss(
-            self.policy, logits, selection, rewards, reference, hp.entropy_weight, hp.kl_weight
+        loss, stats = policy_loss(
+            self.policy, logits, selection, performance, hp.alpha, reference, hp.entropy_weight, hp.kl_weight
         )
         stats.update(nll=result.nll.mean(), memory=selection.memory.mean())
         if item.is_task:
