@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from atskv.memory.slot_cache import first_true, slot_index
+
 
 class HostTier:
     """Parked KV of one managed layer; see the module docstring."""
@@ -109,11 +111,13 @@ class HostTier:
             raise KeyError(f"positions not in the host tier: {positions[missing][:8].tolist()}")
         slots, absent = slots.clamp(min=0), (positions < 0).unsqueeze(-1)
         if torch.device(device).type != "cuda":
-            keys, values = _gather_slots(self.keys, slots), _gather_slots(self.values, slots)
+            keys, values = (store.gather(2, slot_index(slots, store)) for store in (self.keys, self.values))
             return keys.masked_fill_(absent, 0).to(device), values.masked_fill_(absent, 0).to(device)
         # gathered straight into reused pinned staging buffers: no pinned allocation per step
         keys, values = (
-            _gather_slots(store, slots, out=self._staging(i, (*slots.shape, store.shape[-1]))).masked_fill_(absent, 0)
+            torch.gather(
+                store, 2, slot_index(slots, store), out=self._staging(i, (*slots.shape, store.shape[-1]))
+            ).masked_fill_(absent, 0)
             for i, store in enumerate((self.keys, self.values))
         )
         stream = self._side_stream(device)
@@ -167,9 +171,7 @@ class HostTier:
         positions = positions.cpu()
         real = positions >= 0
         free = self.slot_pos < 0
-        # the first n free host slots of every row (earlier slots weigh more)
-        weight = free * torch.arange(self.capacity, 0, -1)
-        slots = weight.topk(positions.shape[-1], dim=-1).indices  # [B, Hkv, n]
+        slots = first_true(free, positions.shape[-1])  # the first n free host slots of every row
         rank = real.cumsum(-1) - 1  # the j-th real entry of a row takes its j-th free slot
         b, h, n = torch.nonzero(real, as_tuple=True)
         s = slots[b, h, rank[b, h, n]]
@@ -184,10 +186,6 @@ def _numel(shape) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def _gather_slots(store: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.gather(store, 2, slots.unsqueeze(-1).expand(*slots.shape, store.shape[-1]), out=out)
 
 
 def _mapped(path: Path, shape_k, shape_v, dtype) -> tuple[torch.Tensor, torch.Tensor]:

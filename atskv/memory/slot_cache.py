@@ -127,12 +127,11 @@ class SlotLayer(CacheLayerMixin):
         """Write tokens `[B, Hkv, n, D]` with their `positions` `[B, Hkv, n]` into free `slots`
         `[B, Hkv, n]`; the slots' selector state restarts at its init. Position -1 leaves a slot
         free (ragged rows travel padded)."""
-        idx = slots.unsqueeze(-1)
-        self.keys.scatter_(2, idx.expand(*slots.shape, self.keys.shape[-1]), keys)
-        self.values.scatter_(2, idx.expand(*slots.shape, self.values.shape[-1]), values)
+        self.keys.scatter_(2, slot_index(slots, self.keys), keys)
+        self.values.scatter_(2, slot_index(slots, self.values), values)
         self.slot_pos.scatter_(2, slots, positions)
         for tensor, init in self._slot_state.values():
-            idx = slots.view(*slots.shape, *[1] * (tensor.dim() - 3)).expand(*slots.shape, *tensor.shape[3:])
+            idx = slot_index(slots, tensor)
             tensor.scatter_(2, idx, torch.full(idx.shape, init, dtype=tensor.dtype, device=self.device))
 
     def _claim_free_slots(self, n: int, free: torch.Tensor) -> torch.Tensor:
@@ -143,10 +142,7 @@ class SlotLayer(CacheLayerMixin):
             self._ensure_capacity(self.length + missing)
             self.slot_pos[..., self.length : self.length + missing] = -1
             self.length += missing
-        free = self.slot_pos[..., : self.length] < 0
-        # earlier free slots get larger weights, so top-n picks the first n free ones
-        weight = free * torch.arange(self.length, 0, -1, device=self.device)
-        return weight.topk(n, dim=-1).indices
+        return first_true(self.slot_pos[..., : self.length] < 0, n)
 
     def _ensure_capacity(self, needed: int) -> None:
         capacity = self.keys.shape[2]
@@ -170,8 +166,7 @@ class SlotLayer(CacheLayerMixin):
             if source.dim() == 1:
                 new[:, :, :n] = t[:, :, source]
             else:
-                idx = source.view(*source.shape, *([1] * (t.dim() - 3))).expand(*source.shape, *t.shape[3:])
-                new[:, :, :n] = t.gather(2, idx)
+                new[:, :, :n] = t.gather(2, slot_index(source, t))
             return new
 
         self.keys = moved(self.keys, 0)
@@ -179,6 +174,18 @@ class SlotLayer(CacheLayerMixin):
         self.slot_pos = moved(self.slot_pos, -1)
         self._slot_state = {k: (moved(t, init), init) for k, (t, init) in self._slot_state.items()}
         self.length = n
+
+
+def slot_index(slots: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """Slot ids `[B, Hkv, n]` expanded to index dim 2 of `tensor` `[B, Hkv, S, ...]` (gather/scatter)."""
+    return slots.view(*slots.shape, *[1] * (tensor.dim() - 3)).expand(*slots.shape, *tensor.shape[3:])
+
+
+def first_true(mask: torch.Tensor, n: int) -> torch.Tensor:
+    """Indices `[B, Hkv, n]` of the first `n` True entries of each row of `mask`; a row with
+    fewer is padded with other indices. Earlier entries weigh more, so top-n picks them in order."""
+    weight = mask * torch.arange(mask.shape[-1], 0, -1, device=mask.device)
+    return weight.topk(n, dim=-1).indices
 
 
 class SparseKVCache(Cache):

@@ -25,7 +25,7 @@ import torch
 
 from atskv.memory.host_tier import HostTier
 from atskv.memory.retrieval import KeyIndex
-from atskv.memory.slot_cache import SlotLayer, SparseKVCache
+from atskv.memory.slot_cache import SlotLayer, SparseKVCache, first_true, slot_index
 
 MOMENTUM = "tier_momentum"  # the manager's per-slot momentum: a promoted token starts afresh, not parked
 
@@ -97,7 +97,10 @@ class TieredLayer(SlotLayer):
         if slots.shape[-1] == 0:
             return
         positions = self.slot_pos.gather(2, slots).masked_fill(~real, -1)
-        keys, values = _gather(self.keys, slots), _gather(self.values, slots)
+        keys, values = (
+            self.keys.gather(2, slot_index(slots, self.keys)),
+            self.values.gather(2, slot_index(slots, self.values)),
+        )
         self.host.park(keys, values, positions)
         if self.index is not None:
             self.index.add(keys, positions)
@@ -130,6 +133,7 @@ class TieredLayer(SlotLayer):
     def read(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of parked `positions` `[B, Hkv, n]` (-1: zeros) on this layer's device, for
         one step's attention; they stay parked."""
+        positions = positions.cpu()  # fetch needs them on the host anyway; counting there costs no sync
         keys, values = self.host.fetch(positions, self.device)
         moved = int((positions >= 0).sum())
         self.stats.read_tokens += moved
@@ -151,7 +155,7 @@ class TieredLayer(SlotLayer):
             if store is None:
                 store = torch.zeros(*tensor.shape[:2], self.host.capacity, *tensor.shape[3:], dtype=tensor.dtype)
                 self._parked_state[name] = store
-            store[rows[0], rows[1], pos] = _gather(tensor, slots).cpu()[rows]
+            store[rows[0], rows[1], pos] = tensor.gather(2, slot_index(slots, tensor)).cpu()[rows]
 
     def _restore_state(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
         rows = (positions >= 0).nonzero(as_tuple=True)
@@ -166,9 +170,7 @@ class TieredLayer(SlotLayer):
 def _first_true(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Indices `[B, Hkv, m]` of the True entries of each row of `mask` (m: the most in any row),
     padded with other indices, and which of them are real."""
-    m = int(mask.sum(-1).max()) if mask.numel() else 0
-    weight = mask * torch.arange(mask.shape[-1], 0, -1, device=mask.device)  # earlier first
-    idx = weight.topk(m, dim=-1).indices
+    idx = first_true(mask, int(mask.sum(-1).max()) if mask.numel() else 0)
     return idx, mask.gather(-1, idx)
 
 
@@ -181,11 +183,6 @@ def _real_first(positions: torch.Tensor) -> torch.Tensor:
 
 def _token_bytes(keys: torch.Tensor, values: torch.Tensor) -> int:
     return keys.shape[-1] * keys.element_size() + values.shape[-1] * values.element_size()
-
-
-def _gather(tensor: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    idx = slots.view(*slots.shape, *[1] * (tensor.dim() - 3)).expand(*slots.shape, *tensor.shape[3:])
-    return tensor.gather(2, idx)
 
 
 class TieredKVCache(SparseKVCache):
