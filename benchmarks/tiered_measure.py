@@ -6,7 +6,12 @@ host-to-device bandwidth of the tier's fetches against a plain pinned copy on th
     python benchmarks/tiered_measure.py --model M --out DIR [--selector learned --predictor P]
         [--context 8192] [--budgets 0.1 0.2 0.5] [--retrieval off lsh faiss]
         [--tasks needle_single passkey --trials 8 --depths 0.1 0.5 0.9] [--ppl_windows 4] [--decode_steps 64]
-        [--adaptive]
+        [--adaptive] [--ceilings oracle learned]
+
+`--ceilings` adds perplexity under `atskv.sparse` at the same budgets (the whole KV on the GPU,
+attention reads only each selector's choice): with `oracle` (every query's own top tokens by
+exact attention) it is what any selection of that many tokens can reach, the ceiling for the
+active tier plus retrieval.
 
 Writes DIR/summary.md and DIR/results.json.
 """
@@ -40,6 +45,8 @@ RETRIEVAL = {
     "faiss": dict(index="faiss"),
     "lsh-every8": dict(index="lsh", retrieve_every=8),  # retrieval on one decode step in 8
     "faiss-256": dict(index="faiss", retrieve=256),
+    "faiss-1024": dict(index="faiss", retrieve=1024),
+    "faiss-2048": dict(index="faiss", retrieve=2048),
 }
 
 
@@ -148,6 +155,7 @@ def main() -> None:
     parser.add_argument("--decode_steps", type=int, default=64)
     parser.add_argument("--dense_layers", type=int, default=2)
     parser.add_argument("--adaptive", action="store_true", help="default LayerPolicy instead of q = 1 - budget")
+    parser.add_argument("--ceilings", nargs="*", default=[], help="selectors for perplexity under atskv.sparse")
     args = parser.parse_args()
 
     device, dtype = resolve_device("auto", "auto")
@@ -172,6 +180,19 @@ def main() -> None:
             runs[f"{mode}@{budget}"] = run_decode(model, prompt, args.decode_steps, factory)
             print(f"{mode}@{budget}", runs[f"{mode}@{budget}"], flush=True)
     results["decode"] = runs
+    if args.ceilings:  # `learned` is the run's own selector (its predictor); the rest by name
+        ceilings = [selector if name == args.selector else make_selector(name) for name in args.ceilings]
+        records = evaluate_perplexity(
+            model,
+            {args.context: windows},
+            ceilings,
+            args.budgets,
+            n_eval=64,
+            dense_layers=args.dense_layers,
+            batch_size=1,
+        )
+        results["ceilings"] = [vars(r) for r in records]
+        print(results["ceilings"], flush=True)
     results["perplexity"], results["tasks"] = {}, {}
     for mode in args.retrieval:
         perplexity, tasks = [], []
@@ -211,18 +232,20 @@ def main() -> None:
 
 def plot(results: dict, path: Path) -> None:
     """Perplexity over dense against the GPU memory the cache holds over dense, one marker per
-    retrieval mode, one point per budget: where people would rather look than read."""
+    retrieval mode, one point per budget: where people would rather look than read. Without CUDA
+    (no allocator figures) the KV buffers stand in for the memory."""
     from matplotlib.figure import Figure
 
     from atskv.eval.figures import save_figure
 
-    dense_bytes = results["decode"]["dense"]["cache_owned_bytes"]
+    measure = "cache_owned_bytes" if results["decode"]["dense"]["cache_owned_bytes"] else "cache_kv_bytes"
+    dense_bytes = results["decode"]["dense"][measure]
     fig = Figure(figsize=(5.2, 3.6))
     ax = fig.subplots()
     for mode, records in results["perplexity"].items():
         dense = next(r["perplexity"] for r in records if r["budget"] is None)
         points = [
-            (results["decode"][f"{mode}@{r['budget']}"]["cache_owned_bytes"] / dense_bytes, r["perplexity"] / dense)
+            (results["decode"][f"{mode}@{r['budget']}"][measure] / dense_bytes, r["perplexity"] / dense)
             for r in records
             if r["budget"] is not None
         ]
@@ -230,7 +253,8 @@ def plot(results: dict, path: Path) -> None:
     ax.axhline(1.0, color="black", lw=0.8, label="dense")
     ax.axhline(1.02, color="grey", ls=":", lw=0.8, label="dense + 2%")
     ax.set(
-        xlabel="GPU memory of the cache / dense (allocator)",
+        xlabel="GPU memory of the cache / dense"
+        + (" (allocator)" if measure == "cache_owned_bytes" else " (KV buffers)"),
         ylabel="perplexity / dense",
         title=f"{results['model']}, {results['context']} tokens",
     )
@@ -276,6 +300,10 @@ def summary(results: dict, args) -> str:
                 lines.append(
                     f"| {mode} | {r['budget']} | {r['perplexity']:.3f} | {dense_ppl:.3f} | {cells} | {dense_tasks} |"
                 )
+    if results.get("ceilings"):
+        lines += ["", "## Perplexity under atskv.sparse (whole KV on the GPU, attention reads the selection)\n"]
+        lines += ["| selector | budget | ppl |", "|---|---|---|"]
+        lines += [f"| {r['selector']} | {r['budget']} | {r['perplexity']:.3f} |" for r in results["ceilings"]]
     bw = results["bandwidth"]
     lines += ["", "## Host to device\n", "| transfer | GB/s |", "|---|---|"]
     lines += [f"| {k} | {v:.2f} |" for k, v in bw.items()]
