@@ -8,7 +8,7 @@
 #   CONTEXT=512 CONTINUATION=32 SAMPLES=4 STEPS=24 SEEDS=0 ALPHAS="0.5 0.9" bash benchmarks/rl_finetune.sh smollm2-135m runs/rl
 # SUPERVISED may name one predictor per seed with `{seed}` in it (fine-tuning seed S starts from
 # that supervised seed; all of them are evaluated), e.g. SUPERVISED='work/predictor-s{seed}'.
-# MAX_TIME (Lightning's DD:HH:MM:SS) stops each run there even before STEPS. PARALLEL=1 runs every
+# LR overrides the config's learning rate. MAX_TIME (Lightning's DD:HH:MM:SS) stops each run there even before STEPS. PARALLEL=1 runs every
 # alpha x seed at once (nine 2K-token runs shared one H100 at ~1.5 s a step each); logs in
 # WORK_DIR/logs. STAGES picks stages (default "finetune evaluate").
 set -euo pipefail
@@ -26,7 +26,7 @@ finetune_one() {  # finetune_one ALPHA SEED: train, then export to WORK/predicto
   local alpha=$1 seed=$2
   $atskv finetune --config configs/finetune.yaml --seed_everything "$seed" \
     --model.predictor "${supervised//\{seed\}/$seed}" --model.model "$model" --model.policy "$policy" \
-    --model.alpha "$alpha" --model.samples "$samples" \
+    --model.alpha "$alpha" --model.samples "$samples" ${LR:+--model.lr "$LR"} \
     --data.windows "$windows" --data.context_tokens "$context" --data.continuation_tokens "$continuation" \
     --data.task_examples "$task_examples" --data.batch_size "$batch" --trainer.max_steps "$steps" \
     ${MAX_TIME:+--trainer.max_time "$MAX_TIME"} --trainer.enable_progress_bar false \

@@ -23,7 +23,7 @@ from atskv.predictor.model import FeatureSpec, RelevanceMLP
 from atskv.predictor.token_types import token_type_table
 from atskv.rl.evaluate import DENSE, THRESHOLD, evaluate_predictors, evaluate_selectors, selector_rollout, summary
 from atskv.rl.items import CORPUS, RolloutItem, task_items
-from atskv.rl.policy import BernoulliPolicy, GumbelTopKPolicy, Selection, marginal_kl
+from atskv.rl.policy import BernoulliPolicy, GumbelTopKPolicy, RowLevelPolicy, Selection, marginal_kl
 from atskv.rl.reward import leave_one_out, reward
 from atskv.rl.rollout import context_features, predictor_logits, rollout
 from atskv.rl.training import PolicyGradientModule, policy_loss
@@ -45,9 +45,7 @@ def test_plackett_luce_log_probs_are_exact_and_match_sampling():
     pairs = _all_ordered_pairs()
     probs = policy.log_prob(logits, pairs).exp()
     s = logits / 0.8
-    by_hand = [
-        s[a].exp() / s.exp().sum() * s[b].exp() / (s.exp().sum() - s[a].exp()) for a, b in pairs.order.tolist()
-    ]
+    by_hand = [s[a].exp() / s.exp().sum() * s[b].exp() / (s.exp().sum() - s[a].exp()) for a, b in pairs.order.tolist()]
     torch.testing.assert_close(probs, torch.stack(by_hand))
     assert probs.sum().item() == pytest.approx(1.0, abs=1e-6)
     drawn = policy.sample(logits, 40_000, torch.Generator().manual_seed(0))
@@ -81,6 +79,31 @@ def test_bernoulli_log_probs_and_entropy_against_enumeration():
     assert (drawn.keep.float().mean(0) - torch.sigmoid(logits / 1.5)).abs().max() < 0.015
 
 
+def test_row_level_samples_levels_keeps_the_ranking_and_has_exact_memory():
+    """Each row keeps the tokens above its sampled level (so a sample is a prefix of the row's
+    ranking); the log-probability is the Gaussian density of the levels and its gradient reaches
+    every logit of the row through their mean; E[memory] and the keep marginals are Phi(s)."""
+    logits = torch.tensor([[0.7, -1.1, 0.2, 2.4], [-2.0, 0.0, -0.4, 0.9]])
+    policy = RowLevelPolicy(temperature=1.5)
+    s = logits / 1.5
+    drawn = policy.sample(logits, 20_000, torch.Generator().manual_seed(0))
+    rank = s.argsort(-1, descending=True)
+    kept_in_rank_order = drawn.keep.gather(-1, rank.expand_as(drawn.keep))
+    assert (kept_in_rank_order.int().diff(dim=-1) <= 0).all()  # kept tokens come first in the ranking
+    torch.testing.assert_close(drawn.keep, s + (drawn.levels - s.mean(-1)).unsqueeze(-1) > 0)
+    assert (drawn.keep.float().mean(0) - torch.special.ndtr(s)).abs().max() < 0.015
+    assert drawn.memory.mean().item() == pytest.approx(policy.expected_memory(logits).item(), abs=0.01)
+    torch.testing.assert_close(torch.sigmoid(policy.keep_marginal_logits(logits)), torch.special.ndtr(s))
+    x = logits.clone().requires_grad_(True)
+    one = Selection(drawn.keep[:1], levels=drawn.levels[:1])
+    noise = drawn.levels[0] - s.mean(-1)
+    torch.testing.assert_close(policy.log_prob(x, one), (-0.5 * noise**2 - 0.5 * math.log(2 * math.pi)).sum().view(1))
+    (grad,) = torch.autograd.grad(policy.log_prob(x, one).sum(), x)
+    torch.testing.assert_close(grad, (noise / 1.5 / 4).unsqueeze(-1).expand(2, 4))  # d/dc log N(z; c, 1) / N / T
+    with pytest.raises(ValueError, match="sampled levels"):
+        policy.log_prob(logits, Selection(drawn.keep[:1]))
+
+
 def test_greedy_decisions_and_budgets():
     logits = torch.tensor([[0.3, -2.0, 1.0, -0.1, 0.5]])
     assert BernoulliPolicy(temperature=3.0).greedy(logits).tolist() == [[True, False, True, False, True]]
@@ -92,7 +115,9 @@ def test_greedy_decisions_and_budgets():
     assert (torch.sigmoid(policy.keep_marginal_logits(logits)) > 0.5).sum() == 2
 
 
-@pytest.mark.parametrize("policy", [BernoulliPolicy(), GumbelTopKPolicy(2)], ids=["bernoulli", "gumbel_topk"])
+@pytest.mark.parametrize(
+    "policy", [BernoulliPolicy(), GumbelTopKPolicy(2), RowLevelPolicy()], ids=["bernoulli", "gumbel_topk", "row_level"]
+)
 def test_reinforce_moves_probability_toward_the_rewarded_token(policy):
     torch.manual_seed(0)
     logits = torch.zeros(2, 6, requires_grad=True)  # 2 rows (layer, head) x 6 tokens
@@ -143,11 +168,11 @@ def test_memory_and_entropy_enter_the_loss_with_their_exact_gradients_on_one_sca
     assert grad.abs().max().item() == 0.0
 
 
-def test_smaller_alpha_lowers_keep_probabilities_more():
+@pytest.mark.parametrize("policy", [BernoulliPolicy(), RowLevelPolicy()], ids=["bernoulli", "row_level"])
+def test_smaller_alpha_lowers_keep_probabilities_more(policy):
     """One SGD step from the same logits and samples, performance constant: the memory price
     (1 - alpha) is all that differs, so the mean keep probability must fall, and fall more the
     smaller alpha; with the default entropy and KL weights beside it."""
-    policy = BernoulliPolicy()
     start = torch.randn(3, 4, 50, generator=torch.Generator().manual_seed(0))
     selection = policy.sample(start, 8, torch.Generator().manual_seed(1))
     drops = []
@@ -184,8 +209,12 @@ def test_reward_and_leave_one_out():
 
 
 def test_budgets_the_policy_cannot_meet():
-    for budget, message in [(0, "at least 1 token"), (-3, "at least 1 token"), (1.0, r"in \(0, 1\)"),
-                            (0.0, r"in \(0, 1\)")]:
+    for budget, message in [
+        (0, "at least 1 token"),
+        (-3, "at least 1 token"),
+        (1.0, r"in \(0, 1\)"),
+        (0.0, r"in \(0, 1\)"),
+    ]:
         with pytest.raises(ValueError, match=message):
             GumbelTopKPolicy(budget)
     with pytest.raises(ValueError, match="keeps the whole context of 8 tokens"):
@@ -253,16 +282,24 @@ def tiny(tmp_path_factory):
     spec = FeatureSpec(config.hidden_size, SCALAR_FEATURES, len(MANAGED), config.num_key_value_heads)
     torch.manual_seed(1)
     mlp = RelevanceMLP(spec, reduced_width=8, hidden=16).eval()
-    export_predictor(mlp, token_type_table(tokenizer, len(tokenizer)), root / "supervised", base_model="tiny-llama",
-                     geometry=model_geometry(config), managed_layers=MANAGED, training={"stage": "fit", "seed": 7})
+    export_predictor(
+        mlp,
+        token_type_table(tokenizer, len(tokenizer)),
+        root / "supervised",
+        base_model="tiny-llama",
+        geometry=model_geometry(config),
+        managed_layers=MANAGED,
+        training={"stage": "fit", "seed": 7},
+    )
     return root
 
 
 def test_greedy_rollout_equals_the_learned_selector_in_the_hook(tiny):
     lm = load_model(str(tiny / "tiny-llama"))
     predictor = load_predictor(tiny / "supervised")
-    item = RolloutItem(torch.randint(3, len(lm.tokenizer), (60,), generator=torch.Generator().manual_seed(2)), 48,
-                       CORPUS)
+    item = RolloutItem(
+        torch.randint(3, len(lm.tokenizer), (60,), generator=torch.Generator().manual_seed(2)), 48, CORPUS
+    )
     features = context_features(lm.model, item.ids[:48], MANAGED, predictor.token_types)
     with torch.no_grad():
         keep = GumbelTopKPolicy(12).greedy(predictor_logits(predictor.mlp, features))
@@ -277,8 +314,15 @@ def test_evaluation_records_and_summary(tiny):
     predictor = load_predictor(tiny / "supervised")
     items = [RolloutItem(random_prompt(40, seed=s)[0], 32, CORPUS) for s in range(2)]
     items += task_items(lm.tokenizer, ["passkey"], [2_000_000], 220)
-    records = evaluate_predictors(lm.model, {"supervised-seed0": predictor.mlp}, MANAGED, predictor.token_types,
-                                  items, [0.25, THRESHOLD], progress=False)
+    records = evaluate_predictors(
+        lm.model,
+        {"supervised-seed0": predictor.mlp},
+        MANAGED,
+        predictor.token_types,
+        items,
+        [0.25, THRESHOLD],
+        progress=False,
+    )
     records += evaluate_selectors(lm.model, ["h2o"], items, [0.25], dense_layers=2, progress=False)
     assert len(records) == 3 * (1 + 2) + 3
     for r in records:
@@ -313,8 +357,14 @@ def test_kl_is_zero_at_initialisation_and_the_loss_has_a_gradient(tiny):
 def test_a_predictor_for_another_model_is_refused(tiny, tmp_path):
     other = tiny_model("qwen3")  # another geometry (head dim 16)
     spec = FeatureSpec(other.config.hidden_size, SCALAR_FEATURES, 2, other.config.num_key_value_heads)
-    export_predictor(RelevanceMLP(spec, 8, 16), torch.zeros(96, dtype=torch.int8), tmp_path, base_model="tiny-qwen3",
-                     geometry=model_geometry(other.config), managed_layers=MANAGED)
+    export_predictor(
+        RelevanceMLP(spec, 8, 16),
+        torch.zeros(96, dtype=torch.int8),
+        tmp_path,
+        base_model="tiny-qwen3",
+        geometry=model_geometry(other.config),
+        managed_layers=MANAGED,
+    )
     with pytest.raises(ValueError, match="trained for 'tiny-qwen3'"):
         PolicyGradientModule(predictor=str(tmp_path), model=str(tiny / "tiny-llama"))
     with pytest.raises(ValueError, match="samples must be >= 2"):
@@ -323,13 +373,42 @@ def test_a_predictor_for_another_model_is_refused(tiny, tmp_path):
 
 def _finetune_args(tiny, out, *extra):
     return [
-        "finetune", "--config", "configs/finetune.yaml", "--model.predictor", str(tiny / "supervised"),
-        "--model.model", str(tiny / "tiny-llama"), "--model.samples", "3", "--model.lr", "0.01",
-        "--data.corpus", str(tiny / "corpus"), "--data.windows", "3", "--data.context_tokens", "48",
-        "--data.continuation_tokens", "6", "--data.tasks", "[]",
-        "--trainer.max_steps", "3", "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
-        "--trainer.enable_model_summary", "false", "--trainer.log_every_n_steps", "1",
-        "--trainer.default_root_dir", str(out), "--trainer.logger.init_args.save_dir", str(out), *extra,
+        "finetune",
+        "--config",
+        "configs/finetune.yaml",
+        "--model.predictor",
+        str(tiny / "supervised"),
+        "--model.model",
+        str(tiny / "tiny-llama"),
+        "--model.samples",
+        "3",
+        "--model.lr",
+        "0.01",
+        "--data.corpus",
+        str(tiny / "corpus"),
+        "--data.windows",
+        "3",
+        "--data.context_tokens",
+        "48",
+        "--data.continuation_tokens",
+        "6",
+        "--data.tasks",
+        "[]",
+        "--trainer.max_steps",
+        "3",
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.enable_model_summary",
+        "false",
+        "--trainer.log_every_n_steps",
+        "1",
+        "--trainer.default_root_dir",
+        str(out),
+        "--trainer.logger.init_args.save_dir",
+        str(out),
+        *extra,
     ]
 
 
@@ -341,15 +420,21 @@ def test_finetune_then_export_then_the_learned_selector(tiny, tmp_path):
     events = EventAccumulator(str(checkpoint.parent.parent)).Reload()
     for curve in ("reward", "nll", "memory", "entropy", "kl"):
         assert len(events.Scalars(f"train/{curve}")) == 3
-    assert run_cli(["export", str(checkpoint), "--out", str(tmp_path / "exported"), "--model",
-                    str(tiny / "tiny-llama")]) == 0
+    assert (
+        run_cli(["export", str(checkpoint), "--out", str(tmp_path / "exported"), "--model", str(tiny / "tiny-llama")])
+        == 0
+    )
     tuned, supervised = load_predictor(tmp_path / "exported"), load_predictor(tiny / "supervised")
     assert tuned.header.managed_layers == tuple(MANAGED) and tuned.header.base_model == "tiny-llama"
     training = tuned.header.training  # what the fine-tuning used, not RelevanceModule's defaults
     assert training["stage"] == "finetune" and training["checkpoint"] == str(checkpoint) and training["steps"] == 3
     assert training["data"]["context_tokens"] == 48 and "_instantiator" not in training["hyperparameters"]
     assert {k: training["hyperparameters"][k] for k in ("alpha", "policy", "samples", "lr")} == {
-        "alpha": 0.5, "policy": "bernoulli", "samples": 3, "lr": 0.01}
+        "alpha": 0.5,
+        "policy": "bernoulli",
+        "samples": 3,
+        "lr": 0.01,
+    }
     assert "bce_weight" not in training["hyperparameters"]
     assert training["started_from"] == {"predictor": str(tiny / "supervised"), "training": {"stage": "fit", "seed": 7}}
     assert not torch.equal(tuned.mlp.w1.weight, supervised.mlp.w1.weight)  # it trained

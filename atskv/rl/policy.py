@@ -2,7 +2,7 @@
 managed layer and KV head keeps at the end of the prompt.
 
 Logits are `[*rows, N]` (rows: managed layers x KV heads; N: the context tokens 0..t). Samples
-carry a leading sample dim K. Both policies divide logits by a `temperature` first (s = l / T).
+carry a leading sample dim K. Every policy divides logits by a `temperature` first (s = l / T).
 
 - `BernoulliPolicy`: token i is kept with p_i = sigmoid(s_i), independently; memory varies with
   the sample. Log-probability and entropy are exact; `greedy` keeps p_i > 0.5 (l_i > 0).
@@ -14,6 +14,15 @@ carry a leading sample dim K. Both policies divide logits by a `temperature` fir
   the mass of the tokens never drawn plus that of draws j..k, both sums of positive terms (a
   reverse cumulative logsumexp), so it does not lose precision as the mass left shrinks.
   `greedy` is the top k of the logits, what `LearnedSelector` keeps.
+- `RowLevelPolicy`: explores per row instead of per token. Each row draws a level z ~ N(c, 1),
+  c the mean of its s, and keeps the tokens with s_i - c + z > 0: the predictor's ranking within
+  the row is kept, what is sampled is how much each layer and KV head keeps. Why: with one
+  Bernoulli decision per token the REINFORCE estimate's variance grows with the number of
+  decisions (~170K per context for SmolLM2 at 2K) while its signal does not, so the estimate is
+  noise (`benchmarks/rl_signal.py`; the GPU runs in docs/benchmarks.md); here a context has only
+  rows-many actions (84 for SmolLM2). The log-probability is the Gaussian density of the levels
+  (its gradient reaches the logits through c); a token is kept with probability Phi(s_i), so
+  E[memory] = mean(Phi(s)) exactly; `greedy` keeps s_i > 0 (z = c), as Bernoulli's.
 
 `expected_memory` is E[retained fraction] as a differentiable function of the logits, so the
 reward's memory term enters the loss with its exact gradient instead of a REINFORCE estimate
@@ -30,7 +39,7 @@ left. By the chain rule its expectation is the exact entropy of the ordered sele
 predictor (`marginal_kl`): exact for Bernoulli; for Plackett-Luce the marginal has no closed
 form and is approximated by sigmoid(s_i - c), c half-way between the k-th and (k+1)-th largest
 s of the row, which is invariant to shifting a row's logits, as the policy is, and puts about k
-tokens above 1/2.
+tokens above 1/2; for the row-level policy it is exact, Phi(s_i).
 """
 
 from __future__ import annotations
@@ -45,10 +54,11 @@ import torch.nn.functional as F
 @dataclass(frozen=True)
 class Selection:
     """Sampled retention: `keep` `[K, *rows, N]` bool; `order` `[K, *rows, k]`: the tokens of a
-    Plackett-Luce sample in the order drawn (None for Bernoulli)."""
+    Plackett-Luce sample in the order drawn; `levels` `[K, *rows]`: a row-level sample's levels."""
 
     keep: torch.Tensor
     order: torch.Tensor | None = None
+    levels: torch.Tensor | None = None
 
     @property
     def memory(self) -> torch.Tensor:
@@ -180,15 +190,62 @@ class GumbelTopKPolicy:
         return torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, logits.topk(k, dim=-1).indices, True)
 
 
-Policy = BernoulliPolicy | GumbelTopKPolicy
-POLICIES = {"bernoulli": BernoulliPolicy, "gumbel_topk": GumbelTopKPolicy}
+@dataclass(frozen=True)
+class RowLevelPolicy:
+    """Each row (managed layer x KV head) draws a level z ~ N(mean(s), 1) and keeps the tokens
+    with s_i - mean(s) + z > 0: the ranking is the predictor's, the amount kept is sampled."""
+
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        _check_temperature(self.temperature)
+
+    def check(self, context_tokens: int) -> None:
+        """Any context can be decided on (memory is free)."""
+
+    def _centred(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = logits.float() / self.temperature
+        return s, s.mean(-1)
+
+    def sample(self, logits: torch.Tensor, num_samples: int, generator: torch.Generator | None = None) -> Selection:
+        s, centre = self._centred(logits.detach())
+        noise = torch.randn((num_samples, *centre.shape), generator=generator, device=s.device)
+        levels = centre + noise
+        return Selection((s + noise.unsqueeze(-1)) > 0, levels=levels)  # s_i - c + z = s_i + noise
+
+    def log_prob(self, logits: torch.Tensor, selection: Selection) -> torch.Tensor:
+        if selection.levels is None:
+            raise ValueError("a row-level log-probability needs the sampled levels (a RowLevelPolicy sample)")
+        _, centre = self._centred(logits)
+        density = -0.5 * (selection.levels - centre) ** 2 - 0.5 * math.log(2 * math.pi)
+        return density.flatten(1).sum(1)
+
+    def entropy(self, logits: torch.Tensor, selection: Selection | None = None) -> torch.Tensor:
+        """A row's Gaussian entropy, 0.5 log(2 pi e), per token decision: a constant."""
+        return torch.tensor(0.5 * math.log(2 * math.pi * math.e) / logits.shape[-1], device=logits.device)
+
+    def expected_memory(self, logits: torch.Tensor) -> torch.Tensor:
+        """P(keep i) = P(z > c - s_i) = Phi(s_i) for z ~ N(c, 1): the mean of Phi(s)."""
+        return torch.special.ndtr(logits.float() / self.temperature).mean()
+
+    def keep_marginal_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """logit(Phi(s)), computed as log Phi(s) - log Phi(-s) (no rounding near 0 or 1)."""
+        s = logits.float() / self.temperature
+        return torch.special.log_ndtr(s) - torch.special.log_ndtr(-s)
+
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits > 0
+
+
+Policy = BernoulliPolicy | GumbelTopKPolicy | RowLevelPolicy
+POLICIES = {"bernoulli": BernoulliPolicy, "gumbel_topk": GumbelTopKPolicy, "row_level": RowLevelPolicy}
 
 
 def make_policy(name: str, budget: int | float = 0.1, temperature: float = 1.0) -> Policy:
     """A policy by name; `budget` applies to `gumbel_topk` only."""
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}")
-    return BernoulliPolicy(temperature) if name == "bernoulli" else GumbelTopKPolicy(budget, temperature)
+    return GumbelTopKPolicy(budget, temperature) if name == "gumbel_topk" else POLICIES[name](temperature)
 
 
 def marginal_kl(policy: Policy, logits: torch.Tensor, reference_logits: torch.Tensor) -> torch.Tensor:

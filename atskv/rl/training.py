@@ -92,8 +92,11 @@ class StartingPoint:
     def header(self) -> PredictorHeader:
         c = self.collection
         return PredictorHeader(
-            c["model"], ModelGeometry.from_dict(c["geometry"]), tuple(c["managed_layers"]),
-            FeatureSpec.from_dict(c["feature_spec"]), mlp_widths(self.mlp),
+            c["model"],
+            ModelGeometry.from_dict(c["geometry"]),
+            tuple(c["managed_layers"]),
+            FeatureSpec.from_dict(c["feature_spec"]),
+            mlp_widths(self.mlp),
         )
 
 
@@ -112,7 +115,9 @@ def starting_point(source: str | Path) -> StartingPoint:
         loaded = load_predictor(folder)
         h = loaded.header
         collection = {
-            "model": h.base_model, "geometry": h.geometry.to_dict(), "feature_spec": h.feature_spec.to_dict(),
+            "model": h.base_model,
+            "geometry": h.geometry.to_dict(),
+            "feature_spec": h.feature_spec.to_dict(),
             "managed_layers": list(h.managed_layers),
         }
         start = StartingPoint(loaded.mlp, collection, str(folder), h.training)
@@ -143,7 +148,10 @@ def policy_loss(
     loss = -(alpha * surrogate - (1 - alpha) * expected_memory) - entropy_weight * entropy + kl_weight * kl
     rewards = reward(performance, selection.memory, alpha)
     return loss, {
-        "loss": loss.detach(), "reward": rewards.mean(), "entropy": entropy.detach(), "kl": kl.detach(),
+        "loss": loss.detach(),
+        "reward": rewards.mean(),
+        "entropy": entropy.detach(),
+        "kl": kl.detach(),
         "expected_memory": expected_memory.detach(),
     }
 
@@ -186,7 +194,9 @@ class PolicyGradientModule(L.LightningModule):
             model: the base model (named model, Hugging Face folder or .gguf); default: the one the
                 predictor was trained for. Its geometry must be the predictor's.
             policy: bernoulli (keep each token with p = sigmoid(logit / temperature); memory
-                varies) or gumbel_topk (sample `budget` tokens per layer and KV head; memory fixed).
+                varies), gumbel_topk (sample `budget` tokens per layer and KV head; memory fixed)
+                or row_level (each layer and KV head samples how much it keeps, the ranking is
+                the predictor's; `atskv.rl.policy` says why).
             budget: gumbel_topk's tokens per layer and KV head (int) or fraction of the context.
             temperature: logits are divided by it before the policy reads them.
             alpha: reward = alpha * performance - (1 - alpha) * memory, alpha in [0, 1].
@@ -350,7 +360,11 @@ def finetune_main(args: list[str] | None = None) -> FinetuneCLI:
     with warnings.catch_warnings():  # `atskv finetune` passes its own argv on purpose
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
         cli = FinetuneCLI(
-            PolicyGradientModule, RolloutData, args=args, run=False, save_config_kwargs={"overwrite": True},
+            PolicyGradientModule,
+            RolloutData,
+            args=args,
+            run=False,
+            save_config_kwargs={"overwrite": True},
             parser_kwargs={"prog": "atskv finetune"},
         )
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
