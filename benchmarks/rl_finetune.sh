@@ -15,9 +15,10 @@ set -euo pipefail
 model=${1:-smollm2-135m}; work=${2:-runs/rl}
 supervised=${SUPERVISED:-$model}           # the predictor to start from: exported folder, .ckpt or model name
 context=${CONTEXT:-2048}; continuation=${CONTINUATION:-32}; samples=${SAMPLES:-8}; steps=${STEPS:-300}
-seeds=${SEEDS:-"0 1 2"}; alphas=${ALPHAS:-"0.5 0.9 0.97"}; policy=${POLICY:-bernoulli}
+seeds=${SEEDS:-"0 1 2"}; alphas=${ALPHAS:-"0.5 0.9 0.97"}; policy=${POLICY:-row_level}
 windows=${WINDOWS:-64}; task_examples=${TASK_EXAMPLES:-16}; batch=${BATCH:-2}
 eval_windows=${EVAL_WINDOWS:-16}; eval_tasks=${EVAL_TASKS:-16}; budgets=${BUDGETS:-"[0.05,0.1,0.2,0.4]"}
+shared=${SHARED_BUDGETS:-"[]"}              # one threshold over all layers and heads at these memories (shared<b>)
 stages=${STAGES:-finetune evaluate}
 atskv=${ATSKV:-python -m atskv.cli}
 python=${PYTHON:-python}
@@ -54,5 +55,6 @@ if [[ $stages == *evaluate* ]]; then
   starts=$(for seed in $seeds; do echo "${supervised//\{seed\}/$seed}"; done | awk '!seen[$0]++' | paste -sd, -)
   $python -m atskv.rl.evaluate --model "$model" --supervised "[$starts]" --finetuned "$work/predictors" \
     --out "$work/heldout" --windows "$eval_windows" --context_tokens "$context" \
-    --continuation_tokens "$continuation" --task_examples "$eval_tasks" --budgets "$budgets"
+    --continuation_tokens "$continuation" --task_examples "$eval_tasks" --budgets "$budgets" \
+    --shared_budgets "$shared"
 fi

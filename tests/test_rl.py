@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+import statistics
 
 import pytest
 import torch
@@ -21,7 +22,17 @@ from atskv.predictor.export import export_predictor, load_predictor
 from atskv.predictor.features import SCALAR_FEATURES
 from atskv.predictor.model import FeatureSpec, RelevanceMLP
 from atskv.predictor.token_types import token_type_table
-from atskv.rl.evaluate import DENSE, THRESHOLD, evaluate_predictors, evaluate_selectors, selector_rollout, summary
+from atskv.rl.evaluate import (
+    DENSE,
+    THRESHOLD,
+    Above,
+    SharedTop,
+    evaluate_predictors,
+    evaluate_selectors,
+    keep_mask,
+    selector_rollout,
+    summary,
+)
 from atskv.rl.items import CORPUS, RolloutItem, task_items
 from atskv.rl.policy import BernoulliPolicy, GumbelTopKPolicy, RowLevelPolicy, Selection, marginal_kl
 from atskv.rl.reward import leave_one_out, reward
@@ -102,6 +113,22 @@ def test_row_level_samples_levels_keeps_the_ranking_and_has_exact_memory():
     torch.testing.assert_close(grad, (noise / 1.5 / 4).unsqueeze(-1).expand(2, 4))  # d/dc log N(z; c, 1) / N / T
     with pytest.raises(ValueError, match="sampled levels"):
         policy.log_prob(logits, Selection(drawn.keep[:1]))
+
+
+def test_shared_top_is_one_threshold_over_all_rows():
+    """shared<b> keeps the b highest logits of all rows together: rows keep different amounts, the
+    total is exact, and at the threshold's own count it is the threshold's mask; above<c> is the
+    threshold moved to c."""
+    logits = torch.tensor([[[3.0, 2.5, 2.0, -1.0]], [[-2.0, -3.0, 0.5, -0.5]]])  # [L=2, Hkv=1, T=4]
+    keep = keep_mask(SharedTop(0.5), logits)
+    assert keep.sum().item() == 4 and keep.sum(-1).flatten().tolist() == [3, 1]
+    threshold = keep_mask(THRESHOLD, logits)
+    assert torch.equal(keep_mask(SharedTop(threshold.float().mean().item()), logits), threshold)
+    assert keep_mask(SharedTop(0.01), logits).sum().item() == 1  # rounds up: never nothing
+    assert torch.equal(keep_mask(Above(0.0), logits), threshold)
+    assert keep_mask(Above(2.2), logits).sum(-1).flatten().tolist() == [2, 0]
+    with pytest.raises(ValueError, match="fraction in"):
+        SharedTop(1.0)
 
 
 def test_greedy_decisions_and_budgets():
@@ -331,6 +358,10 @@ def test_evaluation_records_and_summary(tiny):
     rows = {(r["group"], r["retention"]): r for r in summary(records, {})}
     assert set(rows) == {("dense", DENSE), ("supervised", "top0.25"), ("supervised", THRESHOLD), ("h2o", "top0.25")}
     assert {"memory", "nll", "accuracy", "passkey", "reward"} <= set(rows["supervised", "top0.25"])
+    threshold = [r for r in records if r["retention"] == THRESHOLD]
+    for source, key in ((CORPUS, "corpus_memory"), ("passkey", "task_memory")):  # memory where each metric is scored
+        expected = statistics.fmean(r["memory"] for r in threshold if r["source"] == source)
+        assert rows["supervised", THRESHOLD][key][0] == pytest.approx(expected)
     with pytest.raises(ValueError, match="not an evicting"):
         evaluate_selectors(lm.model, ["quest"], items, [0.25], dense_layers=2)
 
@@ -431,7 +462,7 @@ def test_finetune_then_export_then_the_learned_selector(tiny, tmp_path):
     assert training["data"]["context_tokens"] == 48 and "_instantiator" not in training["hyperparameters"]
     assert {k: training["hyperparameters"][k] for k in ("alpha", "policy", "samples", "lr")} == {
         "alpha": 0.5,
-        "policy": "bernoulli",
+        "policy": "row_level",
         "samples": 3,
         "lr": 0.01,
     }

@@ -7,6 +7,14 @@ Every predictor decides deterministically at the end of each held-out context (t
   NLL and accuracy compare at equal memory;
 - `threshold`: the tokens with logit > 0 (p > 1/2), the greedy decision of the Bernoulli policy;
   memory is the predictor's own choice (the points of the alpha sweep);
+- `shared<b>` (`SharedTop`): the highest logits over all managed layers and KV heads together,
+  b of them all: one threshold for every row, as `threshold`, moved to the memory b. A
+  threshold lets layers and heads keep different amounts; `shared<b>` gives a supervised
+  predictor that same freedom at a fine-tuned predictor's memory;
+- `above<c>` (`Above`): the tokens with logit > c, the threshold moved by c: memory still
+  differs between contexts as the predictor sees them, so a supervised predictor's `above<c>`
+  curve is the fair partner of a fine-tuned predictor's threshold point (what a constant shift
+  of the logits, the cheapest possible "fine-tuning", would have reached);
 - `dense`: everything kept (the ceiling, memory 1).
 All of them run through `atskv.rl.rollout` (one batched continuation pass per context for every
 predictor and retention). Baselines (H2O, SnapKV, StreamingLLM: the selectors that evict, so
@@ -31,6 +39,7 @@ import re
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,20 +57,56 @@ DENSE, THRESHOLD = "dense", "threshold"
 EVICTING_BASELINES = ("h2o", "snapkv", "streaming_llm")
 
 
-def retention_label(mode: str | float) -> str:
+@dataclass(frozen=True)
+class SharedTop:
+    """Keep ceil(b x all logits) of the highest logits of every managed layer and KV head together."""
+
+    budget: float
+
+    def __post_init__(self):
+        if not 0.0 < self.budget < 1.0:
+            raise ValueError(f"a shared budget is a fraction in (0, 1), got {self.budget}")
+
+    def keep(self, logits: torch.Tensor) -> torch.Tensor:
+        flat = logits.flatten()
+        kept = flat.topk(math.ceil(self.budget * flat.numel())).indices
+        return torch.zeros_like(flat, dtype=torch.bool).index_fill_(0, kept, True).view_as(logits)
+
+
+@dataclass(frozen=True)
+class Above:
+    """Keep the tokens whose logit exceeds `offset`."""
+
+    offset: float
+
+    def keep(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits > self.offset
+
+
+Retention = str | float | SharedTop | Above
+
+
+def retention_label(mode: Retention) -> str:
+    if isinstance(mode, SharedTop):
+        return f"shared{mode.budget:g}"
+    if isinstance(mode, Above):
+        return f"above{mode.offset:g}"
     return mode if isinstance(mode, str) else f"top{mode:g}"
 
 
-def keep_mask(mode: str | float, logits: torch.Tensor) -> torch.Tensor:
-    """The deterministic retention `mode` (DENSE, THRESHOLD, or a budget fraction) of `logits` `[..., T]`."""
+def keep_mask(mode: Retention, logits: torch.Tensor) -> torch.Tensor:
+    """The deterministic retention `mode` (DENSE, THRESHOLD, a budget fraction per row, or a
+    `SharedTop` or `Above`) of `logits` `[L, Hkv, T]`."""
     if mode == DENSE:
         return torch.ones_like(logits, dtype=torch.bool)
     if mode == THRESHOLD:
         return BernoulliPolicy().greedy(logits)
+    if isinstance(mode, (SharedTop, Above)):
+        return mode.keep(logits)
     return GumbelTopKPolicy(float(mode)).greedy(logits)
 
 
-def _record(name: str, mode: str | float, index: int, item: RolloutItem, memory: float, result: RolloutResult, k: int):
+def _record(name: str, mode: Retention, index: int, item: RolloutItem, memory: float, result: RolloutResult, k: int):
     return {
         "predictor": name, "retention": retention_label(mode), "item": index, "source": item.source,
         "context": item.context, "memory": memory, "nll": float(result.nll[k]), "exact": bool(result.exact[k]),
@@ -75,7 +120,7 @@ def evaluate_predictors(
     layers: Sequence[int],
     type_table: torch.Tensor,
     items: Sequence[RolloutItem],
-    modes: Sequence[str | float] = (0.1, THRESHOLD),
+    modes: Sequence[Retention] = (0.1, THRESHOLD),
     *,
     progress: bool = True,
 ) -> list[dict]:
@@ -144,7 +189,9 @@ def _performance(record: dict) -> float:
 
 def run_means(records: Sequence[dict], alpha: float) -> dict[tuple[str, str], dict[str, float]]:
     """Per (predictor, retention): mean memory, NLL (corpus windows), accuracy per task and over
-    tasks, and reward at `alpha`, over the items."""
+    tasks, and reward at `alpha`, over the items; memory also over the corpus windows and over the
+    task prompts apart, since a predictor that keeps less on task prompts than on prose would
+    otherwise seem to reach its NLL with less memory than it spent on the windows scored."""
     groups = defaultdict(list)
     for r in records:
         groups[r["predictor"], r["retention"]].append(r)
@@ -158,8 +205,10 @@ def run_means(records: Sequence[dict], alpha: float) -> dict[tuple[str, str], di
         }
         if corpus:
             entry["nll"] = statistics.fmean(r["nll"] for r in corpus)
+            entry["corpus_memory"] = statistics.fmean(r["memory"] for r in corpus)
         if tasks:
             entry["accuracy"] = statistics.fmean(r["exact"] for r in tasks)
+            entry["task_memory"] = statistics.fmean(r["memory"] for r in tasks)
             for task in sorted({r["source"] for r in tasks}):
                 entry[task] = statistics.fmean(r["exact"] for r in tasks if r["source"] == task)
         means[key] = entry
@@ -198,7 +247,7 @@ def summary(records: Sequence[dict], alpha_of: dict[str, float]) -> list[dict]:
 
 
 def markdown(rows: Sequence[dict]) -> str:
-    metrics = [m for m in ("memory", "nll", "accuracy") if any(m in r for r in rows)]
+    metrics = [m for m in ("memory", "nll", "corpus_memory", "accuracy", "task_memory") if any(m in r for r in rows)]
     tasks = sorted({k for r in rows for k in r} - {"group", "retention", "alpha", "runs", "reward", *metrics})
     head = ["alpha", "predictor", "retention", "runs", *metrics, *tasks, "reward"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -211,8 +260,10 @@ def markdown(rows: Sequence[dict]) -> str:
 
 
 def quality_memory_plot(rows: Sequence[dict], out_png: str | Path) -> Path:
-    """NLL (and task accuracy) against retained memory: every group's top-b curve, its threshold
-    point (the alpha sweep), the baselines, the dense model; error bars are the seed std."""
+    """NLL against the memory kept on the corpus windows, task accuracy against the memory kept on
+    the task prompts: the supervised predictor's top-b (shared-b, above-c) curves, the baselines'
+    top-b curves, every group's threshold point (for the fine-tuned ones, the alpha sweep: the
+    points to compare with the curves), the dense model; error bars are the seed std."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -222,6 +273,7 @@ def quality_memory_plot(rows: Sequence[dict], out_png: str | Path) -> Path:
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
     first_alpha = rows[0]["alpha"] if rows else None
     for ax, metric in zip(axes[0], panels):
+        x = {"nll": "corpus_memory", "accuracy": "task_memory"}[metric]
         groups = defaultdict(list)
         for r in rows:
             if metric in r and (r["alpha"] == first_alpha or r["group"].startswith("alpha")):
@@ -231,20 +283,24 @@ def quality_memory_plot(rows: Sequence[dict], out_png: str | Path) -> Path:
             if dense:
                 ax.axhline(dense[0][metric][0], color="black", lw=0.8, ls=":", label="dense")
                 continue
-            curve = sorted((p for p in points if p["retention"].startswith("top")), key=lambda p: p["memory"][0])
-            style = "--" if group in EVICTING_BASELINES else "-"
             line = None
-            if curve:
-                line = ax.errorbar([p["memory"][0] for p in curve], [p[metric][0] for p in curve],
-                                   yerr=[p[metric][1] for p in curve], fmt=style + "o", ms=3, capsize=2,
-                                   label=f"{group} top-b")
+            curves = {"top": ("--" if group in EVICTING_BASELINES else "-") + "o", "shared": ":s", "above": "-.^"}
+            for kind, style in curves.items() if not group.startswith("alpha") else ():  # fine-tuned: their points
+                curve = sorted((p for p in points if p["retention"].startswith(kind)), key=lambda p: p[x][0])
+                if curve:
+                    drawn = ax.errorbar([p[x][0] for p in curve], [p[metric][0] for p in curve],
+                                        yerr=[p[metric][1] for p in curve], fmt=style,
+                                        ms=3, capsize=2, label=f"{group} {kind}-{'c' if kind == 'above' else 'b'}",
+                                        color=line[0].get_color() if line else None)
+                    line = line or drawn
             for p in points:
                 if p["retention"] == THRESHOLD:
                     colour = line[0].get_color() if line else None
-                    ax.errorbar(p["memory"][0], p[metric][0], xerr=p["memory"][1], yerr=p[metric][1], fmt="*",
+                    ax.errorbar(p[x][0], p[metric][0], xerr=p[x][1], yerr=p[metric][1], fmt="*",
                                 ms=10, color=colour, capsize=2, label=f"{group} threshold")
         ax.set_xscale("log")
-        ax.set_xlabel("retained fraction of the managed layers' context KV")
+        where = {"nll": "corpus windows", "accuracy": "task prompts"}[metric]
+        ax.set_xlabel(f"retained fraction of the managed layers' context KV ({where})")
         ax.set_ylabel({"nll": "NLL of the continuation (held-out)", "accuracy": "task exact-match"}[metric])
         ax.legend(fontsize="x-small")
     return save_figure(fig, out_png)
@@ -262,6 +318,8 @@ def heldout_report(
     tasks: list[str] = ["passkey", "needle_single"],  # noqa: B006 (read-only; a list for the CLI)
     task_examples: int = 16,
     budgets: list[float] = [0.05, 0.1, 0.2, 0.4],  # noqa: B006
+    shared_budgets: list[float] = [],  # noqa: B006
+    offsets: list[float] = [],  # noqa: B006
     baselines: list[str] = list(EVICTING_BASELINES),  # noqa: B006
     device: str = "auto",
     dtype: str = "auto",
@@ -283,6 +341,9 @@ def heldout_report(
         tasks: synthetic tasks (prompts from seeds HELDOUT_TASK_SEED_BASE on).
         task_examples: prompts per task.
         budgets: retained fractions for the equal-memory comparisons (top-b) and the baselines.
+        shared_budgets: retained fractions for one threshold shared by all layers and KV heads
+            (`shared<b>`), e.g. the fine-tuned predictors' threshold memories.
+        offsets: logit thresholds c for `above<c>` (the threshold moved by c).
         baselines: evicting selectors run through the hook at the same budgets.
         device: cpu, cuda, or auto.
         dtype: float32, bfloat16, float16, or auto.
@@ -297,10 +358,8 @@ def heldout_report(
     for i, source in enumerate(supervised or [model]):
         path = Path(source) if Path(source).exists() else find_predictor(source)
         runs[f"supervised-seed{i}"] = load_predictor(path, lm.model, device)
-    alpha_of = {}
     for folder in sorted(Path(finetuned).glob("alpha*-seed*")):
         runs[folder.name] = load_predictor(folder, lm.model, device)
-        alpha_of[group_of(folder.name)] = float(group_of(folder.name).removeprefix("alpha"))
     headers = {p.header.managed_layers for p in runs.values()}
     if len(headers) != 1:
         raise ValueError(f"the predictors cover different managed layers: {sorted(headers)}")
@@ -310,16 +369,34 @@ def heldout_report(
     items += task_items(lm.tokenizer, tasks, seeds, context_tokens)
     types = token_type_table(lm.tokenizer, lm.model.config.get_text_config(decoder=True).vocab_size)
     mlps = {name: p.mlp for name, p in runs.items()}
-    records = evaluate_predictors(lm.model, mlps, layers, types, items, [*budgets, THRESHOLD])
+    modes = [*budgets, THRESHOLD, *(SharedTop(b) for b in shared_budgets), *(Above(c) for c in offsets)]
+    records = evaluate_predictors(lm.model, mlps, layers, types, items, modes)
     records += evaluate_selectors(lm.model, baselines, items, budgets, dense_layers=layers[0])
+    return write_report(records, out)
+
+
+def write_report(records: Sequence[dict], out: Path) -> str:
+    """records.json, table.md and quality-memory.png of `records` in OUT; the table. Fine-tuned
+    runs are named alpha<A>-seed<S>, and their reward is computed at A. Also a way to redraw an
+    earlier evaluation from its records:
+    `python -c "from atskv.rl.evaluate import *; write_report(read_records('R/records.json'), 'R')"`."""
+    alpha_of = {
+        group_of(r["predictor"]): float(group_of(r["predictor"]).removeprefix("alpha"))
+        for r in records
+        if group_of(r["predictor"]).startswith("alpha")
+    }
     rows = summary(records, alpha_of)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "records.json").write_text(json.dumps({"records": records, "summary": rows}, indent=1))
+    (out / "records.json").write_text(json.dumps({"records": list(records), "summary": rows}, indent=1))
     table = markdown(rows)
     (out / "table.md").write_text(table + "\n")
     quality_memory_plot(rows, out / "quality-memory.png")
     return table
+
+
+def read_records(path: str | Path) -> list[dict]:
+    return json.loads(Path(path).read_text())["records"]
 
 
 if __name__ == "__main__":
