@@ -27,8 +27,15 @@ from atskv.predictor.features import SCALAR_FEATURES
 from atskv.selectors.base import LayerView, Selector, check_view_fits
 
 _PROJECTED, _HIDDEN_NORM, _TYPE, _RECEIVED, _SCORE = (
-    "learned_projected", "learned_hidden_norm", "learned_type", "learned_received", "learned_score",
+    "learned_projected",
+    "learned_hidden_norm",
+    "learned_type",
+    "learned_received",
+    "learned_score",
 )
+# the projected hidden state is as wide per token and KV head as a head's K+V in bf16 (64 floats):
+# kept in bfloat16 it costs half of that, not as much GPU memory as the KV it serves
+_PROJECTED_DTYPE = torch.bfloat16
 
 
 @dataclass
@@ -138,7 +145,9 @@ class LearnedSelector(Selector):
         rows = fresh.nonzero(as_tuple=True)
         hidden = view.hidden[rows[0], offset[rows]]  # [n, d_model]
         with torch.no_grad():
-            layer.slot_tensor(_PROJECTED, width=width)[rows] = mlp.project_hidden(hidden).float()
+            layer.slot_tensor(_PROJECTED, dtype=_PROJECTED_DTYPE, width=width)[rows] = mlp.project_hidden(hidden).to(
+                _PROJECTED_DTYPE
+            )
         layer.slot_tensor(_HIDDEN_NORM)[rows] = hidden.float().norm(dim=-1)
         ids = view.token_ids[rows[0], offset[rows]] if view.token_ids is not None else None
         types = self.predictor.token_types.to(view.keys.device)
@@ -154,7 +163,9 @@ class LearnedSelector(Selector):
         index = self._layer_index[view.layer_idx]
         with torch.no_grad():
             logits = mlp.score(
-                layer.slot_tensor(_PROJECTED, width=mlp.project.out_features)[rows],
+                layer.slot_tensor(_PROJECTED, dtype=_PROJECTED_DTYPE, width=mlp.project.out_features)[rows].to(
+                    mlp.w1.weight.dtype
+                ),
                 scalars[rows],
                 layer.slot_tensor(_TYPE, init=-1.0)[rows].clamp(min=0).long(),
                 torch.full_like(rows[0], index),
