@@ -283,8 +283,9 @@ def summary(results: dict, args) -> str:
             f"{moved.get('demoted_tokens', '')} |"
         )
     lines += ["", "## Perplexity (64 decoded tokens per window) and tasks (mean exact match)\n"]
-    lines.append("| retrieval | budget | ppl | dense ppl | " + " | ".join(args.tasks) + " | dense tasks |")
-    lines.append("|---" * (4 + len(args.tasks) + 1) + "|")
+    task_columns = " | ".join(args.tasks) + " | dense tasks |" if args.tasks else ""
+    lines.append("| retrieval | budget | ppl | dense ppl | " + task_columns)
+    lines.append("|---" * (4 + (len(args.tasks) + 1 if args.tasks else 0)) + "|")
     for mode, records in results["perplexity"].items():
         dense_ppl = next(r["perplexity"] for r in records if r["budget"] is None)
         tasks = results["tasks"].get(mode, [])
@@ -296,10 +297,10 @@ def summary(results: dict, args) -> str:
         dense_tasks = " / ".join(mean(t, None) for t in args.tasks)
         for r in records:
             if r["budget"] is not None:
-                cells = " | ".join(mean(t, r["budget"]) for t in args.tasks)
-                lines.append(
-                    f"| {mode} | {r['budget']} | {r['perplexity']:.3f} | {dense_ppl:.3f} | {cells} | {dense_tasks} |"
+                cells = (
+                    " | ".join(mean(t, r["budget"]) for t in args.tasks) + f" | {dense_tasks} |" if args.tasks else ""
                 )
+                lines.append(f"| {mode} | {r['budget']} | {r['perplexity']:.3f} | {dense_ppl:.3f} | {cells}")
     if results.get("ceilings"):
         lines += ["", "## Perplexity under atskv.sparse (whole KV on the GPU, attention reads the selection)\n"]
         lines += ["| selector | budget | ppl |", "|---|---|---|"]
