@@ -115,7 +115,8 @@ class SparseSession:
         """Keep-mask `[B, Hkv, Tq, S]`: the selector's budget on sparse steps, every visible slot otherwise."""
         if not sparse:
             return view.valid
-        return select_top_budget(self.selector.scores(view), view.valid, view.budget, view.slot_pos, view.context)
+        keep = select_top_budget(self.selector.scores(view), view.valid, view.budget, view.slot_pos, view.context)
+        return _without_unwanted(keep, self.selector.unwanted(view))
 
     def attend_kept(self, view: LayerView, values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         keys = self.selector.attention_keys(view)
@@ -147,7 +148,12 @@ class SparseSession:
         scores = self.selector.scores(view)[:, :, last]
         valid, context = view.valid[:, :, last], view.context[:, :, last]
         retained = select_top_budget(scores, valid, view.budget, view.slot_pos, context)
-        return retained[:, :, 0]
+        return _without_unwanted(retained, self.selector.unwanted(view))[:, :, 0]
+
+
+def _without_unwanted(keep: torch.Tensor, unwanted: torch.Tensor | None) -> torch.Tensor:
+    """`keep` `[B, Hkv, Tq, S]` minus the slots a selector does not want at all (`[B, Hkv, S]`)."""
+    return keep if unwanted is None else keep & ~unwanted.unsqueeze(2)
 
 
 def _visible_slots(

@@ -113,3 +113,29 @@ def test_a_predictor_for_another_model_or_layout_is_refused(predictor_dir):
             model(random_prompt(8))
     with pytest.raises(ValueError, match="needs an exported predictor"):
         LearnedSelector()
+
+
+def test_a_threshold_keeps_what_the_predictor_rates_above_it_with_the_budget_as_a_cap(predictor_dir):
+    """With `threshold`, a row keeps its tokens whose logit exceeds it (at most the budget), so rows
+    keep different amounts; without one every row fills its budget."""
+    model = tiny_model("llama")
+    ids = random_prompt(40, seed=7, batch=2)
+
+    def held(**options):
+        selector = LearnedSelector(predictor=predictor_dir, **options)
+        with atskv.sparse(model, selector, budget=30, dense_layers=2) as s, torch.no_grad():
+            model(ids)
+            layer = s.cache.layers[3]
+            return layer.occupied, layer.slot_tensor("learned_score")
+
+    occupied, score = held()
+    assert (occupied.sum(-1) == 30).all()
+    threshold = score[occupied].float().median().item()  # about half of each row's tokens rate above it
+    kept, score_t = held(threshold=threshold)
+    torch.testing.assert_close(score_t, score)  # the same scores: only what is kept differs
+    above = occupied & (score > threshold)
+    assert torch.equal(kept, above), "exactly the held tokens above the threshold stay"
+    counts = kept.sum(-1)
+    assert (counts < 30).all() and counts.unique().numel() > 1, "rows keep different amounts, under the cap"
+    capped, _ = held(threshold=-1e9)  # everything is above it: the budget is the cap
+    assert torch.equal(capped, occupied)

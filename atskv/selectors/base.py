@@ -78,6 +78,12 @@ class Selector:
         structure (Quest's pages) ranks its units instead, which is cheaper."""
         return select_top_indices(self.scores(view)[:, :, 0], view.valid[:, :, 0], view)
 
+    def unwanted(self, view: LayerView) -> torch.Tensor | None:
+        """Held slots `[B, Hkv, S]` an evicting selector drops even where its budget has room (the
+        budget is then a cap, not a target, and rows keep different amounts); None: it fills its
+        budget. Read right after `scores`, on the same state."""
+        return None
+
     def attention_keys(self, view: LayerView) -> torch.Tensor:
         """The keys attention runs on: the cached ones, unless the selector approximates them
         (SparK's pruned channels with recovery); scores and the cache always see the cached keys."""

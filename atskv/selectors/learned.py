@@ -46,6 +46,11 @@ class LearnedSelector(Selector):
     needs_hidden = True
     predictor: str | Path | LoadedPredictor | None = None
     refresh_every: int = 16
+    # Keep only tokens whose logit exceeds this (0: the predictor's own decision, p > 1/2), the
+    # budget then being a cap: how much each layer, KV head and context keeps follows the
+    # predictor's calibration, which is what policy-gradient fine-tuning learns (docs/benchmarks.md).
+    # None: fill the budget, the same amount in every layer and KV head.
+    threshold: float | None = None
     _previous: tuple[int, torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -70,6 +75,11 @@ class LearnedSelector(Selector):
 
     def observe(self, view: LayerView, attention_mass: torch.Tensor) -> None:
         view.layer.slot_tensor(_RECEIVED).add_(attention_mass)
+
+    def unwanted(self, view: LayerView) -> torch.Tensor | None:
+        if self.threshold is None:
+            return None
+        return view.layer.slot_tensor(_SCORE, init=torch.inf) <= self.threshold  # new tokens wait at +inf
 
     def scores(self, view: LayerView) -> torch.Tensor:
         self._enter(view)
