@@ -285,7 +285,9 @@ def quality_memory_plot(rows: Sequence[dict], out_png: str | Path) -> Path:
                 continue
             line = None
             curves = {"top": ("--" if group in EVICTING_BASELINES else "-") + "o", "shared": ":s", "above": "-.^"}
-            for kind, style in curves.items() if not group.startswith("alpha") else ():  # fine-tuned: their points
+            if group.startswith("alpha"):  # fine-tuned predictors: their threshold points only
+                curves = {}
+            for kind, style in curves.items():
                 curve = sorted((p for p in points if p["retention"].startswith(kind)), key=lambda p: p[x][0])
                 if curve:
                     drawn = ax.errorbar([p[x][0] for p in curve], [p[metric][0] for p in curve],
@@ -380,11 +382,8 @@ def write_report(records: Sequence[dict], out: Path) -> str:
     runs are named alpha<A>-seed<S>, and their reward is computed at A. Also a way to redraw an
     earlier evaluation from its records:
     `python -c "from atskv.rl.evaluate import *; write_report(read_records('R/records.json'), 'R')"`."""
-    alpha_of = {
-        group_of(r["predictor"]): float(group_of(r["predictor"]).removeprefix("alpha"))
-        for r in records
-        if group_of(r["predictor"]).startswith("alpha")
-    }
+    groups = {group_of(r["predictor"]) for r in records}
+    alpha_of = {g: float(g.removeprefix("alpha")) for g in groups if g.startswith("alpha")}
     rows = summary(records, alpha_of)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

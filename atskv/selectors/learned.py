@@ -155,9 +155,7 @@ class LearnedSelector(Selector):
         rows = fresh.nonzero(as_tuple=True)
         hidden = view.hidden[rows[0], offset[rows]]  # [n, d_model]
         with torch.no_grad():
-            layer.slot_tensor(_PROJECTED, dtype=_PROJECTED_DTYPE, width=width)[rows] = mlp.project_hidden(hidden).to(
-                _PROJECTED_DTYPE
-            )
+            _projected(layer, width)[rows] = mlp.project_hidden(hidden).to(_PROJECTED_DTYPE)
         layer.slot_tensor(_HIDDEN_NORM)[rows] = hidden.float().norm(dim=-1)
         ids = view.token_ids[rows[0], offset[rows]] if view.token_ids is not None else None
         types = self.predictor.token_types.to(view.keys.device)
@@ -173,9 +171,7 @@ class LearnedSelector(Selector):
         index = self._layer_index[view.layer_idx]
         with torch.no_grad():
             logits = mlp.score(
-                layer.slot_tensor(_PROJECTED, dtype=_PROJECTED_DTYPE, width=mlp.project.out_features)[rows].to(
-                    mlp.w1.weight.dtype
-                ),
+                _projected(layer, mlp.project.out_features)[rows].to(mlp.w1.weight.dtype),
                 scalars[rows],
                 layer.slot_tensor(_TYPE, init=-1.0)[rows].clamp(min=0).long(),
                 torch.full_like(rows[0], index),
@@ -185,3 +181,8 @@ class LearnedSelector(Selector):
         score.fill_(-torch.inf)
         score[rows] = logits.float()
         layer.state.setdefault(self.name, {})["refreshed_at"] = layer.seen
+
+
+def _projected(layer, width: int) -> torch.Tensor:
+    """The per-slot projected hidden states `[B, Hkv, S, width]`, stored in `_PROJECTED_DTYPE`."""
+    return layer.slot_tensor(_PROJECTED, dtype=_PROJECTED_DTYPE, width=width)
