@@ -4,10 +4,11 @@ retrieval off / LSH / FAISS, each beside the dense model measured in the same ru
 host-to-device bandwidth of the tier's fetches against a plain pinned copy on the same GPU.
 
     python benchmarks/tiered_measure.py --model M --out DIR [--selector learned --predictor P]
-        [--context 8192] [--budgets 0.1 0.2 0.5] [--retrieval off lsh faiss]
+        [--context 8192] [--budgets 0.1 0.2 0.5] [--retrieval off lsh faiss faiss-4096]
         [--tasks needle_single passkey --trials 8 --depths 0.1 0.5 0.9] [--ppl_windows 4] [--decode_steps 64]
-        [--adaptive] [--ceilings oracle learned]
+        [--adaptive] [--ceilings oracle learned [--ceiling_budgets 0.1 0.2]]
 
+`--retrieval lsh-N / faiss-N` retrieves the N best parked candidates per step (default 64).
 `--ceilings` adds perplexity under `atskv.sparse` at the same budgets (the whole KV on the GPU,
 attention reads only each selector's choice): with `oracle` (every query's own top tokens by
 exact attention) it is what any selection of that many tokens can reach, the ceiling for the
@@ -44,10 +45,18 @@ RETRIEVAL = {
     "lsh": dict(index="lsh"),
     "faiss": dict(index="faiss"),
     "lsh-every8": dict(index="lsh", retrieve_every=8),  # retrieval on one decode step in 8
-    "faiss-256": dict(index="faiss", retrieve=256),
-    "faiss-1024": dict(index="faiss", retrieve=1024),
-    "faiss-2048": dict(index="faiss", retrieve=2048),
 }
+
+
+def retrieval(mode: str) -> dict:
+    """The retrieval options of `mode`: a name of RETRIEVAL, or `<index>-<n>` (e.g. `faiss-4096`:
+    the n best parked candidates per step)."""
+    if mode in RETRIEVAL:
+        return dict(RETRIEVAL[mode])
+    index, _, n = mode.partition("-")
+    if index in ("lsh", "faiss") and n.isdigit() and int(n) > 0:
+        return dict(index=index, retrieve=int(n))
+    raise argparse.ArgumentTypeError(f"retrieval {mode!r}: one of {', '.join(RETRIEVAL)}, or lsh-N / faiss-N")
 
 
 def tiering(mode: str, budget: float, adaptive: bool) -> dict:
@@ -55,7 +64,7 @@ def tiering(mode: str, budget: float, adaptive: bool) -> dict:
     at 1 - budget, so the soft rule and the hard cap agree and the active tier sits at the budget
     from the end of the prompt on; adaptive: the default `LayerPolicy` (q from 0.5 to 0.9 with
     memory pressure), whose tier settles over several refreshes wherever its quantile puts it."""
-    options = dict(RETRIEVAL[mode])
+    options = retrieval(mode)
     if not adaptive:
         options["policy"] = LayerPolicy(q_min=1.0 - budget, q_max=1.0 - budget)
     return options
@@ -71,12 +80,14 @@ def run_decode(model, prompt: torch.Tensor, steps: int, session_factory=None) ->
     sync()
     if cuda:
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
     base = allocated()
     times = []
     with torch.inference_mode(), session_factory() if session_factory else contextlib.nullcontext() as session:
         cache = session.new_cache() if session else DynamicCache(config=model.config)
         token = model(prompt, past_key_values=cache).logits[:, -1:].argmax(-1)
+        sync()
+        if cuda:  # the decode peak: the cache plus what one step holds (retrieved tokens included)
+            torch.cuda.reset_peak_memory_stats()
         for _ in range(steps):
             sync()
             start = time.perf_counter()
@@ -87,7 +98,7 @@ def run_decode(model, prompt: torch.Tensor, steps: int, session_factory=None) ->
         held = allocated()
         record = {
             "allocated_bytes": held - base,
-            "peak_bytes": torch.cuda.max_memory_allocated() - base if cuda else 0,
+            "decode_peak_bytes": torch.cuda.max_memory_allocated() - base if cuda else 0,
             "cache_kv_bytes": kv_bytes(cache),
             "decode_ms_median": 1e3 * statistics.median(times),
             "decode_ms_mean": 1e3 * statistics.mean(times),
@@ -145,7 +156,9 @@ def main() -> None:
     parser.add_argument("--predictor", help="exported predictor (the learned selector)")
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.2, 0.5])
-    parser.add_argument("--retrieval", nargs="+", default=["off", "lsh", "faiss"], choices=sorted(RETRIEVAL))
+    parser.add_argument(
+        "--retrieval", nargs="+", default=["off", "lsh", "faiss"], help="off, lsh, faiss, lsh-every8, lsh-N, faiss-N"
+    )
     parser.add_argument("--tasks", nargs="*", default=["needle_single", "passkey"])
     parser.add_argument("--trials", type=int, default=8)
     parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
@@ -156,7 +169,13 @@ def main() -> None:
     parser.add_argument("--dense_layers", type=int, default=2)
     parser.add_argument("--adaptive", action="store_true", help="default LayerPolicy instead of q = 1 - budget")
     parser.add_argument("--ceilings", nargs="*", default=[], help="selectors for perplexity under atskv.sparse")
+    parser.add_argument("--ceiling_budgets", type=float, nargs="+", help="budgets of --ceilings (default: --budgets)")
     args = parser.parse_args()
+    for mode in args.retrieval:
+        try:
+            retrieval(mode)
+        except argparse.ArgumentTypeError as error:
+            parser.error(str(error))
 
     device, dtype = resolve_device("auto", "auto")
     loaded = load_model(args.model, dtype=dtype, device=device)
@@ -186,7 +205,7 @@ def main() -> None:
             model,
             {args.context: windows},
             ceilings,
-            args.budgets,
+            args.ceiling_budgets or args.budgets,
             n_eval=64,
             dense_layers=args.dense_layers,
             batch_size=1,
@@ -269,15 +288,18 @@ def summary(results: dict, args) -> str:
         f"# {results['model']}: tiered KV at {args.context} tokens on {results['gpu']}\n",
         "## GPU memory and decode step (one prompt, batch 1)\n",
         "| setting | GPU memory of the cache, allocator (MiB) | vs dense | KV buffers (MiB) | vs dense | "
-        "active tokens / KV head | host (MiB) | decode ms (median) | vs dense | promoted | demoted |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "decode peak, allocator (MiB) | vs dense | active tokens / KV head | host (MiB) | decode ms (median) | "
+        "vs dense | promoted | demoted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     mib, dense_bytes, dense_kv = 2**20, max(1, dense["cache_owned_bytes"]), dense["cache_kv_bytes"]
+    dense_peak = max(1, dense.get("decode_peak_bytes", 0))
     for name, r in runs.items():
         moved = r.get("moved", {})
         lines.append(
             f"| {name} | {r['cache_owned_bytes'] / mib:.1f} | {r['cache_owned_bytes'] / dense_bytes:.3f} | "
             f"{r['cache_kv_bytes'] / mib:.1f} | {r['cache_kv_bytes'] / dense_kv:.3f} | "
+            f"{r.get('decode_peak_bytes', 0) / mib:.1f} | {r.get('decode_peak_bytes', 0) / dense_peak:.3f} | "
             f"{r.get('active_tokens_mean', '')} | {r.get('host_bytes', 0) / mib:.0f} | {r['decode_ms_median']:.2f} | "
             f"{r['decode_ms_median'] / dense['decode_ms_median']:.2f} | {moved.get('promoted_tokens', '')} | "
             f"{moved.get('demoted_tokens', '')} |"
