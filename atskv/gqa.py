@@ -61,6 +61,41 @@ def grouped_attention(
     return out.view(b, hq, tq, -1).transpose(1, 2), mass
 
 
+def blockwise_attention(query: torch.Tensor, blocks, scaling: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`grouped_attention` over KV that arrives in blocks: `blocks` yields `(keys, values, mask)`
+    (`[B, Hkv, S_i, D]`, `mask` `[B, Hkv, Tq, S_i]`), and each block is folded into a running
+    softmax (max, denominator, weighted sum, all float32) before the next is read, so only one
+    block has to be on the device at a time: the tiered cache streams parked tokens from the host
+    this way. Returns the output `[B, Tq, Hq, D]` and the attention mass of every block's slots
+    `[B, Hkv, S_i]` (summed over the group's query heads and the queries), normalised by the
+    softmax over all blocks; a query with no allowed slot in any block gets zeros."""
+    b, hq, tq, _ = query.shape
+    peak = denominator = acc = None
+    logits_of = []
+    for keys, values, mask in blocks:
+        q = grouped_queries(query, keys.shape[1])
+        logits = (torch.matmul(q, keys.unsqueeze(2).transpose(-1, -2)).float() * scaling).masked_fill(
+            ~mask.unsqueeze(2), -torch.inf
+        )
+        block_peak = logits.amax(-1, keepdim=True)
+        if peak is None:
+            peak = block_peak
+            denominator = torch.zeros_like(peak)
+            acc = torch.zeros(*peak.shape[:-1], values.shape[-1], dtype=torch.float32, device=values.device)
+        new_peak = torch.maximum(peak, block_peak)
+        shift = torch.where(new_peak == -torch.inf, 0.0, new_peak)  # no allowed slot yet: nothing to rescale
+        rescale, weights = torch.exp(peak - shift), torch.exp(logits - shift)
+        denominator = denominator * rescale + weights.sum(-1, keepdim=True)
+        acc = acc * rescale + torch.matmul(weights, values.unsqueeze(2).float())
+        peak = new_peak
+        logits_of.append(logits)
+    shift = torch.where(peak == -torch.inf, 0.0, peak)
+    total = torch.where(denominator > 0, denominator, 1.0)
+    out = (acc / total).to(query.dtype).view(b, hq, tq, -1).transpose(1, 2)
+    masses = [(torch.exp(logits - shift) / total).sum(dim=(2, 3)) for logits in logits_of]
+    return out, masses
+
+
 def sdpa_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float
 ) -> torch.Tensor:

@@ -31,6 +31,7 @@ moves; attention reads the cached keys (a selector's approximate keys, SparK's, 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -39,7 +40,7 @@ from pathlib import Path
 import torch
 
 from atskv.attention import SparseSession, SparsityConfig, attach, sparse
-from atskv.gqa import grouped_attention, grouped_queries, sdpa_attention
+from atskv.gqa import blockwise_attention, grouped_attention, grouped_queries, sdpa_attention
 from atskv.memory.host_tier import HostTier
 from atskv.memory.retrieval import make_index
 from atskv.memory.sparsity import INITIAL_MOMENTUM, LayerPolicy, SparsityBudget, SparsityManager
@@ -55,13 +56,15 @@ class TieringConfig:
     """The active-tier budget and how tokens move. `budget`: GPU tokens per managed layer, row
     and KV head (int), or a fraction of the prompt; `retrieve`: parked candidates fetched per
     retrieval (0: retrieval off), every `retrieve_every` decode steps; `index`: "lsh" or
-    "faiss", built with `index_options`; `host_path`: a folder for memory-mapped host tiers
+    "faiss", built with `index_options`; `read_chunk`: candidates attended per block (what
+    retrieval holds on the GPU at once); `host_path`: a folder for memory-mapped host tiers
     instead of pinned memory; `max_tokens`: the longest sequence the host tier holds."""
 
     budget: int | float
     refresh_every: int = 16
     retrieve: int = 64
     retrieve_every: int = 1
+    read_chunk: int = 1024
     index: str = "lsh"
     index_options: dict = field(default_factory=dict)
     host_path: str | Path | None = None
@@ -72,10 +75,10 @@ class TieringConfig:
 
     def __post_init__(self):
         check_budget(self.budget)
-        if self.refresh_every < 1 or self.retrieve_every < 1 or self.retrieve < 0:
+        if self.refresh_every < 1 or self.retrieve_every < 1 or self.retrieve < 0 or self.read_chunk < 1:
             raise ValueError(
-                "need refresh_every >= 1, retrieve_every >= 1 and retrieve >= 0, got "
-                f"{self.refresh_every}, {self.retrieve_every}, {self.retrieve}"
+                "need refresh_every >= 1, retrieve_every >= 1, retrieve >= 0 and read_chunk >= 1, got "
+                f"{self.refresh_every}, {self.retrieve_every}, {self.retrieve}, {self.read_chunk}"
             )
         if isinstance(self.budget, int):
             self.sparsity_budget(self.budget)  # a budget too small for sinks + recent fails here, before any work
@@ -152,25 +155,15 @@ class TieredSession(SparseSession):
         refresh = not decode or layer.seen - layer.state.get(_REFRESHED_AT, 0) >= self.tiering.refresh_every
         fetch = decode and (refresh or since % self.tiering.retrieve_every == 0)
         fetched = self._retrieve(layer, view) if fetch else None
-        want_mass = self.selector.needs_attention or fetched is not None
-        if fetched is None:
-            if want_mass:
-                out, mass = grouped_attention(query, keys, values, view.valid, scaling, want_mass=True)
-            else:
-                out, mass = sdpa_attention(query, keys, values, view.valid, scaling), None
-            fetched_mass = None
+        fetched_mass = None
+        if fetched is not None:
+            blocks = itertools.chain([(keys, values, view.valid)], self._read_blocks(layer, *fetched))
+            out, masses = blockwise_attention(query, blocks, scaling)  # reads each block when it is due
+            mass, fetched_mass, fetched = masses[0], torch.cat(masses[1:], -1), fetched[1]
+        elif self.selector.needs_attention:
+            out, mass = grouped_attention(query, keys, values, view.valid, scaling, want_mass=True)
         else:
-            positions, fetched_keys, fetched_values = fetched
-            valid = torch.cat([view.valid, (positions >= 0).unsqueeze(2)], dim=-1)
-            out, both = grouped_attention(
-                query,
-                torch.cat([keys, fetched_keys], 2),
-                torch.cat([values, fetched_values], 2),
-                valid,
-                scaling,
-                want_mass=True,
-            )
-            mass, fetched_mass = both[..., : keys.shape[2]], both[..., keys.shape[2] :]
+            out, mass = sdpa_attention(query, keys, values, view.valid, scaling), None
         if self.selector.needs_attention:
             self.selector.observe(view, mass)
         if not decode:
@@ -179,14 +172,22 @@ class TieredSession(SparseSession):
             self._rebalance(layer, view, mass, fetched, fetched_mass)
         return out
 
-    def _retrieve(self, layer: TieredLayer, view: LayerView):
-        """The best parked candidates for this step's queries, fetched: (positions, keys, values)."""
+    def _retrieve(self, layer: TieredLayer, view: LayerView) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Positions `[B, Hkv, n]` of the best parked candidates for this step's queries, on the
+        host (to read them: one synchronisation, here) and on the device (-1: none)."""
         if layer.index is None or layer.parked_tokens == 0:
             return None
         queries = grouped_queries(view.query, view.keys.shape[1])[:, :, :, -1]  # [B, Hkv, G, D]
-        positions = layer.index.search(queries, self.tiering.retrieve)
-        keys, values = layer.read(positions)
-        return positions.to(view.keys.device), keys, values
+        positions = layer.index.search(queries, self.tiering.retrieve).cpu()
+        return positions, positions.to(view.keys.device, non_blocking=True)
+
+    def _read_blocks(self, layer: TieredLayer, positions: torch.Tensor, on_device: torch.Tensor):
+        """The candidates' keys/values read from the host `read_chunk` tokens at a time, each block
+        attended before the next is read, so retrieval holds one block on the GPU at once."""
+        chunk = self.tiering.read_chunk
+        for start in range(0, positions.shape[-1], chunk):
+            keys, values = layer.read(positions[..., start : start + chunk])
+            yield keys, values, (on_device[..., start : start + chunk] >= 0).unsqueeze(2)
 
     def _rebalance(self, layer: TieredLayer, view: LayerView, mass, fetched, fetched_mass) -> None:
         """Demote by the selector's scores (manager.decide), promote fetched candidates by mass:
@@ -201,7 +202,7 @@ class TieredSession(SparseSession):
         eligible = reserve = None
         if fetched is not None:
             _, tau_promote = self.manager.thresholds(view.layer_idx, mass, active, total=layer.seen)
-            eligible = (fetched[0] >= 0) & (fetched_mass > tau_promote)
+            eligible = (fetched >= 0) & (fetched_mass > tau_promote)
             reserve = eligible.sum(-1)
         decision = self.manager.decide(
             view.layer_idx, scores, active, positions, momentum, layer.seen, total=layer.seen, reserve=reserve
@@ -212,7 +213,7 @@ class TieredSession(SparseSession):
             chosen = self.manager.promote(
                 fetched_mass, eligible, torch.full_like(tau_promote, -math.inf), decision.free
             )
-            layer.promote(fetched[0].masked_fill(~chosen, -1))
+            layer.promote(fetched.masked_fill(~chosen, -1))
         layer.state[_REFRESHED_AT] = layer.seen
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from atskv.gqa import grouped_attention, sdpa_attention
+from atskv.gqa import blockwise_attention, grouped_attention, sdpa_attention
 
 
 def reference(query, keys, values, mask, scaling):
@@ -39,3 +39,32 @@ def test_rows_without_any_slot_stay_finite():
     mask[..., 1, :2] = True
     for out in (grouped_attention(query, keys, values, mask, 1.0)[0], sdpa_attention(query, keys, values, mask, 1.0)):
         assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize(("hq", "hkv", "tq"), [(4, 1, 1), (9, 3, 2)])
+def test_blockwise_attention_matches_reference_over_any_split(hq, hkv, tq):
+    """Blocks of uneven sizes, one of them with no allowed slot at all, one a single slot: the
+    streamed softmax must equal attention over the concatenation, masses included."""
+    g = torch.Generator().manual_seed(hq + tq)
+    b, s, d = 2, 60, 16
+    query = torch.randn(b, hq, tq, d, generator=g)
+    keys = torch.randn(b, hkv, s, d, generator=g) * 3  # large logits: the running max matters
+    values = torch.randn(b, hkv, s, d, generator=g)
+    mask = torch.rand(b, hkv, tq, s, generator=g) < 0.5
+    mask[..., 40:52] = False  # block 3 is empty
+    mask[..., 0] = True
+    expected, expected_mass = reference(query, keys, values, mask, 0.25)
+    cuts = [0, 17, 40, 52, 53, 60]
+    blocks = ((keys[:, :, i:j], values[:, :, i:j], mask[..., i:j]) for i, j in zip(cuts, cuts[1:]))
+    out, masses = blockwise_attention(query, blocks, 0.25)
+    assert [m.shape[-1] for m in masses] == [17, 23, 12, 1, 7]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat(masses, -1), expected_mass, rtol=1e-5, atol=1e-5)
+    assert bool((masses[2] == 0).all())
+
+
+def test_blockwise_attention_without_any_slot_gives_zeros():
+    query, keys, values = torch.randn(1, 2, 1, 8), torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8)
+    mask = torch.zeros(1, 1, 1, 5, dtype=torch.bool)
+    out, (mass,) = blockwise_attention(query, [(keys, values, mask)], 1.0)
+    assert bool((out == 0).all()) and bool((mass == 0).all())

@@ -200,6 +200,20 @@ def test_retrieval_off_never_promotes_and_differs_from_retrieval_on(monkeypatch)
     assert not torch.allclose(on, off)
 
 
+def test_streamed_reads_of_retrieved_tokens_equal_one_block():
+    """Attending the retrieved tokens one block at a time (read_chunk) is the same attention, and
+    makes the same promotions, as reading them all at once."""
+    model = tiny_model("llama")
+    prompt, follow = random_prompt(96, seed=5), random_prompt(24, seed=6)
+    common = dict(selector="h2o", budget=40, sinks=2, recent=8, refresh_every=4, retrieve=16, index="faiss")
+    with torch.no_grad():
+        whole, session_whole = _teacher_forced_logits(model, prompt, follow, read_chunk=16, **common)
+        streamed, session_streamed = _teacher_forced_logits(model, prompt, follow, read_chunk=3, **common)
+    torch.testing.assert_close(streamed, whole, rtol=1e-5, atol=1e-5)
+    assert vars(session_streamed.cache.stats) == vars(session_whole.cache.stats)
+    assert session_whole.cache.stats.promoted_tokens > 0
+
+
 predictor_dir = learned_predictor_dir  # the fixture: an exported predictor for the tiny Llama
 
 
