@@ -61,39 +61,53 @@ def grouped_attention(
     return out.view(b, hq, tq, -1).transpose(1, 2), mass
 
 
-def blockwise_attention(query: torch.Tensor, blocks, scaling: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """`grouped_attention` over KV that arrives in blocks: `blocks` yields `(keys, values, mask)`
-    (`[B, Hkv, S_i, D]`, `mask` `[B, Hkv, Tq, S_i]`), and each block is folded into a running
-    softmax (max, denominator, weighted sum, all float32) before the next is read, so only one
-    block has to be on the device at a time: the tiered cache streams parked tokens from the host
-    this way. Returns the output `[B, Tq, Hq, D]` and the attention mass of every block's slots
-    `[B, Hkv, S_i]` (summed over the group's query heads and the queries), normalised by the
-    softmax over all blocks; a query with no allowed slot in any block gets zeros."""
-    b, hq, tq, _ = query.shape
-    peak = denominator = acc = None
-    logits_of = []
-    for keys, values, mask in blocks:
-        q = grouped_queries(query, keys.shape[1])
-        logits = (torch.matmul(q, keys.unsqueeze(2).transpose(-1, -2)).float() * scaling).masked_fill(
+class StreamedAttention:
+    """`grouped_attention` of `query` `[B, Hq, Tq, D]` over KV that arrives in blocks: each block
+    (`add`) is folded into a running softmax (max, denominator, weighted sum, all float32) and can
+    be freed before the next is read, so the tiered cache streams parked tokens from the host
+    through a fixed amount of GPU memory. `log_normaliser` after the first block is what a
+    retrieval needs to compare query heads by probability; `result` gives the output and every
+    block's attention mass, normalised by the softmax over all blocks."""
+
+    def __init__(self, query: torch.Tensor, scaling: float):
+        self.query, self.scaling = query, scaling
+        self.peak = self.denominator = self.acc = None
+        self._logits: list[torch.Tensor] = []
+
+    def add(self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> None:
+        """Fold in a block: keys/values `[B, Hkv, S_i, D]`, `mask` `[B, Hkv, Tq, S_i]`."""
+        q = grouped_queries(self.query, keys.shape[1])
+        logits = (torch.matmul(q, keys.unsqueeze(2).transpose(-1, -2)).float() * self.scaling).masked_fill(
             ~mask.unsqueeze(2), -torch.inf
         )
         block_peak = logits.amax(-1, keepdim=True)
-        if peak is None:
-            peak = block_peak
-            denominator = torch.zeros_like(peak)
-            acc = torch.zeros(*peak.shape[:-1], values.shape[-1], dtype=torch.float32, device=values.device)
-        new_peak = torch.maximum(peak, block_peak)
-        shift = torch.where(new_peak == -torch.inf, 0.0, new_peak)  # no allowed slot yet: nothing to rescale
-        rescale, weights = torch.exp(peak - shift), torch.exp(logits - shift)
-        denominator = denominator * rescale + weights.sum(-1, keepdim=True)
-        acc = acc * rescale + torch.matmul(weights, values.unsqueeze(2).float())
-        peak = new_peak
-        logits_of.append(logits)
-    shift = torch.where(peak == -torch.inf, 0.0, peak)
-    total = torch.where(denominator > 0, denominator, 1.0)
-    out = (acc / total).to(query.dtype).view(b, hq, tq, -1).transpose(1, 2)
-    masses = [(torch.exp(logits - shift) / total).sum(dim=(2, 3)) for logits in logits_of]
-    return out, masses
+        if self.peak is None:
+            self.peak = block_peak
+            self.denominator = torch.zeros_like(block_peak)
+            self.acc = torch.zeros(*block_peak.shape[:-1], values.shape[-1], dtype=torch.float32, device=values.device)
+        peak = torch.maximum(self.peak, block_peak)
+        shift = _finite(peak)  # no allowed slot yet: nothing to rescale
+        rescale, weights = torch.exp(self.peak - shift), torch.exp(logits - shift)
+        self.denominator = self.denominator * rescale + weights.sum(-1, keepdim=True)
+        self.acc = self.acc * rescale + torch.matmul(weights, values.unsqueeze(2).float())
+        self.peak = peak
+        self._logits.append(logits)
+
+    def log_normaliser(self) -> torch.Tensor:
+        """`[B, Hkv, G, Tq]` log-sum-exp of the logits seen so far, per query head (-inf: none)."""
+        return (self.peak + self.denominator.log())[..., 0]
+
+    def result(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The output `[B, Tq, Hq, D]` and each block's mass `[B, Hkv, S_i]` (summed over the
+        group's query heads and the queries); a query with no allowed slot in any block gets zeros."""
+        b, hq, tq, _ = self.query.shape
+        shift, total = _finite(self.peak), torch.where(self.denominator > 0, self.denominator, 1.0)
+        out = (self.acc / total).to(self.query.dtype).view(b, hq, tq, -1).transpose(1, 2)
+        return out, [(torch.exp(logits - shift) / total).sum(dim=(2, 3)) for logits in self._logits]
+
+
+def _finite(peak: torch.Tensor) -> torch.Tensor:
+    return torch.where(peak == -torch.inf, 0.0, peak)
 
 
 def sdpa_attention(

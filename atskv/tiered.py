@@ -31,7 +31,6 @@ moves; attention reads the cached keys (a selector's approximate keys, SparK's, 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -40,7 +39,7 @@ from pathlib import Path
 import torch
 
 from atskv.attention import SparseSession, SparsityConfig, attach, sparse
-from atskv.gqa import blockwise_attention, grouped_attention, grouped_queries, sdpa_attention
+from atskv.gqa import StreamedAttention, grouped_attention, grouped_queries, sdpa_attention
 from atskv.memory.host_tier import HostTier
 from atskv.memory.retrieval import make_index
 from atskv.memory.sparsity import INITIAL_MOMENTUM, LayerPolicy, SparsityBudget, SparsityManager
@@ -56,8 +55,10 @@ class TieringConfig:
     """The active-tier budget and how tokens move. `budget`: GPU tokens per managed layer, row
     and KV head (int), or a fraction of the prompt; `retrieve`: parked candidates fetched per
     retrieval (0: retrieval off), every `retrieve_every` decode steps; `index`: "lsh" or
-    "faiss", built with `index_options`; `read_chunk`: candidates attended per block (what
-    retrieval holds on the GPU at once); `host_path`: a folder for memory-mapped host tiers
+    "faiss" or "exact", built with `index_options`; `read_chunk`: candidates attended per block
+    (what retrieval holds on the GPU at once); `normalise_heads`: rank candidates by attention
+    probability (each query head's logits minus its log-normaliser) rather than raw logit;
+    `host_path`: a folder for memory-mapped host tiers
     instead of pinned memory; `max_tokens`: the longest sequence the host tier holds."""
 
     budget: int | float
@@ -65,6 +66,7 @@ class TieringConfig:
     retrieve: int = 64
     retrieve_every: int = 1
     read_chunk: int = 1024
+    normalise_heads: bool = True
     index: str = "lsh"
     index_options: dict = field(default_factory=dict)
     host_path: str | Path | None = None
@@ -154,12 +156,15 @@ class TieredSession(SparseSession):
         since = layer.seen - layer.state.setdefault(_PROMPT, layer.seen)  # decode steps so far
         refresh = not decode or layer.seen - layer.state.get(_REFRESHED_AT, 0) >= self.tiering.refresh_every
         fetch = decode and (refresh or since % self.tiering.retrieve_every == 0)
-        fetched = self._retrieve(layer, view) if fetch else None
-        fetched_mass = None
-        if fetched is not None:
-            blocks = itertools.chain([(keys, values, view.valid)], self._read_blocks(layer, *fetched))
-            out, masses = blockwise_attention(query, blocks, scaling)  # reads each block when it is due
-            mass, fetched_mass, fetched = masses[0], torch.cat(masses[1:], -1), fetched[1]
+        fetched = fetched_mass = None
+        if fetch and layer.index is not None and layer.parked_tokens > 0:
+            stream = StreamedAttention(query, scaling)
+            stream.add(keys, values, view.valid)  # the active tier first: its normaliser ranks the query heads
+            positions, fetched = self._retrieve(layer, view, stream.log_normaliser()[..., -1])
+            for block in self._read_blocks(layer, positions, fetched):
+                stream.add(*block)
+            out, (mass, *fetched_masses) = stream.result()
+            fetched_mass = torch.cat(fetched_masses, -1)
         elif self.selector.needs_attention:
             out, mass = grouped_attention(query, keys, values, view.valid, scaling, want_mass=True)
         else:
@@ -172,18 +177,20 @@ class TieredSession(SparseSession):
             self._rebalance(layer, view, mass, fetched, fetched_mass)
         return out
 
-    def _retrieve(self, layer: TieredLayer, view: LayerView) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _retrieve(self, layer: TieredLayer, view: LayerView, log_normaliser: torch.Tensor):
         """Positions `[B, Hkv, n]` of the best parked candidates for this step's queries, on the
-        host (to read them: one synchronisation, here) and on the device (-1: none)."""
-        if layer.index is None or layer.parked_tokens == 0:
-            return None
+        host (to read them: one synchronisation, here) and on the device (-1: none). Query heads
+        are compared after subtracting their log-normaliser over the active tier, i.e. by the
+        attention probability a candidate would get (`KeyIndex.search`)."""
         queries = grouped_queries(view.query, view.keys.shape[1])[:, :, :, -1]  # [B, Hkv, G, D]
-        positions = layer.index.search(queries, self.tiering.retrieve).cpu()
+        offsets = log_normaliser / view.scaling if self.tiering.normalise_heads else None  # in q·k units
+        positions = layer.index.search(queries, self.tiering.retrieve, offsets=offsets).cpu()
         return positions, positions.to(view.keys.device, non_blocking=True)
 
     def _read_blocks(self, layer: TieredLayer, positions: torch.Tensor, on_device: torch.Tensor):
-        """The candidates' keys/values read from the host `read_chunk` tokens at a time, each block
-        attended before the next is read, so retrieval holds one block on the GPU at once."""
+        """The candidates' keys/values read from the host `read_chunk` tokens at a time (a
+        generator: each block is attended before the next is read, so retrieval holds one block
+        on the GPU at once)."""
         chunk = self.tiering.read_chunk
         for start in range(0, positions.shape[-1], chunk):
             keys, values = layer.read(positions[..., start : start + chunk])

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from atskv.gqa import blockwise_attention, grouped_attention, sdpa_attention
+from atskv.gqa import StreamedAttention, grouped_attention, sdpa_attention
 
 
 def reference(query, keys, values, mask, scaling):
@@ -42,7 +42,7 @@ def test_rows_without_any_slot_stay_finite():
 
 
 @pytest.mark.parametrize(("hq", "hkv", "tq"), [(4, 1, 1), (9, 3, 2)])
-def test_blockwise_attention_matches_reference_over_any_split(hq, hkv, tq):
+def test_streamed_attention_matches_reference_over_any_split(hq, hkv, tq):
     """Blocks of uneven sizes, one of them with no allowed slot at all, one a single slot: the
     streamed softmax must equal attention over the concatenation, masses included."""
     g = torch.Generator().manual_seed(hq + tq)
@@ -55,16 +55,25 @@ def test_blockwise_attention_matches_reference_over_any_split(hq, hkv, tq):
     mask[..., 0] = True
     expected, expected_mass = reference(query, keys, values, mask, 0.25)
     cuts = [0, 17, 40, 52, 53, 60]
-    blocks = ((keys[:, :, i:j], values[:, :, i:j], mask[..., i:j]) for i, j in zip(cuts, cuts[1:]))
-    out, masses = blockwise_attention(query, blocks, 0.25)
+    stream = StreamedAttention(query, 0.25)
+    for i, j in zip(cuts, cuts[1:]):
+        stream.add(keys[:, :, i:j], values[:, :, i:j], mask[..., i:j])
+    out, masses = stream.result()
     assert [m.shape[-1] for m in masses] == [17, 23, 12, 1, 7]
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.cat(masses, -1), expected_mass, rtol=1e-5, atol=1e-5)
     assert bool((masses[2] == 0).all())
+    group = hq // hkv
+    logits = (query.view(b, hkv, group, tq, d) @ keys.unsqueeze(2).transpose(-1, -2)) * 0.25
+    expected_lse = logits.masked_fill(~mask.unsqueeze(2), -torch.inf).logsumexp(-1)
+    torch.testing.assert_close(stream.log_normaliser(), expected_lse, rtol=1e-5, atol=1e-5)
 
 
-def test_blockwise_attention_without_any_slot_gives_zeros():
+def test_streamed_attention_without_any_slot_gives_zeros():
     query, keys, values = torch.randn(1, 2, 1, 8), torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8)
     mask = torch.zeros(1, 1, 1, 5, dtype=torch.bool)
-    out, (mass,) = blockwise_attention(query, [(keys, values, mask)], 1.0)
+    stream = StreamedAttention(query, 1.0)
+    stream.add(keys, values, mask)
+    out, (mass,) = stream.result()
     assert bool((out == 0).all()) and bool((mass == 0).all())
+    assert bool((stream.log_normaliser() == -torch.inf).all())

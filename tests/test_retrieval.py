@@ -7,11 +7,11 @@ import sys
 import pytest
 import torch
 
-from atskv.memory.retrieval import FaissIndex, KeyIndex, LSHIndex, make_index
+from atskv.memory.retrieval import ExactIndex, FaissIndex, KeyIndex, LSHIndex, make_index
 
 B, H, G, D = 2, 3, 3, 16
-INDEXES = [("lsh", {}), ("lsh", {"rank": "hamming"}), ("faiss", {})]
-INDEX_IDS = ["lsh-collisions", "lsh-hamming", "faiss"]
+INDEXES = [("lsh", {"rank": "collisions"}), ("lsh", {"rank": "hamming"}), ("faiss", {}), ("exact", {})]
+INDEX_IDS = ["lsh-collisions", "lsh-hamming", "faiss", "exact"]
 
 
 def random_entries(n: int, seed: int = 0, hole: float = 0.2):
@@ -24,9 +24,13 @@ def random_entries(n: int, seed: int = 0, hole: float = 0.2):
     return keys, positions, queries
 
 
-def brute_force(keys, positions, queries, n):
-    """Positions of the top-n entries by max over the group's heads of q·k, -1 padded."""
-    scores = torch.einsum("bhgd,bhnd->bhgn", queries, keys).amax(2).masked_fill(positions < 0, -torch.inf)
+def brute_force(keys, positions, queries, n, offsets=None):
+    """Positions of the top-n entries by max over the group's heads of q·k (minus the head's
+    offset), -1 padded."""
+    scores = torch.einsum("bhgd,bhnd->bhgn", queries, keys)
+    if offsets is not None:
+        scores = scores - offsets.unsqueeze(-1)
+    scores = scores.amax(2).masked_fill(positions < 0, -torch.inf)
     best = scores.topk(min(n, scores.shape[-1]), dim=-1)
     found = torch.where(best.values > -torch.inf, positions.gather(-1, best.indices), -1)
     return torch.nn.functional.pad(found, (0, n - found.shape[-1]), value=-1)
@@ -54,6 +58,28 @@ def test_faiss_flat_is_the_brute_force_top_n():
     index.add(keys, positions)
     for n in (1, 7, 60, 80):  # 80 > entries: padded with -1
         assert torch.equal(index.search(queries, n), brute_force(keys, positions, queries, n)), n
+
+
+@pytest.mark.parametrize("cls", [FaissIndex, ExactIndex])
+def test_exact_indexes_compare_heads_after_their_offsets(cls):
+    keys, positions, queries = random_entries(60)
+    queries[:, :, 0] *= 4  # head 0's logits dwarf the others': unshifted, it fills the list
+    offsets = torch.randn(B, H, G) + torch.tensor([1000.0, 0.0, 0.0])  # head 0 drops out
+    index = cls(D)
+    index.add(keys, positions)
+    for n in (5, 20):
+        shifted = index.search(queries, n, offsets=offsets)
+        assert torch.equal(shifted, brute_force(keys, positions, queries, n, offsets)), n
+        assert not torch.equal(shifted, index.search(queries, n))
+
+
+def test_exact_index_equals_faiss():
+    keys, positions, queries = random_entries(80, seed=3)
+    exact, flat = ExactIndex(D), FaissIndex(D)
+    for index in (exact, flat):
+        index.add(keys, positions)
+        index.remove(positions[:, :, :10])
+    assert torch.equal(exact.search(queries, 25), flat.search(queries, 25))
 
 
 def test_faiss_takes_half_precision_keys_and_returns_on_its_device():

@@ -188,11 +188,15 @@ def test_retrieval_off_never_promotes_and_differs_from_retrieval_on(monkeypatch)
     common = dict(selector="h2o", budget=40, sinks=2, recent=8, refresh_every=4)
     searches = []
     search = FaissIndex.search
-    monkeypatch.setattr(FaissIndex, "search", lambda self, *a: searches.append(1) or search(self, *a))
+    monkeypatch.setattr(
+        FaissIndex, "search", lambda self, *a, **k: searches.append(k["offsets"]) or search(self, *a, **k)
+    )
     with torch.no_grad():
         off, session_off = _teacher_forced_logits(model, prompt, follow, retrieve=0, **common)
         on, session_on = _teacher_forced_logits(model, prompt, follow, retrieve=16, index="faiss", **common)
     assert len(searches) == 40 * 2  # every decode step of both managed layers reads the host tier
+    heads = model.config.num_attention_heads // model.config.num_key_value_heads
+    assert all(o.shape == (1, model.config.num_key_value_heads, heads) and o.isfinite().all() for o in searches)
     assert 0 < session_on.cache.stats.read_tokens <= 40 * 2 * 2 * 16  # steps x layers x KV heads x retrieve
     assert session_off.cache.stats.promoted_tokens == 0
     assert all(session_off.cache.layers[i].index is None for i in session_off.cache.managed_layers)
@@ -311,7 +315,13 @@ def test_real_smollm2_passkey_with_most_of_the_kv_on_the_host():
     learned = selectors_for_model(["learned"], loaded.name)[0]
     dense = generate(loaded.model, loaded.tokenizer, ids, max_new_tokens=12, example=example)
     tiered = generate(
-        loaded.model, loaded.tokenizer, ids, selector=learned, budget=0.25, max_new_tokens=12, example=example,
+        loaded.model,
+        loaded.tokenizer,
+        ids,
+        selector=learned,
+        budget=0.25,
+        max_new_tokens=12,
+        example=example,
         tiering=dict(retrieve=32, sinks=4, recent=32, refresh_every=8),
     )
     assert dense.score == 1.0 and tiered.score == 1.0

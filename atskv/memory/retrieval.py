@@ -9,7 +9,7 @@ estimate of max over those heads of q·k. Entries are named by their logical tok
 cache's `slot_pos`), unique per group; position -1 means "no entry" everywhere and is skipped,
 so ragged per-group batches travel as padded tensors.
 
-Two implementations behind one protocol (`KeyIndex`, built by name with `make_index`):
+Three implementations behind one protocol (`KeyIndex`, built by name with `make_index`):
 - `LSHIndex`: sign random projections, `bucket(k) = sign(P k)` with b bits per table and L
   independent tables (the ATSKV proposal's `argmin_j |sgn(Pk) - c_j|_1` over the 2^b sign-pattern
   centroids is exactly this). Cheap and approximate: a token costs L small packed ints, the search
@@ -19,12 +19,14 @@ Two implementations behind one protocol (`KeyIndex`, built by name with `make_in
   MagicPIG uses the same SimHash family over keys, with many more tables, as a sampler.
 - `FaissIndex`: exact inner product (faiss `IndexFlatIP`) on the CPU, the reference and the
   high-recall path; one faiss index per group.
+- `ExactIndex`: the same ranking by one float32 matmul and one top-n per call (torch, CPU by
+  default): the fast path when a step retrieves thousands of candidates.
 
 Choices where the method leaves one open:
 - Adding a position already present, or removing an absent one, raises `ValueError`: the tiered
   cache keeps every token in exactly one tier, so either is a bookkeeping bug to surface early.
 - Ties are broken by recency (the larger position first), so results are deterministic and equal
-  across devices.
+  across devices (LSH and faiss; `ExactIndex` leaves float ties in `torch.topk`'s order).
 """
 
 from __future__ import annotations
@@ -45,8 +47,11 @@ class KeyIndex(Protocol):
     def remove(self, positions: torch.Tensor) -> None:
         """Remove the entries at `positions` `[B, Hkv, n]` (-1: skip; absent: ValueError)."""
 
-    def search(self, queries: torch.Tensor, n: int) -> torch.Tensor:
-        """Positions `[B, Hkv, n]` of the best candidates for `queries` `[B, Hkv, G, D]`, -1 padded."""
+    def search(self, queries: torch.Tensor, n: int, offsets: torch.Tensor | None = None) -> torch.Tensor:
+        """Positions `[B, Hkv, n]` of the best candidates for `queries` `[B, Hkv, G, D]`, -1 padded.
+        `offsets` `[B, Hkv, G]`, if given, is subtracted from query head g's scores before the max
+        over heads: with each head's log-normaliser, heads are compared by attention probability
+        rather than by raw logit (a head with large logits everywhere no longer fills the list)."""
 
     def count(self) -> torch.Tensor:
         """Entries per group, `[B, Hkv]` (`[0, 0]` before the first add)."""
@@ -98,85 +103,45 @@ class _Groups:
             raise ValueError("positions repeat within one (row, KV head) of the same call")
 
 
-class LSHIndex(_Groups):
-    """Sign-random-projection LSH over keys, all (row, KV head) groups in one set of tensors.
-
-    `codes[B, Hkv, capacity, L]` holds each entry's L table codes (b bits each, packed into the
-    smallest integer type that holds them) and `slot_pos[B, Hkv, capacity]` its position, -1 for
-    a free slot; free slots are reused by later adds and the capacity grows geometrically (it never
-    shrinks). `add`/`remove` synchronise with the host (uniqueness checks, free-slot claims);
-    `search` does not, and its work is `[B, Hkv, G, capacity, L]` integer ops (no chunking yet).
-
-    The estimate of max_g q·k is angular (key and query norms are not stored): the number of the
-    L*b bits where the codes of k and of query head g agree, `agree_g`, estimates their angle as
-    `pi * (1 - agree_g / (L*b))`. Two rankings, both maximised over the group's query heads:
-    - `rank="collisions"` (classical LSH): the candidates are the entries whose code equals some
-      query head's code in at least one table, ranked by the number of colliding tables, then by
-      `agree`, then by recency.
-    - `rank="hamming"`: every entry is a candidate, ranked by `agree`, then by recency. The search
-      scans all codes either way, so this costs the same; it keeps the information the collision
-      count throws away. On SmolLM2-135M (2K tokens of prose, 4 layers, top 64 of 1900 parked
-      keys, b=8, L=4) the attention mass retrieved was 0.51 against 0.18 for "collisions" (exact
-      top 64: 0.84, random: 0.03); with L=16 tables, 0.71. Hence the defaults: hamming, b=8, L=16.
-    """
+class _SlotStore(_Groups):
+    """Entries of every (row, KV head) group in one set of tensors: `payload[B, Hkv, capacity, ...]`
+    (what the index keeps of each key) and `slot_pos[B, Hkv, capacity]` (its position, -1 for a
+    free slot). Free slots are reused by later adds and the capacity grows geometrically (it never
+    shrinks); `add`/`remove` synchronise with the host (uniqueness checks, free-slot claims)."""
 
     min_capacity = 16
 
-    ranks = ("collisions", "hamming")
-
-    def __init__(
-        self, head_dim: int, bits: int = 8, tables: int = 16, seed: int = 0, device="cpu", rank: str = "hamming"
-    ):
+    def __init__(self, head_dim: int, device, payload_shape: tuple[int, ...], payload_dtype: torch.dtype):
         super().__init__(head_dim)
-        if rank not in self.ranks:
-            raise ValueError(f"unknown LSH rank {rank!r}; supported: {', '.join(self.ranks)}")
-        if not 1 <= int(bits) <= 62:
-            raise ValueError(f"bits must be in 1..62 (one table's code is packed into an int64), got {bits}")
-        if int(tables) < 1:
-            raise ValueError(f"tables must be >= 1, got {tables}")
-        self.bits, self.tables, self.device, self.rank = int(bits), int(tables), torch.device(device), rank
-        generator = torch.Generator().manual_seed(int(seed))
-        self.projection = torch.randn(self.tables * self.bits, self.head_dim, generator=generator).to(self.device)
-        self.code_dtype = next(
-            dtype
-            for dtype, width in ((torch.uint8, 8), (torch.int16, 15), (torch.int32, 31), (torch.int64, 62))
-            if self.bits <= width
-        )
-        self._bit_weights = torch.ones(1, dtype=torch.long).bitwise_left_shift(torch.arange(self.bits)).to(self.device)
-        # a search key packs (rank score, position) into one int64, so top-k is exact and deterministic
-        max_score = self.tables * (self.tables * self.bits + 1) + self.tables * self.bits
-        self._position_bits = 63 - max_score.bit_length()
-        self.codes = torch.empty(0, 0, 0, self.tables, dtype=self.code_dtype, device=self.device)
+        self.device = torch.device(device)
+        self.payload = torch.empty(0, 0, 0, *payload_shape, dtype=payload_dtype, device=self.device)
         self.slot_pos = torch.empty(0, 0, 0, dtype=torch.long, device=self.device)
 
-    def encode(self, vectors: torch.Tensor) -> torch.Tensor:
-        """Table codes `[..., L]` of `vectors` `[..., D]`: bit j of table t is `sign(P_tj · v) > 0`."""
-        signs = vectors.to(self.device, torch.float32) @ self.projection.T > 0
-        signs = signs.view(*signs.shape[:-1], self.tables, self.bits)
-        return (signs.long() * self._bit_weights).sum(-1).to(self.code_dtype)
+    def _encode(self, keys: torch.Tensor) -> torch.Tensor:
+        """The payload of `keys` `[n, D]`."""
+        raise NotImplementedError
 
-    # --- the KeyIndex protocol -----------------------------------------------------------
+    def _check_positions(self, positions: torch.Tensor) -> None:
+        """Extra conditions on the positions of an add (raise ValueError)."""
+
     def add(self, keys: torch.Tensor, positions: torch.Tensor) -> None:
         self._check_keys(keys, positions)
         positions = positions.to(self.device, torch.long)
         if self.slot_pos.shape[:2] != self.groups:
-            self.codes = self.codes.new_empty(*self.groups, 0, self.tables)
+            self.payload = self.payload.new_empty(*self.groups, 0, *self.payload.shape[3:])
             self.slot_pos = self.slot_pos.new_empty(*self.groups, 0)
         valid = positions >= 0
         self._check_unique(positions)
         if bool(self._locate(positions)[1].any()):
             raise ValueError("adding a position the index already holds (positions are unique per row and KV head)")
-        if bool((positions >= 1 << self._position_bits).any()):
-            raise ValueError(
-                f"positions must be < 2**{self._position_bits} with bits={self.bits}, tables={self.tables}"
-            )
+        self._check_positions(positions)
         self._ensure_capacity(int((self.count() + valid.sum(-1)).max()))
         # the k-th new entry of a group goes to the k-th free slot of that group
         free_first = (self.slot_pos >= 0).to(torch.uint8).sort(dim=-1, stable=True).indices
         rank = valid.long().cumsum(-1) - 1
         row, head, i = valid.nonzero(as_tuple=True)
         slot = free_first[row, head, rank[row, head, i]]
-        self.codes[row, head, slot] = self.encode(keys[valid.to(keys.device)])  # same row-major order
+        self.payload[row, head, slot] = self._encode(keys[valid.to(keys.device)])  # same row-major order
         self.slot_pos[row, head, slot] = positions[row, head, i]
 
     def remove(self, positions: torch.Tensor) -> None:
@@ -193,7 +158,105 @@ class LSHIndex(_Groups):
         row, head, i = found.nonzero(as_tuple=True)
         self.slot_pos[row, head, slots[row, head, i]] = -1
 
-    def search(self, queries: torch.Tensor, n: int) -> torch.Tensor:
+    def count(self) -> torch.Tensor:
+        return (self.slot_pos >= 0).sum(-1)
+
+    def __len__(self) -> int:
+        return int((self.slot_pos >= 0).sum())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.payload, self.slot_pos))
+
+    def _ensure_capacity(self, needed: int) -> None:
+        capacity = self.slot_pos.shape[-1]
+        if needed <= capacity:
+            return
+        capacity = max(needed, 2 * capacity, self.min_capacity)
+        payload = self.payload.new_zeros(*self.groups, capacity, *self.payload.shape[3:])
+        slot_pos = self.slot_pos.new_full((*self.groups, capacity), -1)
+        payload[:, :, : self.payload.shape[2]] = self.payload
+        slot_pos[:, :, : self.slot_pos.shape[2]] = self.slot_pos
+        self.payload, self.slot_pos = payload, slot_pos
+
+    def _locate(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot of each of `positions` `[B, Hkv, n]` and whether it is held (False for -1)."""
+        if self.slot_pos.shape[-1] == 0:
+            return torch.zeros_like(positions), torch.zeros_like(positions, dtype=torch.bool)
+        held, order = self.slot_pos.sort(-1)
+        at = torch.searchsorted(held, positions.contiguous()).clamp_max(held.shape[-1] - 1)
+        found = (held.gather(-1, at) == positions) & (positions >= 0)
+        return order.gather(-1, at), found
+
+
+class LSHIndex(_SlotStore):
+    """Sign-random-projection LSH over keys, all (row, KV head) groups in one set of tensors.
+
+    The payload of an entry is its L table codes (b bits each, packed into the smallest integer
+    type that holds them), `codes[B, Hkv, capacity, L]`. `search` does not synchronise with the
+    host, and its work is `[B, Hkv, G, capacity, L]` integer ops (no chunking yet).
+
+    The estimate of max_g q·k is angular (key and query norms are not stored): the number of the
+    L*b bits where the codes of k and of query head g agree, `agree_g`, estimates their angle as
+    `pi * (1 - agree_g / (L*b))`. Two rankings, both maximised over the group's query heads:
+    - `rank="collisions"` (classical LSH): the candidates are the entries whose code equals some
+      query head's code in at least one table, ranked by the number of colliding tables, then by
+      `agree`, then by recency.
+    - `rank="hamming"`: every entry is a candidate, ranked by `agree`, then by recency. The search
+      scans all codes either way, so this costs the same; it keeps the information the collision
+      count throws away. On SmolLM2-135M (2K tokens of prose, 4 layers, top 64 of 1900 parked
+      keys, b=8, L=4) the attention mass retrieved was 0.51 against 0.18 for "collisions" (exact
+      top 64: 0.84, random: 0.03); with L=16 tables, 0.71. Hence the defaults: hamming, b=8, L=16.
+    """
+
+    ranks = ("collisions", "hamming")
+
+    def __init__(
+        self, head_dim: int, bits: int = 8, tables: int = 16, seed: int = 0, device="cpu", rank: str = "hamming"
+    ):
+        if rank not in self.ranks:
+            raise ValueError(f"unknown LSH rank {rank!r}; supported: {', '.join(self.ranks)}")
+        if not 1 <= int(bits) <= 62:
+            raise ValueError(f"bits must be in 1..62 (one table's code is packed into an int64), got {bits}")
+        if int(tables) < 1:
+            raise ValueError(f"tables must be >= 1, got {tables}")
+        self.bits, self.tables, self.rank = int(bits), int(tables), rank
+        self.code_dtype = next(
+            dtype
+            for dtype, width in ((torch.uint8, 8), (torch.int16, 15), (torch.int32, 31), (torch.int64, 62))
+            if self.bits <= width
+        )
+        super().__init__(head_dim, device, (self.tables,), self.code_dtype)
+        generator = torch.Generator().manual_seed(int(seed))
+        self.projection = torch.randn(self.tables * self.bits, self.head_dim, generator=generator).to(self.device)
+        self._bit_weights = torch.ones(1, dtype=torch.long).bitwise_left_shift(torch.arange(self.bits)).to(self.device)
+        # a search key packs (rank score, position) into one int64, so top-k is exact and deterministic
+        max_score = self.tables * (self.tables * self.bits + 1) + self.tables * self.bits
+        self._position_bits = 63 - max_score.bit_length()
+
+    @property
+    def codes(self) -> torch.Tensor:
+        """`[B, Hkv, capacity, L]` table codes of the entries."""
+        return self.payload
+
+    def encode(self, vectors: torch.Tensor) -> torch.Tensor:
+        """Table codes `[..., L]` of `vectors` `[..., D]`: bit j of table t is `sign(P_tj · v) > 0`."""
+        signs = vectors.to(self.device, torch.float32) @ self.projection.T > 0
+        signs = signs.view(*signs.shape[:-1], self.tables, self.bits)
+        return (signs.long() * self._bit_weights).sum(-1).to(self.code_dtype)
+
+    # --- the KeyIndex protocol -----------------------------------------------------------
+    def _encode(self, keys: torch.Tensor) -> torch.Tensor:
+        return self.encode(keys)
+
+    def _check_positions(self, positions: torch.Tensor) -> None:
+        if bool((positions >= 1 << self._position_bits).any()):
+            raise ValueError(
+                f"positions must be < 2**{self._position_bits} with bits={self.bits}, tables={self.tables}"
+            )
+
+    def search(self, queries: torch.Tensor, n: int, offsets: torch.Tensor | None = None) -> torch.Tensor:
+        """`offsets` are ignored: the estimate is angular, there is no logit to shift."""
         self._check_queries(queries, n)
         b, h = queries.shape[:2]
         out = torch.full((b, h, int(n)), -1, dtype=torch.long, device=self.device)
@@ -212,36 +275,9 @@ class LSHIndex(_Groups):
         out[..., : best.shape[-1]] = torch.where(best >= 0, best & ((1 << self._position_bits) - 1), -1)
         return out
 
-    def count(self) -> torch.Tensor:
-        return (self.slot_pos >= 0).sum(-1)
-
-    def __len__(self) -> int:
-        return int((self.slot_pos >= 0).sum())
-
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.slot_pos, self.projection))
-
-    # --- storage ------------------------------------------------------------------------
-    def _ensure_capacity(self, needed: int) -> None:
-        capacity = self.slot_pos.shape[-1]
-        if needed <= capacity:
-            return
-        capacity = max(needed, 2 * capacity, self.min_capacity)
-        codes = self.codes.new_zeros(*self.groups, capacity, self.tables)
-        slot_pos = self.slot_pos.new_full((*self.groups, capacity), -1)
-        codes[:, :, : self.codes.shape[2]] = self.codes
-        slot_pos[:, :, : self.slot_pos.shape[2]] = self.slot_pos
-        self.codes, self.slot_pos = codes, slot_pos
-
-    def _locate(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slot of each of `positions` `[B, Hkv, n]` and whether it is held (False for -1)."""
-        if self.slot_pos.shape[-1] == 0:
-            return torch.zeros_like(positions), torch.zeros_like(positions, dtype=torch.bool)
-        held, order = self.slot_pos.sort(-1)
-        at = torch.searchsorted(held, positions.contiguous()).clamp_max(held.shape[-1] - 1)
-        found = (held.gather(-1, at) == positions) & (positions >= 0)
-        return order.gather(-1, at), found
+        return super().nbytes + self.projection.numel() * self.projection.element_size()
 
 
 def _popcount(codes: torch.Tensor) -> torch.Tensor:
@@ -309,14 +345,16 @@ class FaissIndex(_Groups):
             if ids.size:
                 index.remove_ids(ids)
 
-    def search(self, queries: torch.Tensor, n: int) -> torch.Tensor:
+    def search(self, queries: torch.Tensor, n: int, offsets: torch.Tensor | None = None) -> torch.Tensor:
         self._check_queries(queries, n)
         b, h, g, _ = queries.shape
         out = np.full((b, h, int(n)), -1, dtype=np.int64)
         queries = queries.detach().to("cpu", torch.float32).numpy()
+        shift = np.zeros((b, h, g, 1), np.float32) if offsets is None else offsets.detach().to("cpu", torch.float32)
+        shift = np.asarray(shift).reshape(b, h, g, 1)
         for (row, head), index in zip(np.ndindex(b, h), self.indexes):
             scores, ids = index.search(np.ascontiguousarray(queries[row, head]), min(int(n), max(index.ntotal, 1)))
-            scores, ids = scores.ravel(), ids.ravel()
+            scores, ids = (scores - shift[row, head]).ravel(), ids.ravel()
             keep = ids >= 0
             scores, ids = scores[keep], ids[keep]
             # best score per position (a position can come back for several heads), recency on ties
@@ -340,11 +378,47 @@ class FaissIndex(_Groups):
         return len(self) * (4 * self.head_dim + 8)
 
 
-INDEXES = {"lsh": LSHIndex, "faiss": FaissIndex}
+class ExactIndex(_SlotStore):
+    """Exact top-n of max over the group's query heads of q·k: the parked keys in float32 on
+    `device` (default the CPU, beside the host tier), scored by one matmul per call and ranked by
+    one top-n. It returns what `FaissIndex` returns, but when the candidates are thousands per step
+    (long contexts, where a query needs over 10% of the context) one scan and one top-n beat faiss's
+    per-query-head heaps and their merge: 4 heads, 29K entries of 256 dims, n = 8192 took 2 ms
+    against 11 ms on a 2-core CPU. Ties come out in `torch.topk`'s order (float scores rarely tie)."""
+
+    def __init__(self, head_dim: int, device="cpu"):
+        super().__init__(head_dim, device, (int(head_dim),), torch.float32)
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """`[B, Hkv, capacity, D]` float32 keys of the entries."""
+        return self.payload
+
+    def _encode(self, keys: torch.Tensor) -> torch.Tensor:
+        return keys.to(self.device, torch.float32)
+
+    def search(self, queries: torch.Tensor, n: int, offsets: torch.Tensor | None = None) -> torch.Tensor:
+        self._check_queries(queries, n)
+        b, h = queries.shape[:2]
+        out = torch.full((b, h, int(n)), -1, dtype=torch.long, device=self.device)
+        if self.slot_pos.shape[-1] == 0:
+            return out
+        scores = torch.matmul(queries.to(self.device, torch.float32), self.keys.transpose(-1, -2))  # [B, Hkv, G, cap]
+        if offsets is not None:
+            scores = scores - offsets.to(self.device, torch.float32).unsqueeze(-1)
+        scores = scores.amax(2).masked_fill(self.slot_pos < 0, -torch.inf)
+        best = scores.topk(min(int(n), scores.shape[-1]), dim=-1)
+        out[..., : best.indices.shape[-1]] = torch.where(
+            best.values > -torch.inf, self.slot_pos.gather(-1, best.indices), -1
+        )
+        return out
+
+
+INDEXES = {"lsh": LSHIndex, "faiss": FaissIndex, "exact": ExactIndex}
 
 
 def make_index(name: str, **kwargs) -> KeyIndex:
-    """The index registered as `name` ("lsh" or "faiss"), built with `kwargs`."""
+    """The index registered as `name` ("lsh", "faiss" or "exact"), built with `kwargs`."""
     if name not in INDEXES:
         raise ValueError(f"unknown index {name!r}; choose one of: {', '.join(sorted(INDEXES))}")
     return INDEXES[name](**kwargs)
