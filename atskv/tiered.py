@@ -41,7 +41,7 @@ import torch
 from atskv.attention import SparseSession, SparsityConfig, attach, sparse
 from atskv.gqa import StreamedAttention, grouped_attention, grouped_queries, sdpa_attention
 from atskv.memory.host_tier import HostTier
-from atskv.memory.retrieval import make_index
+from atskv.memory.retrieval import INDEXES, make_index
 from atskv.memory.sparsity import INITIAL_MOMENTUM, LayerPolicy, SparsityBudget, SparsityManager
 from atskv.memory.tiered_cache import MOMENTUM, TieredKVCache, TieredLayer
 from atskv.selectors import make_selector
@@ -82,6 +82,8 @@ class TieringConfig:
                 "need refresh_every >= 1, retrieve_every >= 1, retrieve >= 0 and read_chunk >= 1, got "
                 f"{self.refresh_every}, {self.retrieve_every}, {self.retrieve}, {self.read_chunk}"
             )
+        if self.index not in INDEXES:
+            raise ValueError(f"unknown index {self.index!r}; choose one of: {', '.join(sorted(INDEXES))}")
         if isinstance(self.budget, int):
             self.sparsity_budget(self.budget)  # a budget too small for sinks + recent fails here, before any work
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -145,7 +147,9 @@ class TieredSession(SparseSession):
     def _make_index(self, keys: torch.Tensor):
         if self.tiering.retrieve == 0:
             return None
-        options = {"head_dim": keys.shape[-1], "device": keys.device, **self.tiering.index_options}
+        options = {"head_dim": keys.shape[-1], **self.tiering.index_options}
+        if INDEXES[self.tiering.index].on_model_device:  # the others stay on the host with the parked keys
+            options.setdefault("device", keys.device)
         return make_index(self.tiering.index, **options)
 
     # --- attention ------------------------------------------------------------------------------

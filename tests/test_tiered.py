@@ -238,12 +238,16 @@ def test_bad_budgets_and_selectors_fail_before_any_work():
         pass
     with pytest.raises(ValueError, match="cannot hold"), atskv.tiered(model, "h2o", budget=0.1):
         model(random_prompt(100))  # 10 tokens of 100: known only when the prompt arrives
+    with pytest.raises(ValueError, match="exact, faiss, lsh"):
+        atskv.TieringConfig(budget=100, index="annoy")
     with pytest.raises(TypeError, match="TieredKVCache"), atskv.tiered(model, "h2o", budget=100):
         model(random_prompt(10), past_key_values=atskv.SparseKVCache(model.config, [2, 3]))
 
 
 @pytest.mark.gpu
-def test_gpu_kv_memory_shrinks_by_allocator_figures():
+@pytest.mark.parametrize("index", ["lsh", "exact"])
+def test_gpu_kv_memory_shrinks_by_allocator_figures(index):
+    """Indexes as large as the keys (exact) stay on the host: the GPU holds the active tier only."""
     model = tiny_model("llama").cuda()
     prompt = random_prompt(900).cuda()
     torch.cuda.synchronize()
@@ -254,12 +258,14 @@ def test_gpu_kv_memory_shrinks_by_allocator_figures():
         dense = torch.cuda.memory_allocated() - base
         del dense_cache
         base = torch.cuda.memory_allocated()
-        with atskv.tiered(model, "h2o", budget=100, dense_layers=0) as session:
+        with atskv.tiered(model, "h2o", budget=100, dense_layers=0, index=index) as session:
             cache = session.new_cache()
             model(prompt, past_key_values=cache)
+            model(prompt[:, :1], past_key_values=cache)  # a decode step: retrieval runs
             tiered = torch.cuda.memory_allocated() - base
     assert tiered < 0.3 * dense
     assert all(cache.layers[i].host.keys.is_pinned() for i in cache.managed_layers)
+    assert cache.stats.read_tokens > 0
 
 
 def test_perplexity_evaluation_runs_tiered_and_matches_dense_when_nothing_moves():

@@ -31,7 +31,7 @@ Choices where the method leaves one open:
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -64,7 +64,11 @@ class KeyIndex(Protocol):
 
 
 class _Groups:
-    """Shape checks shared by the indexes: the (row, KV head) grid is fixed by the first add."""
+    """Shape checks shared by the indexes: the (row, KV head) grid is fixed by the first add.
+    `on_model_device`: whether the index belongs next to the model (small codes searched on the
+    GPU) or on the host beside the parked keys (anything as large as the keys themselves)."""
+
+    on_model_device: ClassVar[bool] = False
 
     def __init__(self, head_dim: int):
         if int(head_dim) < 1:
@@ -210,6 +214,7 @@ class LSHIndex(_SlotStore):
     """
 
     ranks = ("collisions", "hamming")
+    on_model_device = True  # L small codes per entry: cheap to keep beside the model and search there
 
     def __init__(
         self, head_dim: int, bits: int = 8, tables: int = 16, seed: int = 0, device="cpu", rank: str = "hamming"
