@@ -81,6 +81,25 @@ def test_moves_keep_every_token_in_exactly_one_tier_bit_identical():
     assert layer.parked_tokens == int(layer.parked.sum())
 
 
+def test_a_promotion_into_one_row_does_not_grow_the_others():
+    """Rows of a promotion are ragged: a row that brings nothing back needs no free slot, so the
+    GPU buffers grow only when a row lacks room for its own tokens, and padding writes nothing."""
+    torch.manual_seed(1)
+    layer = _layer(index=False)
+    k, v = torch.randn(B, H, 32, D), torch.randn(B, H, 32, D)
+    layer.update(k, v)
+    drop = torch.zeros(B, H, layer.length, dtype=torch.bool)
+    drop[0, 0, :16] = True  # only row 0, KV head 0 parks anything
+    layer.demote(drop)
+    length = layer.length
+    back = torch.full((B, H, 16), -1)
+    back[0, 0] = torch.arange(16)
+    layer.promote(back)
+    assert layer.length == length
+    keys, values = _lookup(layer, torch.arange(32))
+    assert torch.equal(keys, k) and torch.equal(values, v)
+
+
 def test_promoted_tokens_get_their_selector_state_back_and_fresh_momentum():
     layer = _layer()
     layer.update(torch.randn(B, H, 8, D), torch.randn(B, H, 8, D))

@@ -125,19 +125,30 @@ class SlotLayer(CacheLayerMixin):
         self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
     ) -> None:
         """Write tokens `[B, Hkv, n, D]` with their `positions` `[B, Hkv, n]` into free `slots`
-        `[B, Hkv, n]`; the slots' selector state restarts at its init. Position -1 leaves a slot
-        free (ragged rows travel padded)."""
-        self.keys.scatter_(2, slot_index(slots, self.keys), keys)
-        self.values.scatter_(2, slot_index(slots, self.values), values)
-        self.slot_pos.scatter_(2, slots, positions)
+        `[B, Hkv, n]`; the slots' selector state restarts at its init. Entries at position -1
+        (ragged rows travel padded) are not written: their slot may be any slot of the row."""
+        real = positions >= 0
+        if bool(real.all()):
+            self.keys.scatter_(2, slot_index(slots, self.keys), keys)
+            self.values.scatter_(2, slot_index(slots, self.values), values)
+            self.slot_pos.scatter_(2, slots, positions)
+            for tensor, init in self._slot_state.values():
+                idx = slot_index(slots, tensor)
+                tensor.scatter_(2, idx, torch.full(idx.shape, init, dtype=tensor.dtype, device=self.device))
+            return
+        b, h, i = real.nonzero(as_tuple=True)
+        s = slots[b, h, i]
+        self.keys[b, h, s] = keys[b, h, i]
+        self.values[b, h, s] = values[b, h, i]
+        self.slot_pos[b, h, s] = positions[b, h, i]
         for tensor, init in self._slot_state.values():
-            idx = slot_index(slots, tensor)
-            tensor.scatter_(2, idx, torch.full(idx.shape, init, dtype=tensor.dtype, device=self.device))
+            tensor[b, h, s] = init
 
-    def _claim_free_slots(self, n: int, free: torch.Tensor) -> torch.Tensor:
-        """First `n` free slots of every (row, KV head), growing the buffers where a row has fewer
-        (`free`: the current `[B, Hkv, S]` free-slot mask)."""
-        missing = n - int(free.sum(-1).min())
+    def _claim_free_slots(self, n: int, free: torch.Tensor, need: torch.Tensor | None = None) -> torch.Tensor:
+        """First `n` free slots of every (row, KV head) (`free`: the current `[B, Hkv, S]` free-slot
+        mask), growing the buffers only where a row has fewer free slots than it `need`s (`[B, Hkv]`,
+        default n: the other entries of a row are padding and are not written)."""
+        missing = int(((n if need is None else need) - free.sum(-1)).max())
         if missing > 0:
             self._ensure_capacity(self.length + missing)
             self.slot_pos[..., self.length : self.length + missing] = -1

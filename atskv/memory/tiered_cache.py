@@ -119,7 +119,7 @@ class TieredLayer(SlotLayer):
         keys, values = self.host.fetch(positions, self.device)
         positions = positions.to(self.device)
         free = self.slot_pos[..., : self.length] < 0
-        slots = self._claim_free_slots(positions.shape[-1], free)
+        slots = self._claim_free_slots(positions.shape[-1], free, need=(positions >= 0).sum(-1))
         self._write_slots(slots, keys, values, positions)
         self._restore_state(slots, positions)
         self.host.release(positions)
