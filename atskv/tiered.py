@@ -54,7 +54,9 @@ _REFRESHED_AT, _PROMPT = "tiered_refreshed_at", "tiered_prompt_tokens"
 class TieringConfig:
     """The active-tier budget and how tokens move. `budget`: GPU tokens per managed layer, row
     and KV head (int), or a fraction of the prompt; `retrieve`: parked candidates fetched per
-    retrieval (0: retrieval off), every `retrieve_every` decode steps; `index`: "lsh" or
+    retrieval (int, 0: retrieval off), or a fraction of the prompt, every `retrieve_every` decode
+    steps (default 1/8 of the prompt through the exact index: on Gemma 3 at 32K with a 10% budget
+    that kept perplexity within about 1% of dense at a decode step faster than dense); `index`: "lsh" or
     "faiss" or "exact", built with `index_options`; `read_chunk`: candidates attended per block
     (what retrieval holds on the GPU at once); `normalise_heads`: rank candidates by attention
     probability (each query head's logits minus its log-normaliser) rather than raw logit;
@@ -63,11 +65,11 @@ class TieringConfig:
 
     budget: int | float
     refresh_every: int = 16
-    retrieve: int = 64
+    retrieve: int | float = 0.125
     retrieve_every: int = 1
     read_chunk: int = 1024
     normalise_heads: bool = True
-    index: str = "lsh"
+    index: str = "exact"
     index_options: dict = field(default_factory=dict)
     host_path: str | Path | None = None
     max_tokens: int | None = None
@@ -82,12 +84,20 @@ class TieringConfig:
                 "need refresh_every >= 1, retrieve_every >= 1, retrieve >= 0 and read_chunk >= 1, got "
                 f"{self.refresh_every}, {self.retrieve_every}, {self.retrieve}, {self.read_chunk}"
             )
+        if isinstance(self.retrieve, float) and not 0 < self.retrieve <= 1:
+            raise ValueError(f"a fractional retrieve must be in (0, 1] of the prompt, got {self.retrieve}")
         if self.index not in INDEXES:
             raise ValueError(f"unknown index {self.index!r}; choose one of: {', '.join(sorted(INDEXES))}")
         if isinstance(self.budget, int):
             self.sparsity_budget(self.budget)  # a budget too small for sinks + recent fails here, before any work
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+    def retrieved_tokens(self, prompt_tokens: int) -> int:
+        """Candidates per retrieval for a prompt of `prompt_tokens`."""
+        if isinstance(self.retrieve, int):
+            return self.retrieve
+        return max(1, math.ceil(self.retrieve * prompt_tokens))
 
     def active_tokens(self, prompt_tokens: int) -> int:
         if isinstance(self.budget, int):
@@ -188,7 +198,8 @@ class TieredSession(SparseSession):
         attention probability a candidate would get (`KeyIndex.search`)."""
         queries = grouped_queries(view.query, view.keys.shape[1])[:, :, :, -1]  # [B, Hkv, G, D]
         offsets = log_normaliser / view.scaling if self.tiering.normalise_heads else None  # in q·k units
-        positions = layer.index.search(queries, self.tiering.retrieve, offsets=offsets).cpu()
+        n = self.tiering.retrieved_tokens(layer.state[_PROMPT])
+        positions = layer.index.search(queries, n, offsets=offsets).cpu()
         return positions, positions.to(view.keys.device, non_blocking=True)
 
     def _read_blocks(self, layer: TieredLayer, positions: torch.Tensor, on_device: torch.Tensor):

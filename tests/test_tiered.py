@@ -257,6 +257,9 @@ def test_bad_budgets_and_selectors_fail_before_any_work():
         pass
     with pytest.raises(ValueError, match="cannot hold"), atskv.tiered(model, "h2o", budget=0.1):
         model(random_prompt(100))  # 10 tokens of 100: known only when the prompt arrives
+    with pytest.raises(ValueError, match="fractional retrieve"):
+        atskv.TieringConfig(budget=100, retrieve=1.5)
+    assert atskv.TieringConfig(budget=100).retrieved_tokens(32000) == 4000
     with pytest.raises(ValueError, match="exact, faiss, lsh"):
         atskv.TieringConfig(budget=100, index="annoy")
     with pytest.raises(TypeError, match="TieredKVCache"), atskv.tiered(model, "h2o", budget=100):
@@ -292,7 +295,8 @@ def test_perplexity_evaluation_runs_tiered_and_matches_dense_when_nothing_moves(
 
     model = tiny_model("llama")
     windows = random_prompt(80, seed=5, batch=2)
-    keep_all, tight = _keep_everything(), dict(sinks=2, recent=8, refresh_every=4, retrieve=8)
+    # the cap (60 - 4 headroom) parks a few of the 64 prompt tokens; retrieving 64 reads them all back
+    keep_all, tight = {**_keep_everything(), "retrieve": 64}, dict(sinks=2, recent=8, refresh_every=4, retrieve=8)
     same = evaluate_perplexity(model, {80: windows}, ["h2o"], [60], n_eval=16, progress=False, tiering=keep_all)
     moved = evaluate_perplexity(model, {80: windows}, ["h2o"], [24], n_eval=16, progress=False, tiering=tight)
     dense, tiered = same
