@@ -10,9 +10,11 @@ into demotions with its adaptive thresholds, momentum and hard cap.
 One attention call of a managed layer (`TieredSession.attend`):
 1. every step attends over the whole active tier (dense over what is resident); every
    `retrieve_every` decode steps (default: every step) the index is searched with the group's
-   queries and the `retrieve` best parked candidates are fetched and attended directly in that
-   step together with the active tier, so a token that left the GPU is still read by the query
-   that needs it (a needle asked about right after the prompt);
+   queries and the `retrieve` best parked candidates (by the attention probability each query
+   head would give them: its logit minus its log-normaliser over the active tier) are fetched
+   and attended directly in that step together with the active tier, one block at a time
+   through a running softmax, so a token that left the GPU is still read by the query that
+   needs it (a needle asked about right after the prompt);
 2. every `refresh_every` tokens (and at the end of the prompt) the layer is rebalanced: the
    manager demotes active tokens by the selector's scores (they leave for the host) and promotes
    the fetched candidates whose attention mass in that step clears its promotion threshold, a
