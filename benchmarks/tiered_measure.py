@@ -7,6 +7,7 @@ host-to-device bandwidth of the tier's fetches against a plain pinned copy on th
         [--context 8192] [--budgets 0.1 0.2 0.5] [--retrieval off lsh faiss faiss-4096]
         [--tasks needle_single passkey --trials 8 --depths 0.1 0.5 0.9] [--ppl_windows 4] [--decode_steps 64]
         [--adaptive] [--ceilings oracle learned [--ceiling_budgets 0.1 0.2]]
+    python benchmarks/tiered_measure.py --out DIR --replot results-a.json results-b.json  # one figure of several runs
 
 `--retrieval lsh-N / faiss-N / exact-N` retrieves the N best parked candidates per step (default 64).
 `--ceilings` adds perplexity under `atskv.sparse` at the same budgets (the whole KV on the GPU,
@@ -152,7 +153,8 @@ def copy_bandwidth(device: str, kv_heads: int, head_dim: int, dtype) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--model")
+    parser.add_argument("--replot", nargs="+", type=Path, metavar="RESULTS", help="plot results files into DIR, no run")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--selector", default="learned")
     parser.add_argument("--predictor", help="exported predictor (the learned selector)")
@@ -176,6 +178,13 @@ def main() -> None:
     parser.add_argument("--ceilings", nargs="*", default=[], help="selectors for perplexity under atskv.sparse")
     parser.add_argument("--ceiling_budgets", type=float, nargs="+", help="budgets of --ceilings (default: --budgets)")
     args = parser.parse_args()
+    if args.replot:  # labels: what follows "results-" in each file name
+        runs = {path.stem.removeprefix("results-"): json.loads(path.read_text()) for path in args.replot}
+        args.out.mkdir(parents=True, exist_ok=True)
+        plot(runs, args.out / "quality-memory.png")
+        return
+    if not args.model:
+        parser.error("--model is required (unless --replot)")
     for mode in args.retrieval:
         try:
             retrieval(mode)
@@ -250,39 +259,44 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     (args.out / "summary.md").write_text(summary(results, args))
-    plot(results, args.out / "quality-memory.png")
+    plot({"": results}, args.out / "quality-memory.png")
     print((args.out / "summary.md").read_text())
 
 
-def plot(results: dict, path: Path) -> None:
-    """Perplexity over dense against the GPU memory the cache holds over dense, one marker per
-    retrieval mode, one point per budget: where people would rather look than read. Without CUDA
-    (no allocator figures) the KV buffers stand in for the memory."""
+def plot(runs: dict[str, dict], path: Path) -> None:
+    """Perplexity over dense against the GPU memory the cache holds over dense, one line per run
+    and retrieval mode, one point per budget (each against the dense model of its own run): where
+    people would rather look than read. `runs` maps a label ("" for a single run) to its results.
+    Without CUDA (no allocator figures) the KV buffers stand in for the memory."""
+    import matplotlib
     from matplotlib.figure import Figure
 
     from atskv.eval.figures import save_figure
 
-    measure = "cache_owned_bytes" if results["decode"]["dense"]["cache_owned_bytes"] else "cache_kv_bytes"
-    dense_bytes = results["decode"]["dense"][measure]
-    fig = Figure(figsize=(5.2, 3.6))
+    first = next(iter(runs.values()))
+    measure = "cache_owned_bytes" if first["decode"]["dense"]["cache_owned_bytes"] else "cache_kv_bytes"
+    fig = Figure(figsize=(6.4, 4.2) if len(runs) > 1 else (5.2, 3.6))
     ax = fig.subplots()
-    for mode, records in results["perplexity"].items():
-        dense = next(r["perplexity"] for r in records if r["budget"] is None)
-        points = [
-            (results["decode"][f"{mode}@{r['budget']}"][measure] / dense_bytes, r["perplexity"] / dense)
-            for r in records
-            if r["budget"] is not None
-        ]
-        ax.plot(*zip(*sorted(points)), marker="o", label=f"retrieval {mode}")
+    ax.set_prop_cycle(color=[matplotlib.colormaps["tab20"](i) for i in range(20)])
+    for label, results in runs.items():
+        dense_bytes = results["decode"]["dense"][measure]
+        for mode, records in results["perplexity"].items():
+            dense = next(r["perplexity"] for r in records if r["budget"] is None)
+            points = [
+                (results["decode"][f"{mode}@{r['budget']}"][measure] / dense_bytes, r["perplexity"] / dense)
+                for r in records
+                if r["budget"] is not None
+            ]
+            ax.plot(*zip(*sorted(points)), marker="o", label=f"{label}: {mode}" if label else f"retrieval {mode}")
     ax.axhline(1.0, color="black", lw=0.8, label="dense")
     ax.axhline(1.02, color="grey", ls=":", lw=0.8, label="dense + 2%")
     ax.set(
         xlabel="GPU memory of the cache / dense"
         + (" (allocator)" if measure == "cache_owned_bytes" else " (KV buffers)"),
         ylabel="perplexity / dense",
-        title=f"{results['model']}, {results['context']} tokens",
+        title=f"{first['model']}, {first['context']} tokens",
     )
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6 if len(runs) > 1 else 7)
     save_figure(fig, path)
 
 
