@@ -257,6 +257,8 @@ def test_bad_budgets_and_selectors_fail_before_any_work():
         pass
     with pytest.raises(ValueError, match="cannot hold"), atskv.tiered(model, "h2o", budget=0.1):
         model(random_prompt(100))  # 10 tokens of 100: known only when the prompt arrives
+    with pytest.raises(ValueError, match="read_chunk >= 1"):
+        atskv.TieringConfig(budget=100, read_chunk=0)
     with pytest.raises(ValueError, match="fractional retrieve"):
         atskv.TieringConfig(budget=100, retrieve=1.5)
     assert atskv.TieringConfig(budget=100).retrieved_tokens(32000) == 4000
