@@ -9,7 +9,8 @@ host-to-device bandwidth of the tier's fetches against a plain pinned copy on th
         [--adaptive] [--ceilings oracle learned [--ceiling_budgets 0.1 0.2]]
     python benchmarks/tiered_measure.py --out DIR --replot results-a.json results-b.json  # one figure of several runs
 
-`--retrieval lsh-N / faiss-N / exact-N` retrieves the N best parked candidates per step (default 64).
+`--retrieval lsh-N / faiss-N / exact-N[-everyK]` retrieves the N best parked candidates per step
+(on one step in K).
 `--ceilings` adds perplexity under `atskv.sparse` at the same budgets (the whole KV on the GPU,
 attention reads only each selector's choice): with `oracle` (every query's own top tokens by
 exact attention) it is what any selection of that many tokens can reach, the ceiling for the
@@ -50,14 +51,17 @@ RETRIEVAL = {
 
 
 def retrieval(mode: str) -> dict:
-    """The retrieval options of `mode`: a name of RETRIEVAL, or `<index>-<n>` (e.g. `faiss-4096`:
-    the n best parked candidates per step)."""
+    """The retrieval options of `mode`: a name of RETRIEVAL, or `<index>-<n>[-every<k>]` (e.g.
+    `exact-4096-every2`: the n best parked candidates, on one decode step in k)."""
     if mode in RETRIEVAL:
         return dict(RETRIEVAL[mode])
-    index, _, n = mode.partition("-")
-    if index in ("lsh", "faiss", "exact") and n.isdigit() and int(n) > 0:
-        return dict(index=index, retrieve=int(n))
-    raise argparse.ArgumentTypeError(f"retrieval {mode!r}: one of {', '.join(RETRIEVAL)}, or lsh-N / faiss-N / exact-N")
+    index, _, rest = mode.partition("-")
+    n, _, every = rest.partition("-every")
+    if index in ("lsh", "faiss", "exact") and n.isdigit() and int(n) > 0 and (not every or every.isdigit()):
+        return dict(index=index, retrieve=int(n), retrieve_every=int(every or 1))
+    raise argparse.ArgumentTypeError(
+        f"retrieval {mode!r}: one of {', '.join(RETRIEVAL)}, or lsh-N / faiss-N / exact-N, optionally -everyK"
+    )
 
 
 def tiering(mode: str, budget: float, adaptive: bool) -> dict:
