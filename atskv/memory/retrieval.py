@@ -355,8 +355,8 @@ class FaissIndex(_Groups):
         b, h, g, _ = queries.shape
         out = np.full((b, h, int(n)), -1, dtype=np.int64)
         queries = queries.detach().to("cpu", torch.float32).numpy()
-        shift = np.zeros((b, h, g, 1), np.float32) if offsets is None else offsets.detach().to("cpu", torch.float32)
-        shift = np.asarray(shift).reshape(b, h, g, 1)
+        offsets = torch.zeros(b, h, g) if offsets is None else offsets.detach().to("cpu", torch.float32)
+        shift = offsets.numpy().reshape(b, h, g, 1)  # per query head, broadcast over its n results
         for (row, head), index in zip(np.ndindex(b, h), self.indexes):
             scores, ids = index.search(np.ascontiguousarray(queries[row, head]), min(int(n), max(index.ntotal, 1)))
             scores, ids = (scores - shift[row, head]).ravel(), ids.ravel()
