@@ -129,6 +129,7 @@ def generate(
     """
     from atskv.eval.generation import encode_prompt
     from atskv.eval.generation import generate as run_generation
+    from atskv.selectors import selectors_for_model
 
     if prompt.startswith("@"):
         prompt = Path(prompt[1:]).read_text()
@@ -140,7 +141,7 @@ def generate(
         loaded.model,
         loaded.tokenizer,
         ids,
-        selector=selector,
+        selector=selectors_for_model([selector], loaded.name)[0] if selector else None,  # learned: its predictor
         budget=budget if selector else None,
         dense_layers=dense_layers,
         sparse_prefill=sparse_prefill,

@@ -100,3 +100,28 @@ def test_generate_tiered_from_the_command_line(tiny_model_dir, capsys):
     tiering = "{sinks: 2, recent: 8, refresh_every: 4, retrieve: 8}"
     assert run_cli([*args, "--budget", "40", "--tiering", tiering, "--dense_layers", "0"]) == 0
     assert "KV held" in capsys.readouterr().err
+
+
+def test_generate_with_the_learned_selector_finds_the_models_predictor(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """`--selector learned` uses the predictor exported for the model (as `eval` does), not a bare
+    selector without one."""
+    import torch
+
+    from atskv.models import load_model, model_geometry
+    from atskv.predictor.export import default_predictor_dir, export_predictor
+    from atskv.predictor.features import SCALAR_FEATURES
+    from atskv.predictor.model import FeatureSpec, RelevanceMLP
+
+    monkeypatch.setenv("ATSKV_CACHE", str(tmp_path))
+    loaded = load_model(tiny_model_dir, device="cpu")
+    config = loaded.model.config
+    spec = FeatureSpec(config.hidden_size, SCALAR_FEATURES, 2, config.num_key_value_heads)
+    types = torch.zeros(config.vocab_size, dtype=torch.int8)
+    export_predictor(RelevanceMLP(spec, reduced_width=8, hidden=16).eval(), types,
+                     default_predictor_dir(loaded.name), base_model=loaded.name,
+                     geometry=model_geometry(config), managed_layers=[2, 3])
+    prompt = " ".join(["word"] * 120)
+    args = ["generate", prompt, "--model", tiny_model_dir, "--selector", "learned", "--budget", "32",
+            "--max_new_tokens", "4", "--device", "cpu", "--chat", "false"]
+    assert run_cli(args) == 0
+    assert "[learned@32]" in capsys.readouterr().err
