@@ -57,13 +57,13 @@ class TieringConfig:
     """The active-tier budget and how tokens move. `budget`: GPU tokens per managed layer, row
     and KV head (int), or a fraction of the prompt; `retrieve`: parked candidates fetched per
     retrieval (int, 0: retrieval off), or a fraction of the prompt, every `retrieve_every` decode
-    steps (default 1/8 of the prompt through the exact index: on Gemma 3 at 32K with a 10% budget
-    that kept perplexity within about 1% of dense at a decode step faster than dense); `index`: "lsh" or
-    "faiss" or "exact", built with `index_options`; `read_chunk`: candidates attended per block
-    (what retrieval holds on the GPU at once); `normalise_heads`: rank candidates by attention
-    probability (each query head's logits minus its log-normaliser) rather than raw logit;
-    `host_path`: a folder for memory-mapped host tiers
-    instead of pinned memory; `max_tokens`: the longest sequence the host tier holds."""
+    steps (default 1/8 of the prompt through the exact index: on Gemma 3 at 32K with a 10%
+    budget that kept perplexity within about 1% of dense at a decode step faster than dense);
+    `index`: "lsh", "faiss" or "exact", built with `index_options`; `read_chunk`: candidates
+    attended per block (what retrieval holds on the GPU at once); `normalise_heads`: rank
+    candidates by attention probability (each query head's logits minus its log-normaliser)
+    rather than raw logit; `host_path`: a folder for memory-mapped host tiers instead of pinned
+    memory; `max_tokens`: the longest sequence the host tier holds."""
 
     budget: int | float
     refresh_every: int = 16

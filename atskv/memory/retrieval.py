@@ -121,9 +121,21 @@ class _SlotStore(_Groups):
         self.payload = torch.empty(0, 0, 0, *payload_shape, dtype=payload_dtype, device=self.device)
         self.slot_pos = torch.empty(0, 0, 0, dtype=torch.long, device=self.device)
 
-    def _encode(self, keys: torch.Tensor) -> torch.Tensor:
-        """The payload of `keys` `[n, D]`."""
+    def encode(self, keys: torch.Tensor) -> torch.Tensor:
+        """The payload of `keys` `[..., D]`."""
         raise NotImplementedError
+
+    def _best(self, queries: torch.Tensor, n: int, offsets: torch.Tensor | None) -> torch.Tensor:
+        """Positions `[B, Hkv, n]` of the best entries (-1 where fewer qualify); the store is not empty."""
+        raise NotImplementedError
+
+    def search(self, queries: torch.Tensor, n: int, offsets: torch.Tensor | None = None) -> torch.Tensor:
+        self._check_queries(queries, n)
+        out = torch.full((*queries.shape[:2], int(n)), -1, dtype=torch.long, device=self.device)
+        if self.slot_pos.shape[-1] > 0:
+            best = self._best(queries, min(int(n), self.slot_pos.shape[-1]), offsets)
+            out[..., : best.shape[-1]] = best
+        return out
 
     def _check_positions(self, positions: torch.Tensor) -> None:
         """Extra conditions on the positions of an add (raise ValueError)."""
@@ -145,7 +157,7 @@ class _SlotStore(_Groups):
         rank = valid.long().cumsum(-1) - 1
         row, head, i = valid.nonzero(as_tuple=True)
         slot = free_first[row, head, rank[row, head, i]]
-        self.payload[row, head, slot] = self._encode(keys[valid.to(keys.device)])  # same row-major order
+        self.payload[row, head, slot] = self.encode(keys[valid.to(keys.device)])  # same row-major order
         self.slot_pos[row, head, slot] = positions[row, head, i]
 
     def remove(self, positions: torch.Tensor) -> None:
@@ -251,22 +263,14 @@ class LSHIndex(_SlotStore):
         return (signs.long() * self._bit_weights).sum(-1).to(self.code_dtype)
 
     # --- the KeyIndex protocol -----------------------------------------------------------
-    def _encode(self, keys: torch.Tensor) -> torch.Tensor:
-        return self.encode(keys)
-
     def _check_positions(self, positions: torch.Tensor) -> None:
         if bool((positions >= 1 << self._position_bits).any()):
             raise ValueError(
                 f"positions must be < 2**{self._position_bits} with bits={self.bits}, tables={self.tables}"
             )
 
-    def search(self, queries: torch.Tensor, n: int, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    def _best(self, queries: torch.Tensor, n: int, offsets: torch.Tensor | None) -> torch.Tensor:
         """`offsets` are ignored: the estimate is angular, there is no logit to shift."""
-        self._check_queries(queries, n)
-        b, h = queries.shape[:2]
-        out = torch.full((b, h, int(n)), -1, dtype=torch.long, device=self.device)
-        if self.slot_pos.shape[-1] == 0:
-            return out
         q = self.encode(queries).unsqueeze(3)  # [B, Hkv, G, 1, L]
         k = self.codes.unsqueeze(2)  # [B, Hkv, 1, cap, L]
         score = self.tables * self.bits - _popcount(torch.bitwise_xor(q, k)).sum(-1)  # agreeing bits [B, Hkv, G, cap]
@@ -276,9 +280,8 @@ class LSHIndex(_SlotStore):
         score = score.amax(2)
         key = (score << self._position_bits) | self.slot_pos
         key = key.masked_fill((score < 0) | (self.slot_pos < 0), -1)
-        best = key.topk(min(int(n), key.shape[-1]), dim=-1).values
-        out[..., : best.shape[-1]] = torch.where(best >= 0, best & ((1 << self._position_bits) - 1), -1)
-        return out
+        best = key.topk(n, dim=-1).values
+        return torch.where(best >= 0, best & ((1 << self._position_bits) - 1), -1)
 
     @property
     def nbytes(self) -> int:
@@ -399,24 +402,16 @@ class ExactIndex(_SlotStore):
         """`[B, Hkv, capacity, D]` float32 keys of the entries."""
         return self.payload
 
-    def _encode(self, keys: torch.Tensor) -> torch.Tensor:
+    def encode(self, keys: torch.Tensor) -> torch.Tensor:
         return keys.to(self.device, torch.float32)
 
-    def search(self, queries: torch.Tensor, n: int, offsets: torch.Tensor | None = None) -> torch.Tensor:
-        self._check_queries(queries, n)
-        b, h = queries.shape[:2]
-        out = torch.full((b, h, int(n)), -1, dtype=torch.long, device=self.device)
-        if self.slot_pos.shape[-1] == 0:
-            return out
+    def _best(self, queries: torch.Tensor, n: int, offsets: torch.Tensor | None) -> torch.Tensor:
         scores = torch.matmul(queries.to(self.device, torch.float32), self.keys.transpose(-1, -2))  # [B, Hkv, G, cap]
         if offsets is not None:
             scores = scores - offsets.to(self.device, torch.float32).unsqueeze(-1)
         scores = scores.amax(2).masked_fill(self.slot_pos < 0, -torch.inf)
-        best = scores.topk(min(int(n), scores.shape[-1]), dim=-1)
-        out[..., : best.indices.shape[-1]] = torch.where(
-            best.values > -torch.inf, self.slot_pos.gather(-1, best.indices), -1
-        )
-        return out
+        best = scores.topk(n, dim=-1)
+        return torch.where(best.values > -torch.inf, self.slot_pos.gather(-1, best.indices), -1)
 
 
 INDEXES = {"lsh": LSHIndex, "faiss": FaissIndex, "exact": ExactIndex}

@@ -122,13 +122,18 @@ class SlotLayer(CacheLayerMixin):
         return self.keys.nbytes + self.values.nbytes
 
     def _write_slots(
-        self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+        self,
+        slots: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        ragged: bool = False,
     ) -> None:
         """Write tokens `[B, Hkv, n, D]` with their `positions` `[B, Hkv, n]` into free `slots`
-        `[B, Hkv, n]`; the slots' selector state restarts at its init. Entries at position -1
-        (ragged rows travel padded) are not written: their slot may be any slot of the row."""
-        real = positions >= 0
-        if bool(real.all()):
+        `[B, Hkv, n]`; the slots' selector state restarts at its init. `ragged`: rows are padded
+        with position -1, whose entries are not written (their slot may be any slot of the row);
+        otherwise every entry is real and one scatter per tensor writes them, without a sync."""
+        if not ragged:
             self.keys.scatter_(2, slot_index(slots, self.keys), keys)
             self.values.scatter_(2, slot_index(slots, self.values), values)
             self.slot_pos.scatter_(2, slots, positions)
@@ -136,7 +141,7 @@ class SlotLayer(CacheLayerMixin):
                 idx = slot_index(slots, tensor)
                 tensor.scatter_(2, idx, torch.full(idx.shape, init, dtype=tensor.dtype, device=self.device))
             return
-        b, h, i = real.nonzero(as_tuple=True)
+        b, h, i = (positions >= 0).nonzero(as_tuple=True)
         s = slots[b, h, i]
         self.keys[b, h, s] = keys[b, h, i]
         self.values[b, h, s] = values[b, h, i]

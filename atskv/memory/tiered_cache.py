@@ -120,7 +120,7 @@ class TieredLayer(SlotLayer):
         positions = positions.to(self.device)
         free = self.slot_pos[..., : self.length] < 0
         slots = self._claim_free_slots(positions.shape[-1], free, need=(positions >= 0).sum(-1))
-        self._write_slots(slots, keys, values, positions)
+        self._write_slots(slots, keys, values, positions, ragged=True)
         self._restore_state(slots, positions)
         self.host.release(positions)
         if self.index is not None:
