@@ -168,7 +168,7 @@ def main() -> None:
         "--retrieval",
         nargs="+",
         default=["off", "lsh", "faiss"],
-        help="off, lsh, faiss, lsh-every8, lsh-N, faiss-N, exact-N",
+        help="off, lsh, faiss, lsh-every8, or lsh-N, faiss-N, exact-N, each optionally -everyK",
     )
     parser.add_argument("--tasks", nargs="*", default=["needle_single", "passkey"])
     parser.add_argument("--trials", type=int, default=8)
