@@ -1,9 +1,9 @@
 """atskv: learned KV-cache relevance prediction and tiered KV memory for long-context LLMs."""
 
-from atskv.attention import SparseSession, SparsityConfig, sparse
+from atskv.hook.sparse import SparseSession, SparsityConfig, sparse
 from atskv.memory.slot_cache import SparseKVCache, kv_bytes
 from atskv.selectors import SELECTORS, make_selector
-from atskv.tiered import TieredSession, TieringConfig, tiered
+from atskv.hook.tiered import TieredSession, TieringConfig, tiered
 
 __version__ = "0.1.0"
 __all__ = [

@@ -18,7 +18,7 @@ import torch
 
 from atskv.data import corpus_windows
 from atskv.eval.perplexity import evaluate_perplexity
-from atskv.gqa import grouped_queries
+from atskv.hook.gqa import grouped_queries
 from atskv.models import load_model, resolve_device
 from atskv.selectors.base import LayerView, Selector
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from atskv.kernels.backend import jit, tl, triton, use_triton
 
-from atskv.gqa import grouped_queries
+from atskv.hook.gqa import grouped_queries
 
 
 def partial_scores_reference(

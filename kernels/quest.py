@@ -14,7 +14,7 @@ import math
 import torch
 from atskv.kernels.backend import jit, tl, triton, use_triton
 
-from atskv.gqa import grouped_queries
+from atskv.hook.gqa import grouped_queries
 
 
 def page_bounds(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,7 +27,7 @@ import math
 import torch
 from atskv.kernels.backend import jit, tl, triton, use_triton
 
-from atskv.gqa import grouped_probs
+from atskv.hook.gqa import grouped_probs
 
 # Split heuristic (see `choose_split_size`): a split walks at least MIN_SPLIT_TILES tiles, aims at
 # WAVES programs per SM over the whole grid, and never exceeds MAX_SPLITS.

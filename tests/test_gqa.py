@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from atskv.gqa import StreamedAttention, grouped_attention, sdpa_attention
+from atskv.hook.gqa import StreamedAttention, grouped_attention, sdpa_attention
 
 
 def reference(query, keys, values, mask, scaling):

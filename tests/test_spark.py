@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import atskv
-from atskv.gqa import grouped_probs
+from atskv.hook.gqa import grouped_probs
 from atskv.selectors import make_selector
 from atskv.selectors.spark import SparKSelector
 from tests.conftest import random_prompt, tiny_model

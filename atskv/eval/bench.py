@@ -24,7 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm.auto import tqdm
 from transformers import LlamaConfig
 
-from atskv.attention import SparseSession, SparsityConfig
+from atskv.hook.sparse import SparseSession, SparsityConfig
 from atskv.selectors import make_selector
 
 GEOMETRIES = {  # query heads, KV heads, head dim

@@ -14,7 +14,7 @@ from transformers.generation.streamers import BaseStreamer
 from atskv.data import TaskExample
 from atskv.memory.slot_cache import kv_bytes
 from atskv.selectors import Selector
-from atskv.tiered import memory_session
+from atskv.hook.tiered import memory_session
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from atskv.selectors import Selector, make_selector
 from atskv.selectors.base import check_budget
-from atskv.tiered import memory_session
+from atskv.hook.tiered import memory_session
 
 DENSE = "dense"
 

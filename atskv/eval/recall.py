@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from atskv.attention import SparseSession, SparsityConfig, attach
-from atskv.gqa import grouped_probs, sdpa_attention
+from atskv.hook.sparse import SparseSession, SparsityConfig, attach
+from atskv.hook.gqa import grouped_probs, sdpa_attention
 from atskv.selectors import Selector, make_selector
 from atskv.selectors.base import LayerView
 

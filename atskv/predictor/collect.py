@@ -41,7 +41,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from atskv.gqa import grouped_probs
+from atskv.hook.gqa import grouped_probs
 from atskv.models import DEFAULT_MODEL, model_geometry
 from atskv.predictor.features import SCALAR_FEATURES, attention_so_far, future_mass, scalar_features, topk_members
 from atskv.predictor.model import FeatureSpec
@@ -146,7 +146,7 @@ def collection_meta(model, spec: CollectSpec, model_name: str) -> dict:
 
 def managed_layers(model, dense_layers: int) -> list[int]:
     """The layers the hook manages with `dense_layers` (what the learned selector will score)."""
-    from atskv.attention import SparseSession, SparsityConfig
+    from atskv.hook.sparse import SparseSession, SparsityConfig
 
     return sorted(SparseSession(model, FeatureCapture(), SparsityConfig(1.0, dense_layers)).managed_layers)
 
@@ -193,7 +193,7 @@ def decision_features(
     """`{managed layer: (hidden [t+1, d_model], scalars [Hkv, t+1, F])}`: the features of every
     token 0..t at decision time t, from one dense forward of `ids[:, :t+1]` (`[1, >t]`) through
     the hook. No gradients (`no_grad`, not `inference_mode`: the results may feed a trained MLP)."""
-    from atskv.attention import sparse
+    from atskv.hook.sparse import sparse
 
     capture = FeatureCapture((t,))
     with sparse(model, capture, budget=1.0, dense_layers=dense_layers), torch.no_grad():
@@ -279,7 +279,7 @@ def attention_biases(model, biases: dict[int, list[tuple[int, torch.Tensor]]]) -
     """Inside the block `model` attends through `biased_attention_forward`: layer l adds every
     `(t, bias [B, Hkv, t+1])` of `biases[l]` to the logits of its queries after t; the other
     layers run SDPA. Full-sequence forwards, or a forward continuing a plain `DynamicCache`."""
-    from atskv.attention import _attention_modules
+    from atskv.hook.sparse import _attention_modules
 
     modules = [m for m in _attention_modules(model) if m.layer_idx in biases]
     previous = model.config._attn_implementation
@@ -328,7 +328,7 @@ def collect_window(
     model, key: str, window: torch.Tensor, types: torch.Tensor, spec: CollectSpec
 ) -> dict[str, torch.Tensor]:
     """The shard columns of one window (1-D ids); `types`: the token type of every id."""
-    from atskv.attention import sparse
+    from atskv.hook.sparse import sparse
 
     device = next(model.parameters()).device
     ids = window[: spec.span + 1].reshape(1, -1).to(device)

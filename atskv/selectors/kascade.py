@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from atskv.gqa import grouped_probs
+from atskv.hook.gqa import grouped_probs
 from atskv.selectors.base import LayerView, Selector, check_view_fits
 from atskv.selectors.kascade_profile import HOW_TO_COMPUTE, KascadeProfile
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from atskv.gqa import grouped_probs
+from atskv.hook.gqa import grouped_probs
 from atskv.models import DEFAULT_MODEL, ModelGeometry, model_geometry
 from atskv.paths import default_cache_dir
 from atskv.selectors.base import LayerView, Selector
@@ -196,7 +196,7 @@ def compute_kascade_profile(
 ) -> KascadeProfile:
     """Run `model` densely over token `windows` (1-D id tensors) and derive its Kascade profile
     (see the module docstring). `dense_layers` must match the hook's setting at run time."""
-    from atskv.attention import _attention_modules, sparse  # here: the hook imports the selector registry
+    from atskv.hook.sparse import _attention_modules, sparse  # here: the hook imports the selector registry
 
     if not windows:
         raise ValueError("need at least one development window")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from atskv.gqa import grouped_probs
+from atskv.hook.gqa import grouped_probs
 from atskv.selectors.base import LayerView, Selector
 
 

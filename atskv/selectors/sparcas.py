@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from atskv.gqa import grouped_queries
+from atskv.hook.gqa import grouped_queries
 from atskv.kernels.partial_scores import partial_scores
 from atskv.selectors.base import LayerView, Selector
 from atskv.selectors.buffers import with_room

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from atskv.gqa import grouped_queries
+from atskv.hook.gqa import grouped_queries
 from atskv.selectors.base import LayerView, Selector
 
 _THRESHOLD = "spark_threshold"  # per slot: saliency of its T-th channel (-inf: nothing pruned)

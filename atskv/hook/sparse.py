@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from atskv.gqa import grouped_attention, sdpa_attention
+from atskv.hook.gqa import grouped_attention, sdpa_attention
 from atskv.memory.slot_cache import SlotLayer, SparseKVCache
 from atskv.selectors import make_selector
 from atskv.selectors.base import LayerView, Selector, check_budget, select_top_budget
@@ -195,6 +196,19 @@ AttentionInterface.register(ATTENTION_NAME, atskv_attention_forward)
 AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
+def cache_argument(forward) -> str:
+    """The name a model's forward takes its cache under: `cache` from transformers 5.24 on,
+    `past_key_values` before (5.24 still accepts the old name, with a deprecation warning)."""
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def pop_cache(kwargs: dict):
+    """Remove and return the cache a caller passed under either name (None: none)."""
+    cache = kwargs.pop("cache", None)
+    old = kwargs.pop("past_key_values", None)
+    return cache if cache is not None else old
+
+
 def _attention_modules(model) -> list[torch.nn.Module]:
     modules = [m for m in model.modules() if hasattr(m, "layer_idx") and type(m).__name__.endswith("Attention")]
     if not modules:
@@ -235,17 +249,21 @@ def attach(model, session: SparseSession) -> Iterator[SparseSession]:
     original_forward, original_generate = model.forward, model.generate
     shadowed = {k: model.__dict__[k] for k in ("forward", "generate") if k in model.__dict__}
 
+    cache_arg = cache_argument(original_forward)
+
     @functools.wraps(original_forward)
-    def forward(*args, past_key_values=None, **kwargs):
+    def forward(*args, **kwargs):
         session.token_ids = kwargs.get("input_ids", args[0] if args else None)
-        return original_forward(*args, past_key_values=session.bind(past_key_values), **kwargs)
+        kwargs[cache_arg] = session.bind(pop_cache(kwargs))
+        return original_forward(*args, **kwargs)
 
     def keep_hidden(module, args, kwargs):  # the attention module's input: what a learned selector reads
         session.hidden[module.layer_idx] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
 
     @functools.wraps(original_generate)
-    def generate(*args, past_key_values=None, **kwargs):
-        return original_generate(*args, past_key_values=session.bind(past_key_values), **kwargs)
+    def generate(*args, **kwargs):
+        kwargs[cache_arg] = session.bind(pop_cache(kwargs))
+        return original_generate(*args, **kwargs)
 
     model.set_attn_implementation(ATTENTION_NAME)
     for m in modules:
