@@ -1,0 +1,10 @@
+"""The one error type for bad input: the CLI prints its message on one line and exits with code 2.
+
+Raise `InputError` (a `ValueError`, so library callers that catch `ValueError` keep working) for
+anything the user can fix: wrong paths, corrupt or mismatched files, budgets out of range, empty
+corpora. Its message is the whole story: what was wrong and what to do.
+"""
+
+
+class InputError(ValueError):
+    """Bad input from the user; the message says what and how to fix it."""
