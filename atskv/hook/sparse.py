@@ -209,7 +209,7 @@ def pop_cache(kwargs: dict):
     return cache if cache is not None else old
 
 
-def _attention_modules(model) -> list[torch.nn.Module]:
+def attention_modules(model) -> list[torch.nn.Module]:
     modules = [m for m in model.modules() if hasattr(m, "layer_idx") and type(m).__name__.endswith("Attention")]
     if not modules:
         raise ValueError(f"{type(model).__name__}: found no attention modules with a layer_idx to manage")
@@ -242,7 +242,7 @@ def sparse(
 def attach(model, session: SparseSession) -> Iterator[SparseSession]:
     """Route `model`'s attention and cache through `session` inside the block (what `sparse`
     does with a `SparseSession`; the recall probe attaches its own session subclass)."""
-    modules = _attention_modules(model)
+    modules = attention_modules(model)
     if any(hasattr(m, _SESSION_ATTR) for m in modules):
         raise RuntimeError("this model is already under atskv.sparse; nesting sessions on one model is not supported")
     previous_impl = model.config._attn_implementation

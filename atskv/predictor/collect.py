@@ -279,9 +279,9 @@ def attention_biases(model, biases: dict[int, list[tuple[int, torch.Tensor]]]) -
     """Inside the block `model` attends through `biased_attention_forward`: layer l adds every
     `(t, bias [B, Hkv, t+1])` of `biases[l]` to the logits of its queries after t; the other
     layers run SDPA. Full-sequence forwards, or a forward continuing a plain `DynamicCache`."""
-    from atskv.hook.sparse import _attention_modules
+    from atskv.hook.sparse import attention_modules
 
-    modules = [m for m in _attention_modules(model) if m.layer_idx in biases]
+    modules = [m for m in attention_modules(model) if m.layer_idx in biases]
     previous = model.config._attn_implementation
     model.set_attn_implementation(INFLUENCE_ATTENTION)
     for m in modules:

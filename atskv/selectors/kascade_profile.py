@@ -196,7 +196,7 @@ def compute_kascade_profile(
 ) -> KascadeProfile:
     """Run `model` densely over token `windows` (1-D id tensors) and derive its Kascade profile
     (see the module docstring). `dense_layers` must match the hook's setting at run time."""
-    from atskv.hook.sparse import _attention_modules, sparse  # here: the hook imports the selector registry
+    from atskv.hook.sparse import attention_modules, sparse  # here: the hook imports the selector registry
 
     if not windows:
         raise ValueError("need at least one development window")
@@ -209,7 +209,7 @@ def compute_kascade_profile(
         if not managed:
             raise ValueError(f"no layer is managed with dense_layers={dense_layers}")
         record = _cosine_recorder(cosines, queries)
-        modules = [m for m in _attention_modules(model) if m.layer_idx in session.managed_layers]
+        modules = [m for m in attention_modules(model) if m.layer_idx in session.managed_layers]
         hooks = [m.register_forward_hook(record, with_kwargs=True) for m in modules]
         try:
             for window in tqdm(windows, desc="kascade profile", unit="window"):
