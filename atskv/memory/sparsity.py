@@ -1,13 +1,14 @@
 """Adaptive sparsity: which active tokens stay on the GPU, which go to the host, which come back.
 
-Why. A fixed top-k keeps the same number of tokens whatever the context; ATSKV (DESIGN.md, "The
-method") instead keeps the tokens whose relevance clears a per-layer threshold that tightens as
-the active tier fills (memory feedback). Relevance of a single step is noisy, so a token is
-judged on a momentum of its recent verdicts (no flapping), and tokens cross between the tiers
-only across a gap (hysteresis), since every crossing is a host<->device copy. On top of the
-soft rule sits a hard cap: the cache sizes GPU buffers from it, so it is never exceeded.
-This module is pure tensor logic over `[B, Hkv, S]` (batch row, KV head, slot), on any device,
-without Python loops over rows or heads and without host syncs; it holds no KV itself.
+Why. A fixed top-k keeps the same number of tokens whatever the context; ATSKV (the proposal
+"Adaptive Token-Relevance Sparse KV-Cache for Efficient Long Context Understanding") instead keeps
+the tokens whose relevance clears a per-layer threshold that tightens as the active tier fills
+(memory feedback). Relevance of a single step is noisy, so a token is judged on a momentum of its
+recent verdicts (no flapping), and tokens cross between the tiers only across a gap (hysteresis),
+since every crossing is a host<->device copy. On top of the soft rule sits a hard cap: the cache
+sizes GPU buffers from it, so it is never exceeded. This module is pure tensor logic over
+`[B, Hkv, S]` (batch row, KV head, slot), on any device, without Python loops over rows or heads and without
+host syncs; it holds no KV itself.
 
 As implemented, per layer l with its `LayerPolicy` and per (row, KV head):
 - `q = q_min + (q_max - q_min) * min(1, current / target_active)`, `current` the active-token
@@ -20,7 +21,7 @@ As implemented, per layer l with its `LayerPolicy` and per (row, KV head):
   others up to `max_active` stay (ties: the newer token);
 - promotion: a passive candidate comes back if `r > tau_promote`, at most `free` per row, best first.
 
-Choices where DESIGN.md is silent:
+Choices where the proposal is silent:
 - Hysteresis lives in quantile space: `tau_promote = beta * quantile(r, min(1, q + promote_margin))`
   over the same active tokens, and `tau_demote = tau` (demotion additionally waits for the
   momentum to decay). A promoted token must rank among the top `1 - q - margin` of the active

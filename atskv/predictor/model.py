@@ -1,4 +1,5 @@
-"""The relevance predictor: `r = sigmoid(W2 · ReLU(W1 · [h; a; f] + b1) + b2)` (DESIGN.md).
+"""The relevance predictor: `r = sigmoid(W2 · ReLU(W1 · [h; a; f] + b1) + b2)` (the ATSKV
+proposal, "Adaptive Token-Relevance Sparse KV-Cache for Efficient Long Context Understanding").
 
 One MLP serves every managed layer and KV head, told which one it scores by small learned layer
 and head embeddings in its input. Separate MLPs per (layer, head) would multiply the parameters

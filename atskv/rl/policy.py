@@ -8,7 +8,8 @@ carry a leading sample dim K. Every policy divides logits by a `temperature` fir
   the sample. Log-probability and entropy are exact; `greedy` keeps p_i > 0.5 (l_i > 0).
 - `GumbelTopKPolicy(budget)`: k tokens drawn without replacement with probability proportional
   to exp(s) among those left (Plackett-Luce), sampled in one shot by perturbing s with Gumbel
-  noise and taking the top k (Kool et al., 2019); memory is fixed at k. The log-probability is
+  noise and taking the top k (Kool et al., 2019, "Stochastic Beams and Where to Find
+  Them", arXiv:1903.06059); memory is fixed at k. The log-probability is
   exact for the *ordered* selection it sampled (the unordered set would need a sum over k!
   orders): sum_j s_(j) - log sum_{i not yet drawn} exp(s_i). The normaliser after j draws is
   the mass of the tokens never drawn plus that of draws j..k, both sums of positive terms (a
@@ -19,7 +20,7 @@ carry a leading sample dim K. Every policy divides logits by a `temperature` fir
   the row is kept, what is sampled is how much each layer and KV head keeps. Why: with one
   Bernoulli decision per token the REINFORCE estimate's variance grows with the number of
   decisions (~170K per context for SmolLM2 at 2K) while its signal does not, so the estimate is
-  noise (`benchmarks/rl_signal.py`; the GPU runs in docs/benchmarks.md); here a context has only
+  noise (`benchmarks/rl_signal.py`; the GPU runs in docs/results.md); here a context has only
   rows-many actions (84 for SmolLM2). The log-probability is the Gaussian density of the levels
   (its gradient reaches the logits through c); a token is kept with probability Phi(s_i), so
   E[memory] = mean(Phi(s)) exactly; `greedy` keeps s_i > 0 (z = c), as Bernoulli's.

@@ -1,4 +1,5 @@
-"""The method's reward, `R = alpha * performance - (1 - alpha) * memory` (DESIGN.md, papers/004),
+"""The method's reward, `R = alpha * performance - (1 - alpha) * memory` (the ATSKV
+proposal, "Adaptive Token-Relevance Sparse KV-Cache for Efficient Long Context Understanding"),
 and the leave-one-out baseline over the K samples of one context.
 
 Performance is -NLL of the continuation (corpus windows) or task exact-match in {0, 1}; memory

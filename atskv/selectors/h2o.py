@@ -1,4 +1,5 @@
-"""H2O (Zhang et al., 2023): heavy hitters by accumulated attention, plus a recent window.
+"""H2O (Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large
+Language Models", arXiv:2306.14048): heavy hitters by accumulated attention, plus a recent window.
 
 Each token accumulates the attention mass it receives from every query (summed over the group's
 heads, as the hook works per KV head). Default from the paper: half the budget for heavy

@@ -1,4 +1,5 @@
-"""Kascade (Deshmukh et al., 2025): exact top-k in a few anchor layers, reused by the layers between.
+"""Kascade (Deshmukh et al., 2025, "Kascade: A Practical Sparse Attention Method for Long-Context LLM
+Inference", arXiv:2512.16391): exact top-k in a few anchor layers, reused by the layers between.
 
 In an anchor layer a token's score is its exact attention probability summed over the query
 heads of the KV group after the softmax (the paper's post-softmax GQA pooling); the hook keeps

@@ -1,6 +1,6 @@
-"""Kascade's per-model profile (Deshmukh et al., 2025): which managed layers compute their own
-top-k (*anchors*) and, for every other (*reuse*) layer, which KV head of its anchor each of its
-KV heads borrows the top-k from.
+"""Kascade's per-model profile (Deshmukh et al., 2025, arXiv:2512.16391): which managed layers compute
+their own top-k (*anchors*) and, for every other (*reuse*) layer, which KV head of its anchor each
+of its KV heads borrows the top-k from.
 
 It is measured once per model on development text, as the paper does:
 - attention of the last `queries` queries of each window, post-softmax and pooled over each KV

@@ -48,7 +48,7 @@ class LearnedSelector(Selector):
     refresh_every: int = 16
     # Keep only tokens whose logit exceeds this (0: the predictor's own decision, p > 1/2), the
     # budget then being a cap: how much each layer, KV head and context keeps follows the
-    # predictor's calibration, which is what policy-gradient fine-tuning learns (docs/benchmarks.md).
+    # predictor's calibration, which is what policy-gradient fine-tuning learns (docs/results.md).
     # None: fill the budget, the same amount in every layer and KV head.
     threshold: float | None = None
     _previous: tuple[int, torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)

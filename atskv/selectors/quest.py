@@ -1,4 +1,5 @@
-"""Quest (Tang et al., 2024): query-aware selection of whole pages from per-page key bounds.
+"""Quest (Tang et al., 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference",
+arXiv:2406.10774): query-aware selection of whole pages from per-page key bounds.
 
 The slots are cut into pages of `page_size` consecutive tokens (paper default 16). Each page keeps
 the element-wise min and max of its keys, and a query rates a page by the upper bound

@@ -1,4 +1,5 @@
-"""SnapKV (Li et al., 2024): keep the prompt tokens that the prompt's last queries attend to.
+"""SnapKV (Li et al., 2024, "SnapKV: LLM Knows What You are Looking for Before Generation",
+arXiv:2404.14469): keep the prompt tokens that the prompt's last queries attend to.
 
 After the (dense) prefill, the attention of the last `window` queries is summed over those
 queries and the group's heads, max-pooled along the tokens (`kernel`, to keep neighbourhoods),

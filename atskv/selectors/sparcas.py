@@ -1,6 +1,7 @@
-"""SparCas (`papers/000_*`): a dimension-first cascade. Pick the top D_b key dimensions by |q| once
-every U steps, keep a compact copy of the keys on those dimensions, and rank tokens by partial
-logits over that copy only.
+"""SparCas ("SparCas: A Dimension-First Cascade for Efficient Long-Context LLM Inference", anonymous,
+under double-blind review; no arXiv id): a dimension-first cascade. Pick the top D_b key dimensions
+by |q| once every U steps, keep a compact copy of the keys on those dimensions, and rank tokens by
+partial logits over that copy only.
 
 Paper defaults: D_b = 16 dimensions, refreshed every U = 64 decode steps, first two layers dense
 (the hook's `dense_layers=2`). Under GQA the paper chooses one dimension set per KV group from

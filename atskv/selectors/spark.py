@@ -1,4 +1,5 @@
-"""SparK (Liao et al., 2025): query-aware unstructured pruning of key channels, with recovery.
+"""SparK (Liao et al., 2025, "SparK: Query-Aware Unstructured Sparsity with Recoverable KV Cache
+Channel Pruning", arXiv:2508.15212): query-aware unstructured pruning of key channels, with recovery.
 
 After a dense (prefill) step, every held token keeps its T = floor((1 - prune_ratio) * D) key
 channels of highest saliency `w[t, j] = a[j] * |k[t, j]|`, where `a[j]` is the magnitude of

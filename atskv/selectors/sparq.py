@@ -1,5 +1,5 @@
-"""SparQ (Ribar et al., 2024): approximate attention from the r largest query components, then
-exact top-k.
+"""SparQ (Ribar et al., 2024, "SparQ Attention: Bandwidth-Efficient LLM Inference", arXiv:2312.04985):
+approximate attention from the r largest query components, then exact top-k.
 
 Each query head picks its own r dimensions with the largest |q| (as the authors' code, which
 expands K to the query heads) and approximates its logits on them (`atskv.kernels.partial_scores`,

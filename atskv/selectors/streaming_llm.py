@@ -1,4 +1,5 @@
-"""StreamingLLM (Xiao et al., 2023): a few attention-sink tokens plus the most recent window.
+"""StreamingLLM (Xiao et al., 2023, "Efficient Streaming Language Models with Attention Sinks",
+arXiv:2309.17453): a few attention-sink tokens plus the most recent window.
 
 Defaults from the paper: 4 sinks; the window is the rest of the budget. Sinks are the first
 *valid* tokens of each row, so left padding does not steal them. Query-agnostic and evicting.

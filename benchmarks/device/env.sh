@@ -1,7 +1,7 @@
 # Source on the GPU machine (`run` tool) from the repository root: installs the carried wheels
 # (.whl/: transformers 5.23 and friends; the image has 5.17) once per machine, maps `kernels/` to
 # `atskv.kernels` without an install, unpacks the carried corpora, and points ATSKV_CACHE there.
-# Model GGUFs travel in 50 MiB parts under .device/ (../shared/scripts/split-for-device) and are
+# Model GGUFs travel in parts under .device/ (`split -b 40M -d FILE FILE.part.`) and are
 # gathered in /tmp/mdl by `assemble`.
 [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD ATSKV_CACHE=/tmp/atskv-cache

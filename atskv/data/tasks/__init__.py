@@ -1,4 +1,5 @@
-"""Synthetic long-context tasks with exact answers, modelled on RULER (Hsieh et al., 2024) and
+"""Synthetic long-context tasks with exact answers, modelled on RULER (Hsieh et al., 2024,
+"RULER: What's the Real Context Size of Your Long-Context Language Models?", arXiv:2404.06654) and
 the pass-key test, built locally from a seed.
 
 A task is one generator ``(tokenizer, n_tokens, depth, seed, filler=None) -> TaskExample`` in

@@ -1,4 +1,4 @@
-"""Common-word extraction (RULER, Hsieh et al., 2024): a long numbered list of words in which a
+"""Common-word extraction (RULER, Hsieh et al., 2024, arXiv:2404.06654): a long numbered list of words in which a
 few words occur many times and all others a few times; the answer is the frequent ones (an
 aggregation task: the evidence is spread over the whole context, no single needle).
 

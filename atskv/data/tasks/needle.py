@@ -1,4 +1,4 @@
-"""Needle in a haystack, RULER's variants (Hsieh et al., 2024): a single key, several keys of
+"""Needle in a haystack, RULER's variants (Hsieh et al., 2024, arXiv:2404.06654): a single key, several keys of
 which one is asked for (the others are distractors), several values of one key that must all
 be produced.
 

@@ -1,5 +1,6 @@
-"""Pass-key retrieval (Mohtashami & Jaggi, 2023): a random number stated once inside filler
-text, asked for at the end."""
+"""Pass-key retrieval (Mohtashami & Jaggi, 2023, "Landmark Attention: Random-Access Infinite Context
+Length for Transformers", arXiv:2305.16300): a random number stated once inside filler text, asked
+for at the end."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Variable tracking (RULER, Hsieh et al., 2024): chains of assignments hidden in filler text,
+"""Variable tracking (RULER, Hsieh et al., 2024, arXiv:2404.06654): chains of assignments hidden in filler text,
 ``VAR QKZTW = 40213.`` then ``VAR MLOPA = VAR QKZTW.`` and so on; asked which variables hold
 the value, the answer is every variable of its chain (multi-hop tracing).
 
