@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import atskv.cli
+import atskv.cli.eval
 from atskv.data import TaskExample, filler_text
 from atskv.eval import peer
 from tests.conftest import tiny_bpe_tokenizer
@@ -58,9 +58,9 @@ def test_missing_venv_fails_first_with_the_setup_command(tmp_path, monkeypatch):
     def no_model(*args, **kwargs):
         raise AssertionError("the model was loaded before the kvpress venv was checked")
 
-    monkeypatch.setattr(atskv.cli, "_load", no_model)
+    monkeypatch.setattr("atskv.models.load_model", no_model)
     with pytest.raises(peer.KvpressNotInstalled, match="setup.sh"):
-        peer.peer_command(kvpress_python=python, out=tmp_path / "out")
+        atskv.cli.eval.peer(kvpress_python=python, out=tmp_path / "out")
 
 
 EXAMPLES = [

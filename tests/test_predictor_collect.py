@@ -11,7 +11,8 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 
 import atskv.predictor.collect as collect_module
 from atskv.data import TASKS
-from atskv.predictor.collect import collect, collect_command
+from atskv.cli.predictor import collect as collect_command
+from atskv.predictor.collect import collect
 from atskv.predictor.features import SCALAR_FEATURES
 from atskv.predictor.shards import ShardDataset
 from atskv.predictor.token_types import token_type_table

@@ -27,7 +27,6 @@ from pathlib import Path
 
 from atskv.data import TaskExample
 from atskv.eval.tasks import DENSE
-from atskv.models import DEFAULT_MODEL, resolve_device
 from atskv.paths import default_cache_dir
 
 PEER_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "peer_kvpress"
@@ -287,54 +286,14 @@ def markdown_table(rows: list[PeerRow]) -> str:
     return "\n".join(lines)
 
 
-# --- the command -------------------------------------------------------------------------------
+# --- the comparison ----------------------------------------------------------------------------
 
 
-def peer_command(
-    model: str = DEFAULT_MODEL,
-    task: str = "passkey",
-    lengths: list[int] = [1024, 2048],  # noqa: B006 (jsonargparse reads it)
-    trials: int = 3,
-    budgets: list[float] = [0.1, 0.25],  # noqa: B006
-    presses: list[str] = list(KVPRESS_PRESSES),  # noqa: B006
-    our_selectors: list[str] = ["snapkv", "streaming_llm", "h2o"],  # noqa: B006
-    kvpress_python: Path | None = None,
-    out: Path = Path("results/peer"),
-    max_new_tokens: int | None = None,
-    filler: str = "classic",
-    device: str = "auto",
-    dtype: str = "auto",
-) -> list[PeerRow]:
-    """NVIDIA kvpress's presses beside atskv's selectors on the same task prompts at the same
-    budgets; prints and writes a markdown table and JSON (accuracy, KV held vs dense).
-
-    Both compress the whole prompt, question included; atskv runs with every layer managed
-    (dense_layers=0) because kvpress compresses every layer; kvpress's compression ratio is
-    1 - budget. kvpress runs in its own venv (benchmarks/peer_kvpress/setup.sh).
-
-    Args:
-        model: a named model, a Hugging Face directory or a .gguf file (kvpress is given the
-            Hugging Face directory it loads from).
-        task: a task name from `atskv.data.TASKS`.
-        lengths: prompt lengths in tokens.
-        trials: examples per length (needle depths spread over the haystack).
-        budgets: KV kept, as fractions of the prompt.
-        presses: kvpress presses (snapkv, streaming_llm, observed_attention, expected_attention, tova).
-        our_selectors: atskv selectors to run beside them.
-        kvpress_python: the python of the kvpress venv (default: ~/.cache/atskv/venvs/kvpress).
-        out: output folder (peer.md, peer.json, examples.json, kvpress.json).
-        max_new_tokens: tokens generated per example; default: twice the answer's length plus 4.
-        filler: the haystack: "classic", "varied", or a corpus (name, folder or hf:...).
-        device: cpu, cuda, or auto.
-        dtype: float32, bfloat16, float16, or auto.
-    """
-    from atskv.data import filler_text
-    from atskv.eval.generation import encode_prompt, generate
-    from atskv.eval.tasks import answer_room
-    from atskv.models import load_model
+def check_peer_plan(python: Path, budgets: list[float], presses: list[str], our_selectors: list[str]) -> None:
+    """Refuse a missing kvpress venv, a budget that is not a fraction, an unknown selector or
+    press, before any model loads."""
     from atskv.selectors import make_selector
 
-    python = Path(kvpress_python) if kvpress_python else default_kvpress_python()
     check_kvpress(python)
     for budget in budgets:
         compression_ratio(budget)
@@ -344,12 +303,35 @@ def peer_command(
     if unknown:
         raise ValueError(f"unknown kvpress presses {unknown}; choose from {', '.join(KVPRESS_PRESSES)}")
 
-    device, torch_dtype = resolve_device(device, dtype)
-    dtype = str(torch_dtype).removeprefix("torch.")  # the kvpress side gets the same dtype by name
-    loaded = load_model(model, dtype=torch_dtype, device=device)
+
+def compare_with_kvpress(
+    loaded,
+    python: Path,
+    out: Path,
+    *,
+    task: str,
+    lengths: list[int],
+    trials: int,
+    budgets: list[float],
+    presses: list[str],
+    our_selectors: list[str],
+    max_new_tokens: int | None,
+    filler: str,
+    device: str,
+    dtype: str,
+) -> tuple[list[PeerRow], str]:
+    """Run the task prompts through `loaded` (an `atskv.models.LoadedModel`), dense and with each
+    of `our_selectors` at each budget, then through kvpress's `presses` (the venv of `python`);
+    write peer.md, peer.json, examples.json and kvpress.json under `out`. Returns the summary rows
+    and the table with its notes. `device` and `dtype` (by name) are the model's; kvpress gets
+    the same."""
+    from atskv.data import filler_text
+    from atskv.eval.generation import encode_prompt, generate
+    from atskv.eval.tasks import answer_room
+
     model_dir = Path(loaded.model.name_or_path)
     if not (model_dir / "config.json").is_file():
-        raise ValueError(f"kvpress needs a Hugging Face model directory; {model!r} loaded from {model_dir}")
+        raise ValueError(f"kvpress needs a Hugging Face model directory; {loaded.name!r} loaded from {model_dir}")
     examples = build_examples(loaded.tokenizer, task, lengths, trials, filler_text(filler))
     new_tokens = max_new_tokens or answer_room(loaded.tokenizer, [e.example for e in examples])
     out = Path(out)
@@ -397,5 +379,4 @@ def peer_command(
     }  # fmt: skip
     report = {"settings": settings_json, "rows": [asdict(r) for r in rows], "runs": [asdict(r) for r in runs]}
     (out / "peer.json").write_text(json.dumps(report, indent=1))
-    print(f"\n{table}\n\n{notes}\nwritten to {out}/ (peer.md, peer.json, examples.json, kvpress.json)")
-    return rows
+    return rows, f"{table}\n\n{notes}"

@@ -16,10 +16,9 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from atskv.data.tasks import DEPTH_FREE, TASKS, TaskExample, filler_text
+from atskv.data.tasks import DEPTH_FREE, TASKS, TaskExample
 from atskv.eval.generation import encode_prompt, generate_batch, pad_left
-from atskv.models import DEFAULT_MODEL, load_model, resolve_device
-from atskv.selectors import Selector, check_selector_names, selectors_for_model
+from atskv.selectors import Selector, check_selector_names
 from atskv.selectors.base import check_budget
 
 DENSE = "dense"
@@ -193,67 +192,3 @@ def write_report(results: Sequence[TaskResult], out: Path) -> None:
     (out / "table.md").write_text(markdown(results) + "\n")
     (out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
     plot(results, out / "tasks.png")
-
-
-def tasks_command(
-    model: str = DEFAULT_MODEL,
-    tasks: list[str] = list(TASKS),  # noqa: B006, B008 (jsonargparse reads it)
-    lengths: list[int] = [1024, 2048],  # noqa: B006
-    depths: list[float] = [0.1, 0.5, 0.9],  # noqa: B006
-    trials: int = 4,
-    selectors: list[str] = ["oracle", "quest", "snapkv", "h2o", "streaming_llm"],  # noqa: B006
-    budgets: list[int | float] = [64, 128, 256],  # noqa: B006
-    dense_layers: int = 2,
-    max_new_tokens: int | None = None,
-    batch_size: int = 8,
-    filler: str = "classic",
-    out: Path = Path("results/tasks"),
-    tiering: dict | None = None,
-    device: str = "auto",
-    dtype: str = "auto",
-) -> None:
-    """Synthetic long-context tasks with exact scoring, dense KV against each selector at each budget.
-
-    Pass key, needles, variable tracking and common words; prints the mean scores and writes
-    table.md, results.json and tasks.png.
-
-    Args:
-        model: a named model, a Hugging Face directory or a .gguf file.
-        tasks: task names (see `atskv.data.tasks.TASKS`).
-        lengths: prompt lengths in tokens.
-        depths: where the needle sits, as fractions of the haystack (common_words has none).
-        trials: seeded examples per task, length and depth.
-        selectors: selectors to compare with dense KV (see `atskv selectors`).
-        budgets: KV tokens kept per layer and KV head (int), or fractions of the context (float).
-        dense_layers: the first layers stay dense.
-        max_new_tokens: tokens to generate; default: twice the answer's length plus 4.
-        batch_size: examples generated together (left-padded).
-        filler: the haystack: "classic" (the pass-key test's repeated lines), "varied"
-            (generated sentences), or a corpus (name, folder or hf:...) whose text is used.
-        out: output folder.
-        tiering: run under `atskv.tiered` (GPU/host KV tiers) with these `TieringConfig` options,
-            e.g. '{retrieve: 64, index: faiss}' ('{}' for the defaults); none: `atskv.sparse`.
-        device: cpu, cuda, or auto.
-        dtype: float32, bfloat16, float16, or auto.
-    """
-    check_plan(tasks, lengths, depths, trials, selectors, budgets)
-    filler_str = filler_text(filler)
-    device, torch_dtype = resolve_device(device, dtype)
-    loaded = load_model(model, dtype=torch_dtype, device=device)
-    results = evaluate_tasks(
-        loaded,
-        tasks,
-        lengths,
-        depths,
-        trials,
-        selectors_for_model(selectors, loaded.name),
-        budgets,
-        dense_layers=dense_layers,
-        max_new_tokens=max_new_tokens,
-        batch_size=batch_size,
-        filler=filler_str,
-        tiering=tiering,
-    )
-    write_report(results, out)
-    print(markdown(results))
-    print(f"\nwritten to {out}/ (table.md, results.json, tasks.png)")

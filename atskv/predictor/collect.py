@@ -42,7 +42,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from atskv.hook.gqa import grouped_probs
-from atskv.models import DEFAULT_MODEL, model_geometry
+from atskv.models import model_geometry
 from atskv.predictor.features import SCALAR_FEATURES, attention_so_far, future_mass, scalar_features, topk_members
 from atskv.predictor.model import FeatureSpec
 from atskv.predictor.shards import ShardWriter
@@ -424,80 +424,4 @@ def collect(
     return writer.folder
 
 
-def collect_command(
-    model: str = DEFAULT_MODEL,
-    corpus: str = "austen",
-    windows: int = 32,
-    window_tokens: int = 2048,
-    decision_points: list[float] = [0.5, 0.75],  # noqa: B006 (read-only; a list for the CLI)
-    future_queries: int = 64,
-    topk: int = 128,
-    influence: bool = False,
-    dense_layers: int = 2,
-    seed: int = 0,
-    tasks: list[str] = [],  # noqa: B006
-    task_examples: int = 0,
-    out: Path | None = None,
-    device: str = "auto",
-    dtype: str = "auto",
-) -> Path:
-    """Collect the relevance predictor's training data: features and labels of MODEL's tokens.
-
-    Every window is run once densely; at each decision time t the tokens 0..t of every managed
-    layer and KV head get their features and the attention they receive from the next W
-    queries; all top-k tokens of that mass and as many others are stored. Rerunning into the
-    same folder resumes: finished windows are skipped.
-
-    Args:
-        model: a named model, a Hugging Face directory or a .gguf file.
-        corpus: training text: a corpus name, a folder of .txt files or hf:<dataset>.
-        windows: token windows to collect, spread evenly over the corpus.
-        window_tokens: tokens per window.
-        decision_points: decision times t as fractions of the window.
-        future_queries: W, the queries after t whose attention (and loss) define the labels.
-        topk: size of the oracle top-k set whose members are the positives.
-        influence: also compute the influence label (one extra forward and backward per window).
-        dense_layers: the first layers the hook keeps dense; use the same value at run time.
-        seed: seed of the negative sampling.
-        tasks: synthetic tasks (e.g. [passkey,needle_single]) whose prompts, answer appended, are
-            collected too, decided at the prompt's end with the answer's queries as the future.
-        task_examples: prompts per task (window_tokens long each).
-        out: output folder (default: data/collect/<model name>).
-        device: cpu, cuda, or auto.
-        dtype: float32, bfloat16, float16, or auto (bfloat16 on GPU, float32 on CPU).
-    """
-    from atskv.data import corpus_windows
-    from atskv.models import load_model, resolve_device
-
-    # fail early, before the model loads
-    CollectSpec(window_tokens, tuple(decision_points), future_queries, topk, influence, dense_layers, seed)
-    device, torch_dtype = resolve_device(device, dtype)
-    loaded = load_model(model, dtype=torch_dtype, device=device)
-    try:
-        ids = corpus_windows(loaded.tokenizer, corpus, window_tokens, windows)
-    except ValueError as err:
-        raise ValueError(
-            f"cannot collect {windows} windows of {window_tokens} tokens from corpus {corpus!r}: {err}"
-        ) from err
-    folder = collect(
-        loaded.model,
-        loaded.tokenizer,
-        ids,
-        out or Path("data/collect") / loaded.name,
-        decision_points=decision_points,
-        future_queries=future_queries,
-        topk=topk,
-        influence=influence,
-        dense_layers=dense_layers,
-        seed=seed,
-        model_name=loaded.name,
-        corpus=Path(corpus).name if "/" in corpus else corpus,
-        tasks=tasks,
-        task_examples=task_examples,
-    )
-    extra = f" and {task_examples} prompts of each of {', '.join(tasks)}" if tasks and task_examples else ""
-    print(f"collected {windows} windows{extra} into {folder}")
-    return folder
-
-
-__all__ = ["CollectSpec", "collect", "collect_command", "collect_items", "collection_meta", "influence_gradients"]
+__all__ = ["CollectSpec", "collect", "collect_items", "collection_meta", "influence_gradients"]

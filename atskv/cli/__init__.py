@@ -1,0 +1,82 @@
+"""The `atskv` command line. Thin: each subcommand is a function in one of this package's group
+modules whose signature is its command line (jsonargparse, so every option can also come from a
+YAML file under `configs/` via `--config`); it checks its options and calls the library.
+
+    run.py        demo, generate, selectors
+    data.py       data fetch|list
+    eval.py       eval recall|tasks|ppl|peer, bench
+    predictor.py  collect, fit, finetune, export (fit and finetune: LightningCLIs)
+    profile.py    profile kascade
+
+`COMMANDS` is the registry: a name maps to a command or to a group (a dict of commands with its
+`_help`). A command marked `passes_argv` (the LightningCLIs) gets the rest of the command line
+as it is and parses it itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+
+from jsonargparse import auto_cli
+
+from atskv.cli import data, predictor, profile, run
+from atskv.cli import eval as evaluation
+
+COMMANDS: dict[str, Callable | dict] = {
+    **run.COMMANDS,
+    "data": data.COMMANDS,
+    "bench": evaluation.bench,
+    **predictor.COMMANDS,
+    "profile": profile.COMMANDS,
+    "eval": evaluation.COMMANDS,
+}
+
+
+def passed_argv(commands: dict, argv: list[str]) -> tuple[Callable, list[str]] | None:
+    """The `passes_argv` command that `argv` names, with the arguments after its name; None when
+    it names an ordinary one (or none)."""
+    entry, depth = commands, 0
+    while isinstance(entry, dict) and depth < len(argv) and argv[depth] in entry and argv[depth] != "_help":
+        entry, depth = entry[argv[depth]], depth + 1
+    if callable(entry) and getattr(entry, "passes_argv", False):
+        return entry, argv[depth:]
+    return None
+
+
+def for_help(commands: dict) -> dict:
+    """The registry as jsonargparse gets it: a `passes_argv` command becomes a command without
+    options and the same docstring (it only shows in the list of subcommands)."""
+
+    def stand_in(command: Callable) -> Callable:
+        def listed() -> None:
+            raise AssertionError("main() hands this command its argv")
+
+        listed.__doc__ = command.__doc__
+        return listed
+
+    return {
+        name: for_help(entry) if isinstance(entry, dict)
+        else stand_in(entry) if getattr(entry, "passes_argv", False)
+        else entry
+        for name, entry in commands.items()
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        found = passed_argv(COMMANDS, argv)
+        if found:
+            command, rest = found
+            command(rest)
+        else:
+            auto_cli(for_help(COMMANDS), args=argv, as_positional=True, prog="atskv")
+    except (ValueError, FileNotFoundError, ImportError, TypeError) as error:
+        print(f"atskv: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+__all__ = ["COMMANDS", "main"]

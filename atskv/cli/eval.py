@@ -1,0 +1,288 @@
+"""`atskv eval recall|tasks|ppl|peer` and `atskv bench`: measure selectors against dense attention."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from atskv.cli.common import check_selection, load
+from atskv.data.tasks import TASKS
+from atskv.eval.peer import KVPRESS_PRESSES
+from atskv.models import DEFAULT_MODEL, resolve_device
+
+
+def recall(
+    model: str = DEFAULT_MODEL,
+    corpus: str = "sotu",
+    window_tokens: int = 2048,
+    windows: int = 4,
+    n_queries: int = 16,
+    selectors: list[str] = ["oracle", "quest", "sparq", "sparcas", "h2o", "snapkv", "streaming_llm"],  # noqa: B006
+    budgets: list[int] = [32, 64, 128, 256, 512, 1024],  # noqa: B006
+    dense_layers: int = 2,
+    batch_size: int = 4,
+    out: Path = Path("results/recall"),
+    device: str = "auto",
+    dtype: str = "auto",
+) -> None:
+    """Attention recall of each selector at each budget on held-out text windows.
+
+    Beside them, the per-query oracle and the best-single-set ceilings; writes table.md,
+    recall.json and recall.png.
+
+    Args:
+        model: a named model, a Hugging Face directory or a .gguf file.
+        corpus: held-out text (a corpus name, a folder of .txt files, or hf:NAME[:split]).
+        window_tokens: tokens per window (prompt plus the decoded queries).
+        windows: how many windows, spread evenly over the corpus.
+        n_queries: the last tokens of each window, decoded one at a time and measured.
+        selectors: selectors to measure (see `atskv selectors`).
+        budgets: token budgets per layer and KV head.
+        dense_layers: the first layers stay dense (and are not measured).
+        batch_size: windows per forward.
+        out: output folder.
+        tiering: run under `atskv.tiered` (GPU/host KV tiers) with these `TieringConfig` options,
+            e.g. '{retrieve: 64, index: faiss}' ('{}' for the defaults); none: `atskv.sparse`.
+        device: cpu, cuda, or auto.
+        dtype: float32, bfloat16, float16, or auto.
+    """
+    from atskv.data import corpus_windows
+    from atskv.eval.recall import attention_recall
+    from atskv.selectors import selectors_for_model
+
+    check_selection(selectors, budgets[0])
+    loaded = load(model, device, dtype)
+    ids = corpus_windows(loaded.tokenizer, corpus, window_tokens, windows)
+    report = attention_recall(
+        loaded.model, ids, selectors_for_model(selectors, loaded.name), budgets,
+        n_queries=n_queries, dense_layers=dense_layers,
+        batch_size=batch_size, model_name=loaded.name,
+    )
+    report.write(out)
+    print(report.markdown())
+    print(f"\nwritten to {out}/ (table.md, recall.json, recall.png)")
+
+
+def ppl(
+    model: str = DEFAULT_MODEL,
+    corpus: str = "sotu",
+    lengths: list[int] = [1024, 2048, 4096],  # noqa: B006
+    windows: int = 4,
+    n_eval: int = 64,
+    selectors: list[str] = ["quest", "h2o", "snapkv", "streaming_llm"],  # noqa: B006
+    budgets: list[int | float] = [0.1],  # noqa: B006
+    dense_layers: int = 2,
+    batch_size: int = 4,
+    out: Path = Path("results/ppl"),
+    tiering: dict | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+) -> None:
+    """Perplexity while decoding with each selector at each budget, beside the dense model's.
+
+    The last N_EVAL tokens of held-out windows are decoded one at a time after a dense prefill.
+
+    Args:
+        model: a named model, a Hugging Face directory or a .gguf file.
+        corpus: held-out text (a corpus name, a folder of .txt files, or hf:NAME[:split]).
+        lengths: window lengths in tokens.
+        windows: windows per length, spread evenly over the corpus.
+        n_eval: tokens scored at the end of each window.
+        selectors: selectors to measure.
+        budgets: token budgets (int) or fractions of the context (float).
+        dense_layers: the first layers stay dense.
+        batch_size: windows per forward.
+        out: output folder.
+        tiering: run under `atskv.tiered` (GPU/host KV tiers) with these `TieringConfig` options,
+            e.g. '{retrieve: 64, index: faiss}' ('{}' for the defaults); none: `atskv.sparse`.
+        device: cpu, cuda, or auto.
+        dtype: float32, bfloat16, float16, or auto.
+    """
+    from atskv.data import corpus_windows
+    from atskv.eval import perplexity
+    from atskv.selectors import selectors_for_model
+
+    for budget in budgets:
+        check_selection(selectors, budget)
+    loaded = load(model, device, dtype)
+    by_length = {n: corpus_windows(loaded.tokenizer, corpus, n, windows) for n in lengths}
+    records = perplexity.evaluate_perplexity(
+        loaded.model, by_length, selectors_for_model(selectors, loaded.name), budgets,
+        n_eval=n_eval, dense_layers=dense_layers, batch_size=batch_size, tiering=tiering
+    )
+    perplexity.write(records, out)
+    print(perplexity.markdown(records))
+
+
+def tasks(
+    model: str = DEFAULT_MODEL,
+    tasks: list[str] = list(TASKS),  # noqa: B006, B008 (jsonargparse reads it)
+    lengths: list[int] = [1024, 2048],  # noqa: B006
+    depths: list[float] = [0.1, 0.5, 0.9],  # noqa: B006
+    trials: int = 4,
+    selectors: list[str] = ["oracle", "quest", "snapkv", "h2o", "streaming_llm"],  # noqa: B006
+    budgets: list[int | float] = [64, 128, 256],  # noqa: B006
+    dense_layers: int = 2,
+    max_new_tokens: int | None = None,
+    batch_size: int = 8,
+    filler: str = "classic",
+    out: Path = Path("results/tasks"),
+    tiering: dict | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+) -> None:
+    """Synthetic long-context tasks with exact scoring, dense KV against each selector at each budget.
+
+    Pass key, needles, variable tracking and common words; prints the mean scores and writes
+    table.md, results.json and tasks.png.
+
+    Args:
+        model: a named model, a Hugging Face directory or a .gguf file.
+        tasks: task names (see `atskv.data.tasks.TASKS`).
+        lengths: prompt lengths in tokens.
+        depths: where the needle sits, as fractions of the haystack (common_words has none).
+        trials: seeded examples per task, length and depth.
+        selectors: selectors to compare with dense KV (see `atskv selectors`).
+        budgets: KV tokens kept per layer and KV head (int), or fractions of the context (float).
+        dense_layers: the first layers stay dense.
+        max_new_tokens: tokens to generate; default: twice the answer's length plus 4.
+        batch_size: examples generated together (left-padded).
+        filler: the haystack: "classic" (the pass-key test's repeated lines), "varied"
+            (generated sentences), or a corpus (name, folder or hf:...) whose text is used.
+        out: output folder.
+        tiering: run under `atskv.tiered` (GPU/host KV tiers) with these `TieringConfig` options,
+            e.g. '{retrieve: 64, index: faiss}' ('{}' for the defaults); none: `atskv.sparse`.
+        device: cpu, cuda, or auto.
+        dtype: float32, bfloat16, float16, or auto.
+    """
+    from atskv.data import filler_text
+    from atskv.eval.tasks import check_plan, evaluate_tasks, markdown, write_report
+    from atskv.selectors import selectors_for_model
+
+    check_plan(tasks, lengths, depths, trials, selectors, budgets)
+    filler_str = filler_text(filler)
+    loaded = load(model, device, dtype, announce=False)
+    results = evaluate_tasks(
+        loaded,
+        tasks,
+        lengths,
+        depths,
+        trials,
+        selectors_for_model(selectors, loaded.name),
+        budgets,
+        dense_layers=dense_layers,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        filler=filler_str,
+        tiering=tiering,
+    )
+    write_report(results, out)
+    print(markdown(results))
+    print(f"\nwritten to {out}/ (table.md, results.json, tasks.png)")
+
+
+def peer(
+    model: str = DEFAULT_MODEL,
+    task: str = "passkey",
+    lengths: list[int] = [1024, 2048],  # noqa: B006 (jsonargparse reads it)
+    trials: int = 3,
+    budgets: list[float] = [0.1, 0.25],  # noqa: B006
+    presses: list[str] = list(KVPRESS_PRESSES),  # noqa: B006
+    our_selectors: list[str] = ["snapkv", "streaming_llm", "h2o"],  # noqa: B006
+    kvpress_python: Path | None = None,
+    out: Path = Path("results/peer"),
+    max_new_tokens: int | None = None,
+    filler: str = "classic",
+    device: str = "auto",
+    dtype: str = "auto",
+) -> list:
+    """NVIDIA kvpress's presses beside atskv's selectors on the same task prompts at the same
+    budgets; prints and writes a markdown table and JSON (accuracy, KV held vs dense).
+
+    Both compress the whole prompt, question included; atskv runs with every layer managed
+    (dense_layers=0) because kvpress compresses every layer; kvpress's compression ratio is
+    1 - budget. kvpress runs in its own venv (benchmarks/peer_kvpress/setup.sh).
+
+    Args:
+        model: a named model, a Hugging Face directory or a .gguf file (kvpress is given the
+            Hugging Face directory it loads from).
+        task: a task name from `atskv.data.TASKS`.
+        lengths: prompt lengths in tokens.
+        trials: examples per length (needle depths spread over the haystack).
+        budgets: KV kept, as fractions of the prompt.
+        presses: kvpress presses (snapkv, streaming_llm, observed_attention, expected_attention, tova).
+        our_selectors: atskv selectors to run beside them.
+        kvpress_python: the python of the kvpress venv (default: ~/.cache/atskv/venvs/kvpress).
+        out: output folder (peer.md, peer.json, examples.json, kvpress.json).
+        max_new_tokens: tokens generated per example; default: twice the answer's length plus 4.
+        filler: the haystack: "classic", "varied", or a corpus (name, folder or hf:...).
+        device: cpu, cuda, or auto.
+        dtype: float32, bfloat16, float16, or auto.
+    """
+    from atskv.eval.peer import check_peer_plan, compare_with_kvpress, default_kvpress_python
+    from atskv.models import load_model
+
+    python = Path(kvpress_python) if kvpress_python else default_kvpress_python()
+    check_peer_plan(python, budgets, presses, our_selectors)
+    device, torch_dtype = resolve_device(device, dtype)
+    loaded = load_model(model, dtype=torch_dtype, device=device)
+    rows, report = compare_with_kvpress(
+        loaded, python, Path(out), task=task, lengths=lengths, trials=trials, budgets=budgets, presses=presses,
+        our_selectors=our_selectors, max_new_tokens=max_new_tokens, filler=filler, device=device,
+        dtype=str(torch_dtype).removeprefix("torch."),
+    )  # fmt: skip
+    print(f"\n{report}\nwritten to {out}/ (peer.md, peer.json, examples.json, kvpress.json)")
+    return rows
+
+
+def bench(
+    selectors: list[str] = ["oracle", "quest", "sparq", "sparcas", "snapkv"],  # noqa: B006
+    batch_sizes: list[int] = [1, 16],  # noqa: B006
+    contexts: list[int] = [8192, 32768, 131072],  # noqa: B006
+    budget: float = 0.05,
+    geometry: str = "llama3-8b",
+    steps: int = 50,
+    out: Path = Path("results/bench"),
+    device: str = "auto",
+    dtype: str = "auto",
+) -> None:
+    """Decode-attention latency of each selector's full path against dense SDPA, as ratios.
+
+    One managed layer's decode step (append, score, top budget, attend) is timed with CUDA events
+    in the same run as PyTorch SDPA over the whole context; writes table.md and bench.json.
+
+    Args:
+        selectors: selectors to time (see `atskv selectors`).
+        batch_sizes: batch sizes.
+        contexts: context lengths in tokens.
+        budget: KV budget as a fraction of the context.
+        geometry: attention shape: llama3-8b (32/8 heads, dim 128), smollm2-135m or gemma3-270m.
+        steps: timed decode steps per setting (after a warm-up).
+        out: output folder.
+        device: cuda, cpu, or auto.
+        dtype: bfloat16, float16, float32, or auto (bfloat16 on GPU, float32 on CPU).
+    """
+    import platform
+
+    from atskv.eval import bench as benchmark
+
+    device, torch_dtype = resolve_device(device, dtype)
+    records = benchmark.bench_decode_attention(
+        selectors, batch_sizes, contexts, budget, geometry, torch_dtype, device, steps=steps, warmup=max(3, steps // 5)
+    )
+    gpu = torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu"
+    meta = {"device": gpu, "dtype": str(torch_dtype), "geometry": geometry, "budget": budget}
+    meta["torch"] = torch.__version__
+    benchmark.write(records, out, meta)
+    print(f"{gpu}, {geometry}, {str(torch_dtype).removeprefix('torch.')}, budget {budget:.0%} of the context\n")
+    print(benchmark.markdown(records))
+
+
+COMMANDS = {
+    "recall": recall,
+    "ppl": ppl,
+    "tasks": tasks,
+    "peer": peer,
+    "_help": "Measure selectors against dense attention: attention recall, perplexity, tasks.",
+}
