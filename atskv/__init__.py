@@ -1,5 +1,6 @@
 """atskv: learned KV-cache relevance prediction and tiered KV memory for long-context LLMs."""
 
+from atskv.hook.decode import generate
 from atskv.hook.sparse import SparseSession, SparsityConfig, sparse
 from atskv.memory.slot_cache import SparseKVCache, kv_bytes
 from atskv.selectors import SELECTORS, make_selector
@@ -7,6 +8,6 @@ from atskv.hook.tiered import TieredSession, TieringConfig, tiered
 
 __version__ = "0.1.0"
 __all__ = [
-    "SELECTORS", "SparseKVCache", "SparseSession", "SparsityConfig", "TieredSession", "TieringConfig",
+    "SELECTORS", "SparseKVCache", "generate", "SparseSession", "SparsityConfig", "TieredSession", "TieringConfig",
     "kv_bytes", "make_selector", "sparse", "tiered",
 ]

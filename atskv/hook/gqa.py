@@ -124,3 +124,83 @@ def sdpa_attention(
         query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=group > 1
     )
     return out.transpose(1, 2)
+
+
+def attention_lse(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, causal: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with equal query and KV heads (`[B, H, Tq, D]`, `[B, H, S, D]`) that also returns
+    each query's log-sum-exp `[B, H, Tq]` (float32), so that attention over several key blocks can
+    be merged exactly (`merge_attention`). `causal` needs Tq == S. PyTorch's flash kernels (CUDA
+    in bf16/fp16, and the CPU one) where they apply, plain torch otherwise."""
+    ops = torch.ops.aten
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256:
+        out, lse = ops._scaled_dot_product_flash_attention(query, keys, values, 0.0, causal, scale=scaling)[:2]
+        return out, lse
+    if query.device.type == "cpu":
+        return ops._scaled_dot_product_flash_attention_for_cpu(query, keys, values, 0.0, causal, scale=scaling)
+    logits = torch.matmul(query, keys.transpose(-1, -2)).float() * scaling
+    if causal:
+        logits = logits.masked_fill(torch.ones_like(logits, dtype=torch.bool).triu(1), -torch.inf)
+    lse = logits.logsumexp(-1)
+    return torch.matmul(torch.exp(logits - lse.unsqueeze(-1)).to(values.dtype), values), lse
+
+
+def merge_attention(
+    first: tuple[torch.Tensor, torch.Tensor], second: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two attention results `(out [.., Tq, D], lse [.., Tq])` over disjoint key blocks -> the
+    result over their union (the same log-sum-exp merge flash-decoding uses between splits)."""
+    (out1, lse1), (out2, lse2) = first, second
+    lse = torch.logaddexp(lse1, lse2)
+    w1, w2 = torch.exp(lse1 - lse).unsqueeze(-1), torch.exp(lse2 - lse).unsqueeze(-1)
+    return (out1.float() * w1 + out2.float() * w2).to(out1.dtype), lse
+
+
+def prefix_causal_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix: int, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prompt chunk's attention: queries `[B, Hq, C, D]` are the last C of the S = prefix + C keys
+    `[B, Hkv, S, D]` and see every prefix key and, causally, the chunk's own. Two flash calls
+    merged by log-sum-exp, with no `[C, S]` mask: over the prefix the GQA group is folded into the
+    query rows (`[B, Hkv, G*C, D]`, no KV copy), over the chunk the C new keys are repeated to the
+    query heads (C rows, not the cache). Returns `[B, Hq, C, D]` and the log-sum-exp `[B, Hq, C]`."""
+    b, hq, c, d = query.shape
+    hkv = keys.shape[1]
+    group = hq // hkv
+    chunk_k = keys[:, :, prefix:].repeat_interleave(group, dim=1)
+    chunk_v = values[:, :, prefix:].repeat_interleave(group, dim=1)
+    result = attention_lse(query, chunk_k, chunk_v, scaling, causal=True)
+    if prefix == 0:
+        return result
+    folded = query.reshape(b, hkv, group * c, d)
+    out, lse = attention_lse(folded, keys[:, :, :prefix], values[:, :, :prefix], scaling)
+    return merge_attention((out.reshape(b, hq, c, -1), lse.reshape(b, hq, c)), result)
+
+
+def received_mass(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    lse: torch.Tensor,
+    allowed: torch.Tensor,
+    scaling: float,
+    max_elements: int = 1 << 27,
+) -> torch.Tensor:
+    """Attention mass each slot receives from `query` `[B, Hq, Tq, D]`, summed over the group's heads
+    and the queries, `[B, Hkv, S]`, given each query's log-sum-exp over everything it sees (`lse`
+    `[B, Hq, Tq]`) and which slots each query may see (`allowed(start, stop)` -> `[B, 1 or Hkv,
+    stop - start, S]`). Queries are taken in blocks so no `[Tq, S]` float buffer is larger than
+    `max_elements`: what H2O's accumulator needs from a long prompt without its attention matrix."""
+    b, hq, tq, _ = query.shape
+    hkv, s = keys.shape[1], keys.shape[2]
+    mass = torch.zeros(b, hkv, s, dtype=torch.float32, device=keys.device)
+    step = max(1, max_elements // max(1, b * hq * s))
+    k = keys.unsqueeze(2).transpose(-1, -2)
+    lse = lse.masked_fill(lse == -torch.inf, torch.inf)  # a query that sees nothing gives nothing
+    for start in range(0, tq, step):
+        stop = min(start + step, tq)
+        q = grouped_queries(query[:, :, start:stop], hkv)
+        logits = torch.matmul(q, k).float() * scaling
+        probs = torch.exp(logits - lse[:, :, start:stop].view(b, hkv, -1, stop - start, 1))
+        mass += torch.where(allowed(start, stop).unsqueeze(2), probs, 0.0).sum(dim=(2, 3))
+    return mass

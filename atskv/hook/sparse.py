@@ -24,10 +24,14 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from atskv.hook.gqa import grouped_attention, sdpa_attention
 from atskv.memory.slot_cache import SlotLayer, SparseKVCache
-from atskv.selectors import make_selector
+from atskv.models.geometry import attention_modules
+from atskv.selectors import resolve_selector
 from atskv.selectors.base import LayerView, Selector, check_budget, select_top_budget
 
 ATTENTION_NAME = "atskv"
+# the same attention function under a name with no mask function: transformers then builds no mask
+# at all, for the static decode path (atskv.hook.decode), which knows positions and padding itself
+STATIC_ATTENTION_NAME = "atskv-static"
 _SESSION_ATTR = "_atskv_session"
 
 
@@ -49,6 +53,8 @@ class SparsityConfig:
 class SparseSession:
     """Binds a model, a selector and a `SparsityConfig`; owns the cache of the current forward."""
 
+    attention_name = ATTENTION_NAME
+
     def __init__(self, model, selector: Selector, config: SparsityConfig):
         self.model = model
         self.selector = selector
@@ -62,6 +68,10 @@ class SparseSession:
         # what the step's forward saw, for selectors that set `needs_hidden` (filled by `attach`)
         self.hidden: dict[int, torch.Tensor] = {}
         self.token_ids: torch.Tensor | None = None
+
+    def handles(self, layer_idx: int) -> bool:
+        """Whether this layer's attention goes through `attend` (else transformers' SDPA)."""
+        return layer_idx in self.managed_layers
 
     def new_cache(self) -> SparseKVCache:
         return SparseKVCache(self.model.config, self.managed_layers)
@@ -184,7 +194,7 @@ def _visible_slots(
 def atskv_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """The registered attention function: managed layers go through the session, others to SDPA."""
     session: SparseSession | None = getattr(module, _SESSION_ATTR, None)
-    if session is None or module.layer_idx not in session.managed_layers:
+    if session is None or not session.handles(module.layer_idx):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("attention logit soft-capping is not supported on atskv-managed layers")
@@ -194,6 +204,7 @@ def atskv_attention_forward(module, query, key, value, attention_mask, dropout=0
 
 AttentionInterface.register(ATTENTION_NAME, atskv_attention_forward)
 AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+AttentionInterface.register(STATIC_ATTENTION_NAME, atskv_attention_forward)
 
 
 def cache_argument(forward) -> str:
@@ -207,13 +218,6 @@ def pop_cache(kwargs: dict):
     cache = kwargs.pop("cache", None)
     old = kwargs.pop("past_key_values", None)
     return cache if cache is not None else old
-
-
-def attention_modules(model) -> list[torch.nn.Module]:
-    modules = [m for m in model.modules() if hasattr(m, "layer_idx") and type(m).__name__.endswith("Attention")]
-    if not modules:
-        raise ValueError(f"{type(model).__name__}: found no attention modules with a layer_idx to manage")
-    return modules
 
 
 @contextlib.contextmanager
@@ -231,8 +235,7 @@ def sparse(
     >>> with atskv.sparse(model, selector="snapkv", budget=256):
     ...     out = model.generate(**inputs, max_new_tokens=16)
     """
-    if isinstance(selector, str):
-        selector = make_selector(selector)
+    selector = resolve_selector(selector, model)
     session = SparseSession(model, selector, SparsityConfig(budget, dense_layers, sparse_prefill, sparse_decode))
     with attach(model, session):
         yield session
@@ -265,7 +268,7 @@ def attach(model, session: SparseSession) -> Iterator[SparseSession]:
         kwargs[cache_arg] = session.bind(pop_cache(kwargs))
         return original_generate(*args, **kwargs)
 
-    model.set_attn_implementation(ATTENTION_NAME)
+    model.set_attn_implementation(session.attention_name)
     for m in modules:
         setattr(m, _SESSION_ATTR, session)
     hooks = []

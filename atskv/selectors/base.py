@@ -41,6 +41,9 @@ class LayerView:
     layer: SlotLayer
     hidden: torch.Tensor | None = None  # [B, Tq, d_model]: the attention input of the new tokens (needs_hidden)
     token_ids: torch.Tensor | None = None  # [B, Tq]: their input ids (needs_hidden; None with inputs_embeds)
+    # the longest context this step can have, when the caller fixes shapes ahead (a captured decode
+    # step is replayed for every token: its top-k size must be the largest any step needs)
+    longest: int | None = None
 
     @property
     def group_size(self) -> int:
@@ -77,6 +80,11 @@ class Selector:
         step on the hook's index path. The default ranks `scores`; a selector with a coarser
         structure (Quest's pages) ranks its units instead, which is cheaper."""
         return select_top_indices(self.scores(view)[:, :, 0], view.valid[:, :, 0], view)
+
+    def static_write(self, view: LayerView) -> None:
+        """Fast path (`atskv.hook.decode`), query-aware selectors: a decode token was just written
+        into the static cache; update per-layer state that is not a slot tensor (Quest's page
+        bounds) in place, with no host sync. Slot tensors are reset by the cache itself."""
 
     def unwanted(self, view: LayerView) -> torch.Tensor | None:
         """Held slots `[B, Hkv, S]` an evicting selector drops even where its budget has room (the
@@ -167,7 +175,10 @@ def select_top_indices(scores: torch.Tensor, valid: torch.Tensor, view: LayerVie
 
 def budget_tokens(view: LayerView) -> int:
     """The budget in tokens for the newest query of the longest row, from host-side counts only."""
-    return int(resolve_budget(view.budget, torch.tensor([view.layer.seen])))
+    longest = view.longest if view.longest is not None else view.layer.seen
+    if isinstance(view.budget, int):  # plain arithmetic: a decode step must not read tensors back
+        return min(longest, view.budget)
+    return min(longest, max(1, math.ceil(longest * view.budget)))
 
 
 def budget_lengths(view: LayerView, valid: torch.Tensor) -> torch.Tensor:

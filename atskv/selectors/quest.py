@@ -54,6 +54,7 @@ class QuestSelector(Selector):
         low, high = self._bounds(view)
         pages = quest_page_scores(view.query[:, :, -1], low, high)  # [B, Hkv, P]
         slots, size = view.keys.shape[2], self.page_size
+        pages = pages.masked_fill(~_page_has(view.valid[:, :, -1], size), -math.inf)  # a page of free slots only
         n_pages = min(math.ceil(budget_tokens(view) / size) + 2, pages.shape[-1])
         best = pages.topk(n_pages, dim=-1, sorted=True).indices  # [B, Hkv, n]
         newest_first = torch.arange(size - 1, -1, -1, device=best.device)
@@ -64,6 +65,23 @@ class QuestSelector(Selector):
         usable = in_range & valid.gather(-1, candidates)
         order = (~usable).to(torch.int8).argsort(dim=-1, stable=True)  # usable slots first, rank kept
         return candidates.gather(-1, order), budget_lengths(view, valid).minimum(usable.sum(-1))
+
+    def static_write(self, view: LayerView) -> None:
+        """Fast path: bounds over held slots only (the static buffer has free slots past the
+        end), then, each step, the page the new token went to is recomputed in place."""
+        state = view.layer.state.get(self.name)
+        size = self.page_size
+        if state is None:
+            low, high = _masked_bounds(view.keys, view.slot_pos >= 0, size)
+            view.layer.state[self.name] = _PageBounds(low, high, view.keys.shape[2])
+            return
+        page = (view.layer.write_slot // size).view(*view.layer.write_slot.shape, 1)  # the token written this step
+        slots = (page * size + torch.arange(size, device=page.device)).clamp(max=view.keys.shape[2] - 1)
+        keys = view.keys.gather(2, slots.unsqueeze(-1).expand(-1, -1, -1, view.keys.shape[-1]))
+        low, high = _masked_bounds(keys, view.slot_pos.gather(2, slots) >= 0, size)
+        index = page.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
+        state.low.scatter_(2, index, low)
+        state.high.scatter_(2, index, high)
 
     def _bounds(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
         """Page bounds of every slot in `view`, recomputing only the pages new slots fall into."""
@@ -83,3 +101,21 @@ class QuestSelector(Selector):
             state.slots = slots
         pages = math.ceil(slots / size)
         return state.low[:, :, :pages], state.high[:, :, :pages]
+
+
+def _page_has(valid: torch.Tensor, size: int) -> torch.Tensor:
+    """`[B, Hkv, P]`: pages holding at least one slot that `valid` (`[B, Hkv, S]`) allows."""
+    pad = -valid.shape[-1] % size
+    return torch.nn.functional.pad(valid, (0, pad)).unflatten(-1, (-1, size)).any(-1)
+
+
+def _masked_bounds(keys: torch.Tensor, held: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Page min/max of `keys` `[B, Hkv, S, D]` over the slots `held` marks (`[B, Hkv, S]`); a page with
+    none gets zeros (its score is masked out by `_page_has`)."""
+    pad = -keys.shape[2] % size
+    keys = torch.nn.functional.pad(keys, (0, 0, 0, pad)).unflatten(2, (-1, size))  # [B, Hkv, P, size, D]
+    held = torch.nn.functional.pad(held, (0, pad)).unflatten(-1, (-1, size)).unsqueeze(-1)
+    low = keys.masked_fill(~held, torch.inf).amin(3)
+    high = keys.masked_fill(~held, -torch.inf).amax(3)
+    empty = ~held.any(3)
+    return low.masked_fill(empty, 0), high.masked_fill(empty, 0)

@@ -1,0 +1,354 @@
+"""`atskv.generate`: the fast path. A chunked prefill that never builds a `[T, T]` buffer, then
+decode steps with static shapes and no host synchronisation, captured once in a CUDA graph and
+replayed for every token.
+
+Why a second session beside `SparseSession` (which stays the reference): the reference cache
+grows and compacts, its masks are `[B, Hkv, Tq, S]`, and it asks the host how many slots each
+row holds; all of that is right for studying selectors and wrong for speed. Here:
+- every layer's KV sits in a `StaticKVCache` sized once (prompt + new tokens; an evicting
+  selector's managed layers shrink to its budget + 1 after the prompt; sliding-window layers to
+  their window), and the model runs with an attention name that has no mask function, so
+  transformers builds no mask at all: this session knows positions and padding itself;
+- prompt chunks attend with flash kernels and a log-sum-exp merge (`prefix_causal_attention`),
+  or through a positional mask for sliding-window layers and padded batches; H2O-style
+  selectors get the mass each token received from the log-sum-exps, a block of queries at a time;
+- a decode step of a layer that keeps everything (dense layers, non-managed layers) and of a
+  query-aware selector is one sparse decode kernel over index lists (identity lists for dense);
+  an evicting selector drops its lowest-scoring token when its budget is full and writes the
+  next token into that slot. The top-k size is the budget of the longest context the call can
+  reach, the per-row budget a device tensor, so every step is the same graph.
+
+Same selection as the reference session: `tests/test_decode.py` checks token-identical greedy
+output on random models for every supported selector, and that a decode step makes no host
+synchronisation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+
+from atskv.hook.gqa import grouped_attention, prefix_causal_attention, received_mass
+from atskv.hook.sparse import STATIC_ATTENTION_NAME, SparseSession, SparsityConfig, attach
+from atskv.kernels.sparse_decode import sparse_decode_attention
+from atskv.memory.static_cache import StaticKVCache, StaticSlotLayer, first_free
+from atskv.selectors import make_selector
+from atskv.selectors.base import LayerView, Selector, resolve_budget
+
+# selectors whose decode state is written by the hook alone (slot tensors, in place) or by a
+# `static_write`; the others still need host-side bookkeeping per step
+# queries a selector's `prefill` sees at the end of the prompt (SnapKV's window is 32)
+LAST_QUERIES = 64
+FAST_SELECTORS = ("dense", "oracle", "quest", "sparq", "streaming_llm", "snapkv", "h2o")
+
+
+class StaticSession(SparseSession):
+    """A `SparseSession` over a `StaticKVCache` for one `generate` call; see the module docstring."""
+
+    attention_name = STATIC_ATTENTION_NAME
+
+    def __init__(
+        self, model, selector: Selector, config: SparsityConfig, prompt_tokens: int, max_new_tokens: int,
+        prefill_chunk: int,
+    ):  # fmt: skip
+        if selector.name not in FAST_SELECTORS or type(selector).unwanted is not Selector.unwanted:
+            raise ValueError(
+                f"selector {selector.name!r} has no fast decode path yet; use one of {', '.join(FAST_SELECTORS)}, "
+                "or `atskv.sparse` with `model.generate` (the reference path)"
+            )
+        if config.sparse_prefill:
+            raise ValueError("the fast path prefills densely; sparse_prefill needs the reference path (atskv.sparse)")
+        super().__init__(model, selector, config)
+        self.prompt_tokens, self.max_new_tokens, self.prefill_chunk = prompt_tokens, max_new_tokens, prefill_chunk
+        self.longest = prompt_tokens + max_new_tokens
+        self.budget_cap = int(resolve_budget(config.budget, torch.tensor([self.longest])))
+        self.real: torch.Tensor | None = None  # [B, T] bool: the prompt's non-padding tokens
+        self._identity: dict[tuple, torch.Tensor] = {}
+
+    def handles(self, layer_idx: int) -> bool:
+        return True  # every layer's cache is static
+
+    def evicting(self, layer_idx: int) -> bool:
+        return self.selector.evicts and self.is_managed(layer_idx)
+
+    def is_managed(self, layer_idx: int) -> bool:
+        return layer_idx in self.managed_layers and not self.selector.keeps_all and self.config.sparse_decode
+
+    def new_cache(self) -> StaticKVCache:
+        def capacity(layer_idx: int, window: int | None) -> int:
+            if window is not None:
+                return min(self.longest, window - 1 + self.prefill_chunk)
+            return self.prompt_tokens if self.evicting(layer_idx) else self.longest
+
+        return StaticKVCache(self.model.config, capacity)
+
+    def bind(self, cache) -> StaticKVCache:
+        if not isinstance(cache, StaticKVCache):
+            raise TypeError("atskv.generate runs on its own StaticKVCache")
+        self.cache = cache
+        return cache
+
+    # --- one attention call ----------------------------------------------------------------------
+    def attend(self, module, query, keys, values, attention_mask, scaling: float) -> torch.Tensor:
+        layer: StaticSlotLayer = self.cache.layers[module.layer_idx]
+        if layer.decoding:
+            return self.decode_step(module.layer_idx, layer, query, scaling)
+        return self.prompt_chunk(module.layer_idx, layer, query, scaling)
+
+    def prompt_chunk(self, layer_idx: int, layer: StaticSlotLayer, query, scaling: float) -> torch.Tensor:
+        """A prompt chunk of `C` queries whose K/V were just appended: attention over every earlier
+        prompt token, and the selector state a dense prefill would leave."""
+        c = query.shape[2]
+        stop = layer.filled
+        keys, values, slot_pos = layer.keys[:, :, :stop], layer.values[:, :, :stop], layer.slot_pos[:, :, :stop]
+        q_pos = torch.arange(layer.seen - c, layer.seen, device=query.device)
+
+        def allowed(start: int, end: int) -> torch.Tensor:  # [B, 1, end - start, S]
+            qp = q_pos[start:end].view(1, 1, -1, 1)
+            ok = (slot_pos[:, :1].unsqueeze(2) <= qp) & (slot_pos[:, :1].unsqueeze(2) >= 0)
+            if layer.window is not None:
+                ok = ok & (slot_pos[:, :1].unsqueeze(2) > qp - layer.window)
+            if self.real is not None:
+                ok = ok & self.real.gather(1, slot_pos[:, 0].clamp(min=0)).view(-1, 1, 1, stop)
+            return ok
+
+        if layer.window is None and self.real is None:
+            out, lse = prefix_causal_attention(query, keys, values, stop - c, scaling)
+        else:
+            out, lse = masked_attention_lse(query, keys, values, allowed, scaling)
+        if self.is_managed(layer_idx):
+            view = self._prompt_view(layer_idx, layer, query, scaling)
+            if self.selector.needs_attention:
+                mass = received_mass(query, keys, lse, allowed, scaling)
+                self.selector.observe(view, torch.nn.functional.pad(mass, (0, layer.capacity - stop)))
+            if layer.seen == self.prompt_tokens:
+                self.selector.prefill(self._last_queries_view(view, allowed))
+        return out.transpose(1, 2)
+
+    def _prompt_view(self, layer_idx, layer, query, scaling) -> LayerView:
+        stop = layer.filled
+        valid = (layer.slot_pos[:, :, :stop] >= 0).unsqueeze(2)
+        context = torch.full((1, 1, 1), layer.seen, device=query.device)
+        return LayerView(
+            layer_idx, query, layer.keys[:, :, :stop], valid, layer.slot_pos[:, :, :stop], context, scaling,
+            self.config.budget, layer,
+        )  # fmt: skip
+
+    def _last_queries_view(self, view: LayerView, allowed) -> LayerView:
+        """What a selector's `prefill` reads: the prompt's last `LAST_QUERIES` queries (SnapKV's
+        observation window; the last prompt chunk is a full one) with their causal visibility,
+        not a `[T, T]` mask."""
+        tq = view.query.shape[2]
+        w = min(LAST_QUERIES, tq)
+        valid = allowed(tq - w, tq).expand(-1, view.keys.shape[1], -1, -1)
+        context = self.real.sum(-1).view(-1, 1, 1) if self.real is not None else view.context
+        return LayerView(
+            view.layer_idx, view.query[:, :, -w:], view.keys, valid, view.slot_pos, context, view.scaling,
+            view.budget, view.layer,
+        )  # fmt: skip
+
+    def finish_prompt(self, real: torch.Tensor | None) -> None:
+        """After the last prompt chunk: each row's real tokens to the front, then an evicting
+        selector keeps its budget (chosen as the reference's dense step does) and its layers
+        shrink to budget + 1 slots, the one spare taking each new token."""
+        self.cache.finish_prompt(real)
+        for idx, layer in enumerate(self.cache.layers):
+            if not self.evicting(idx):
+                continue
+            view = self.decode_view(idx, layer, None, 1.0)
+            keep = self._top_budget(view, layer)
+            layer.evict(layer.slot_pos.ge(0) & ~keep)
+            layer.shrink(min(layer.capacity, self.budget_cap + 1))
+
+    def _top_budget(self, view: LayerView, layer: StaticSlotLayer) -> torch.Tensor:
+        from atskv.selectors.base import select_top_budget
+
+        scores = self.selector.scores(view)
+        return select_top_budget(scores, view.valid, view.budget, view.slot_pos, view.context)[:, :, 0]
+
+    # --- one decode step: static shapes, no host sync -------------------------------------------
+    def decode_view(self, layer_idx: int, layer: StaticSlotLayer, query, scaling: float) -> LayerView:
+        valid = layer.slot_pos >= 0
+        return LayerView(
+            layer_idx, query, layer.keys, valid.unsqueeze(2), layer.slot_pos, layer.context.view(-1, 1, 1), scaling,
+            self.config.budget, layer, longest=self.longest,
+        )  # fmt: skip
+
+    def decode_step(self, layer_idx: int, layer: StaticSlotLayer, query, scaling: float) -> torch.Tensor:
+        q = query[:, :, 0]
+        if self.evicting(layer_idx):
+            return self._evicting_step(layer_idx, layer, query, scaling)
+        if self.is_managed(layer_idx):
+            view = self.decode_view(layer_idx, layer, query, scaling)
+            self.selector.static_write(view)
+            indices, lengths = self.selector.decode_indices(view)
+        else:  # keeps everything: the held slots are a prefix of the buffer (a ring for sliding layers)
+            indices = self._identity_indices(layer)
+            lengths = (layer.slot_pos >= 0).sum(-1)
+        out = sparse_decode_attention(q, layer.keys, layer.values, indices, lengths, scaling)
+        if layer.window is None:
+            layer.write_slot.add_(1)
+        else:  # the oldest slot (a free one first) takes the next token
+            layer.write_slot.copy_(layer.slot_pos.argmin(-1))
+        return out.unsqueeze(1)
+
+    def _evicting_step(self, layer_idx: int, layer: StaticSlotLayer, query, scaling: float) -> torch.Tensor:
+        """Keep the budget: when the row holds more than its budget, the lowest-scoring token
+        (the oldest among equals, as the reference's ranking) is not attended and its slot takes
+        the next token."""
+        view = self.decode_view(layer_idx, layer, query, scaling)
+        valid = view.valid[:, :, 0]
+        scores = self.selector.scores(view)[:, :, 0].float().masked_fill(~valid, torch.inf)
+        lowest = scores.amin(-1, keepdim=True)
+        oldest = layer.slot_pos.masked_fill(~(valid & (scores == lowest)), torch.iinfo(torch.long).max)
+        victim = oldest.argmin(-1, keepdim=True)  # [B, Hkv, 1]
+        over = valid.sum(-1, keepdim=True) > resolve_budget(view.budget, layer.context.view(-1, 1, 1))
+        drop = torch.zeros_like(valid).scatter_(-1, victim, over)
+        keep = valid & ~drop
+        out, mass = grouped_attention(query, layer.keys, layer.values, keep.unsqueeze(2), scaling,
+                                      want_mass=self.selector.needs_attention)  # fmt: skip
+        if mass is not None:
+            self.selector.observe(view, mass)
+        layer.evict(drop)
+        layer.write_slot.copy_(torch.where(over, victim, first_free(layer.slot_pos).unsqueeze(-1))[..., 0])
+        return out
+
+    def _identity_indices(self, layer: StaticSlotLayer) -> torch.Tensor:
+        b, h, s = layer.slot_pos.shape
+        key = (b, h, s, layer.slot_pos.device)
+        if key not in self._identity:
+            self._identity[key] = torch.arange(s, dtype=torch.int32, device=layer.slot_pos.device).expand(b, h, s)
+        return self._identity[key]
+
+
+def masked_attention_lse(query, keys, values, allowed: Callable[[int, int], torch.Tensor], scaling: float,
+                         max_elements: int = 1 << 27):  # fmt: skip
+    """Attention of `query` `[B, Hq, Tq, D]` over `keys` `[B, Hkv, S, D]` where `allowed(start, stop)`
+    (`[B, 1, n, S]`) permits, a block of queries at a time (sliding windows, padded batches).
+    Returns `[B, Hq, Tq, D]` and the log-sum-exp `[B, Hq, Tq]`; a query with nothing allowed gets zeros."""
+    b, hq, tq, d = query.shape
+    hkv, s = keys.shape[1], keys.shape[2]
+    out = query.new_empty(b, hq, tq, values.shape[-1])
+    lse = torch.empty(b, hq, tq, dtype=torch.float32, device=query.device)
+    step = max(1, max_elements // max(1, b * hq * s))
+    k = keys.unsqueeze(2).transpose(-1, -2)
+    for start in range(0, tq, step):
+        stop = min(start + step, tq)
+        q = query[:, :, start:stop].reshape(b, hkv, hq // hkv, stop - start, d)
+        logits = (torch.matmul(q, k).float() * scaling).masked_fill(~allowed(start, stop).unsqueeze(2), -torch.inf)
+        block_lse = logits.logsumexp(-1)
+        probs = torch.exp(logits - block_lse.nan_to_num(neginf=0.0).unsqueeze(-1))
+        out[:, :, start:stop] = torch.matmul(probs.to(values.dtype), values.unsqueeze(2)).reshape(b, hq, stop - start, -1)
+        lse[:, :, start:stop] = block_lse.reshape(b, hq, stop - start)
+    return out, lse
+
+
+class GraphedStep:
+    """`step()` run eagerly once (a real decode step that also warms up kernels and allocators),
+    then captured in a CUDA graph on its second call and replayed from then on. Off CUDA, or with
+    `enabled=False`, every call runs eagerly."""
+
+    def __init__(self, step: Callable[[], torch.Tensor], device: torch.device, enabled: bool = True):
+        self.step, self.device = step, device
+        self.enabled = enabled and device.type == "cuda"
+        self.calls = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.output: torch.Tensor | None = None
+
+    def __call__(self) -> torch.Tensor:
+        self.calls += 1
+        if not self.enabled:
+            return self.step()
+        if self.graph is not None:
+            self.graph.replay()
+            return self.output
+        if self.calls == 1:  # warm-up: a side stream, as CUDA graph capture wants
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                out = self.step()
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            return out
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.output = self.step()
+        self.graph.replay()
+        return self.output
+
+
+@torch.no_grad()
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    selector: Selector | str = "dense",
+    budget: int | float = 0.1,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    max_new_tokens: int = 32,
+    dense_layers: int = 2,
+    prefill_chunk: int = 4096,
+    cuda_graph: bool = True,
+    eos_token_id: int | None = None,
+) -> torch.Tensor:
+    """Greedy generation under a selector and budget on the fast path: `[B, T + new]` token ids.
+
+    >>> out = atskv.generate(model, ids, "quest", budget=0.05, max_new_tokens=64)
+
+    Same tokens as `with atskv.sparse(model, selector, budget): model.generate(ids, do_sample=False)`
+    for the selectors in `FAST_SELECTORS`; prompts are processed `prefill_chunk` tokens at a time."""
+    if isinstance(selector, str):
+        selector = make_selector(selector)
+    if max_new_tokens < 1 or prefill_chunk < LAST_QUERIES:
+        raise ValueError(
+            f"need max_new_tokens >= 1 and prefill_chunk >= {LAST_QUERIES}, got {max_new_tokens}, {prefill_chunk}"
+        )
+    b, t = input_ids.shape
+    session = StaticSession(model, selector, SparsityConfig(budget, dense_layers), t, max_new_tokens, prefill_chunk)
+    with static_session(model, session):
+        return _generate(model, session, input_ids, attention_mask, max_new_tokens, prefill_chunk, cuda_graph,
+                         eos_token_id)  # fmt: skip
+
+
+@contextlib.contextmanager
+def static_session(model, session: StaticSession) -> Iterator[StaticSession]:
+    with attach(model, session):
+        yield session
+
+
+def _generate(model, session, input_ids, attention_mask, max_new_tokens, prefill_chunk, cuda_graph, eos_token_id):
+    b, t = input_ids.shape
+    device = input_ids.device
+    real = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()
+    session.real = real
+    positions = (real.long().cumsum(-1) - 1).clamp(min=0) if real is not None else torch.arange(t, device=device).expand(b, t)
+    cache = session.new_cache()
+    first = t - (math.ceil(t / prefill_chunk) - 1) * prefill_chunk  # the last chunk is a full one
+    for start in [0, *range(first, t, prefill_chunk)]:
+        stop = min(start + (first if start == 0 else prefill_chunk), t)
+        logits = model(input_ids=input_ids[:, start:stop], position_ids=positions[:, start:stop], past_key_values=cache,
+                       use_cache=True, logits_to_keep=1).logits  # fmt: skip
+    session.finish_prompt(real)
+    session.real = None
+    token = logits[:, -1].argmax(-1)
+    ids_in = token.view(b, 1).clone()
+    pos_in = positions[:, -1:] + 1
+
+    def step() -> torch.Tensor:
+        return model(input_ids=ids_in, position_ids=pos_in, past_key_values=cache, use_cache=True).logits[:, -1]
+
+    run = GraphedStep(step, device, cuda_graph)
+    out = [token]
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    for _ in range(max_new_tokens - 1):
+        if eos_token_id is not None:
+            done |= token == eos_token_id
+        token = run().argmax(-1)
+        if eos_token_id is not None:
+            token = token.masked_fill(done, eos_token_id)
+        out.append(token)
+        ids_in.copy_(token.view(b, 1))
+        pos_in += 1
+    return torch.cat([input_ids, torch.stack(out, dim=1)], dim=1)

@@ -1,0 +1,180 @@
+"""The fast path (`atskv.generate`, atskv/hook/decode.py): the same tokens as the reference session,
+static shapes and no host synchronisation in a decode step, and its pieces against references."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from tests.conftest import random_prompt, tiny_model
+
+import atskv
+from atskv.hook import decode
+from atskv.hook.decode import masked_attention_lse
+from atskv.hook.gqa import grouped_attention, prefix_causal_attention, received_mass
+from atskv.memory.static_cache import StaticSlotLayer
+
+CASES = [
+    ("dense", 0.5), ("oracle", 8), ("quest", 16), ("sparq", 0.1),
+    ("streaming_llm", 12), ("snapkv", 12), ("h2o", 0.1),
+]  # fmt: skip
+
+
+def _reference(model, ids, selector, budget, new, mask=None):
+    with torch.no_grad(), atskv.sparse(model, selector, budget, dense_layers=1):
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+
+
+# every selector on a global-attention family and on Gemma 3 (sliding-window layers); three on the rest
+GRID = [(f, *c) for f in ("llama", "gemma3") for c in CASES] + [
+    (f, *c) for f in ("mistral", "qwen2", "qwen3") for c in CASES if c[0] in ("dense", "quest", "h2o")
+]
+
+
+@pytest.mark.parametrize("family,selector,budget", GRID)
+def test_fast_generate_gives_the_reference_tokens(family, selector, budget):
+    model = tiny_model(family)
+    model.generation_config.eos_token_id = None  # the reference would stop at EOS, the fast loop runs on
+    ids = random_prompt(130, seed=1)  # three prompt chunks of 64 (the first a short one)
+    fast = atskv.generate(model, ids, selector, budget, max_new_tokens=10, dense_layers=1, prefill_chunk=64)
+    assert torch.equal(fast, _reference(model, ids, selector, budget, 10))
+
+
+@pytest.mark.parametrize("selector,budget", [c for c in CASES if c[0] in ("dense", "sparq", "snapkv", "h2o")])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_fast_generate_of_a_left_padded_batch(family, selector, budget):
+    model = tiny_model(family)
+    model.generation_config.eos_token_id = None
+    ids = random_prompt(150, seed=2, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :30] = 0
+    ids[1, :30] = 0
+    fast = atskv.generate(model, ids, selector, budget, attention_mask=mask, max_new_tokens=10, dense_layers=1,
+                          prefill_chunk=64)  # fmt: skip
+    assert torch.equal(fast, _reference(model, ids, selector, budget, 10, mask))
+
+
+_CONVERSIONS = ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__")
+
+
+@contextlib.contextmanager
+def _no_host_reads():
+    """Any tensor -> Python value (what forces a device sync on a GPU) raises inside the block."""
+    saved = {name: getattr(torch.Tensor, name) for name in _CONVERSIONS}
+
+    def refuse(name):
+        def method(*args, **kwargs):
+            raise AssertionError(f"host read in a decode step: Tensor.{name}")
+
+        return method
+
+    try:
+        for name in _CONVERSIONS:
+            setattr(torch.Tensor, name, refuse(name))
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+@pytest.mark.parametrize("selector", ["quest", "h2o"])
+def test_a_decode_step_reads_nothing_back_to_the_host(monkeypatch, selector):
+    steps = []
+    plain_call = decode.GraphedStep.__call__
+
+    def guarded(self):
+        with _no_host_reads():
+            out = plain_call(self)
+        steps.append(out.shape)
+        return out
+
+    monkeypatch.setattr(decode.GraphedStep, "__call__", guarded)
+    model = tiny_model("gemma3")  # sliding-window and global layers
+    atskv.generate(model, random_prompt(100, seed=3), selector, 16, max_new_tokens=5, dense_layers=1, prefill_chunk=64)
+    assert len(steps) == 4
+
+
+def test_the_planted_host_read_is_caught():
+    with pytest.raises(AssertionError, match="host read"), _no_host_reads():
+        bool(torch.ones(1))
+
+
+def test_evicting_layers_shrink_to_budget_plus_one():
+    model = tiny_model("llama")
+    session = decode.StaticSession(model, atskv.make_selector("snapkv"), atskv.SparsityConfig(12, 1), 150, 4, 64)
+    with decode.static_session(model, session), torch.no_grad():
+        cache = session.new_cache()
+        model(random_prompt(150), past_key_values=cache, use_cache=True)
+        session.finish_prompt(None)
+    assert [layer.keys.shape[2] for layer in cache.layers] == [154, 13, 13, 13]
+    assert [int((layer.slot_pos >= 0).sum(-1).max()) for layer in cache.layers] == [150, 12, 12, 12]
+    assert atskv.kv_bytes(cache) < 0.4 * 4 * cache.layers[0].keys.nbytes * 2
+
+
+def test_finish_prompt_drops_padding_and_keeps_order():
+    layer = StaticSlotLayer(capacity=8)
+    k = torch.arange(6.0).view(1, 1, 6, 1).expand(2, 1, 6, 16).contiguous()
+    layer.update(k, k)
+    real = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]], dtype=torch.bool)
+    layer.finish_prompt(real)
+    assert layer.slot_pos[1, 0].tolist() == [2, 3, 4, 5, -1, -1, -1, -1]
+    assert layer.keys[1, 0, :4, 0].tolist() == [2.0, 3.0, 4.0, 5.0]
+    assert layer.write_slot.tolist() == [[6], [4]] and layer.context.tolist() == [6, 4]
+
+
+def test_a_window_layer_keeps_what_the_next_query_sees():
+    layer = StaticSlotLayer(capacity=10, window=4)
+    for start in (0, 6):
+        k = torch.arange(start, start + 6.0).view(1, 1, 6, 1).expand(1, 1, 6, 16).contiguous()
+        layer.update(k, k)
+    layer.finish_prompt(None)
+    assert layer.keys.shape[2] == 4 and sorted(layer.slot_pos[0, 0].tolist()) == [-1, 9, 10, 11]
+
+
+def test_prefix_causal_attention_matches_masked_attention():
+    torch.manual_seed(0)
+    b, hq, hkv, s, c, d = 2, 4, 2, 40, 12, 16
+    q, k, v = torch.randn(b, hq, c, d), torch.randn(b, hkv, s, d), torch.randn(b, hkv, s, d)
+    out, lse = prefix_causal_attention(q, k, v, s - c, 0.25)
+    mask = torch.arange(s).view(1, 1, 1, s) <= (torch.arange(s - c, s).view(1, 1, c, 1))
+    ref, _ = grouped_attention(q, k, v, mask.expand(b, hkv, c, s), 0.25)
+    torch.testing.assert_close(out.transpose(1, 2), ref, atol=1e-5, rtol=1e-5)
+    logits = torch.einsum("bhgqd,bhsd->bhgqs", q.view(b, hkv, 2, c, d), k) * 0.25
+    ref_lse = logits.masked_fill(~mask.unsqueeze(2), -torch.inf).logsumexp(-1).reshape(b, hq, c)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_masked_attention_and_received_mass_match_the_dense_reference():
+    torch.manual_seed(1)
+    b, hq, hkv, s, d = 1, 4, 1, 30, 16
+    q, k, v = torch.randn(b, hq, s, d), torch.randn(b, hkv, s, d), torch.randn(b, hkv, s, d)
+    mask = (torch.arange(s).view(s, 1) >= torch.arange(s)) & (torch.arange(s).view(s, 1) - torch.arange(s) < 5)
+
+    def allowed(start, stop):
+        return mask[start:stop].view(1, 1, stop - start, s)
+
+    out, lse = masked_attention_lse(q, k, v, allowed, 0.25, max_elements=200)  # several query blocks
+    ref, mass = grouped_attention(q, k, v, mask.expand(b, hkv, s, s), 0.25, want_mass=True)
+    torch.testing.assert_close(out.transpose(1, 2), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(received_mass(q, k, lse, allowed, 0.25, max_elements=200), mass, atol=1e-5, rtol=1e-5)
+
+
+def test_unsupported_selectors_and_chunks_are_refused():
+    model = tiny_model("llama")
+    ids = random_prompt(80)
+    with pytest.raises(ValueError, match="no fast decode path"):
+        atskv.generate(model, ids, "sparcas", 16)
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        atskv.generate(model, ids, "dense", 16, prefill_chunk=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("selector", ["dense", "quest", "snapkv", "h2o"])
+def test_graph_replay_gives_the_eager_tokens(selector):
+    """Capture fails on any host sync, so a replayed graph is also the no-sync proof on a GPU."""
+    model = tiny_model("gemma3").cuda().to(torch.bfloat16)
+    ids = random_prompt(300, seed=4).cuda()
+    eager = atskv.generate(model, ids, selector, 32, max_new_tokens=16, cuda_graph=False)
+    graphed = atskv.generate(model, ids, selector, 32, max_new_tokens=16, cuda_graph=True)
+    assert torch.equal(eager, graphed)
