@@ -12,8 +12,7 @@ import atskv
 from atskv.models import model_geometry
 from atskv.selectors import make_selector
 from atskv.selectors.base import select_top_budget
-from atskv.selectors.kascade import KascadeSelector
-from atskv.selectors.kascade_profile import KascadeProfile, choose_anchors, compute_kascade_profile
+from atskv.selectors.kascade import KascadeProfile, KascadeSelector, choose_anchors, compute_kascade_profile
 from tests.conftest import COMMON, random_prompt, tiny_model
 
 
@@ -224,8 +223,8 @@ def direct_profile_parts(model, windows, queries, topk):
 def test_profile_matches_a_direct_computation_and_round_trips(tmp_path):
     model = six_layer_llama()
     windows = [random_prompt(32, seed=10 + i)[0] for i in range(3)]
-    profile = compute_kascade_profile(model, windows, n_anchors=2, topk=6, queries=5, dense_layers=1,
-                                      model_name="six-layer")
+    profile = compute_kascade_profile(model, windows, n_anchors=2, topk=6, sparse=atskv.sparse, queries=5,
+                                      dense_layers=1, model_name="six-layer")
     heads, importance = direct_profile_parts(model, windows, queries=5, topk=6)
     best, best_head = heads.max(dim=1)
     similarity = best.mean(-1)

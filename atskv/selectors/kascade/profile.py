@@ -20,7 +20,8 @@ the first managed layer is always an anchor.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -28,7 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 from atskv.hook.gqa import grouped_probs
-from atskv.models import ModelGeometry, model_geometry
+from atskv.models import ModelGeometry, attention_modules, model_geometry
 from atskv.paths import default_cache_dir
 from atskv.selectors.base import LayerView, Selector
 
@@ -170,9 +171,11 @@ def head_similarity(probs: torch.Tensor, topk: int) -> torch.Tensor:
 
 
 @dataclass
-class _AttentionCapture(Selector):
-    """Keeps nothing out (used at budget 1.0): after each dense prefill it records the GQA-pooled
-    attention of the last `queries` queries of every managed layer."""
+class AttentionCapture(Selector):
+    """Keeps nothing out (keeps_all): after each dense prefill it records the GQA-pooled attention
+    of the last `queries` queries of every managed layer."""
+
+    keeps_all = True
 
     queries: int = 64
     probs: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -189,26 +192,29 @@ def compute_kascade_profile(
     n_anchors: int,
     topk: int = 64,
     *,
+    sparse: Callable[..., AbstractContextManager],
     queries: int = 64,
     dense_layers: int = 2,
     model_name: str | None = None,
     dev_set: str = "",
 ) -> KascadeProfile:
     """Run `model` densely over token `windows` (1-D id tensors) and derive its Kascade profile
-    (see the module docstring). `dense_layers` must match the hook's setting at run time."""
-    from atskv.hook.sparse import attention_modules, sparse  # here: the hook imports the selector registry
+    (see the module docstring). `dense_layers` must match the hook's setting at run time.
 
+    `sparse` runs the model with a selector and gives the session: pass `atskv.sparse` (it is
+    passed in, not imported, because the hook imports the selector registry, which imports this)."""
     if not windows:
         raise ValueError("need at least one development window")
-    capture = _AttentionCapture(queries)
+    capture = AttentionCapture(queries)
     device = next(model.parameters()).device
     cosines: dict[int, torch.Tensor] = {}
     head_sum, importance_sum = 0.0, 0.0
-    with sparse(model, capture, budget=1.0, dense_layers=dense_layers) as session:
+    longest = max(int(w.numel()) for w in windows)  # every token kept (dense prefill: no budget applies)
+    with sparse(model, capture, budget=longest, dense_layers=dense_layers) as session:
         managed = sorted(session.managed_layers)
         if not managed:
             raise ValueError(f"no layer is managed with dense_layers={dense_layers}")
-        record = _cosine_recorder(cosines, queries)
+        record = cosine_recorder(cosines, queries)
         modules = [m for m in attention_modules(model) if m.layer_idx in session.managed_layers]
         hooks = [m.register_forward_hook(record, with_kwargs=True) for m in modules]
         try:
@@ -242,7 +248,7 @@ def compute_kascade_profile(
     )
 
 
-def _cosine_recorder(out: dict[int, torch.Tensor], queries: int):
+def cosine_recorder(out: dict[int, torch.Tensor], queries: int):
     """Forward hook of an attention module: mean cosine between its input and output over the
     last `queries` positions (the paper's layer importance is one minus it)."""
 

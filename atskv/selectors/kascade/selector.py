@@ -6,7 +6,7 @@ heads of the KV group after the softmax (the paper's post-softmax GQA pooling); 
 the top-budget. A reuse layer takes the scores of the nearest preceding anchor *of the same
 forward step*, with each of its KV heads reading the anchor KV head the profile maps it to, and
 matched by logical position (`slot_pos`), so it keeps exactly the anchor's tokens. Anchors and
-head map come from a per-model `KascadeProfile` (kascade_profile.py); the first layers the hook
+head map come from a per-model `KascadeProfile` (profile.py); the first layers the hook
 keeps dense stand for the paper's dense layer 0, and the profile must be computed with the same
 `dense_layers`. Budget: the paper uses 10% of the context with at least 128 tokens. Choice made
 here: a sparse prefill pools per query like decode (the paper's 128-query prefill tiles are a
@@ -23,7 +23,7 @@ import torch
 
 from atskv.hook.gqa import grouped_probs
 from atskv.selectors.base import LayerView, Selector, check_view_fits
-from atskv.selectors.kascade_profile import HOW_TO_COMPUTE, KascadeProfile
+from atskv.selectors.kascade.profile import HOW_TO_COMPUTE, KascadeProfile
 
 _STATE = "kascade_topk"  # anchor layer state: (layer.seen when scored, scores by logical position)
 
