@@ -4,7 +4,8 @@ YAML file under `configs/` via `--config`); it checks its options and calls the 
 
     run.py        demo, generate, selectors
     data.py       data fetch|list
-    eval.py       eval recall|tasks|ppl|peer, bench
+    eval.py       eval recall|tasks|ppl|peer
+    bench.py      bench attention|decode
     predictor.py  collect, fit, finetune, export (fit and finetune: LightningCLIs)
     profile.py    profile kascade
 
@@ -21,13 +22,13 @@ from collections.abc import Callable
 
 from jsonargparse import auto_cli
 
-from atskv.cli import data, predictor, profile, run
+from atskv.cli import bench, data, predictor, profile, run
 from atskv.cli import eval as evaluation
 
 COMMANDS: dict[str, Callable | dict] = {
     **run.COMMANDS,
     "data": data.COMMANDS,
-    "bench": evaluation.bench,
+    "bench": bench.COMMANDS,
     **predictor.COMMANDS,
     "profile": profile.COMMANDS,
     "eval": evaluation.COMMANDS,

@@ -1,4 +1,4 @@
-"""`atskv eval recall|tasks|ppl|peer` and `atskv bench`: measure selectors against dense attention."""
+"""`atskv eval recall|tasks|ppl|peer`: measure selectors against dense attention."""
 
 from __future__ import annotations
 
@@ -234,49 +234,6 @@ def peer(
     )  # fmt: skip
     print(f"\n{report}\nwritten to {out}/ (peer.md, peer.json, examples.json, kvpress.json)")
     return rows
-
-
-def bench(
-    selectors: list[str] = ["oracle", "quest", "sparq", "sparcas", "snapkv"],  # noqa: B006
-    batch_sizes: list[int] = [1, 16],  # noqa: B006
-    contexts: list[int] = [8192, 32768, 131072],  # noqa: B006
-    budget: float = 0.05,
-    geometry: str = "llama3-8b",
-    steps: int = 50,
-    out: Path = Path("results/bench"),
-    device: str = "auto",
-    dtype: str = "auto",
-) -> None:
-    """Decode-attention latency of each selector's full path against dense SDPA, as ratios.
-
-    One managed layer's decode step (append, score, top budget, attend) is timed with CUDA events
-    in the same run as PyTorch SDPA over the whole context; writes table.md and bench.json.
-
-    Args:
-        selectors: selectors to time (see `atskv selectors`).
-        batch_sizes: batch sizes.
-        contexts: context lengths in tokens.
-        budget: KV budget as a fraction of the context.
-        geometry: attention shape: llama3-8b (32/8 heads, dim 128), smollm2-135m or gemma3-270m.
-        steps: timed decode steps per setting (after a warm-up).
-        out: output folder.
-        device: cuda, cpu, or auto.
-        dtype: bfloat16, float16, float32, or auto (bfloat16 on GPU, float32 on CPU).
-    """
-    import platform
-
-    from atskv.eval import bench as benchmark
-
-    device, torch_dtype = resolve_device(device, dtype)
-    records = benchmark.bench_decode_attention(
-        selectors, batch_sizes, contexts, budget, geometry, torch_dtype, device, steps=steps, warmup=max(3, steps // 5)
-    )
-    gpu = torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu"
-    meta = {"device": gpu, "dtype": str(torch_dtype), "geometry": geometry, "budget": budget}
-    meta["torch"] = torch.__version__
-    benchmark.write(records, out, meta)
-    print(f"{gpu}, {geometry}, {str(torch_dtype).removeprefix('torch.')}, budget {budget:.0%} of the context\n")
-    print(benchmark.markdown(records))
 
 
 COMMANDS = {

@@ -292,13 +292,15 @@ def generate(
     prefill_chunk: int = 4096,
     cuda_graph: bool = True,
     eos_token_id: int | None = None,
+    streamer=None,
 ) -> torch.Tensor:
     """Greedy generation under a selector and budget on the fast path: `[B, T + new]` token ids.
 
     >>> out = atskv.generate(model, ids, "quest", budget=0.05, max_new_tokens=64)
 
     Same tokens as `with atskv.sparse(model, selector, budget): model.generate(ids, do_sample=False)`
-    for the selectors in `FAST_SELECTORS`; prompts are processed `prefill_chunk` tokens at a time."""
+    for the selectors in `FAST_SELECTORS`; prompts are processed `prefill_chunk` tokens at a time.
+    `streamer`: as transformers' (`put` gets the prompt, then each new token `[B, 1]`; `end`)."""
     if isinstance(selector, str):
         selector = make_selector(selector)
     if max_new_tokens < 1 or prefill_chunk < LAST_QUERIES:
@@ -309,7 +311,7 @@ def generate(
     session = StaticSession(model, selector, SparsityConfig(budget, dense_layers), t, max_new_tokens, prefill_chunk)
     with static_session(model, session):
         return _generate(model, session, input_ids, attention_mask, max_new_tokens, prefill_chunk, cuda_graph,
-                         eos_token_id)  # fmt: skip
+                         eos_token_id, streamer)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -318,8 +320,11 @@ def static_session(model, session: StaticSession) -> Iterator[StaticSession]:
         yield session
 
 
-def _generate(model, session, input_ids, attention_mask, max_new_tokens, prefill_chunk, cuda_graph, eos_token_id):
+def _generate(model, session, input_ids, attention_mask, max_new_tokens, prefill_chunk, cuda_graph, eos_token_id,
+              streamer):  # fmt: skip
     b, t = input_ids.shape
+    emit = streamer.put if streamer is not None else lambda tokens: None
+    emit(input_ids)
     device = input_ids.device
     real = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()
     session.real = real
@@ -333,6 +338,7 @@ def _generate(model, session, input_ids, attention_mask, max_new_tokens, prefill
     session.finish_prompt(real)
     session.real = None
     token = logits[:, -1].argmax(-1)
+    emit(token.view(b, 1))
     ids_in = token.view(b, 1).clone()
     pos_in = positions[:, -1:] + 1
 
@@ -349,6 +355,9 @@ def _generate(model, session, input_ids, attention_mask, max_new_tokens, prefill
         if eos_token_id is not None:
             token = token.masked_fill(done, eos_token_id)
         out.append(token)
+        emit(token.view(b, 1))
         ids_in.copy_(token.view(b, 1))
         pos_in += 1
+    if streamer is not None:
+        streamer.end()
     return torch.cat([input_ids, torch.stack(out, dim=1)], dim=1)

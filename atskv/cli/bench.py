@@ -1,0 +1,123 @@
+"""`atskv bench attention|decode`: how fast, against what a user would run instead.
+
+`decode` is the end-to-end measure (prefill, then decode steps through `generate`, against plain
+transformers in the same run); `attention` times one layer's attention step in isolation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from atskv.models import resolve_device
+
+
+def attention(
+    selectors: list[str] = ["oracle", "quest", "sparq", "sparcas", "snapkv"],  # noqa: B006
+    batch_sizes: list[int] = [1, 16],  # noqa: B006
+    contexts: list[int] = [8192, 32768, 131072],  # noqa: B006
+    budget: float = 0.05,
+    geometry: str = "llama3-8b",
+    steps: int = 50,
+    out: Path = Path("results/bench"),
+    device: str = "auto",
+    dtype: str = "auto",
+) -> None:
+    """Decode-attention latency of each selector's full path against dense SDPA, as ratios.
+
+    One managed layer's decode step (append, score, top budget, attend) is timed with CUDA events
+    in the same run as PyTorch SDPA over the whole context; writes table.md and bench.json.
+
+    Args:
+        selectors: selectors to time (see `atskv selectors`).
+        batch_sizes: batch sizes.
+        contexts: context lengths in tokens.
+        budget: KV budget as a fraction of the context.
+        geometry: attention shape: llama3-8b (32/8 heads, dim 128), smollm2-135m or gemma3-270m.
+        steps: timed decode steps per setting (after a warm-up).
+        out: output folder.
+        device: cuda, cpu, or auto.
+        dtype: bfloat16, float16, float32, or auto (bfloat16 on GPU, float32 on CPU).
+    """
+    import platform
+
+    from atskv.eval import bench as benchmark
+
+    device, torch_dtype = resolve_device(device, dtype)
+    records = benchmark.bench_decode_attention(
+        selectors, batch_sizes, contexts, budget, geometry, torch_dtype, device, steps=steps, warmup=max(3, steps // 5)
+    )
+    gpu = torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu"
+    meta = {"device": gpu, "dtype": str(torch_dtype), "geometry": geometry, "budget": budget}
+    meta["torch"] = torch.__version__
+    benchmark.write(records, out, meta)
+    print(f"{gpu}, {geometry}, {str(torch_dtype).removeprefix('torch.')}, budget {budget:.0%} of the context\n")
+    print(benchmark.markdown(records))
+
+
+
+
+def decode(
+    model: str = "llama3.1-8b",
+    methods: list[str] = ["plain", "dense", "quest", "sparq", "snapkv", "h2o"],  # noqa: B006
+    contexts: list[int] = [32768],  # noqa: B006
+    batch_sizes: list[int] = [1],  # noqa: B006
+    budget: int | float = 0.05,
+    new_tokens: int = 64,
+    prefill_chunk: int = 8192,
+    dense_layers: int = 2,
+    out: Path = Path("results/speed"),
+) -> None:
+    """End-to-end decode speed against plain transformers, in one run on one GPU.
+
+    Prefill, then `new_tokens` greedy steps through `generate`: plain transformers (`plain`: its
+    own cache and SDPA, no atskv), atskv's fast path (`dense` or a selector name) and the
+    reference hook (`hook:<selector>`: `atskv.sparse` + `model.generate`). Reports ms/step,
+    tokens/s, the allocator's peak above the weights and the ratio to plain; writes table.md,
+    speed.json and speed.png.
+
+    Args:
+        model: an 8B-class shape with random weights (llama3.1-8b, qwen3-8b, mistral-7b), or a
+            real model (a name, a Hugging Face directory or a .gguf file).
+        methods: plain, dense, selector names (fast path), hook:<selector> (reference path).
+        contexts: prompt lengths in tokens.
+        batch_sizes: batch sizes.
+        budget: KV budget per managed layer and KV head: tokens (int) or a fraction of the context.
+        new_tokens: decode steps per run.
+        prefill_chunk: prompt tokens per forward on the fast path.
+        dense_layers: first layers kept dense.
+        out: output folder.
+    """
+    import datetime
+    import sys
+
+    from atskv.eval import speed
+
+    if not torch.cuda.is_available():
+        print("note: no CUDA GPU here; these timings say nothing about GPU speed")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if model in speed.SHAPES:
+        loaded = speed.shape_model(model, device)
+    else:
+        from atskv.models import load_model
+
+        loaded = load_model(model, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32).model
+    records = speed.measure(loaded, model, methods, contexts, batch_sizes, budget, new_tokens, prefill_chunk,
+                            dense_layers)  # fmt: skip
+    meta = {
+        "command": "atskv bench decode " + " ".join(sys.argv[3:]),
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "date": datetime.date.today().isoformat(),
+        "new_tokens": new_tokens,
+        "torch": torch.__version__,
+    }
+    table = speed.write(records, Path(out), meta)
+    print(table.read_text())
+    print(f"written to {out}/ (table.md, speed.json, speed.png)")
+
+
+COMMANDS = {
+    "attention": attention,
+    "decode": decode,
+    "_help": "Speed: end-to-end decode against plain transformers, or one attention step.",
+}

@@ -1,0 +1,217 @@
+"""End-to-end decode speed: prefill, then N decode steps through `generate`, for plain transformers
+(its own cache and SDPA, no atskv: what a user runs instead), atskv's fast path (dense and every
+selector it supports) and, on request, the reference hook (`atskv.sparse` + `model.generate`),
+all in one run on one GPU, with ratios to plain from that run.
+
+Per method and shape: ms per decode step (the median interval between tokens after the first,
+read by a streamer that synchronises the device once per token, in both loops), tokens/s over
+the batch, and the allocator's peak above the weights (prefill included). Speed needs a model's
+shape, not its weights, so `shape_model` builds 8B-class models from their published configs
+with random weights straight on the GPU; quality comes from the real models elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+import atskv
+
+# published configs (config.json of the named checkpoints), enough to build the shape
+SHAPES: dict[str, dict] = {
+    "llama3.1-8b": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ),
+    "qwen3-8b": dict(
+        model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=131072,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    ),
+    "mistral-7b": dict(
+        model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=32768, max_position_embeddings=131072, rope_theta=1000000.0,
+        sliding_window=None, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ),
+}  # fmt: skip
+PLAIN = "plain"
+
+
+@dataclass
+class SpeedRecord:
+    model: str
+    method: str  # "plain", "dense", a selector name, or "hook:<selector>"
+    batch: int
+    context: int
+    budget: int | float | None
+    ms_per_step: float | None  # None: did not run (see `error`)
+    tokens_per_s: float | None
+    peak_gib: float | None  # allocator peak above the weights
+    prefill_s: float | None
+    ratio: float | None = None  # ms_per_step / plain's, same run (< 1: faster than plain)
+    error: str = ""
+
+
+def shape_model(name: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
+    """A model of a published shape with random weights, built directly on `device` in `dtype`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(SHAPES[name])
+    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    config._attn_implementation = "sdpa"
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+class _TokenClock:
+    """A `generate` streamer that timestamps each new token (after a device sync)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.times = device, []
+
+    def put(self, value) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    def step_ms(self) -> float:
+        """Median decode interval: from the second new token on (the first put is the prompt, the
+        second ends the prefill)."""
+        gaps = [b - a for a, b in zip(self.times[1:], self.times[2:])]
+        return 1000 * statistics.median(gaps)
+
+
+def run_method(model, method: str, ids: torch.Tensor, budget, new_tokens: int, prefill_chunk: int, dense_layers: int):
+    """One timed generation; returns (ms per step, prefill seconds)."""
+    clock = _TokenClock(ids.device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        if method == PLAIN:
+            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, streamer=clock)
+        elif method.startswith("hook:"):
+            with atskv.sparse(model, method[5:], budget, dense_layers=dense_layers):
+                model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                               streamer=clock)  # fmt: skip
+        else:
+            atskv.generate(model, ids, method, budget, max_new_tokens=new_tokens, dense_layers=dense_layers,
+                           prefill_chunk=prefill_chunk, streamer=clock)  # fmt: skip
+    return clock.step_ms(), clock.times[1] - start
+
+
+def measure(
+    model,
+    model_name: str,
+    methods: Sequence[str],
+    contexts: Sequence[int],
+    batches: Sequence[int],
+    budget: int | float,
+    new_tokens: int = 64,
+    prefill_chunk: int = 8192,
+    dense_layers: int = 2,
+    seed: int = 0,
+) -> list[SpeedRecord]:
+    """Every method at every (context, batch), plain first, each shape's ratios from its own run."""
+    device = next(model.parameters()).device
+    weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    records = []
+    grid = [(c, b, m) for c in contexts for b in batches for m in methods]
+    for context, batch, method in tqdm(grid, desc=f"decode speed, {model_name}", unit="run"):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(3, vocab, (batch, context), generator=g).to(device)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        record = SpeedRecord(model_name, method, batch, context, None if method in (PLAIN, "dense") else budget,
+                             None, None, None, None)  # fmt: skip
+        try:
+            ms, prefill = run_method(model, method, ids, budget, new_tokens, prefill_chunk, dense_layers)
+            record.ms_per_step, record.prefill_s = ms, prefill
+            record.tokens_per_s = batch * 1000 / ms
+            if device.type == "cuda":
+                record.peak_gib = (torch.cuda.max_memory_allocated(device) - weights) / 2**30
+        except torch.OutOfMemoryError as error:
+            record.error = "out of memory: " + str(error).split("\n")[0][:120]
+        except (ValueError, NotImplementedError) as error:
+            record.error = str(error)[:160]
+        del ids
+        records.append(record)
+    _ratios(records)
+    return records
+
+
+def _ratios(records: list[SpeedRecord]) -> None:
+    plain = {(r.model, r.batch, r.context): r.ms_per_step for r in records if r.method == PLAIN}
+    for r in records:
+        base = plain.get((r.model, r.batch, r.context))
+        if base and r.ms_per_step:
+            r.ratio = r.ms_per_step / base
+
+
+def write(records: list[SpeedRecord], out: Path, meta: dict) -> Path:
+    """table.md, speed.json and speed.png under `out`; returns the table's path."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "speed.json").write_text(json.dumps({"meta": meta, "records": [asdict(r) for r in records]}, indent=1))
+    lines = [
+        f"Decode speed: {meta.get('command', '')}",
+        f"GPU {meta.get('gpu', '?')}, {meta.get('date', '')}; {meta.get('new_tokens')} new tokens; "
+        "ratio = ms/step over plain transformers' in the same run (< 1 is faster)",
+        "",
+        "| model | context | batch | method | budget | ms/step | tokens/s | ratio | peak GiB above weights | prefill s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        if r.ms_per_step is None:
+            lines.append(f"| {r.model} | {r.context} | {r.batch} | {r.method} | {r.budget or ''} | {r.error} | | | | |")
+            continue
+        lines.append(
+            f"| {r.model} | {r.context} | {r.batch} | {r.method} | {r.budget or ''} | {r.ms_per_step:.2f} | "
+            f"{r.tokens_per_s:.0f} | {r.ratio:.2f} | {r.peak_gib or 0:.1f} | {r.prefill_s:.1f} |"
+            if r.ratio is not None
+            else f"| {r.model} | {r.context} | {r.batch} | {r.method} | {r.budget or ''} | {r.ms_per_step:.2f} | "
+            f"{r.tokens_per_s:.0f} | | {r.peak_gib or 0:.1f} | {r.prefill_s:.1f} |"
+        )
+    table = out / "table.md"
+    table.write_text("\n".join(lines) + "\n")
+    _plot(records, out / "speed.png")
+    return table
+
+
+def _plot(records: list[SpeedRecord], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = sorted({(r.model, r.context, r.batch) for r in records})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(4 * len(shapes), 3.5), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        rows = [r for r in records if (r.model, r.context, r.batch) == shape]
+        names = [r.method for r in rows]
+        values = [r.tokens_per_s or 0 for r in rows]
+        ax.barh(names, values, color=["grey" if n == PLAIN else "tab:blue" for n in names])
+        ax.set_title(f"{shape[0]}, {shape[1] // 1024}K, B={shape[2]}", fontsize=9)
+        ax.set_xlabel("tokens/s")
+        ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
