@@ -20,7 +20,8 @@ from pathlib import Path
 
 from atskv.data import corpus_windows
 from atskv.eval.recall import WINDOW_CEILING, attention_recall
-from atskv.eval.tasks import DENSE, evaluate_tasks, write_report
+from atskv.eval.tasks import DENSE, evaluate_tasks
+from atskv.eval.tasks import write as write_tasks
 from atskv.models import load_model, resolve_device
 from atskv.selectors import selectors_for_model
 from atskv.selectors.learned import LearnedSelector
@@ -120,7 +121,7 @@ def main() -> None:
             [*selectors_for_model(args.task_baselines, loaded.name), *seeds], args.task_budgets,
             dense_layers=args.dense_layers,
         )
-        write_report(results, args.out / "tasks")
+        write_tasks(results, args.out / "tasks")
         parts += [
             f"## Tasks at {args.task_tokens} tokens, depth 0.5, {args.trials} prompts each ({DENSE} beside)\n",
             tasks_summary(results, names), "",

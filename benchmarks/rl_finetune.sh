@@ -2,7 +2,7 @@
 # Policy-gradient fine-tuning of the supervised predictor, an alpha sweep over seeds, then the
 # held-out comparison (Moby-Dick windows, task prompts from seeds 2,000,000 on; training uses
 # Austen and task seeds 1,000,000 on): reward, NLL and task accuracy at equal memory, mean ± std
-# over seeds, and the quality-memory PNG (atskv.rl.evaluate.heldout_report).
+# over seeds, and the quality-memory PNG (`atskv eval heldout`).
 #   bash benchmarks/rl_finetune.sh MODEL WORK_DIR
 # Sizes come from the environment, e.g. a CPU smoke run:
 #   CONTEXT=512 CONTINUATION=32 SAMPLES=4 STEPS=24 SEEDS=0 ALPHAS="0.5 0.9" bash benchmarks/rl_finetune.sh smollm2-135m runs/rl
@@ -53,7 +53,7 @@ if [[ $stages == *finetune* ]]; then
 fi
 if [[ $stages == *evaluate* ]]; then
   starts=$(for seed in $seeds; do echo "${supervised//\{seed\}/$seed}"; done | awk '!seen[$0]++' | paste -sd, -)
-  $python -m atskv.rl.evaluate --model "$model" --supervised "[$starts]" --finetuned "$work/predictors" \
+  $atskv eval heldout --model "$model" --supervised "[$starts]" --finetuned "$work/predictors" \
     --out "$work/heldout" --windows "$eval_windows" --context_tokens "$context" \
     --continuation_tokens "$continuation" --task_examples "$eval_tasks" --budgets "$budgets" \
     --shared_budgets "$shared"

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from tests.conftest import COMMON, run_cli, tiny_bpe_tokenizer
 
 SUBCOMMANDS = ["demo", "generate", "selectors", "collect", "fit", "finetune", "export", "eval", "bench"]
-SUBCOMMANDS += ["eval recall", "eval tasks", "eval ppl", "eval peer", "profile kascade"]
+SUBCOMMANDS += ["eval recall", "eval tasks", "eval ppl", "eval peer", "eval heldout", "profile kascade"]
 
 
 @pytest.mark.parametrize("command", [*SUBCOMMANDS, "data fetch", "data list"])

@@ -1,4 +1,4 @@
-"""`atskv eval recall|tasks|ppl|peer`: measure selectors against dense attention."""
+"""`atskv eval recall|tasks|ppl|peer|heldout`: measure selectors (and predictors) against dense attention."""
 
 from __future__ import annotations
 
@@ -157,7 +157,7 @@ def tasks(
         dtype: float32, bfloat16, float16, or auto.
     """
     from atskv.data import filler_text
-    from atskv.eval.tasks import check_plan, evaluate_tasks, markdown, write_report
+    from atskv.eval.tasks import check_plan, evaluate_tasks, markdown, write
     from atskv.selectors import selectors_for_model
 
     check_plan(tasks, lengths, depths, trials, selectors, budgets)
@@ -177,7 +177,7 @@ def tasks(
         filler=filler_str,
         tiering=tiering,
     )
-    write_report(results, out)
+    write(results, out)
     print(markdown(results))
     print(f"\nwritten to {out}/ (table.md, results.json, tasks.png)")
 
@@ -236,10 +236,76 @@ def peer(
     return rows
 
 
+def heldout(
+    model: str = DEFAULT_MODEL,
+    supervised: list[str] | None = None,
+    finetuned: Path = Path("runs/rl/predictors"),
+    out: Path = Path("results/rl"),
+    corpus: str = "moby-dick",
+    windows: int = 16,
+    context_tokens: int = 2048,
+    continuation_tokens: int = 32,
+    tasks: list[str] = ["passkey", "needle_single"],  # noqa: B006 (read-only; a list for the CLI)
+    task_examples: int = 16,
+    budgets: list[float] = [0.05, 0.1, 0.2, 0.4],  # noqa: B006
+    shared_budgets: list[float] = [],  # noqa: B006
+    offsets: list[float] = [],  # noqa: B006
+    baselines: list[str] = ["h2o", "snapkv", "streaming_llm"],  # noqa: B006
+    device: str = "auto",
+    dtype: str = "auto",
+) -> str:
+    """Supervised and fine-tuned predictors on held-out data, at equal memory, beside the evicting
+    baselines; prints the table and writes records.json, table.md and quality-memory.png into OUT.
+
+    Args:
+        model: the base model.
+        supervised: supervised predictors (exported folders or model names; several are seeds);
+            default: MODEL's (the user's export, else the shipped one).
+        finetuned: a folder of exported fine-tuned predictors named alpha<A>-seed<S> (A: the
+            alpha it was trained with, which its reward is computed at).
+        out: output folder.
+        corpus: held-out text (not trained on).
+        windows: corpus windows.
+        context_tokens: T, the context decided on.
+        continuation_tokens: C, the tokens scored after it.
+        tasks: synthetic tasks (prompts from seeds HELDOUT_TASK_SEED_BASE on).
+        task_examples: prompts per task.
+        budgets: retained fractions for the equal-memory comparisons (top-b) and the baselines.
+        shared_budgets: retained fractions for one threshold shared by all layers and KV heads
+            (`shared<b>`), e.g. the fine-tuned predictors' threshold memories.
+        offsets: logit thresholds c for `above<c>` (the threshold moved by c).
+        baselines: evicting selectors run through the hook at the same budgets.
+        device: cpu, cuda, or auto.
+        dtype: float32, bfloat16, float16, or auto.
+    """
+    from atskv.models import load_model
+    from atskv.predictor.export import find_predictor, load_predictor
+    from atskv.rl.evaluate import heldout_records, write_report
+
+    device, torch_dtype = resolve_device(device, dtype)
+    lm = load_model(model, dtype=torch_dtype, device=device)
+    runs = {}
+    for i, source in enumerate(supervised or [model]):
+        path = Path(source) if Path(source).exists() else find_predictor(source)
+        runs[f"supervised-seed{i}"] = load_predictor(path, lm.model, device)
+    for folder in sorted(Path(finetuned).glob("alpha*-seed*")):
+        runs[folder.name] = load_predictor(folder, lm.model, device)
+    records = heldout_records(
+        lm, runs, corpus=corpus, windows=windows, context_tokens=context_tokens,
+        continuation_tokens=continuation_tokens, tasks=tasks, task_examples=task_examples, budgets=budgets,
+        shared_budgets=shared_budgets, offsets=offsets, baselines=baselines,
+    )  # fmt: skip
+    table = write_report(records, out)
+    print(table)
+    return table
+
+
 COMMANDS = {
     "recall": recall,
     "ppl": ppl,
     "tasks": tasks,
     "peer": peer,
-    "_help": "Measure selectors against dense attention: attention recall, perplexity, tasks.",
+    "heldout": heldout,
+    "_help": "Measure selectors against dense attention: attention recall, perplexity, tasks, kvpress, "
+    "held-out predictors.",
 }

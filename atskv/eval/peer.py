@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from atskv.data import TaskExample
+from atskv.eval.report import write_report
 from atskv.eval.tasks import DENSE
 from atskv.paths import default_cache_dir
 
@@ -370,13 +371,12 @@ def compare_with_kvpress(
         "include their growth headroom). kvpress:none is full KV in kvpress's environment (a check that "
         "both agree)."
     )
-    (out / "peer.md").write_text(table + "\n\n" + notes + "\n")
     settings_json = {
         "model": loaded.name, "task": task, "lengths": lengths, "trials": trials, "budgets": budgets,
         "compression_ratios": [compression_ratio(b) for b in budgets], "atskv_dense_layers": 0,
         "question_compressed": True, "filler": filler, "max_new_tokens": new_tokens, "device": device,
         "dtype": dtype,
     }  # fmt: skip
-    report = {"settings": settings_json, "rows": [asdict(r) for r in rows], "runs": [asdict(r) for r in runs]}
-    (out / "peer.json").write_text(json.dumps(report, indent=1))
+    report = {"settings": settings_json, "rows": rows, "runs": runs}
+    write_report(out, table, report, json_name="peer.json", markdown_name="peer.md", notes=notes)
     return rows, f"{table}\n\n{notes}"

@@ -8,16 +8,16 @@ of those `n_eval` tokens gives the perplexity; the dense model's, on the same wi
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from atskv.eval.report import write_report
 from atskv.selectors import Selector, make_selector
 from atskv.selectors.base import check_budget
 from atskv.hook.tiered import memory_session
@@ -120,7 +120,6 @@ def markdown(records: list[PerplexityRecord]) -> str:
     return "\n".join(lines)
 
 
-def write(records: list[PerplexityRecord], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "table.md").write_text(markdown(records) + "\n")
-    (out / "perplexity.json").write_text(json.dumps([asdict(r) for r in records], indent=1))
+def write(records: list[PerplexityRecord], out: Path) -> dict[str, Path]:
+    """table.md and perplexity.json (a list of records) under `out`."""
+    return write_report(out, markdown(records), list(records), json_name="perplexity.json")

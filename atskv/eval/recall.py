@@ -17,16 +17,17 @@ heads, and reports:
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from atskv.eval.figures import save_figure
+from atskv.eval.report import write_report
 from atskv.hook.sparse import SparseSession, SparsityConfig, attach
 from atskv.hook.gqa import grouped_probs, sdpa_attention
 from atskv.selectors import Selector, make_selector
@@ -150,14 +151,10 @@ class RecallReport:
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         return "\n".join(lines)
 
-    def write(self, out: Path) -> None:
-        """table.md, recall.json and recall.png (recall vs budget; recall per layer at one budget)."""
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "table.md").write_text(self.markdown() + "\n")
-        payload = {k: v for k, v in asdict(self).items() if k != "records"}
-        payload["records"] = [asdict(r) for r in self.records]
-        (out / "recall.json").write_text(json.dumps(payload, indent=1))
-        self.plot(out / "recall.png")
+    def write(self, out: Path) -> dict[str, Path]:
+        """table.md, recall.json (settings and records) and recall.png (recall vs budget; recall
+        per layer at one budget)."""
+        return write_report(out, self.markdown(), self, json_name="recall.json", plot=self.plot, png_name="recall.png")
 
     def plot(self, path: Path) -> None:
         import matplotlib
@@ -186,9 +183,7 @@ class RecallReport:
         ax_budget.legend(fontsize=7)
         windows = f"{self.n_windows} windows of {self.window_tokens} tokens"
         fig.suptitle(f"{self.model}: {windows}, last {self.n_queries} queries")
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        save_figure(fig, path)
 
 
 def attention_recall(

@@ -8,16 +8,16 @@ markdown table (mean score per task and length), JSON and a plot of score agains
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
 from atskv.data.tasks import DEPTH_FREE, TASKS, TaskExample
 from atskv.eval.generation import encode_prompt, generate_batch, pad_left
+from atskv.eval.report import write_report
 from atskv.selectors import Selector, check_selector_names
 from atskv.selectors.base import check_budget
 
@@ -186,9 +186,9 @@ def plot(results: Sequence[TaskResult], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def write_report(results: Sequence[TaskResult], out: Path) -> None:
+def write(results: Sequence[TaskResult], out: Path) -> dict[str, Path]:
     """table.md, results.json (a list of records) and tasks.png under `out`."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "table.md").write_text(markdown(results) + "\n")
-    (out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
-    plot(results, out / "tasks.png")
+    return write_report(
+        out, markdown(results), list(results), json_name="results.json",
+        plot=lambda path: plot(results, path), png_name="tasks.png",
+    )  # fmt: skip

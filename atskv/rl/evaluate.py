@@ -45,8 +45,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from atskv.eval import report
 from atskv.eval.figures import save_figure
-from atskv.models import DEFAULT_MODEL
 from atskv.predictor.model import RelevanceMLP
 from atskv.rl.items import CORPUS, RolloutItem, corpus_items, task_items
 from atskv.rl.policy import BernoulliPolicy, GumbelTopKPolicy
@@ -308,60 +308,26 @@ def quality_memory_plot(rows: Sequence[dict], out_png: str | Path) -> Path:
     return save_figure(fig, out_png)
 
 
-def heldout_report(
-    model: str = DEFAULT_MODEL,
-    supervised: list[str] | None = None,
-    finetuned: Path = Path("runs/rl/predictors"),
-    out: Path = Path("results/rl"),
+def heldout_records(
+    lm,
+    runs: dict,
+    *,
     corpus: str = "moby-dick",
     windows: int = 16,
     context_tokens: int = 2048,
     continuation_tokens: int = 32,
-    tasks: list[str] = ["passkey", "needle_single"],  # noqa: B006 (read-only; a list for the CLI)
+    tasks: Sequence[str] = ("passkey", "needle_single"),
     task_examples: int = 16,
-    budgets: list[float] = [0.05, 0.1, 0.2, 0.4],  # noqa: B006
-    shared_budgets: list[float] = [],  # noqa: B006
-    offsets: list[float] = [],  # noqa: B006
-    baselines: list[str] = list(EVICTING_BASELINES),  # noqa: B006
-    device: str = "auto",
-    dtype: str = "auto",
-) -> str:
-    """Evaluate supervised and fine-tuned predictors on held-out data; write records.json,
-    table.md and quality-memory.png into OUT; return the table.
-
-    Args:
-        model: the base model.
-        supervised: supervised predictors (exported folders or model names; several are seeds);
-            default: MODEL's (the user's export, else the shipped one).
-        finetuned: a folder of exported fine-tuned predictors named alpha<A>-seed<S> (A: the
-            alpha it was trained with, which its reward is computed at).
-        out: output folder.
-        corpus: held-out text (not trained on).
-        windows: corpus windows.
-        context_tokens: T, the context decided on.
-        continuation_tokens: C, the tokens scored after it.
-        tasks: synthetic tasks (prompts from seeds HELDOUT_TASK_SEED_BASE on).
-        task_examples: prompts per task.
-        budgets: retained fractions for the equal-memory comparisons (top-b) and the baselines.
-        shared_budgets: retained fractions for one threshold shared by all layers and KV heads
-            (`shared<b>`), e.g. the fine-tuned predictors' threshold memories.
-        offsets: logit thresholds c for `above<c>` (the threshold moved by c).
-        baselines: evicting selectors run through the hook at the same budgets.
-        device: cpu, cuda, or auto.
-        dtype: float32, bfloat16, float16, or auto.
-    """
-    from atskv.models import load_model, resolve_device
-    from atskv.predictor.export import find_predictor, load_predictor
+    budgets: Sequence[float] = (0.05, 0.1, 0.2, 0.4),
+    shared_budgets: Sequence[float] = (),
+    offsets: Sequence[float] = (),
+    baselines: Sequence[str] = EVICTING_BASELINES,
+) -> list[dict]:
+    """The records of `runs` (name -> loaded predictor, all over the same managed layers) and of
+    the evicting `baselines` on held-out data of `lm` (an `atskv.models.LoadedModel`): corpus
+    windows and task prompts, every retention mode (see the module docstring)."""
     from atskv.predictor.token_types import token_type_table
 
-    device, torch_dtype = resolve_device(device, dtype)
-    lm = load_model(model, dtype=torch_dtype, device=device)
-    runs = {}
-    for i, source in enumerate(supervised or [model]):
-        path = Path(source) if Path(source).exists() else find_predictor(source)
-        runs[f"supervised-seed{i}"] = load_predictor(path, lm.model, device)
-    for folder in sorted(Path(finetuned).glob("alpha*-seed*")):
-        runs[folder.name] = load_predictor(folder, lm.model, device)
     headers = {p.header.managed_layers for p in runs.values()}
     if len(headers) != 1:
         raise ValueError(f"the predictors cover different managed layers: {sorted(headers)}")
@@ -374,7 +340,7 @@ def heldout_report(
     modes = [*budgets, THRESHOLD, *(SharedTop(b) for b in shared_budgets), *(Above(c) for c in offsets)]
     records = evaluate_predictors(lm.model, mlps, layers, types, items, modes)
     records += evaluate_selectors(lm.model, baselines, items, budgets, dense_layers=layers[0])
-    return write_report(records, out)
+    return records
 
 
 def write_report(records: Sequence[dict], out: Path) -> str:
@@ -385,20 +351,13 @@ def write_report(records: Sequence[dict], out: Path) -> str:
     groups = {group_of(r["predictor"]) for r in records}
     alpha_of = {g: float(g.removeprefix("alpha")) for g in groups if g.startswith("alpha")}
     rows = summary(records, alpha_of)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "records.json").write_text(json.dumps({"records": list(records), "summary": rows}, indent=1))
     table = markdown(rows)
-    (out / "table.md").write_text(table + "\n")
-    quality_memory_plot(rows, out / "quality-memory.png")
+    report.write_report(
+        out, table, {"records": list(records), "summary": rows}, json_name="records.json",
+        plot=lambda path: quality_memory_plot(rows, path), png_name="quality-memory.png",
+    )  # fmt: skip
     return table
 
 
 def read_records(path: str | Path) -> list[dict]:
     return json.loads(Path(path).read_text())["records"]
-
-
-if __name__ == "__main__":
-    from jsonargparse import auto_cli
-
-    print(auto_cli(heldout_report))
