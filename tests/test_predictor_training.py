@@ -90,8 +90,8 @@ def test_ranking_loss_pairs_only_within_groups():
     group = torch.tensor([0, 0, 0, 1, 1, 1])
     mass = torch.tensor([0.1, 0.2, 0.3, 0.7, 0.8, 0.9])
     ordered = torch.tensor([1.0, 2.0, 3.0, -3.0, -2.0, -1.0]) * 20  # right within groups, wrong across
-    assert pairwise_ranking_loss(ordered, mass, group, pairs=16).item() < 1e-6
-    assert pairwise_ranking_loss(-ordered, mass, group, pairs=16).item() > 10
+    assert pairwise_ranking_loss(ordered, mass, group, pairs=16).mean().item() < 1e-6
+    assert pairwise_ranking_loss(-ordered, mass, group, pairs=16).mean().item() > 10
 
 
 def test_fit_learns_and_checkpoint_reloads(shards, tmp_path):

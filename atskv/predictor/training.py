@@ -18,8 +18,12 @@ Choices where the plan leaves one:
   quantity a selector keeping k_g tokens cares about. The checkpoint keeps the best epoch by it.
 - The feature spec comes from the shards' manifest and is saved in the hyperparameters, so a
   checkpoint reloads with `RelevanceModule.load_from_checkpoint(path)` alone.
-- Training runs on one device: the group batch sampler is not sharded for DDP (the MLP is
-  ~110K parameters; data loading, not compute, bounds it).
+- Data parallel (`trainer.devices: N`, Lightning DDP) computes the same steps as one process:
+  `data.batch_size` counts the rows of all processes together and every process takes a share
+  of each batch's groups (`atskv.predictor.batches`); losses are means over the whole batch,
+  the scalar BatchNorm uses the whole batch's statistics and ranking partners are drawn from
+  counters keyed by group, row and step (`atskv.predictor.distributed`); metrics are torchmetrics,
+  reduced over processes; checkpoints and TensorBoard logs come from rank 0.
 """
 
 from __future__ import annotations
@@ -33,12 +37,15 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from torch.utils.data import DataLoader, Sampler
-from torchmetrics import Metric
+from torch import nn
+from torch.utils.data import DataLoader
+from torchmetrics import MeanMetric, Metric
 from torchmetrics.classification import BinaryAUROC
 from torchmetrics.utilities import dim_zero_cat
 
 from atskv.eval.figures import save_figure
+from atskv.predictor.batches import GroupBatchSampler
+from atskv.predictor.distributed import counter_hash, global_means, globalise_batch_norms
 from atskv.predictor.model import FeatureSpec, RelevanceMLP
 from atskv.predictor.shards import ShardDataset, stacked
 
@@ -97,60 +104,27 @@ class MassRecall(Metric):
         return mass_recall(*(dim_zero_cat(s) for s in (self.preds, self.mass, self.in_topk, self.group)))
 
 
-def pairwise_ranking_loss(logits: torch.Tensor, mass: torch.Tensor, group: torch.Tensor, pairs: int) -> torch.Tensor:
-    """Logistic loss softplus(-(s_i - s_j)) over `pairs` random same-group partners j per row i,
-    oriented so that i has the larger mass; pairs of equal mass are skipped."""
+def pairwise_ranking_loss(
+    logits: torch.Tensor, mass: torch.Tensor, group: torch.Tensor, pairs: int, seed: int = 0
+) -> torch.Tensor:
+    """Per-pair logistic losses softplus(-(s_i - s_j)) over `pairs` same-group partners j per row
+    i, oriented so that i has the larger mass; pairs of equal mass are left out.
+
+    Partners are drawn by `counter_hash(seed, group, row's place in its group, draw)`, not from
+    an RNG stream, so a row gets the same partners however the batch is split over processes."""
     _, inverse, counts = torch.unique(group, return_inverse=True, return_counts=True)
     by_group = torch.argsort(inverse, stable=True)
     starts = torch.cumsum(counts, 0) - counts
+    place = torch.empty_like(by_group)
+    place[by_group] = torch.arange(len(by_group), device=group.device) - starts[inverse[by_group]]
     i = torch.arange(len(logits), device=logits.device).repeat(pairs)
+    draw = torch.arange(pairs, device=logits.device).repeat_interleave(len(logits))
     g = inverse[i]
-    offset = (torch.rand(len(i), device=logits.device) * counts[g]).long().clamp_max(counts[g] - 1)
+    offset = counter_hash(seed, group[i], place[i], draw) % counts[g]
     j = by_group[starts[g] + offset]
     sign = torch.sign(mass[i].float() - mass[j].float())
     keep = sign != 0
-    if not keep.any():
-        return logits.sum() * 0
-    return F.softplus(-sign[keep] * (logits[i] - logits[j])[keep]).mean()
-
-
-class GroupBatchSampler(Sampler[list[int]]):
-    """Batches of whole groups, about `batch_size` rows each (a larger group is a batch alone).
-
-    With `shuffle`, each pass over the data draws a new group order from a seed taken from the
-    global RNG at construction (so `seed_everything` fixes it); without, groups keep their order.
-    """
-
-    def __init__(self, group: torch.Tensor, batch_size: int, shuffle: bool):
-        _, inverse, counts = torch.unique(group, return_inverse=True, return_counts=True)
-        self.rows = torch.argsort(inverse, stable=True).split(counts.tolist())  # row indices per group
-        self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.seed = int(torch.randint(2**62, ()).item())
-        self.epoch = 0
-        self._batches = self._pack(range(len(self.rows)))
-
-    def _pack(self, order) -> list[list[int]]:
-        """Group ids per batch, filled in `order`."""
-        batches, current, size = [], [], 0
-        for g in order:
-            if current and size + len(self.rows[g]) > self.batch_size:
-                batches.append(current)
-                current, size = [], 0
-            current.append(g)
-            size += len(self.rows[g])
-        return batches + [current] if current else batches
-
-    def __iter__(self):
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            self.epoch += 1
-            self._batches = self._pack(torch.randperm(len(self.rows), generator=generator).tolist())
-        for batch in self._batches:
-            yield torch.cat([self.rows[g] for g in batch]).tolist()
-
-    def __len__(self) -> int:
-        return len(self._batches)
+    return F.softplus(-sign[keep] * (logits[i] - logits[j])[keep])
 
 
 class RelevanceData(L.LightningDataModule):
@@ -167,7 +141,7 @@ class RelevanceData(L.LightningDataModule):
         """
         Args:
             folder: a shard folder written by `atskv collect`.
-            batch_size: rows per batch, filled with whole groups.
+            batch_size: rows per optimiser step over all processes, filled with whole groups.
             validation_fraction: share of the shard keys (windows) held out for validation.
             num_workers: DataLoader worker processes.
             seed: the train/validation split (kept fixed across training seeds).
@@ -183,6 +157,7 @@ class RelevanceData(L.LightningDataModule):
         self.feature_spec = FeatureSpec.from_dict(dataset.meta["feature_spec"])
         self.collection = dataset.meta  # base model, geometry, managed layers: what `atskv export` needs
         self.train_set = self.val_set = None
+        self.shuffle_seed = int(torch.randint(2**62, ()))  # drawn after seed_everything, the same in every process
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is None:
@@ -190,9 +165,13 @@ class RelevanceData(L.LightningDataModule):
             self.train_set, self.val_set = self.dataset.split_by_key(fraction, seed)
 
     def _loader(self, dataset: ShardDataset, shuffle: bool) -> DataLoader:
+        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
+        sampler = GroupBatchSampler(
+            dataset.column("group"), self.hparams.batch_size, shuffle, self.shuffle_seed, rank, world
+        )
         return DataLoader(
             dataset,
-            batch_sampler=GroupBatchSampler(dataset.column("group"), self.hparams.batch_size, shuffle),
+            batch_sampler=sampler,
             collate_fn=stacked,
             num_workers=self.hparams.num_workers,
             persistent_workers=self.hparams.num_workers > 0,
@@ -242,22 +221,36 @@ class RelevanceModule(L.LightningModule):
         )
         self.train_auroc, self.val_auroc = BinaryAUROC(), BinaryAUROC()
         self.train_recall, self.val_recall = MassRecall(), MassRecall()
+        self.val_losses = nn.ModuleDict({name: MeanMetric() for name in ("loss", "bce", "ranking")})
+        self.pair_seed = int(torch.randint(2**62, ()))  # ranking partners; drawn after seed_everything
+
+    def setup(self, stage: str) -> None:
+        if self.trainer.world_size > 1:
+            globalise_batch_norms(self.model)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.model(batch["hidden"], batch["scalars"], batch["token_type"], batch["layer"], batch["head"])
 
     def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
+        hp = self.hparams
         logits = self(batch)
-        loss = logits.new_zeros(())
-        if self.hparams.bce_weight:
-            bce = F.binary_cross_entropy_with_logits(logits, batch["in_topk"].float())
-            loss = loss + self.hparams.bce_weight * bce
-            self.log(f"{stage}/bce", bce, on_step=stage == "train", on_epoch=stage == "val")
-        if self.hparams.ranking_weight:
-            rank = pairwise_ranking_loss(logits, batch["mass"], batch["group"], self.hparams.ranking_pairs)
-            loss = loss + self.hparams.ranking_weight * rank
-            self.log(f"{stage}/ranking", rank, on_step=stage == "train", on_epoch=stage == "val")
-        self.log(f"{stage}/loss", loss, on_step=stage == "train", on_epoch=stage == "val", prog_bar=True)
+        bce = F.binary_cross_entropy_with_logits(logits, batch["in_topk"].float(), reduction="sum")
+        pairs = logits[:0]
+        if hp.ranking_weight:
+            seed = self.pair_seed + self.global_step
+            pairs = pairwise_ranking_loss(logits, batch["mass"], batch["group"], hp.ranking_pairs, seed)
+        shares, means = global_means(torch.stack([bce, pairs.sum()]), torch.tensor([logits.numel(), pairs.numel()]))
+        loss = hp.bce_weight * shares[0] + hp.ranking_weight * shares[1]  # this process's share of the batch's loss
+        rows = means.new_tensor(float(len(logits)))  # the batch's value is every process's: weigh it by local rows
+        values = {"loss": hp.bce_weight * means[0] + hp.ranking_weight * means[1], "bce": means[0]}
+        if hp.ranking_weight:
+            values["ranking"] = means[1]
+        for name, value in values.items():
+            if stage == "train":
+                self.log(f"train/{name}", value, prog_bar=name == "loss", batch_size=1)
+            else:
+                self.val_losses[name].update(value, rows)
+                self.log(f"val/{name}", self.val_losses[name], prog_bar=name == "loss")
         auroc, recall = getattr(self, f"{stage}_auroc"), getattr(self, f"{stage}_recall")
         auroc.update(logits.detach(), batch["in_topk"].long())
         recall.update(logits, batch["mass"], batch["in_topk"], batch["group"])
@@ -288,6 +281,7 @@ class RelevanceCLI(LightningCLI):
                 "checkpoint.filename": "epoch{epoch}-recall{val/mass_recall:.4f}",
                 "checkpoint.auto_insert_metric_name": False,
                 "checkpoint.save_last": True,
+                "trainer.use_distributed_sampler": False,  # the group batch sampler shards itself
             }
         )
 

@@ -1,0 +1,74 @@
+"""Data-parallel training: two CPU processes (gloo) train as one process on the same data and seeds."""
+
+import pytest
+import torch
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from atskv.predictor.batches import GroupBatchSampler
+from atskv.predictor.distributed import counter_hash
+from atskv.predictor.training import fit_main
+from tests.test_predictor_training import SMALL, write_shards
+
+
+def test_ranks_share_every_batch_in_whole_groups():
+    group = torch.tensor([5] * 7 + [1] * 3 + [9] * 2 + [4] * 6 + [2] * 1 + [8] * 5)
+    one = list(GroupBatchSampler(group, 12, shuffle=True, seed=3))
+    ranks = [GroupBatchSampler(group, 12, shuffle=True, seed=3, rank=r, world_size=3) for r in range(3)]
+    shares = list(zip(*(list(s) for s in ranks)))
+    assert len(shares) == len(one) == len(ranks[0])
+    for batch, parts in zip(one, shares):
+        assert sorted(batch) == sorted(sum(parts, []))  # the same rows, each on one rank
+        for part in parts:  # whole groups
+            assert all((group[part] == g).sum() == (group == g).sum() for g in group[part].unique())
+    assert any(not part for parts in shares for part in parts)  # a batch with fewer groups than ranks
+    with pytest.raises(ValueError, match="rank 3"):
+        GroupBatchSampler(group, 12, shuffle=False, rank=3, world_size=3)
+
+
+def test_counter_hash_is_a_function_of_its_keys():
+    keys = torch.arange(1000)
+    a = counter_hash(7, keys, 3)
+    assert torch.equal(counter_hash(7, keys.flip(0), 3), a.flip(0)) and torch.equal(counter_hash(7, keys[500:], 3), a[500:])
+    assert (a >= 0).all() and a.unique().numel() == 1000 and not torch.equal(a, counter_hash(8, keys, 3))
+    assert abs((a % 2).float().mean().item() - 0.5) < 0.05
+
+
+def _fit(folder, root, devices: int) -> dict:
+    config = {
+        "seed_everything": 3,
+        "trainer": {
+            "max_epochs": 2, "accelerator": "cpu", "devices": devices,
+            "strategy": "ddp_spawn" if devices > 1 else "auto",
+            "default_root_dir": str(root), "log_every_n_steps": 1,
+            "enable_progress_bar": False, "enable_model_summary": False,
+            "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                       "init_args": {"save_dir": str(root / "tb"), "name": "run"}},
+        },
+        "data": {"folder": str(folder), "batch_size": 150, "validation_fraction": 0.34},
+        "model": {**SMALL, "ranking_pairs": 2},
+    }  # fmt: skip
+    root.mkdir()
+    path = root / "fit.yaml"
+    path.write_text(yaml.safe_dump(config))
+    fit_main(["fit", "--config", str(path)])
+    log_dir = root / "tb" / "run" / "version_0"
+    events = EventAccumulator(str(log_dir)).Reload()
+    curves = {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    state = torch.load(log_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+    return {"curves": curves, "predictor": {k: v for k, v in state.items() if k.startswith("model.")}}
+
+
+def test_two_processes_train_as_one(tmp_path):
+    """Same loss curve, metrics and predictor weights with DDP on two gloo processes. A batch holds
+    nine groups, so the processes' shares are unequal (5 and 4), which per-process means would weigh wrong."""
+    folder = tmp_path / "shards"
+    write_shards(folder, shards=6, groups=10, seed=1)
+    one, two = _fit(folder, tmp_path / "one", 1), _fit(folder, tmp_path / "two", 2)
+    assert one["curves"].keys() == two["curves"].keys() >= {"train/loss", "val/loss", "val/mass_recall", "val/auroc"}
+    assert len(one["curves"]["train/loss"]) >= 10
+    for tag, values in one["curves"].items():
+        torch.testing.assert_close(torch.tensor(two["curves"][tag]), torch.tensor(values), rtol=1e-4, atol=1e-5)
+    assert one["predictor"].keys() == two["predictor"].keys()
+    for name, value in one["predictor"].items():
+        torch.testing.assert_close(two["predictor"][name], value, rtol=1e-4, atol=1e-5)
