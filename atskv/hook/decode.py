@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from atskv.hook.gqa import grouped_attention, prefix_causal_attention, received_mass
+from atskv.hook.gqa import group_matmul, grouped_attention, prefix_causal_attention, received_mass
 from atskv.hook.sparse import STATIC_ATTENTION_NAME, SparseSession, SparsityConfig, attach
 from atskv.kernels.sparse_decode import sparse_decode_attention
 from atskv.memory.static_cache import StaticKVCache, StaticSlotLayer, first_free
@@ -234,14 +234,14 @@ def masked_attention_lse(query, keys, values, allowed: Callable[[int, int], torc
     out = query.new_empty(b, hq, tq, values.shape[-1])
     lse = torch.empty(b, hq, tq, dtype=torch.float32, device=query.device)
     step = max(1, max_elements // max(1, b * hq * s))
-    k = keys.unsqueeze(2).transpose(-1, -2)
+    k = keys.transpose(-1, -2)
     for start in range(0, tq, step):
         stop = min(start + step, tq)
         q = query[:, :, start:stop].reshape(b, hkv, hq // hkv, stop - start, d)
-        logits = (torch.matmul(q, k).float() * scaling).masked_fill(~allowed(start, stop).unsqueeze(2), -torch.inf)
+        logits = (group_matmul(q, k).float() * scaling).masked_fill(~allowed(start, stop).unsqueeze(2), -torch.inf)
         block_lse = logits.logsumexp(-1)
         probs = torch.exp(logits - block_lse.nan_to_num(neginf=0.0).unsqueeze(-1))
-        out[:, :, start:stop] = torch.matmul(probs.to(values.dtype), values.unsqueeze(2)).reshape(b, hq, stop - start, -1)
+        out[:, :, start:stop] = group_matmul(probs.to(values.dtype), values).reshape(b, hq, stop - start, -1)
         lse[:, :, start:stop] = block_lse.reshape(b, hq, stop - start)
     return out, lse
 

@@ -16,6 +16,14 @@ def grouped_queries(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return query.view(b, num_kv_heads, hq // num_kv_heads, tq, d)
 
 
+def group_matmul(grouped: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """`grouped` `[B, Hkv, G, T, X]` times each KV head's `shared` `[B, Hkv, X, Y]` -> `[B, Hkv, G, T, Y]`,
+    with the group folded into the rows: a broadcast over G (`shared.unsqueeze(2)`) would make
+    `matmul` copy `shared` G times, the whole KV on every call."""
+    b, h, g, t, x = grouped.shape
+    return torch.matmul(grouped.reshape(b, h, g * t, x), shared).view(b, h, g, t, -1)
+
+
 def grouped_probs(
     query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scaling: float, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -24,7 +32,7 @@ def grouped_probs(
     padded queries never poison valid ones. `bias` (`[B, Hkv, Tq, S]`), if given, is added to the
     scaled logits of every query head of the group (the influence label's per-token gates)."""
     q = grouped_queries(query, keys.shape[1])
-    logits = torch.matmul(q, keys.unsqueeze(2).transpose(-1, -2)).float() * scaling
+    logits = group_matmul(q, keys.transpose(-1, -2)).float() * scaling
     if bias is not None:
         logits = logits + bias.unsqueeze(2)
     logits = logits.masked_fill(~mask.unsqueeze(2), torch.finfo(torch.float32).min)
@@ -54,7 +62,7 @@ def grouped_attention(
     for start in range(0, tq, query_chunk):
         stop = min(start + query_chunk, tq)
         probs = grouped_probs(query[:, :, start:stop], keys, mask[:, :, start:stop], scaling)
-        out[:, :, :, start:stop] = torch.matmul(probs.to(values.dtype), values.unsqueeze(2))
+        out[:, :, :, start:stop] = group_matmul(probs.to(values.dtype), values)
         if mass is not None:
             valid_rows = mask[:, :, start:stop].any(-1, keepdim=True).unsqueeze(2)
             mass += (probs * valid_rows).sum(dim=(2, 3))
@@ -77,7 +85,7 @@ class StreamedAttention:
     def add(self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> None:
         """Fold in a block: keys/values `[B, Hkv, S_i, D]`, `mask` `[B, Hkv, Tq, S_i]`."""
         q = grouped_queries(self.query, keys.shape[1])
-        logits = (torch.matmul(q, keys.unsqueeze(2).transpose(-1, -2)).float() * self.scaling).masked_fill(
+        logits = (group_matmul(q, keys.transpose(-1, -2)).float() * self.scaling).masked_fill(
             ~mask.unsqueeze(2), -torch.inf
         )
         block_peak = logits.amax(-1, keepdim=True)
@@ -89,7 +97,7 @@ class StreamedAttention:
         shift = _finite(peak)  # no allowed slot yet: nothing to rescale
         rescale, weights = torch.exp(self.peak - shift), torch.exp(logits - shift)
         self.denominator = self.denominator * rescale + weights.sum(-1, keepdim=True)
-        self.acc = self.acc * rescale + torch.matmul(weights, values.unsqueeze(2).float())
+        self.acc = self.acc * rescale + group_matmul(weights, values.float())
         self.peak = peak
         self._logits.append(logits)
 
@@ -195,12 +203,12 @@ def received_mass(
     hkv, s = keys.shape[1], keys.shape[2]
     mass = torch.zeros(b, hkv, s, dtype=torch.float32, device=keys.device)
     step = max(1, max_elements // max(1, b * hq * s))
-    k = keys.unsqueeze(2).transpose(-1, -2)
+    k = keys.transpose(-1, -2)
     lse = lse.masked_fill(lse == -torch.inf, torch.inf)  # a query that sees nothing gives nothing
     for start in range(0, tq, step):
         stop = min(start + step, tq)
         q = grouped_queries(query[:, :, start:stop], hkv)
-        logits = torch.matmul(q, k).float() * scaling
+        logits = group_matmul(q, k).float() * scaling
         probs = torch.exp(logits - lse[:, :, start:stop].view(b, hkv, -1, stop - start, 1))
         mass += torch.where(allowed(start, stop).unsqueeze(2), probs, 0.0).sum(dim=(2, 3))
     return mass
