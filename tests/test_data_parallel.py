@@ -9,6 +9,7 @@ from atskv.predictor.batches import GroupBatchSampler
 from atskv.predictor.distributed import counter_hash
 from atskv.predictor.training import fit_main
 from tests.test_predictor_training import SMALL, write_shards
+from tests.test_rl import tiny  # noqa: F401 (the fixture)
 
 
 def test_ranks_share_every_batch_in_whole_groups():
@@ -70,5 +71,30 @@ def test_two_processes_train_as_one(tmp_path):
     for tag, values in one["curves"].items():
         torch.testing.assert_close(torch.tensor(two["curves"][tag]), torch.tensor(values), rtol=1e-4, atol=1e-5)
     assert one["predictor"].keys() == two["predictor"].keys()
+    for name, value in one["predictor"].items():
+        torch.testing.assert_close(two["predictor"][name], value, rtol=1e-4, atol=1e-5)
+
+
+def _finetune(tiny, root, devices: int) -> dict:
+    from atskv.rl.training import finetune_main
+    from tests.test_rl import _finetune_args
+
+    strategy = "ddp_spawn" if devices > 1 else "auto"
+    args = _finetune_args(tiny, root, "--data.batch_size", "3", "--trainer.devices", str(devices))
+    finetune_main([*args[1:], "--trainer.strategy", strategy, "--seed_everything", "5"])
+    checkpoint = next(root.rglob("last.ckpt"))
+    events = EventAccumulator(str(checkpoint.parent.parent)).Reload()
+    curves = {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    return {"curves": curves, "predictor": state}
+
+
+def test_two_processes_fine_tune_as_one(tiny, tmp_path):
+    """Three contexts per step dealt to two processes (2 and 1): the same curves and weights."""
+    one, two = _finetune(tiny, tmp_path / "one", 1), _finetune(tiny, tmp_path / "two", 2)
+    assert one["curves"].keys() == two["curves"].keys() >= {"train/reward", "train/nll", "train/grad_norm"}
+    assert len(one["curves"]["train/reward"]) == 3
+    for tag, values in one["curves"].items():
+        torch.testing.assert_close(torch.tensor(two["curves"][tag]), torch.tensor(values), rtol=1e-4, atol=1e-5)
     for name, value in one["predictor"].items():
         torch.testing.assert_close(two["predictor"][name], value, rtol=1e-4, atol=1e-5)

@@ -1,6 +1,10 @@
 """`atskv collect`: shard columns, features and labels against eager attention, influence against
 a finite difference, resumability and bad input."""
 
+import json
+import time
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +15,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 
 import atskv.predictor.collect as collect_module
 from atskv.data import TASKS
+from atskv.errors import InputError
 from atskv.cli.predictor import collect as collect_command
 from atskv.predictor.collect import collect
 from atskv.predictor.features import SCALAR_FEATURES
@@ -19,6 +24,7 @@ from atskv.predictor.token_types import token_type_table
 from tests.conftest import COMMON, random_prompt, tiny_bpe_tokenizer, tiny_model
 
 T, W, K = 64, 8, 6
+ROOT = Path(__file__).resolve().parent.parent
 DECISIONS = (0.5, 0.75)  # t = 32, 48
 
 
@@ -162,10 +168,58 @@ def test_resumes_and_loses_no_finished_shard(tmp_path, monkeypatch):
     assert (tmp_path / "shard-0.safetensors").stat().st_mtime_ns == first
 
 
+KILLED_COLLECTION = """
+import os, sys, time
+import atskv.predictor.shards as shards
+from atskv.predictor.collect import collect
+from tests.conftest import random_prompt, tiny_bpe_tokenizer, tiny_model
+
+for name in ("_fsync_file", "_fsync_dir"):  # widen the steps of a write, so kills land inside them
+    real = getattr(shards, name)
+    setattr(shards, name, lambda path, real=real: (time.sleep(0.05), real(path)))
+print("started", flush=True)
+collect(tiny_model("llama"), tiny_bpe_tokenizer(), random_prompt(%d, batch=8), sys.argv[1], decision_points=%r,
+        future_queries=%d, topk=%d, progress=False)
+"""
+
+
+def test_killed_at_random_points_resumes_with_no_shard_lost_or_duplicated(tmp_path):
+    import random
+    import subprocess
+    import sys
+
+    script = KILLED_COLLECTION % (T, DECISIONS, W, K)
+    rng = random.Random(0)
+    folder = tmp_path / "killed"
+    for _ in range(4):
+        child = subprocess.Popen([sys.executable, "-c", script, str(folder)], stdout=subprocess.PIPE, cwd=ROOT)
+        assert child.stdout.readline() == b"started\n"
+        time.sleep(rng.uniform(0.0, 1.0))
+        child.kill()
+        child.wait()
+    subprocess.run([sys.executable, "-c", script, str(folder)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    killed = ShardDataset(folder)
+    keys = [f"corpus-w{i}" for i in range(8)]
+    assert sorted(killed.keys) == keys  # each once
+    listed = {s["file"] for s in json.loads((folder / "manifest.json").read_text())["shards"]}
+    assert {p.name for p in folder.iterdir()} == listed | {"manifest.json"}  # no stray or temporary files
+    _, whole = _run(tmp_path, windows=8, name="whole", dense_layers=2)
+    whole = ShardDataset(whole)
+    for key in keys:
+        a, b = ShardDataset(folder, keys=[key]), ShardDataset(whole.folder, keys=[key])
+        assert len(a) == len(b)
+        for column in a.columns:
+            torch.testing.assert_close(a.column(column), b.column(column), rtol=0, atol=0, equal_nan=True)
+
+
 def test_bad_input(tmp_path):
     _run(tmp_path, windows=1)
-    with pytest.raises(ValueError, match="different settings"):
+    with pytest.raises(InputError, match=r"^\S+/out holds another collection \(topk 6, not 7\); pass start_over"):
         _run(tmp_path, windows=1, topk=K + 1)
+    with pytest.raises(InputError, match=r"\(corpus 'corpus', not 'sotu'\)"):
+        _run(tmp_path, windows=1, corpus="sotu")
+    _run(tmp_path, windows=1, corpus="sotu", start_over=True)
+    assert ShardDataset(tmp_path / "out").keys == ["sotu-w0"] and ShardDataset(tmp_path / "out").meta["corpus"] == "sotu"
     with pytest.raises(ValueError, match=r"t \+ W \+ 2 <= 64"):
         _run(tmp_path, windows=1, name="w", future_queries=40)
     with pytest.raises(ValueError, match="1 <= t"):

@@ -102,7 +102,7 @@ def test_meta_mismatch_refused_unless_empty(tmp_path):
     ShardWriter(tmp_path / "empty", META)
     assert ShardWriter(tmp_path / "empty", {**META, "layers": 5}).meta["layers"] == 5
     ShardWriter(tmp_path / "used", META).write("window-0", unit(1, 0))
-    with pytest.raises(ValueError, match="different settings"):
+    with pytest.raises(ValueError, match=r"holds another collection \(layers 4, not 5\); pass start_over"):
         ShardWriter(tmp_path / "used", {**META, "layers": 5})
     assert ShardWriter(tmp_path / "used", dict(META)).has("window-0")  # tuple vs list is the same meta
 

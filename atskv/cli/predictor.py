@@ -23,6 +23,7 @@ def collect(
     tasks: list[str] = [],  # noqa: B006
     task_examples: int = 0,
     out: Path | None = None,
+    start_over: bool = False,
     device: str = "auto",
     dtype: str = "auto",
 ) -> Path:
@@ -48,6 +49,8 @@ def collect(
             collected too, decided at the prompt's end with the answer's queries as the future.
         task_examples: prompts per task (window_tokens long each).
         out: output folder (default: data/collect/<model name>).
+        start_over: empty OUT first; without it, a folder holding another collection (other
+            corpus, model or settings) is refused.
         device: cpu, cuda, or auto.
         dtype: float32, bfloat16, float16, or auto (bfloat16 on GPU, float32 on CPU).
     """
@@ -79,6 +82,7 @@ def collect(
         corpus=Path(corpus).name if "/" in corpus else corpus,
         tasks=tasks,
         task_examples=task_examples,
+        start_over=start_over,
     )
     extra = f" and {task_examples} prompts of each of {', '.join(tasks)}" if tasks and task_examples else ""
     print(f"collected {windows} windows{extra} into {folder}")

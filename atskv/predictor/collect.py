@@ -1,56 +1,33 @@
 """`atskv collect`: features and labels for the relevance predictor, one shard per corpus window.
 
 For every window, decision time t (fractions of the window), managed layer and KV head, the
-tokens 0..t get the features of `atskv.predictor.features` and three labels: the attention mass
-of the next W queries, membership in its top-k, and (with `influence`) the gradient of the
-future loss with respect to an additive bias on the token's attention logits.
-
-- Features and mass come from one dense forward through the hook (`atskv.sparse`) with a
-  capturing selector: its `prefill` sees one managed layer at a time, builds that layer's
-  pooled probabilities `[B, Hkv, T, T]` in query chunks, keeps the sampled rows and drops the
-  rest, so no two layers' T x T tensors are alive together. The same capture, keeping every
-  row (`decision_features`), gives the policy-gradient rollouts (`atskv.rl`) their features.
-- Influence needs gradients through attention logits, which the hook's fused paths do not give;
-  a biased attention function (`INFLUENCE_ATTENTION`, also the rollouts' masking) adds zero bias tensors
-  `[B, Hkv, t+1]` to the logits of queries after t, and one forward plus one backward per
-  decision time read their gradients. Choice: the loss is the mean NLL of the predictions made
-  by queries t+1..t+W (tokens t+2..t+W+1), the same queries the mass label averages; token
-  t+1 is predicted at position t, which the bias does not reach (its gradient would be zero).
-- Only the prefix 0..max(t)+W of a window is run: causality makes later tokens irrelevant.
-- Rows are sampled per group (window, t, layer, head): all top-k members and as many uniformly
-  drawn non-members, seeded by the key, so shards stay small and classes balanced.
+tokens 0..t get the features of `atskv.predictor.features` and the labels of
+`atskv.predictor.labels` (future attention mass, top-k membership, optionally influence), from
+one dense forward through the hook (`atskv.predictor.capture`). Only the prefix 0..max(t)+W of
+a window is run: causality makes later tokens irrelevant.
 
 Work is a list of `(key, window)` items processed by `collect_items` into one `ShardWriter`
-folder; it skips finished keys, so a rerun resumes. Spreading over GPUs (a later Lightning
-`Trainer.predict` loop) gives each rank its own items and its own output folder and calls
-`collect_items` there.
+folder (`atskv.predictor.shards`); it skips finished keys, so a rerun resumes. A folder holding
+another collection (other corpus, model or settings) is refused unless `start_over`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from atskv.hook.gqa import grouped_probs
 from atskv.models import model_geometry
-from atskv.predictor.features import SCALAR_FEATURES, attention_so_far, future_mass, scalar_features, topk_members
+from atskv.predictor.capture import managed_layers
+from atskv.predictor.distributed import stable_seed
+from atskv.predictor.features import SCALAR_FEATURES
+from atskv.predictor.labels import LabelCapture, influence_gradients
 from atskv.predictor.model import FeatureSpec
 from atskv.predictor.shards import ShardWriter
 from atskv.predictor.token_types import token_type_table
-from atskv.selectors.base import LayerView, Selector
-
-INFLUENCE_ATTENTION = "atskv_influence"
-_BIAS_ATTR = "_atskv_influence_bias"
 
 
 @dataclass(frozen=True)
@@ -125,13 +102,14 @@ def task_item(
     return f"{task}-e{seed}", window, item_spec
 
 
-def collection_meta(model, spec: CollectSpec, model_name: str) -> dict:
+def collection_meta(model, spec: CollectSpec, model_name: str, corpus: str = "corpus") -> dict:
     """The manifest meta (contract of issue 4); a folder only accepts shards with equal meta."""
     geometry = model_geometry(model.config)
     managed = managed_layers(model, spec.dense_layers)
     feature_spec = FeatureSpec(geometry.hidden_size, SCALAR_FEATURES, len(managed), geometry.num_kv_heads)
     return {
         "model": model_name,
+        "corpus": corpus,
         "geometry": geometry.to_dict(),
         "feature_spec": feature_spec.to_dict(),
         "managed_layers": managed,
@@ -144,186 +122,6 @@ def collection_meta(model, spec: CollectSpec, model_name: str) -> dict:
     }
 
 
-def managed_layers(model, dense_layers: int) -> list[int]:
-    """The layers the hook manages with `dense_layers` (what the learned selector will score)."""
-    from atskv.hook.sparse import SparseSession, SparsityConfig
-
-    return sorted(SparseSession(model, FeatureCapture(), SparsityConfig(1.0, dense_layers)).managed_layers)
-
-
-@dataclass
-class FeatureCapture(Selector):
-    """Keeps everything (dense prefill); in each managed layer's `prefill` it computes the
-    features of tokens 0..t at every decision time and hands them to `record`, which by default
-    keeps all of them in `features[layer_idx][t]` = (hidden `[t+1, d_model]`, scalars
-    `[Hkv, t+1, F]`)."""
-
-    needs_hidden = True
-    keeps_all = True
-    decision_times: tuple[int, ...] = ()
-    query_chunk: int = 512
-    prev: dict[int, torch.Tensor] = field(default_factory=dict)  # t -> previous managed layer's attention
-    features: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
-
-    def prefill(self, view: LayerView) -> None:
-        n, c = view.query.shape[2], self.query_chunk
-        in_order = torch.arange(n, device=view.slot_pos.device)
-        if view.query.shape[0] != 1 or not torch.equal(view.slot_pos[0, 0], in_order):
-            raise RuntimeError("collection runs one window at a time on a fresh cache")
-        chunks = [
-            grouped_probs(view.query[:, :, s : s + c], view.keys, view.valid[:, :, s : s + c], view.scaling).mean(2)
-            for s in range(0, n, c)
-        ]
-        probs = torch.cat(chunks, dim=2)  # [1, Hkv, T, T], pooled over the group; freed when this returns
-        del chunks
-        for t in self.decision_times:
-            attention = attention_so_far(probs, t)
-            scalars = scalar_features(attention, self.prev.get(t), view.hidden[:, : t + 1], view.keys[:, :, : t + 1], t)
-            self.prev[t] = attention.mean(1)
-            self.record(view, t, probs, scalars)
-
-    def record(self, view: LayerView, t: int, probs: torch.Tensor, scalars: torch.Tensor) -> None:
-        """Keep the features of every token 0..t (`probs` `[1, Hkv, T, T]`, `scalars` `[1, Hkv, t+1, F]`)."""
-        self.features.setdefault(view.layer_idx, {})[t] = (view.hidden[0, : t + 1], scalars[0])
-
-
-def decision_features(
-    model, ids: torch.Tensor, t: int, dense_layers: int
-) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """`{managed layer: (hidden [t+1, d_model], scalars [Hkv, t+1, F])}`: the features of every
-    token 0..t at decision time t, from one dense forward of `ids[:, :t+1]` (`[1, >t]`) through
-    the hook. No gradients (`no_grad`, not `inference_mode`: the results may feed a trained MLP)."""
-    from atskv.hook.sparse import sparse
-
-    capture = FeatureCapture((t,))
-    with sparse(model, capture, budget=1.0, dense_layers=dense_layers), torch.no_grad():
-        model(ids[:, : t + 1])
-    return {layer: by_time[t] for layer, by_time in capture.features.items()}
-
-
-@dataclass
-class _FeatureCapture(FeatureCapture):
-    """The collection's capture: at every (t, KV head) it keeps the labels and features of the
-    sampled rows only."""
-
-    future_queries: int = 1
-    topk: int = 1
-    generator: torch.Generator | None = None
-    groups: list[dict] = field(default_factory=list)
-
-    def record(self, view: LayerView, t: int, probs: torch.Tensor, scalars: torch.Tensor) -> None:
-        mass = future_mass(probs, t, self.future_queries)
-        members = topk_members(mass, self.topk)
-        for h in range(mass.shape[1]):
-            rows = self._sample(members[0, h])
-            self.groups.append(
-                {
-                    "layer_idx": view.layer_idx,
-                    "t": t,
-                    "head": h,
-                    "position": rows,
-                    "hidden": view.hidden[0, rows].to(torch.float16),
-                    "scalars": scalars[0, h, rows],
-                    "mass": mass[0, h, rows],
-                    "in_topk": members[0, h, rows],
-                }
-            )
-
-    def _sample(self, members: torch.Tensor) -> torch.Tensor:
-        """Positions of all members plus as many uniformly drawn non-members (all if fewer), sorted."""
-        positive = members.nonzero().flatten()
-        negative = (~members).nonzero().flatten()
-        order = torch.randperm(negative.numel(), generator=self.generator)[: positive.numel()]
-        return torch.cat([positive, negative[order.to(negative.device)]]).sort().values
-
-
-def _stable_int(text: str, bits: int = 63) -> int:
-    """A run-independent integer hash (Python's `hash` of a str changes per process)."""
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> (64 - bits)
-
-
-def biased_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """The biased attention function (influence labels here, policy rollouts in `atskv.rl`):
-    layers carrying bias tensors attend eagerly with `bias[b, h, i]` added to the logits of
-    every query after t on token i <= t (all query heads of KV head h); other layers run SDPA.
-    Full-sequence forwards, or forwards continuing a plain `DynamicCache` (queries are the last
-    Tq positions)."""
-    biases = getattr(module, _BIAS_ATTR, None)
-    if biases is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError("attention logit soft-capping is not supported by the influence collection")
-    b, s = key.shape[0], key.shape[2]
-    tq = query.shape[2]
-    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if attention_mask is None:
-        mask = torch.ones(tq, s, dtype=torch.bool, device=query.device).tril(s - tq)
-    else:
-        mask = attention_mask[:, 0, :, :s]
-        mask = mask if mask.dtype == torch.bool else mask == 0  # additive float mask: 0 where allowed
-    queries = torch.arange(s - tq, s, device=query.device)
-    bias = sum(
-        F.pad(g, (0, s - t - 1))[:, :, None, :] * (queries > t).to(g.dtype)[:, None] for t, g in biases
-    )  # [B, Hkv, Tq, S]
-    probs = grouped_probs(query, key, mask.view(-1, 1, tq, s), scaling, bias=bias)
-    out = torch.matmul(probs.to(value.dtype), value.unsqueeze(2))
-    return out.view(b, -1, tq, value.shape[-1]).transpose(1, 2), None
-
-
-AttentionInterface.register(INFLUENCE_ATTENTION, biased_attention_forward)
-AttentionMaskInterface.register(INFLUENCE_ATTENTION, sdpa_mask)
-
-
-@contextlib.contextmanager
-def attention_biases(model, biases: dict[int, list[tuple[int, torch.Tensor]]]) -> Iterator[None]:
-    """Inside the block `model` attends through `biased_attention_forward`: layer l adds every
-    `(t, bias [B, Hkv, t+1])` of `biases[l]` to the logits of its queries after t; the other
-    layers run SDPA. Full-sequence forwards, or a forward continuing a plain `DynamicCache`."""
-    from atskv.hook.sparse import attention_modules
-
-    modules = [m for m in attention_modules(model) if m.layer_idx in biases]
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(INFLUENCE_ATTENTION)
-    for m in modules:
-        setattr(m, _BIAS_ATTR, biases[m.layer_idx])
-    try:
-        yield
-    finally:
-        for m in modules:
-            delattr(m, _BIAS_ATTR)
-        model.set_attn_implementation(previous)
-
-
-def influence_gradients(
-    model, ids: torch.Tensor, layers: Sequence[int], spec: CollectSpec
-) -> dict[tuple[int, int], torch.Tensor]:
-    """`{(t, layer): d loss_t / d bias}` `[1, Hkv, t+1]` for ids `[1, span]`, where loss_t is the mean
-    NLL of the predictions of queries t+1..t+W. One forward; one backward per decision time."""
-    hkv = model_geometry(model.config).num_kv_heads
-    times = spec.decision_times
-    biases = {
-        (t, layer): torch.zeros(1, hkv, t + 1, device=ids.device, requires_grad=True) for t in times for layer in layers
-    }
-    params = [p for p in model.parameters() if p.requires_grad]
-    try:
-        for p in params:  # no parameter gradients: saves the activations only they would need
-            p.requires_grad_(False)
-        with attention_biases(model, {layer: [(t, biases[t, layer]) for t in times] for layer in layers}):
-            with torch.enable_grad():
-                logits = model(ids[:, :-1], use_cache=False).logits[0].float()
-                nll = F.cross_entropy(logits, ids[0, 1:], reduction="none")  # nll[p]: token p+1 predicted at p
-                grads = {}
-                for n, t in enumerate(times):
-                    wanted = [biases[t, layer] for layer in layers]
-                    loss = nll[t + 1 : t + 1 + spec.future_queries].mean()
-                    for layer, g in zip(layers, torch.autograd.grad(loss, wanted, retain_graph=n < len(times) - 1)):
-                        grads[t, layer] = g
-    finally:
-        for p in params:
-            p.requires_grad_(True)
-    return grads
-
-
 def collect_window(
     model, key: str, window: torch.Tensor, types: torch.Tensor, spec: CollectSpec
 ) -> dict[str, torch.Tensor]:
@@ -332,8 +130,8 @@ def collect_window(
 
     device = next(model.parameters()).device
     ids = window[: spec.span + 1].reshape(1, -1).to(device)
-    generator = torch.Generator().manual_seed(_stable_int(f"{spec.seed}/{key}"))
-    capture = _FeatureCapture(
+    generator = torch.Generator().manual_seed(stable_seed(f"{spec.seed}/{key}"))
+    capture = LabelCapture(
         spec.decision_times, future_queries=spec.future_queries, topk=spec.topk, generator=generator
     )
     with sparse(model, capture, budget=1.0, dense_layers=spec.dense_layers) as session, torch.inference_mode():
@@ -346,7 +144,7 @@ def collect_window(
         rows = g["position"]
         n, layer = rows.numel(), index[g["layer_idx"]]
         influence = grads[g["t"], g["layer_idx"]][0, g["head"], rows] if grads else torch.full((n,), float("nan"))
-        group = _stable_int(f"{key}/{g['t']}/{layer}/{g['head']}")
+        group = stable_seed(f"{key}/{g['t']}/{layer}/{g['head']}")
         for name, value in {
             "hidden": g["hidden"],
             "scalars": g["scalars"],
@@ -402,20 +200,22 @@ def collect(
     tasks: Sequence[str] = (),
     task_examples: int = 0,
     task_tokens: int | None = None,
+    start_over: bool = False,
     progress: bool = True,
 ) -> Path:
     """Collect features and labels of `windows` `[N, T]` into `out_folder`, one shard per window
     keyed "<corpus>-w<i>", plus `task_examples` prompts of every task in `tasks` (see
     `task_item`, `task_tokens` long; keyed "<task>-e<seed>"); work already in the folder is
-    skipped. Returns the folder."""
+    skipped; a folder holding another collection is refused (`InputError`) unless `start_over`,
+    which empties it first. Returns the folder."""
     if windows.dim() != 2:
         raise ValueError(f"windows must be [N, T] token ids, got shape {tuple(windows.shape)}")
     spec = CollectSpec(windows.shape[1], tuple(decision_points), future_queries, topk, influence, dense_layers, seed)
     name = model_name or getattr(model.config, "_name_or_path", "") or model.config.model_type
-    meta = collection_meta(model, spec, name)
+    meta = collection_meta(model, spec, name, corpus)
     if tasks and task_examples:
         meta["tasks"] = {"names": list(tasks), "examples": task_examples, "tokens": task_tokens or spec.window_tokens}
-    writer = ShardWriter(out_folder, meta)
+    writer = ShardWriter(out_folder, meta, start_over=start_over)
     items = [(f"{corpus}-w{i}", w) for i, w in enumerate(windows)]
     for task in tasks:
         seeds = range(TASK_SEED_BASE, TASK_SEED_BASE + task_examples)
@@ -424,4 +224,4 @@ def collect(
     return writer.folder
 
 
-__all__ = ["CollectSpec", "collect", "collect_items", "collection_meta", "influence_gradients"]
+__all__ = ["TASK_SEED_BASE", "CollectSpec", "collect", "collect_items", "collection_meta", "task_item", "task_prompt"]

@@ -109,17 +109,17 @@ def counter_hash(*keys: torch.Tensor | int) -> torch.Tensor:
     return x & ((1 << 63) - 1)
 
 
-def stable_seed(*parts) -> int:
-    """A 63-bit seed from `parts` (their repr) that does not change between processes or runs."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+def stable_seed(text: str) -> int:
+    """A 63-bit integer hash of `text` that does not change between processes or runs (Python's
+    `hash` of a str does)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
 @contextlib.contextmanager
 def seeded(*parts) -> Iterator[None]:
-    """Inside, torch's RNG (CPU and the current CUDA device) starts from `stable_seed(*parts)`;
-    its state outside is restored after."""
+    """Inside, torch's RNG (CPU and the current CUDA device) starts from a `stable_seed` of
+    `parts`; its state outside is restored after."""
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(stable_seed(*parts))
+        torch.manual_seed(stable_seed(repr(parts)))
         yield

@@ -22,6 +22,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.utils.data import Dataset
 
+from atskv.errors import InputError
+
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 _TMP_SUFFIX = ".tmp"
@@ -76,20 +78,26 @@ class ShardWriter:
     One writer per folder at a time (processes collecting in parallel use one folder each).
     """
 
-    def __init__(self, folder: str | os.PathLike, meta: dict):
+    def __init__(self, folder: str | os.PathLike, meta: dict, start_over: bool = False):
+        """`start_over`: drop what `folder` holds; without it, a folder holding shards of another
+        collection (other meta) is refused."""
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         meta = _canonical(meta)
-        if (self.folder / MANIFEST).exists():
+        self._shards = []
+        if (self.folder / MANIFEST).exists() and not start_over:
             manifest = _read_manifest(self.folder)
-            if manifest["shards"] and manifest["meta"] != meta:
-                raise ValueError(
-                    f"{self.folder} holds shards collected with different settings "
-                    f"(manifest meta {manifest['meta']}, requested {meta}); use another folder"
+            old = manifest["meta"]
+            if manifest["shards"] and old != meta:
+                differ = ", ".join(
+                    k if isinstance(old.get(k), (dict, list)) else f"{k} {old.get(k)!r}, not {meta.get(k)!r}"
+                    for k in sorted(set(old) | set(meta))
+                    if old.get(k) != meta.get(k)
+                )
+                raise InputError(
+                    f"{self.folder} holds another collection ({differ}); pass start_over to replace it, or use another folder"
                 )
             self._shards = manifest["shards"]
-        else:
-            self._shards = []
         self._meta = meta
         self._remove_leftovers()
         self._write_manifest()

@@ -4,7 +4,7 @@ real base model to score its continuation.
 For an item (context 0..T-1, continuation T..T+C-1) the decision is taken at t = T - 1, as the
 learned selector takes it at the end of a prompt after a dense prefill:
 1. `context_features`: the features of every context token for every managed layer and KV head,
-   from one dense forward through the hook (`atskv.predictor.collect.decision_features`), no
+   from one dense forward through the hook (`atskv.predictor.capture.decision_features`), no
    gradients; `predictor_logits` turns them into logits `[L, Hkv, T]` (with gradients).
 2. The policy samples K keep-masks `[K, L, Hkv, T]` (`atskv.rl.policy`).
 3. `rollout`: the context is run once, densely, into a `DynamicCache`, which is repeated K times;
@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from atskv.models import model_geometry
-from atskv.predictor.collect import attention_biases, decision_features
+from atskv.predictor.attention_bias import attention_biases
+from atskv.predictor.capture import decision_features
 from atskv.predictor.model import RelevanceMLP
 from atskv.rl.items import RolloutItem
 

@@ -33,6 +33,11 @@ H, KL: per-token entropy of the policy and keep-marginal KL to the frozen superv
 Choices where the plan leaves one:
 - Manual optimisation: the items of a batch are backpropagated one by one (each graph is freed
   before the next rollout), then the gradient norm is clipped to `gradient_clip` and AdamW steps.
+- Data parallel (`trainer.devices: N`): a step's `batch_size` contexts are dealt to the
+  processes (`atskv.predictor.batches`), each runs its rollouts, and the gradients are summed
+  over processes once per step (DDP's per-backward reduction is off: processes may hold
+  different numbers of contexts). Each context's samples are drawn from a seed of its tokens
+  and the step, so N processes take the steps one process takes.
 - The predictor runs as it does at inference all through training: its BatchNorm keeps the
   running statistics of the supervised phase (eval mode), so scores mean the same at run time.
 - Performance is -NLL on corpus windows; on task prompts -NLL too, or exact-match in {0, 1} with
@@ -52,9 +57,9 @@ Choices where the plan leaves one:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,7 +71,10 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from torch.utils.data import DataLoader
 
 from atskv.models import DEFAULT_MODEL, ModelGeometry, resolve_device
-from atskv.predictor.collect import TASK_SEED_BASE, managed_layers
+from atskv.predictor.batches import GroupBatchSampler
+from atskv.predictor.capture import managed_layers
+from atskv.predictor.collect import TASK_SEED_BASE
+from atskv.predictor.distributed import all_sum, seeded
 from atskv.predictor.export import PredictorHeader, checkpoint_provenance, find_predictor, load_predictor, mlp_widths
 from atskv.predictor.features import SCALAR_FEATURES
 from atskv.predictor.model import FeatureSpec, RelevanceMLP
@@ -77,6 +85,7 @@ from atskv.rl.reward import check_alpha, leave_one_out, reward
 from atskv.rl.rollout import context_features, predictor_logits, rollout
 
 TASK_METRICS = ("nll", "exact_match")
+STATISTICS = ("loss", "reward", "entropy", "kl", "expected_memory", "nll", "memory", "exact")  # logged per step
 
 
 @dataclass
@@ -235,6 +244,7 @@ class PolicyGradientModule(L.LightningModule):
         self.tokenizer = loaded.tokenizer
         started_from = {"predictor": start.source, "training": start.training}  # for `atskv export`'s header
         self.hparams.update(collection=start.collection, started_from=started_from, **mlp_widths(start.mlp))
+        self.sample_seed = int(torch.randint(2**62, ()))  # the policy's draws; after seed_everything
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -270,18 +280,31 @@ class PolicyGradientModule(L.LightningModule):
         return loss, stats
 
     def training_step(self, batch: list[RolloutItem], batch_idx: int) -> None:
+        """This process's share of the step's contexts; gradients and statistics are summed over
+        processes once, at the end (`batch` may be empty where the step has fewer contexts than processes)."""
         optimiser = self.optimizers()
         optimiser.zero_grad()
-        stats = defaultdict(list)
-        for item in batch:
-            loss, parts = self.item_loss(item)
-            self.manual_backward(loss / len(batch))
-            for name, value in parts.items():
-                stats[name].append(value)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.hparams.gradient_clip)
+        contexts = all_sum(torch.tensor(float(len(batch)))).item()
+        sums = torch.zeros(len(STATISTICS), dtype=torch.float64)
+        counts = torch.zeros(len(STATISTICS), dtype=torch.float64)
+        no_sync = getattr(self.trainer.strategy, "block_backward_sync", contextlib.nullcontext)
+        with no_sync():
+            for item in batch:
+                with seeded(self.sample_seed, self.global_step, item.ids.tolist()):  # the same draws on any rank
+                    loss, parts = self.item_loss(item)
+                self.manual_backward(loss / contexts)
+                for name, value in parts.items():
+                    sums[STATISTICS.index(name)] += value.item()
+                    counts[STATISTICS.index(name)] += 1
+        params = list(self.model.parameters())
+        grads = all_sum(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params]))
+        for p, g in zip(params, grads.split([p.numel() for p in params])):
+            p.grad = g.view_as(p)
+        norm = torch.nn.utils.clip_grad_norm_(params, self.hparams.gradient_clip)
         optimiser.step()
-        logged = {f"train/{name}": torch.stack(values).mean() for name, values in stats.items()}
-        self.log_dict({**logged, "train/grad_norm": norm}, batch_size=len(batch))
+        sums, counts = all_sum(sums), all_sum(counts)
+        logged = {f"train/{name}": sums[i] / counts[i] for i, name in enumerate(STATISTICS) if counts[i]}
+        self.log_dict({**logged, "train/grad_norm": norm}, batch_size=1)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.model.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
@@ -312,7 +335,7 @@ class RolloutData(L.LightningDataModule):
             tasks: synthetic tasks whose prompts (answer as continuation) are trained on too.
             task_examples: prompts per task (seeds from TASK_SEED_BASE on).
             task_tokens: length of the task prompts (default: context_tokens).
-            batch_size: contexts per optimiser step.
+            batch_size: contexts per optimiser step, over all processes.
         """
         super().__init__()
         self.save_hyperparameters(ignore=["tokenizer"])
@@ -322,6 +345,7 @@ class RolloutData(L.LightningDataModule):
             )
         self.tokenizer = tokenizer
         self._items: list[RolloutItem] | None = None
+        self.shuffle_seed = int(torch.randint(2**62, ()))  # drawn after seed_everything, the same in every process
 
     def items(self) -> list[RolloutItem]:
         if self._items is None:
@@ -334,7 +358,11 @@ class RolloutData(L.LightningDataModule):
         return self._items
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.items(), batch_size=self.hparams.batch_size, shuffle=True, collate_fn=list)
+        """`batch_size` contexts per step, shared by the processes (each context a group of one)."""
+        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
+        items = self.items()
+        sampler = GroupBatchSampler(torch.arange(len(items)), self.hparams.batch_size, True, self.shuffle_seed, rank, world)
+        return DataLoader(items, batch_sampler=sampler, collate_fn=list)
 
 
 class FinetuneCLI(LightningCLI):
@@ -344,7 +372,7 @@ class FinetuneCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.tokenizer", "data.tokenizer", apply_on="instantiate")
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
-        parser.set_defaults({"checkpoint.save_last": True})
+        parser.set_defaults({"checkpoint.save_last": True, "trainer.use_distributed_sampler": False})
 
     def before_instantiate_classes(self) -> None:
         model, data = self.config["model"], self.config["data"]

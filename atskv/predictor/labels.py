@@ -1,0 +1,98 @@
+"""Labels of the collected rows, per window, decision time t, managed layer and KV head:
+the attention mass the next W queries give each token 0..t, membership in its top-k, and (with
+`influence`) the gradient of the future loss with respect to an additive bias on the token's
+attention logits.
+
+- `LabelCapture` computes mass and top-k inside the capture (`atskv.predictor.capture`) and
+  keeps only sampled rows: all top-k members and as many uniformly drawn non-members, so shards
+  stay small and classes balanced.
+- `influence_gradients` runs the window through biased attention (`atskv.predictor.attention_bias`)
+  with zero bias tensors `[B, Hkv, t+1]` on the logits of queries after t; one forward and one
+  backward per decision time read their gradients. The loss is the mean NLL of the predictions
+  made by queries t+1..t+W (tokens t+2..t+W+1), the queries the mass label averages; token t+1
+  is predicted at position t, which the bias does not reach (its gradient would be zero).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from atskv.models import model_geometry
+from atskv.predictor.attention_bias import attention_biases
+from atskv.predictor.capture import FeatureCapture
+from atskv.predictor.features import future_mass, topk_members
+from atskv.selectors.base import LayerView
+
+if TYPE_CHECKING:
+    from atskv.predictor.collect import CollectSpec
+
+
+@dataclass
+class LabelCapture(FeatureCapture):
+    """The collection's capture: at every (t, KV head) it keeps the labels and features of the
+    sampled rows only."""
+
+    future_queries: int = 1
+    topk: int = 1
+    generator: torch.Generator | None = None
+    groups: list[dict] = field(default_factory=list)
+
+    def record(self, view: LayerView, t: int, probs: torch.Tensor, scalars: torch.Tensor) -> None:
+        mass = future_mass(probs, t, self.future_queries)
+        members = topk_members(mass, self.topk)
+        for h in range(mass.shape[1]):
+            rows = self._sample(members[0, h])
+            self.groups.append(
+                {
+                    "layer_idx": view.layer_idx,
+                    "t": t,
+                    "head": h,
+                    "position": rows,
+                    "hidden": view.hidden[0, rows].to(torch.float16),
+                    "scalars": scalars[0, h, rows],
+                    "mass": mass[0, h, rows],
+                    "in_topk": members[0, h, rows],
+                }
+            )
+
+    def _sample(self, members: torch.Tensor) -> torch.Tensor:
+        """Positions of all members plus as many uniformly drawn non-members (all if fewer), sorted."""
+        positive = members.nonzero().flatten()
+        negative = (~members).nonzero().flatten()
+        order = torch.randperm(negative.numel(), generator=self.generator)[: positive.numel()]
+        return torch.cat([positive, negative[order.to(negative.device)]]).sort().values
+
+
+def influence_gradients(
+    model, ids: torch.Tensor, layers: Sequence[int], spec: CollectSpec
+) -> dict[tuple[int, int], torch.Tensor]:
+    """`{(t, layer): d loss_t / d bias}` `[1, Hkv, t+1]` for ids `[1, span]`, where loss_t is the mean
+    NLL of the predictions of queries t+1..t+W. One forward; one backward per decision time."""
+    hkv = model_geometry(model.config).num_kv_heads
+    times = spec.decision_times
+    biases = {
+        (t, layer): torch.zeros(1, hkv, t + 1, device=ids.device, requires_grad=True) for t in times for layer in layers
+    }
+    params = [p for p in model.parameters() if p.requires_grad]
+    try:
+        for p in params:  # no parameter gradients: saves the activations only they would need
+            p.requires_grad_(False)
+        with attention_biases(model, {layer: [(t, biases[t, layer]) for t in times] for layer in layers}):
+            with torch.enable_grad():
+                logits = model(ids[:, :-1], use_cache=False).logits[0].float()
+                nll = F.cross_entropy(logits, ids[0, 1:], reduction="none")  # nll[p]: token p+1 predicted at p
+                grads = {}
+                for n, t in enumerate(times):
+                    wanted = [biases[t, layer] for layer in layers]
+                    loss = nll[t + 1 : t + 1 + spec.future_queries].mean()
+                    for layer, g in zip(layers, torch.autograd.grad(loss, wanted, retain_graph=n < len(times) - 1)):
+                        grads[t, layer] = g
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+    return grads
