@@ -8,6 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from atskv.data import synthetic_filler
+from atskv.errors import InputError
 from atskv.eval.recall import attention_recall
 from atskv.models import load_model
 from atskv.selectors import selectors_for_model
@@ -49,7 +50,7 @@ def test_collect_fit_export_then_the_learned_selector_by_name(tmp_path, monkeypa
 
 def test_the_learned_selector_without_an_exported_predictor_says_how_to_make_one(tmp_path, monkeypatch):
     monkeypatch.setenv("ATSKV_CACHE", str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="atskv export"):
+    with pytest.raises(InputError, match="no predictor for 'some-model'.*atskv export"):
         selectors_for_model(["learned"], "some-model")
 
 

@@ -3,16 +3,19 @@ refreshes on its cadence, and it refuses a predictor made for another model."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 import atskv
+from atskv.errors import InputError
 from atskv.models import model_geometry
-from atskv.predictor.export import export_predictor
+from atskv.predictor.export import default_predictor_dir, export_predictor
 from atskv.predictor.features import SCALAR_FEATURES, attention_so_far, scalar_features
 from atskv.predictor.model import FeatureSpec, RelevanceMLP
 from atskv.selectors.learned import LearnedSelector
-from tests.conftest import VOCAB, random_prompt, tiny_model
+from tests.conftest import EVERY_TOKEN, VOCAB, random_prompt, tiny_model
 
 MANAGED = [2, 3]  # a 4-layer tiny Llama with dense_layers=2
 
@@ -41,7 +44,7 @@ def test_run_time_features_equal_the_collections(predictor_dir):
     model = tiny_model("llama")
     ids = random_prompt(20, seed=4, batch=2)
     selector = Capturing(predictor=predictor_dir)
-    with atskv.sparse(model, selector, budget=1.0, dense_layers=2), torch.no_grad():
+    with atskv.sparse(model, selector, budget=EVERY_TOKEN, dense_layers=2), torch.no_grad():
         model(ids)
     model.set_attn_implementation("eager")
     with torch.no_grad():
@@ -87,7 +90,7 @@ def test_scores_refresh_every_n_steps_and_new_tokens_wait_at_plus_inf(predictor_
     ids = random_prompt(16, seed=6)
     selector = LearnedSelector(predictor=predictor_dir, refresh_every=3)
     snapshots = []
-    with atskv.sparse(model, selector, budget=1.0) as s, torch.no_grad():
+    with atskv.sparse(model, selector, budget=EVERY_TOKEN) as s, torch.no_grad():
         out = model(ids, use_cache=True)
         cache = out.past_key_values
         token = out.logits[:, -1:].argmax(-1)
@@ -139,3 +142,76 @@ def test_a_threshold_keeps_what_the_predictor_rates_above_it_with_the_budget_as_
     assert (counts < 30).all() and counts.unique().numel() > 1, "rows keep different amounts, under the cap"
     capped, _ = held(threshold=-1e9)  # everything is above it: the budget is the cap
     assert torch.equal(capped, occupied)
+
+
+def _export_for(model, folder, name: str = "tiny-llama") -> None:
+    """A predictor for `model` as `atskv export` writes it: with the model's config hash."""
+    torch.manual_seed(1)
+    spec = FeatureSpec(model.config.hidden_size, SCALAR_FEATURES, len(MANAGED), model.config.num_key_value_heads)
+    export_predictor(RelevanceMLP(spec, reduced_width=8, hidden=16).eval(), torch.zeros(VOCAB, dtype=torch.int8),
+                     folder, base_model=name, geometry=model_geometry(model.config), managed_layers=MANAGED,
+                     config=model, training={"data": {"folder": "data/collect-austen"}})
+
+
+def test_sparse_and_tiered_by_name_find_the_models_exported_predictor(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATSKV_CACHE", str(tmp_path))
+    model = tiny_model("llama")
+    model.atskv_name = "tiny-llama"  # what load_model records
+    _export_for(model, default_predictor_dir("tiny-llama"))
+    ids = random_prompt(64, seed=3)
+    with atskv.sparse(model, "learned", 0.25) as session, torch.no_grad():
+        model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert isinstance(session.selector, LearnedSelector) and session.selector.predictor.header.base_model == "tiny-llama"
+    assert int(session.cache.layers[MANAGED[0]].occupied.sum(-1).max()) <= 17, "it evicted to its budget"
+    tiering = dict(sinks=2, recent=8, refresh_every=4)
+    with atskv.tiered(model, selector="learned", budget=0.5, **tiering) as session, torch.no_grad():
+        model.generate(ids, max_new_tokens=20, do_sample=False)
+    assert isinstance(session.selector, LearnedSelector) and session.cache.stats.demoted_tokens > 0
+
+
+def test_load_model_records_the_name_the_predictor_is_found_by(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from atskv.models import load_model, model_name
+    from tests.conftest import COMMON, tiny_bpe_tokenizer
+
+    tokenizer = tiny_bpe_tokenizer()
+    config = LlamaConfig(num_hidden_layers=4, num_key_value_heads=2, **{**COMMON, "vocab_size": len(tokenizer)})
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "my-llama")
+    tokenizer.save_pretrained(tmp_path / "my-llama")
+    loaded = load_model(tmp_path / "my-llama")
+    assert model_name(loaded.model) == loaded.name == "my-llama"
+    assert model_name(tiny_model("llama")) is None
+
+
+def test_a_model_without_a_predictor_is_told_how_to_get_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATSKV_CACHE", str(tmp_path))
+    model = tiny_model("llama")
+    with pytest.raises(InputError, match="no name to find it by.*load_model.*LearnedSelector\\(predictor=PATH\\)"):
+        atskv.sparse(model, "learned", 0.1).__enter__()
+    model.atskv_name = "unknown-model"
+    with pytest.raises(InputError, match="no predictor for 'unknown-model'.*atskv export"):
+        atskv.tiered(model, selector="learned").__enter__()
+
+
+def test_a_hashed_predictor_refuses_a_model_of_equal_shapes_before_any_forward(tmp_path):
+    model = tiny_model("llama")
+    _export_for(model, tmp_path)
+    other = tiny_model("llama")
+    other.config.vocab_size = VOCAB + 1  # same geometry, another vocabulary
+    other.atskv_name = "other-llama"
+    selector = LearnedSelector(predictor=tmp_path)
+    with pytest.raises(InputError, match="predictor for 'tiny-llama' \\(config \\w+\\) cannot run on 'other-llama'"):
+        atskv.sparse(other, selector, 0.5).__enter__()
+    with atskv.sparse(model, selector, 0.5), torch.no_grad():
+        model(random_prompt(8))
+
+
+def test_loading_logs_one_line_with_path_base_model_and_training_data(tmp_path, caplog):
+    model = tiny_model("llama")
+    _export_for(model, tmp_path)
+    with caplog.at_level(logging.INFO, logger="atskv"):
+        LearnedSelector(predictor=tmp_path)
+    (record,) = [r for r in caplog.records if r.name == "atskv"]
+    line = record.getMessage()
+    assert str(tmp_path) in line and "'tiny-llama'" in line and "data/collect-austen" in line and "\n" not in line

@@ -46,7 +46,7 @@ from atskv.memory.host_tier import HostTier
 from atskv.memory.retrieval import INDEXES, make_index
 from atskv.memory.sparsity import INITIAL_MOMENTUM, LayerPolicy, SparsityBudget, SparsityManager
 from atskv.memory.tiered_cache import MOMENTUM, TieredKVCache, TieredLayer
-from atskv.selectors import make_selector
+from atskv.selectors import resolve_selector
 from atskv.selectors.base import LayerView, Selector, check_budget
 
 _REFRESHED_AT, _PROMPT = "tiered_refreshed_at", "tiered_prompt_tokens"
@@ -86,8 +86,9 @@ class TieringConfig:
                 "need refresh_every >= 1, retrieve_every >= 1, retrieve >= 0 and read_chunk >= 1, got "
                 f"{self.refresh_every}, {self.retrieve_every}, {self.retrieve}, {self.read_chunk}"
             )
-        if isinstance(self.retrieve, float) and not 0 < self.retrieve <= 1:
-            raise ValueError(f"a fractional retrieve must be in (0, 1] of the prompt, got {self.retrieve}")
+        if isinstance(self.retrieve, float) and not 0 < self.retrieve < 1:
+            # the budget's rule (int: tokens, float: a fraction strictly between 0 and 1)
+            raise ValueError(f"a fractional retrieve must lie strictly between 0 and 1, got {self.retrieve}")
         if self.index not in INDEXES:
             raise ValueError(f"unknown index {self.index!r}; choose one of: {', '.join(sorted(INDEXES))}")
         if isinstance(self.budget, int):
@@ -256,8 +257,7 @@ def tiered(
     >>> with atskv.tiered(model, selector="learned", budget=0.1, retrieve=64) as session:
     ...     out = model.generate(**inputs, max_new_tokens=64)
     """
-    if isinstance(selector, str):
-        selector = make_selector(selector)
+    selector = resolve_selector(selector, model)
     config = SparsityConfig(budget, dense_layers, sparse_prefill=False, sparse_decode=True)
     session = TieredSession(model, selector, config, TieringConfig(budget, **tiering))
     with attach(model, session):

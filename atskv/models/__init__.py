@@ -1,6 +1,7 @@
-"""Base models: loading (named GGUF models, GGUF files, Hugging Face directories) and geometry."""
+"""Base models: loading (named GGUF models, GGUF files, Hugging Face directories), geometry and identity."""
 
 from atskv.models.geometry import ModelGeometry, attention_modules, model_geometry
+from atskv.models.identity import config_hash, model_name
 from atskv.models.loading import (
     DEFAULT_MODEL,
     MODELS,
@@ -19,7 +20,9 @@ __all__ = [
     "ModelGeometry",
     "NamedModel",
     "attention_modules",
+    "config_hash",
     "load_model",
     "model_geometry",
+    "model_name",
     "resolve_device",
 ]

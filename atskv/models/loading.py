@@ -33,6 +33,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from atskv.models.geometry import ModelGeometry, model_geometry
+from atskv.models.identity import NAME_ATTR
 from atskv.paths import default_cache_dir
 
 logger = logging.getLogger("atskv")
@@ -174,6 +175,7 @@ def load_model(
             raise ValueError(f"{spec!r} is neither a model directory nor a .gguf file. {_SPEC_HELP}")
         source = str(path)
     model, tokenizer = _load_directory(weights, dtype)
+    setattr(model, NAME_ATTR, name)  # what `atskv.sparse(model, "learned")` finds its predictor by
     return LoadedModel(model=model.to(device).eval(), tokenizer=tokenizer, name=name, source=source)
 
 

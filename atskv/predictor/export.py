@@ -1,24 +1,30 @@
 """A trained predictor as one file a user can ship: `predictor.safetensors` holds the MLP's
 weights and the base model's token-type table, and its metadata holds a JSON header naming the
 base model (architecture, layer count, head counts, head dim, hidden size: its `ModelGeometry`),
-the managed layers the predictor scores, the feature spec and the MLP's widths. The same header
-is written beside it as `predictor.json` for people; loading reads the one inside the weights
-file, so the two can never disagree about what is loaded. Loading against another base model
-fails with both geometries in the message.
+the managed layers the predictor scores, the feature spec and the MLP's widths, and the hash of
+the base model's config (`atskv.models.identity`). The same header is written beside it as
+`predictor.json` for people; loading reads the one inside the weights file, so the two can never
+disagree about what is loaded. Loading against another base model fails naming both models and
+their config hashes (predictors exported before the hash was recorded: both geometries). A
+missing, truncated or corrupt file is an `InputError` naming it, never a reader's traceback.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from atskv.models.geometry import ModelGeometry
+from atskv.errors import InputError
+from atskv.models.geometry import ModelGeometry, model_geometry
+from atskv.models.identity import config_hash, model_name
 from atskv.paths import default_cache_dir
+from atskv.predictor.checkpoints import read_checkpoint
 from atskv.predictor.model import FeatureSpec, RelevanceMLP
 
 FORMAT = 1
@@ -36,12 +42,15 @@ class PredictorHeader:
     feature_spec: FeatureSpec
     widths: dict[str, int]  # RelevanceMLP's constructor widths
     training: dict = field(default_factory=dict)  # free-form provenance (data, seed, metrics)
+    config_hash: str | None = None  # `atskv.models.config_hash` of the base model; None in older exports
 
     def to_json(self) -> str:
+        identity = {} if self.config_hash is None else {"config_hash": self.config_hash}
         return json.dumps(
             {
                 "format": FORMAT,
                 "base_model": self.base_model,
+                **identity,
                 "geometry": self.geometry.to_dict(),
                 "managed_layers": list(self.managed_layers),
                 "feature_spec": self.feature_spec.to_dict(),
@@ -63,15 +72,27 @@ class PredictorHeader:
             feature_spec=FeatureSpec.from_dict(data["feature_spec"]),
             widths=data["widths"],
             training=data.get("training", {}),
+            config_hash=data.get("config_hash"),
         )
 
-    def check_model(self, model_or_config) -> None:
-        """Refuse a base model whose geometry is not the one the predictor was trained on."""
-        self.geometry.require_same(
-            model_or_config,
-            f"this predictor was trained for {self.base_model!r}",
-            "train and export one for this model",
-        )
+    def check_model(self, model) -> None:
+        """Refuse a base model other than the one the predictor was trained for: by config hash,
+        or for an export without one, by geometry (equal shapes pass)."""
+        if self.config_hash is None:
+            try:
+                self.geometry.require_same(
+                    model, f"this predictor was trained for {self.base_model!r}", "export one for this model"
+                )
+            except ValueError as error:
+                raise InputError(str(error)) from None
+            return
+        theirs = config_hash(model)
+        if theirs != self.config_hash:
+            name = model_name(model) or "this model"
+            raise InputError(
+                f"predictor for {self.base_model!r} (config {self.config_hash}) cannot run on {name!r} "
+                f"(config {theirs}); export one for this model"
+            )
 
 
 @dataclass
@@ -117,7 +138,7 @@ def checkpoint_provenance(checkpoint: str | Path) -> dict:
     from the class that loads the weights, whose defaults would stand in for a fine-tuning run's
     alpha, policy and samples), and for fine-tuning the predictor it started from with that
     predictor's own provenance."""
-    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    state = read_checkpoint(checkpoint)
 
     def own(hparams: dict) -> dict:  # without the CLI's bookkeeping (`_instantiator`)
         return {k: v for k, v in hparams.items() if not k.startswith("_")}
@@ -144,23 +165,44 @@ def export_predictor(
     geometry: ModelGeometry,
     managed_layers: tuple[int, ...] | list[int],
     training: dict | None = None,
+    config=None,
+    overwrite: bool = False,
 ) -> Path:
-    """Write `predictor.safetensors` and `predictor.json` under `folder`; returns the weights path."""
+    """Write `predictor.safetensors` and `predictor.json` under `folder`; returns the weights path.
+
+    `config`: the base model (or its config), whose `config_hash` the header records so that only
+    that model loads the predictor (without it, only shapes are checked). A folder of the
+    predictors shipped with atskv is refused unless `overwrite`. The weights are written to a
+    temporary file and renamed, so an interrupted export leaves no truncated predictor behind."""
+    folder = Path(folder).expanduser()
+    if _is_within(folder, SHIPPED) and not overwrite:
+        raise InputError(
+            f"{folder} holds the predictors shipped with atskv; export elsewhere (default "
+            f"{default_predictor_dir(base_model)}) or pass overwrite=True to replace a shipped one"
+        )
+    if config is not None and model_geometry(getattr(config, "config", config)) != geometry:
+        raise InputError(f"the config given for {base_model!r} is not the model the predictor was trained on")
     if len(managed_layers) != mlp.spec.num_layers:
         raise ValueError(f"{len(managed_layers)} managed layers given, the predictor scores {mlp.spec.num_layers}")
     if geometry.num_kv_heads != mlp.spec.num_kv_heads:
         raise ValueError(f"the model has {geometry.num_kv_heads} KV heads, the predictor {mlp.spec.num_kv_heads}")
     header = PredictorHeader(
-        base_model, geometry, tuple(managed_layers), mlp.spec, mlp_widths(mlp), dict(training or {})
+        base_model, geometry, tuple(managed_layers), mlp.spec, mlp_widths(mlp), dict(training or {}),
+        config_hash(config) if config is not None else None,
     )
-    folder = Path(folder).expanduser()
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().cpu().contiguous() for name, t in mlp.state_dict().items()}
     tensors[_TOKEN_TYPES] = token_types.detach().cpu().to(torch.int8).contiguous()
     path = folder / "predictor.safetensors"
-    save_file(tensors, str(path), metadata={_HEADER_KEY: header.to_json()})
+    partial = path.with_name(path.name + ".partial")
+    save_file(tensors, str(partial), metadata={_HEADER_KEY: header.to_json()})
+    os.replace(partial, path)
     (folder / "predictor.json").write_text(header.to_json() + "\n")
     return path
+
+
+def _is_within(path: Path, folder: Path) -> bool:
+    return path.resolve().is_relative_to(folder.resolve())
 
 
 def load_predictor(path: str | Path, model=None, device: str | torch.device = "cpu") -> LoadedPredictor:
@@ -170,17 +212,23 @@ def load_predictor(path: str | Path, model=None, device: str | torch.device = "c
     if path.is_dir():
         path = path / "predictor.safetensors"
     if not path.is_file():
-        raise FileNotFoundError(f"no predictor at {path}; export one with `atskv export`")
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        metadata = f.metadata() or {}
-        if _HEADER_KEY not in metadata:
-            raise ValueError(f"{path} is a safetensors file but not an atskv predictor (no header)")
-        header = PredictorHeader.from_json(metadata[_HEADER_KEY])
-        tensors = {name: f.get_tensor(name) for name in f.keys()}
+        raise InputError(f"no predictor at {path}; export one with `atskv export` or give the folder that holds one")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            metadata = f.metadata() or {}
+            if _HEADER_KEY not in metadata:
+                raise InputError(f"{path} is a safetensors file but not an atskv predictor (no header)")
+            header = PredictorHeader.from_json(metadata[_HEADER_KEY])
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        token_types = tensors.pop(_TOKEN_TYPES)
+        mlp = RelevanceMLP(header.feature_spec, **header.widths)
+        mlp.load_state_dict(tensors)
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
+        if isinstance(error, InputError):
+            raise
+        reason = (str(error).splitlines() or [type(error).__name__])[0]
+        raise InputError(f"{path} is not a readable atskv predictor ({reason}); export it again") from None
     if model is not None:
         header.check_model(model)
-    token_types = tensors.pop(_TOKEN_TYPES)
-    mlp = RelevanceMLP(header.feature_spec, **header.widths)
-    mlp.load_state_dict(tensors)
     return LoadedPredictor(mlp.to(device).eval(), header, token_types.to(device))
 

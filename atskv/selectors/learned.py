@@ -17,11 +17,13 @@ from positions, keys and the stored hidden-state norms.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from atskv.errors import InputError
 from atskv.predictor.export import LoadedPredictor, load_predictor
 from atskv.predictor.features import SCALAR_FEATURES
 from atskv.selectors.base import LayerView, Selector, check_view_fits
@@ -36,6 +38,7 @@ _PROJECTED, _HIDDEN_NORM, _TYPE, _RECEIVED, _SCORE = (
 # the projected hidden state is as wide per token and KV head as a head's K+V in bf16 (64 floats):
 # kept in bfloat16 it costs half of that, not as much GPU memory as the KV it serves
 _PROJECTED_DTYPE = torch.bfloat16
+logger = logging.getLogger("atskv")
 
 
 @dataclass
@@ -55,9 +58,15 @@ class LearnedSelector(Selector):
 
     def __post_init__(self):
         if self.predictor is None:
-            raise ValueError("the learned selector needs an exported predictor: LearnedSelector(predictor=PATH)")
+            raise InputError("the learned selector needs an exported predictor: LearnedSelector(predictor=PATH)")
         if not isinstance(self.predictor, LoadedPredictor):
-            self.predictor = load_predictor(self.predictor)
+            path = self.predictor
+            self.predictor = load_predictor(path)
+            header = self.predictor.header
+            logger.info(
+                "learned selector: predictor %s, base model %r (config %s), trained on %s",
+                path, header.base_model, header.config_hash or "not recorded", _training_data(header.training),
+            )
         if tuple(self.predictor.header.feature_spec.scalar_features) != SCALAR_FEATURES:
             raise ValueError(
                 f"the predictor reads features {self.predictor.header.feature_spec.scalar_features}, "
@@ -87,6 +96,10 @@ class LearnedSelector(Selector):
         if view.layer.seen - state["refreshed_at"] >= self.refresh_every:
             self._refresh(view)
         return view.layer.slot_tensor(_SCORE, init=torch.inf).unsqueeze(2)
+
+    def check_model(self, model) -> None:
+        """Refuse a base model other than the predictor's (`PredictorHeader.check_model`)."""
+        self.predictor.header.check_model(model)
 
     def _check(self, view: LayerView) -> None:
         header = self.predictor.header
@@ -181,6 +194,18 @@ class LearnedSelector(Selector):
         score.fill_(-torch.inf)
         score[rows] = logits.float()
         layer.state.setdefault(self.name, {})["refreshed_at"] = layer.seen
+
+
+def _training_data(training: dict) -> str:
+    """What a header's provenance says the predictor was trained on, for the load log: the corpus
+    (fine-tuning) or shard folder (supervised fitting), and for fine-tuning what it started from."""
+    data = training.get("data", {})
+    said = data.get("corpus") or data.get("folder")
+    started = training.get("started_from")
+    if started:
+        before = _training_data(started.get("training", {}))
+        return f"{said or 'data not recorded'}, fine-tuned from a predictor trained on {before}"
+    return str(said) if said else "data not recorded"
 
 
 def _projected(layer, width: int) -> torch.Tensor:
