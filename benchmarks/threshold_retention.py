@@ -26,7 +26,7 @@ from atskv.models import load_model, resolve_device
 from atskv.selectors.learned import LearnedSelector
 
 
-def run(model, windows, n_eval, selector=None, budget=1.0) -> dict:
+def run(model, windows, n_eval, selector=None, budget=None) -> dict:
     """Mean NLL per token and the retained fraction (managed layers, at the end) over the windows."""
     nll, kept = 0.0, []
     for window in windows:
@@ -59,8 +59,9 @@ def main() -> None:
     device, dtype = resolve_device("auto", "auto")
     lm = load_model(args.model, dtype=dtype, device=device)
     windows = corpus_windows(lm.tokenizer, args.corpus, args.context + args.n_eval, args.windows)
-    runs = [("dense", None, None, 1.0)]
-    runs += [(p, c, LearnedSelector(predictor=p, threshold=c), 1.0) for p in args.predictors for c in args.thresholds]
+    whole = args.context + args.n_eval  # an int budget of the whole window: no cap, the threshold decides
+    runs = [("dense", None, None, None)]
+    runs += [(p, c, LearnedSelector(predictor=p, threshold=c), whole) for p in args.predictors for c in args.thresholds]
     runs += [(args.predictors[0], f"top{b:g}", LearnedSelector(predictor=args.predictors[0]), b) for b in args.budgets]
     rows = []
     for name, setting, selector, budget in tqdm(runs, desc="settings"):

@@ -27,6 +27,10 @@ from transformers import (
 from atskv.data import synthetic_filler
 
 VOCAB = 96
+# an int budget beyond every context in the tests: every token kept (1.0 is no budget: a float is a
+# fraction strictly between 0 and 1)
+EVERY_TOKEN = 1 << 20
+
 COMMON = dict(
     vocab_size=VOCAB,
     hidden_size=64,

@@ -30,8 +30,12 @@ def no_model_loading(monkeypatch):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["demo", "--budget", "0"], "budget must be at least 1"),
-        (["demo", "--budget", "1.5"], "fractional budget"),
+        (["demo", "--budget", "0"], "bad budget 0: a budget is an int"),
+        (["demo", "--budget", "1.5"], "bad budget 1.5"),
+        (["demo", "--budget", "1.0"], "bad budget 1.0"),
+        (["eval", "tasks", "--budgets", "[64,1.0]"], "bad budget 1.0"),
+        (["eval", "ppl", "--budgets", "[0.1,-2]"], "bad budget -2"),
+        (["eval", "recall", "--budgets", "[64,0]"], "bad budget 0"),
         (["demo", "--selectors", "[quest2]"], "unknown selector 'quest2'; choose one of"),
         (["generate", "hi", "--selector", "nope"], "unknown selector 'nope'"),
     ],

@@ -10,7 +10,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import atskv
 from atskv.memory.slot_cache import SlotLayer
-from tests.conftest import random_prompt, tiny_model
+from tests.conftest import EVERY_TOKEN, random_prompt, tiny_model
 
 DECODE_STEPS = 32
 
@@ -43,7 +43,7 @@ def test_keep_all_matches_unpatched_model(family, selector, sparse_prefill):
     ref_seq, ref_logits = greedy(model, ids)
     with torch.no_grad():
         ref_prefill = model(ids).logits
-    with atskv.sparse(model, selector, budget=1.0, dense_layers=0, sparse_prefill=sparse_prefill) as session:
+    with atskv.sparse(model, selector, budget=EVERY_TOKEN, dense_layers=0, sparse_prefill=sparse_prefill) as session:
         assert session.managed_layers, "no layer was managed"
         with torch.no_grad():
             prefill = model(ids).logits
@@ -239,7 +239,7 @@ def test_real_smollm2_short_prompt():
     model, tok = loaded.model, loaded.tokenizer
     ids = tok("The capital of France is Paris. The capital of Italy is", return_tensors="pt").input_ids
     ref_seq, ref_logits = greedy(model, ids, steps=8)
-    with atskv.sparse(model, "dense", budget=1.0, dense_layers=0):
+    with atskv.sparse(model, "dense", budget=EVERY_TOKEN, dense_layers=0):
         seq, logits = greedy(model, ids, steps=8)
     assert torch.equal(seq, ref_seq)
     assert rel_err(logits, ref_logits) <= 1e-5
@@ -257,7 +257,7 @@ def test_on_cuda_keep_all_matches_and_bf16_sparse_runs(family):
     ids = random_prompt(40).cuda()
     torch.backends.cuda.matmul.allow_tf32 = False
     ref_seq, ref_logits = greedy(model, ids, steps=16)
-    with atskv.sparse(model, "dense", budget=1.0, dense_layers=0):
+    with atskv.sparse(model, "dense", budget=EVERY_TOKEN, dense_layers=0):
         seq, logits = greedy(model, ids, steps=16)
     assert torch.equal(seq, ref_seq)
     assert rel_err(logits, ref_logits) <= 1e-5
@@ -290,7 +290,7 @@ def test_attention_runs_on_the_selectors_attention_keys(base):
     model.set_attn_implementation("flipped_keys")
     ref_seq, ref_logits = greedy(model, ids, steps=6)
     model.set_attn_implementation("sdpa")
-    with atskv.sparse(model, Flipped(), budget=1.0, dense_layers=0):
+    with atskv.sparse(model, Flipped(), budget=EVERY_TOKEN, dense_layers=0):
         seq, logits = greedy(model, ids, steps=6)
     assert torch.equal(seq, ref_seq)
     assert rel_err(logits, ref_logits) <= 1e-5
@@ -324,8 +324,8 @@ def test_hidden_states_and_token_ids_reach_selectors_that_ask():
 
     model = tiny_model("llama")
     ids = random_prompt(16, seed=2, batch=2)
-    # budget 1.0 keeps every token, so the run's hidden states are the dense model's
-    with atskv.sparse(model, Reading(), budget=1.0, dense_layers=1) as session, torch.no_grad():
+    # every token kept, so the run's hidden states are the dense model's
+    with atskv.sparse(model, Reading(), budget=EVERY_TOKEN, dense_layers=1) as session, torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, min_new_tokens=3,
                              do_sample=False, pad_token_id=0)
     assert not session.hidden, "captured states must not outlive the session"

@@ -1,6 +1,7 @@
 """The package's import graph: no circle among atskv's modules (imports at the top of a module and
 inside functions both count: a function-level import only hides a circle until the function
-runs), and no private name (`_x`) imported from another module."""
+runs; imports under `if TYPE_CHECKING:` never run and do not), and no private name (`_x`)
+imported from another module."""
 
 from __future__ import annotations
 
@@ -23,10 +24,24 @@ def module_files() -> dict[str, Path]:
     return modules
 
 
+def runtime_nodes(tree: ast.AST):
+    """Every node of `tree` except those under `if TYPE_CHECKING:` (imports for annotations only,
+    which never run)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            for other in node.orelse:
+                yield other
+                yield from runtime_nodes(other)
+            continue
+        yield node
+        yield from runtime_nodes(node)
+
+
 def imported_names(module: str, path: Path) -> list[tuple[str, str | None, int]]:
-    """(module imported, name taken from it or None, line) for every import in the file."""
+    """(module imported, name taken from it or None, line) for every import that runs, at the top
+    of the file or inside a function."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in runtime_nodes(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found += [(alias.name, None, node.lineno) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -97,10 +112,16 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_the_checker_finds_a_circle_through_a_function_level_import():
+def test_the_checker_finds_a_circle_through_a_function_level_import(tmp_path):
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert circles(graph) == [["a", "b", "c"]]
     assert circles({"a": {"b"}, "b": set()}) == []
+    source = tmp_path / "m.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from atskv.x import T\n"
+        "def f():\n    from atskv.y import g\n"
+    )
+    assert [(s, n) for s, n, _ in imported_names("atskv.m", source)] == [("typing", "TYPE_CHECKING"), ("atskv.y", "g")]
 
 
 def test_no_import_circle_among_atskv_modules():

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import atskv
-from tests.conftest import random_prompt, tiny_model
+from tests.conftest import EVERY_TOKEN, random_prompt, tiny_model
 
 T = 24
 
@@ -32,7 +32,7 @@ def test_snapkv_scores_are_pooled_window_votes():
     ids = random_prompt(T, seed=5, batch=2)
     window, kernel = 8, 5
     selector = atskv.make_selector("snapkv", window=window, kernel=kernel)
-    with atskv.sparse(model, selector, budget=1.0, dense_layers=0) as s:
+    with atskv.sparse(model, selector, budget=EVERY_TOKEN, dense_layers=0) as s:
         with torch.no_grad():
             model(ids)
         scores = [s.cache.layers[i].slot_tensor("snapkv").clone() for i in range(model.config.num_hidden_layers)]
@@ -50,7 +50,7 @@ def test_h2o_accumulates_the_attention_each_token_received():
     the attention it received from every query so far, summed over its KV group's heads."""
     model = tiny_model("qwen2")
     ids = random_prompt(T + 1, seed=6, batch=2)
-    with atskv.sparse(model, "h2o", budget=1.0, dense_layers=0) as s:
+    with atskv.sparse(model, "h2o", budget=EVERY_TOKEN, dense_layers=0) as s:
         with torch.no_grad():
             out = model(ids[:, :T], use_cache=True)
             model(ids[:, T:], past_key_values=out.past_key_values, use_cache=True)

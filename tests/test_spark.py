@@ -12,7 +12,7 @@ from atskv.hook.gqa import grouped_probs
 from atskv.selectors import make_selector
 from atskv.selectors.base import Selector
 from atskv.selectors.spark import SparKSelector
-from tests.conftest import random_prompt, tiny_model
+from tests.conftest import EVERY_TOKEN, random_prompt, tiny_model
 
 WINDOW = 4
 
@@ -31,7 +31,7 @@ class RecordingSparK(SparKSelector):
         return out
 
 
-def record(model, selector: RecordingSparK, ids, budget=1.0):
+def record(model, selector: RecordingSparK, ids, budget=EVERY_TOKEN):
     selector.prompt, selector.decode, selector.scored = {}, {}, {}
     with atskv.sparse(model, selector, budget=budget, dense_layers=0), torch.no_grad():
         cache = model(ids).past_key_values

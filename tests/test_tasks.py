@@ -277,7 +277,8 @@ def test_markdown_means_and_dense_first():
     ("change", "message"),
     [
         ({"budgets": [300]}, "budget 300 keeps the whole 300-token prompt"),
-        ({"budgets": [1.5]}, "fractional budget"),
+        ({"budgets": [1.5]}, "bad budget 1.5"),
+        ({"budgets": [1.0]}, "bad budget 1.0"),
         ({"tasks": ["needle_haystack"]}, "unknown task 'needle_haystack'; choose from: passkey"),
         ({"selectors": ["nope"]}, "unknown selector 'nope'"),
         ({"depths": [-0.1]}, "depth must be in"),

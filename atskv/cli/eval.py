@@ -51,7 +51,8 @@ def recall(
     from atskv.eval.recall import attention_recall
     from atskv.selectors import selectors_for_model
 
-    check_selection(selectors, budgets[0])
+    for budget in budgets:
+        check_selection(selectors, budget)
     loaded = load(model, device, dtype)
     ids = corpus_windows(loaded.tokenizer, corpus, window_tokens, windows)
     report = attention_recall(

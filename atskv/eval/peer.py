@@ -26,9 +26,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from atskv.data import TaskExample
+from atskv.errors import InputError
 from atskv.eval.report import write_report
 from atskv.eval.tasks import DENSE
 from atskv.paths import default_cache_dir
+from atskv.selectors.base import check_budget
 
 PEER_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "peer_kvpress"
 KVPRESS_SCRIPT = PEER_DIR / "run_presses.py"
@@ -42,16 +44,18 @@ class KvpressNotInstalled(FileNotFoundError):
 
 def compression_ratio(budget: float) -> float:
     """kvpress's compression ratio (fraction of the prompt's KV removed) for an atskv budget given
-    as a fraction of the prompt kept; rounded so that 0.7 maps to 0.3, not 0.30000000000000004."""
-    if isinstance(budget, bool) or not isinstance(budget, float) or not 0.0 < budget <= 1.0:
-        raise ValueError(f"peer budgets are fractions of the prompt in (0, 1], got {budget!r}")
+    as a fraction of the prompt kept (a float budget, `check_budget`: strictly between 0 and 1);
+    rounded so that 0.7 maps to 0.3, not 0.30000000000000004."""
+    check_budget(budget)
+    if not isinstance(budget, float):
+        raise InputError(f"peer budgets are fractions of the prompt (floats strictly between 0 and 1), got {budget!r}")
     return round(1.0 - budget, 12)
 
 
 def budget_fraction(ratio: float) -> float:
     """The inverse of `compression_ratio`."""
-    if not 0.0 <= ratio < 1.0:
-        raise ValueError(f"a compression ratio lies in [0, 1), got {ratio!r}")
+    if not 0.0 < ratio < 1.0:
+        raise ValueError(f"a compression ratio lies strictly between 0 and 1, got {ratio!r}")
     return round(1.0 - ratio, 12)
 
 

@@ -23,7 +23,8 @@ def managed_layers(model, dense_layers: int) -> list[int]:
     """The layers the hook manages with `dense_layers` (what the learned selector will score)."""
     from atskv.hook.sparse import SparseSession, SparsityConfig
 
-    return sorted(SparseSession(model, FeatureCapture(), SparsityConfig(1.0, dense_layers)).managed_layers)
+    config = SparsityConfig(1, dense_layers)  # the budget plays no part in which layers are managed
+    return sorted(SparseSession(model, FeatureCapture(), config).managed_layers)
 
 
 @dataclass
@@ -71,6 +72,6 @@ def decision_features(
     from atskv.hook.sparse import sparse
 
     capture = FeatureCapture((t,))
-    with sparse(model, capture, budget=1.0, dense_layers=dense_layers), torch.no_grad():
+    with sparse(model, capture, budget=t + 1, dense_layers=dense_layers), torch.no_grad():  # every token
         model(ids[:, : t + 1])
     return {layer: by_time[t] for layer, by_time in capture.features.items()}

@@ -134,7 +134,8 @@ def collect_window(
     capture = LabelCapture(
         spec.decision_times, future_queries=spec.future_queries, topk=spec.topk, generator=generator
     )
-    with sparse(model, capture, budget=1.0, dense_layers=spec.dense_layers) as session, torch.inference_mode():
+    every_token = ids.shape[1]  # an int budget: tokens (1.0 is not a budget)
+    with sparse(model, capture, budget=every_token, dense_layers=spec.dense_layers) as session, torch.inference_mode():
         model(ids[:, :-1])
     managed = sorted(session.managed_layers)
     grads = influence_gradients(model, ids, managed, spec) if spec.influence else None

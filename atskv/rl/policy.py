@@ -51,6 +51,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from atskv.selectors.base import check_budget
+
 
 @dataclass(frozen=True)
 class Selection:
@@ -113,7 +115,7 @@ class BernoulliPolicy:
 
 @dataclass(frozen=True)
 class GumbelTopKPolicy:
-    """Keep `budget` tokens per row (an int, or a fraction of the context in (0, 1), rounded up),
+    """Keep `budget` tokens per row (`check_budget`: an int, or a fraction of the context in (0, 1), rounded up),
     drawn without replacement in proportion to exp(logit / temperature) (Plackett-Luce)."""
 
     budget: int | float
@@ -121,13 +123,7 @@ class GumbelTopKPolicy:
 
     def __post_init__(self):
         _check_temperature(self.temperature)
-        b = self.budget
-        if isinstance(b, bool) or not isinstance(b, (int, float)):
-            raise TypeError(f"budget must be an int (tokens) or a float fraction in (0, 1), got {b!r}")
-        if isinstance(b, int) and b < 1:
-            raise ValueError(f"the Gumbel top-k budget must be at least 1 token, got {b}")
-        if isinstance(b, float) and not 0.0 < b < 1.0:
-            raise ValueError(f"a fractional Gumbel top-k budget must lie in (0, 1), got {b}")
+        check_budget(self.budget)
 
     def tokens(self, context_tokens: int) -> int:
         """k for a context of N tokens."""

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from atskv.errors import InputError
+
 if TYPE_CHECKING:
     from atskv.memory.slot_cache import SlotLayer
 
@@ -118,23 +120,37 @@ def check_view_fits(view: LayerView, geometry, layers, made_for: str, remedy: st
         )
 
 
+BUDGET_RULE = (
+    "a budget is an int, the tokens kept per layer and KV head (at least 1 token), or a float "
+    "strictly between 0 and 1, that fraction of each row's context"
+)
+
+
 def resolve_budget(budget: int | float, context: torch.Tensor) -> torch.Tensor:
-    """Tokens to keep per row: an int is a token count, a float in (0, 1] a fraction of each row's
-    own context length (so a left-padded row gets the same budget as when run alone)."""
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise TypeError(f"budget must be an int (tokens) or a float fraction in (0, 1], got {budget!r}")
+    """Tokens to keep per row (`check_budget`'s rule): an int is a token count, a float in (0, 1)
+    that fraction of each row's own context length, rounded up (so a left-padded row gets the
+    same budget as when run alone); never more than the context."""
+    check_budget(budget)
     if isinstance(budget, int):
-        if budget < 1:
-            raise ValueError(f"budget must be at least 1 token, got {budget}")
         return torch.clamp(context, max=budget)
-    if not 0.0 < budget <= 1.0:
-        raise ValueError(f"a fractional budget must lie in (0, 1], got {budget}")
     return torch.clamp(torch.ceil(context * budget).long(), min=1).minimum(context)
 
 
 def check_budget(budget: int | float) -> int | float:
-    """Validate a budget early (before any work), with the same rules as `resolve_budget`."""
-    resolve_budget(budget, torch.ones(1, dtype=torch.long))
+    """The one meaning of a budget, for the hook, the tiered store, the evaluations and the CLI:
+    an int is tokens (>= 1), a float strictly between 0 and 1 a fraction of the context. Anything
+    else is an `InputError` naming the budget and the rule: 1.0 (a whole context or one token? for
+    every token pass the context length as an int), 0, negatives, bools, strings. Checked before
+    any work; returns the budget."""
+    if (
+        isinstance(budget, bool)
+        or not isinstance(budget, (int, float))
+        or (isinstance(budget, int) and budget < 1)
+        or (isinstance(budget, float) and not 0.0 < budget < 1.0)
+    ):
+        one = isinstance(budget, float) and budget == 1.0
+        keep_all = "; to keep every token, pass the context length as an int" if one else ""
+        raise InputError(f"bad budget {budget!r}: {BUDGET_RULE}{keep_all}")
     return budget
 
 
