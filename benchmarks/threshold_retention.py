@@ -12,7 +12,6 @@ beside dense and the supervised predictor's top-b.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from tqdm.auto import tqdm
 import atskv
 from atskv.data import corpus_windows
 from atskv.eval.perplexity import decode_nll
+from atskv.eval.report import write_report
 from atskv.models import load_model, resolve_device
 from atskv.selectors.learned import LearnedSelector
 
@@ -68,8 +68,6 @@ def main() -> None:
         row = {"predictor": name, "setting": setting, **run(lm.model, windows, args.n_eval, selector, budget)}
         rows.append(row)
         print(row, flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(rows, indent=1))
     lines = ["| predictor | retention | retained fraction | NLL | ppl |", "|---|---|---|---|---|"]
     for r in rows:
         retention = (
@@ -78,7 +76,7 @@ def main() -> None:
             else (r["setting"] if isinstance(r["setting"], str) else f"logit > {r['setting']:g}")
         )
         lines.append(f"| {r['predictor']} | {retention} | {r['memory']:.3f} | {r['nll']:.4f} | {r['ppl']:.3f} |")
-    (args.out / "table.md").write_text("\n".join(lines) + "\n")
+    write_report(args.out, "\n".join(lines), rows, json_name="results.json")
     print("\n".join(lines))
 
 
