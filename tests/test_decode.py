@@ -14,6 +14,7 @@ from atskv.hook import decode
 from atskv.hook.decode import masked_attention_lse
 from atskv.hook.gqa import grouped_attention, prefix_causal_attention, received_mass
 from atskv.memory.static_cache import StaticSlotLayer
+from atskv.selectors.learned import LearnedSelector
 
 CASES = [
     ("dense", 0.5), ("oracle", 8), ("quest", 16), ("sparq", 0.1),
@@ -78,19 +79,21 @@ def _no_host_reads():
             setattr(torch.Tensor, name, method)
 
 
-@pytest.mark.parametrize("selector", ["quest", "h2o"])
-def test_a_decode_step_reads_nothing_back_to_the_host(monkeypatch, selector):
+@pytest.mark.parametrize("selector", ["quest", "h2o", "learned"])
+def test_a_decode_step_reads_nothing_back_to_the_host(monkeypatch, tmp_path, selector):
     steps = []
     plain_call = decode.GraphedStep.__call__
 
-    def guarded(self):
+    def guarded(self, variant=None):
         with _no_host_reads():
-            out = plain_call(self)
+            out = plain_call(self, variant)
         steps.append(out.shape)
         return out
 
     monkeypatch.setattr(decode.GraphedStep, "__call__", guarded)
     model = tiny_model("gemma3")  # sliding-window and global layers
+    if selector == "learned":  # refreshing on step 2 and 4 of the 4
+        selector = LearnedSelector(predictor=_random_predictor(model, tmp_path, [2, 5]), refresh_every=2)
     atskv.generate(model, random_prompt(100, seed=3), selector, 16, max_new_tokens=5, dense_layers=1, prefill_chunk=64)
     assert len(steps) == 4
 
@@ -170,11 +173,53 @@ def test_unsupported_selectors_and_chunks_are_refused():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("selector", ["dense", "quest", "snapkv", "h2o"])
-def test_graph_replay_gives_the_eager_tokens(selector):
-    """Capture fails on any host sync, so a replayed graph is also the no-sync proof on a GPU."""
+@pytest.mark.parametrize("selector", ["dense", "quest", "snapkv", "h2o", "learned"])
+def test_graph_replay_gives_the_eager_tokens(tmp_path, selector):
+    """Capture fails on any host sync, so a replayed graph is also the no-sync proof on a GPU;
+    the learned selector's refresh steps are a second graph."""
     model = tiny_model("gemma3").cuda().to(torch.bfloat16)
     ids = random_prompt(300, seed=4).cuda()
-    eager = atskv.generate(model, ids, selector, 32, max_new_tokens=16, cuda_graph=False)
-    graphed = atskv.generate(model, ids, selector, 32, max_new_tokens=16, cuda_graph=True)
+
+    def make():
+        if selector != "learned":
+            return selector
+        return LearnedSelector(predictor=_random_predictor(model, tmp_path, [5]), refresh_every=4)
+
+    eager = atskv.generate(model, ids, make(), 32, max_new_tokens=16, cuda_graph=False)
+    graphed = atskv.generate(model, ids, make(), 32, max_new_tokens=16, cuda_graph=True)
     assert torch.equal(eager, graphed)
+
+
+def _random_predictor(model, folder, managed):
+    from atskv.models.geometry import model_geometry
+    from atskv.predictor.export import export_predictor
+    from atskv.predictor.features import SCALAR_FEATURES
+    from atskv.predictor.model import FeatureSpec, RelevanceMLP
+
+    torch.manual_seed(1)
+    spec = FeatureSpec(model.config.hidden_size, SCALAR_FEATURES, len(managed), model.config.num_key_value_heads)
+    types = torch.randint(0, spec.num_token_types, (model.config.vocab_size,), dtype=torch.int8)
+    export_predictor(RelevanceMLP(spec, reduced_width=8, hidden=16).eval(), types, folder, base_model="tiny",
+                     geometry=model_geometry(model.config), managed_layers=managed)  # fmt: skip
+    return folder
+
+
+@pytest.mark.parametrize("family,padded", [("llama", False), ("llama", True), ("gemma3", False)])
+def test_the_learned_selector_on_the_fast_path_gives_the_reference_tokens(tmp_path, family, padded):
+    model = tiny_model(family)
+    model.generation_config.eos_token_id = None
+    managed = [1, 2, 3] if family == "llama" else [2, 5]
+    predictor = _random_predictor(model, tmp_path, managed)
+    ids, mask = random_prompt(130, seed=5, batch=2 if padded else 1), None
+    if padded:
+        mask = torch.ones_like(ids)
+        mask[1, :20] = 0
+
+    def selector():  # refreshes on steps 4 and 8 of the 10
+        return LearnedSelector(predictor=predictor, refresh_every=4)
+
+    fast = atskv.generate(model, ids, selector(), 24, attention_mask=mask, max_new_tokens=10, dense_layers=1,
+                          prefill_chunk=64)  # fmt: skip
+    with torch.no_grad(), atskv.sparse(model, selector(), 24, dense_layers=1):
+        reference = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    assert torch.equal(fast, reference)

@@ -90,6 +90,24 @@ def shape_model(name: str, device: str = "cuda", dtype: torch.dtype = torch.bflo
     return model.eval()
 
 
+def random_predictor(model, dense_layers: int, folder: Path) -> Path:
+    """A predictor of `model`'s shape with random weights (the default widths), exported to
+    `folder`: what the learned selector costs does not depend on what it learned."""
+    from atskv.models.geometry import model_geometry
+    from atskv.predictor.export import export_predictor
+    from atskv.predictor.features import SCALAR_FEATURES
+    from atskv.predictor.model import FeatureSpec, RelevanceMLP
+
+    text = model.config.get_text_config(decoder=True)
+    kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    managed = [i for i, kind in enumerate(kinds) if kind == "full_attention" and i >= dense_layers]
+    spec = FeatureSpec(text.hidden_size, SCALAR_FEATURES, len(managed), text.num_key_value_heads)
+    types = torch.zeros(text.vocab_size, dtype=torch.int8)
+    export_predictor(RelevanceMLP(spec).eval(), types, folder, base_model="random", geometry=model_geometry(model.config),
+                     managed_layers=managed, overwrite=True)  # fmt: skip
+    return folder
+
+
 class _TokenClock:
     """A `generate` streamer that timestamps each new token (after a device sync)."""
 
@@ -112,18 +130,29 @@ class _TokenClock:
 
 
 def run_method(model, method: str, ids: torch.Tensor, budget, new_tokens: int, prefill_chunk: int, dense_layers: int):
-    """One timed generation; returns (ms per step, prefill seconds)."""
+    """One timed generation; returns (ms per step, prefill seconds). `learned` without a predictor
+    of the model's own gets a random one of its shape."""
     clock = _TokenClock(ids.device)
+    selector = method.removeprefix("hook:")
+    if selector == "learned":
+        import tempfile
+
+        from atskv.selectors.learned import LearnedSelector
+
+        with tempfile.TemporaryDirectory() as folder:
+            selector = LearnedSelector(predictor=random_predictor(model, dense_layers, Path(folder)))
+    if method.startswith("hook:"):
+        method = "hook:"
     start = time.perf_counter()
     with torch.no_grad():
         if method == PLAIN:
             model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, streamer=clock)
-        elif method.startswith("hook:"):
-            with atskv.sparse(model, method[5:], budget, dense_layers=dense_layers):
+        elif method == "hook:":
+            with atskv.sparse(model, selector, budget, dense_layers=dense_layers):
                 model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                streamer=clock)  # fmt: skip
         else:
-            atskv.generate(model, ids, method, budget, max_new_tokens=new_tokens, dense_layers=dense_layers,
+            atskv.generate(model, ids, selector, budget, max_new_tokens=new_tokens, dense_layers=dense_layers,
                            prefill_chunk=prefill_chunk, streamer=clock)  # fmt: skip
     return clock.step_ms(), clock.times[1] - start
 

@@ -42,7 +42,7 @@ from atskv.selectors.base import LayerView, Selector, resolve_budget
 # `static_write`; the others still need host-side bookkeeping per step
 # queries a selector's `prefill` sees at the end of the prompt (SnapKV's window is 32)
 LAST_QUERIES = 64
-FAST_SELECTORS = ("dense", "oracle", "quest", "sparq", "streaming_llm", "snapkv", "h2o")
+FAST_SELECTORS = ("dense", "oracle", "quest", "sparq", "streaming_llm", "snapkv", "h2o", "learned")
 
 
 class StaticSession(SparseSession):
@@ -54,7 +54,7 @@ class StaticSession(SparseSession):
         self, model, selector: Selector, config: SparsityConfig, prompt_tokens: int, max_new_tokens: int,
         prefill_chunk: int,
     ):  # fmt: skip
-        if selector.name not in FAST_SELECTORS or type(selector).unwanted is not Selector.unwanted:
+        if selector.name not in FAST_SELECTORS or getattr(selector, "threshold", None) is not None:
             raise ValueError(
                 f"selector {selector.name!r} has no fast decode path yet; use one of {', '.join(FAST_SELECTORS)}, "
                 "or `atskv.sparse` with `model.generate` (the reference path)"
@@ -121,6 +121,7 @@ class StaticSession(SparseSession):
             out, lse = masked_attention_lse(query, keys, values, allowed, scaling)
         if self.is_managed(layer_idx):
             view = self._prompt_view(layer_idx, layer, query, scaling)
+            self.selector.static_write(view)
             if self.selector.needs_attention:
                 mass = received_mass(query, keys, lse, allowed, scaling)
                 self.selector.observe(view, torch.nn.functional.pad(mass, (0, layer.capacity - stop)))
@@ -129,12 +130,11 @@ class StaticSession(SparseSession):
         return out.transpose(1, 2)
 
     def _prompt_view(self, layer_idx, layer, query, scaling) -> LayerView:
-        stop = layer.filled
-        valid = (layer.slot_pos[:, :, :stop] >= 0).unsqueeze(2)
+        """The whole slot buffer as a selector sees it during the prompt (free slots invalid)."""
         context = torch.full((1, 1, 1), layer.seen, device=query.device)
         return LayerView(
-            layer_idx, query, layer.keys[:, :, :stop], valid, layer.slot_pos[:, :, :stop], context, scaling,
-            self.config.budget, layer,
+            layer_idx, query, layer.keys, (layer.slot_pos >= 0).unsqueeze(2), layer.slot_pos, context, scaling,
+            self.config.budget, layer, self.hidden.get(layer_idx), self.token_ids,
         )  # fmt: skip
 
     def _last_queries_view(self, view: LayerView, allowed) -> LayerView:
@@ -144,10 +144,11 @@ class StaticSession(SparseSession):
         tq = view.query.shape[2]
         w = min(LAST_QUERIES, tq)
         valid = allowed(tq - w, tq).expand(-1, view.keys.shape[1], -1, -1)
+        valid = torch.nn.functional.pad(valid, (0, view.keys.shape[2] - valid.shape[-1]))
         context = self.real.sum(-1).view(-1, 1, 1) if self.real is not None else view.context
         return LayerView(
             view.layer_idx, view.query[:, :, -w:], view.keys, valid, view.slot_pos, context, view.scaling,
-            view.budget, view.layer,
+            view.budget, view.layer, view.hidden, view.token_ids,
         )  # fmt: skip
 
     def finish_prompt(self, real: torch.Tensor | None) -> None:
@@ -159,6 +160,8 @@ class StaticSession(SparseSession):
             if not self.evicting(idx):
                 continue
             view = self.decode_view(idx, layer, None, 1.0)
+            if self.selector.unwanted(view) is not None:
+                raise ValueError(f"{self.selector.name} with a threshold has no fast decode path yet; use atskv.sparse")
             keep = self._top_budget(view, layer)
             layer.evict(layer.slot_pos.ge(0) & ~keep)
             layer.shrink(min(layer.capacity, self.budget_cap + 1))
@@ -174,7 +177,7 @@ class StaticSession(SparseSession):
         valid = layer.slot_pos >= 0
         return LayerView(
             layer_idx, query, layer.keys, valid.unsqueeze(2), layer.slot_pos, layer.context.view(-1, 1, 1), scaling,
-            self.config.budget, layer, longest=self.longest,
+            self.config.budget, layer, self.hidden.get(layer_idx), self.token_ids, longest=self.longest,
         )  # fmt: skip
 
     def decode_step(self, layer_idx: int, layer: StaticSlotLayer, query, scaling: float) -> torch.Tensor:
@@ -200,6 +203,7 @@ class StaticSession(SparseSession):
         (the oldest among equals, as the reference's ranking) is not attended and its slot takes
         the next token."""
         view = self.decode_view(layer_idx, layer, query, scaling)
+        self.selector.static_write(view)
         valid = view.valid[:, :, 0]
         scores = self.selector.scores(view)[:, :, 0].float().masked_fill(~valid, torch.inf)
         lowest = scores.amin(-1, keepdim=True)
@@ -247,36 +251,40 @@ def masked_attention_lse(query, keys, values, allowed: Callable[[int, int], torc
 
 
 class GraphedStep:
-    """`step()` run eagerly once (a real decode step that also warms up kernels and allocators),
-    then captured in a CUDA graph on its second call and replayed from then on. Off CUDA, or with
-    `enabled=False`, every call runs eagerly."""
+    """`step()` per variant (`__call__(variant)`): run eagerly the first time (a real decode step
+    that also warms up kernels and allocators), captured in a CUDA graph the second time, replayed
+    from then on; the variants' graphs share one memory pool. Off CUDA, or with `enabled=False`,
+    every call runs eagerly."""
 
     def __init__(self, step: Callable[[], torch.Tensor], device: torch.device, enabled: bool = True):
         self.step, self.device = step, device
         self.enabled = enabled and device.type == "cuda"
-        self.calls = 0
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.output: torch.Tensor | None = None
+        self.calls: dict[object, int] = {}
+        self.graphs: dict[object, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
 
-    def __call__(self) -> torch.Tensor:
-        self.calls += 1
+    def __call__(self, variant: object = None) -> torch.Tensor:
+        self.calls[variant] = self.calls.get(variant, 0) + 1
         if not self.enabled:
             return self.step()
-        if self.graph is not None:
-            self.graph.replay()
-            return self.output
-        if self.calls == 1:  # warm-up: a side stream, as CUDA graph capture wants
+        if variant in self.graphs:
+            graph, output = self.graphs[variant]
+            graph.replay()
+            return output
+        if self.calls[variant] == 1:  # warm-up: a side stream, as CUDA graph capture wants
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 out = self.step()
             torch.cuda.current_stream(self.device).wait_stream(stream)
             return out
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.output = self.step()
-        self.graph.replay()
-        return self.output
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = self.step()
+        self.pool = graph.pool()
+        self.graphs[variant] = (graph, output)
+        graph.replay()
+        return output
 
 
 @torch.no_grad()
@@ -348,10 +356,14 @@ def _generate(model, session, input_ids, attention_mask, max_new_tokens, prefill
     run = GraphedStep(step, device, cuda_graph)
     out = [token]
     done = torch.zeros(b, dtype=torch.bool, device=device)
+    first_managed = min((i for i in session.managed_layers if session.is_managed(i)), default=None)
     for _ in range(max_new_tokens - 1):
         if eos_token_id is not None:
             done |= token == eos_token_id
-        token = run().argmax(-1)
+        for layer in cache.layers:  # host-side count of tokens written (the step writes one)
+            layer.seen += 1
+        variant = None if first_managed is None else session.selector.decode_variant(cache.layers[first_managed])
+        token = run(variant).argmax(-1)
         if eos_token_id is not None:
             token = token.masked_fill(done, eos_token_id)
         out.append(token)

@@ -83,10 +83,17 @@ class Selector:
         structure (Quest's pages) ranks its units instead, which is cheaper."""
         return select_top_indices(self.scores(view)[:, :, 0], view.valid[:, :, 0], view)
 
+    def decode_variant(self, layer) -> object:
+        """Fast path: which variant of the decode step the next token runs, decided on the host
+        from counts alone (each variant is its own captured graph); None: every step is the same.
+        The learned selector's refresh steps are a variant."""
+        return None
+
     def static_write(self, view: LayerView) -> None:
-        """Fast path (`atskv.hook.decode`), query-aware selectors: a decode token was just written
-        into the static cache; update per-layer state that is not a slot tensor (Quest's page
-        bounds) in place, with no host sync. Slot tensors are reset by the cache itself."""
+        """Fast path (`atskv.hook.decode`): tokens were just written into the static cache (a prompt
+        chunk, or one decode token at `layer.write_slot`); update state the cache does not reset
+        itself (Quest's page bounds, the learned selector's fixed features), in place and, for a
+        decode token, with no host sync."""
 
     def unwanted(self, view: LayerView) -> torch.Tensor | None:
         """Held slots `[B, Hkv, S]` an evicting selector drops even where its budget has room (the

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from atskv.errors import InputError
+from atskv.memory.slot_cache import slot_index
 from atskv.predictor.export import LoadedPredictor, load_predictor
 from atskv.predictor.features import SCALAR_FEATURES
 from atskv.selectors.base import LayerView, Selector, check_view_fits
@@ -81,6 +82,7 @@ class LearnedSelector(Selector):
         self._check(view)
         self._enter(view)
         self._refresh(view)
+        view.layer.state[self.name]["prompt_end"] = view.layer.seen
 
     def observe(self, view: LayerView, attention_mass: torch.Tensor) -> None:
         view.layer.slot_tensor(_RECEIVED).add_(attention_mass)
@@ -91,11 +93,36 @@ class LearnedSelector(Selector):
         return view.layer.slot_tensor(_SCORE, init=torch.inf) <= self.threshold  # new tokens wait at +inf
 
     def scores(self, view: LayerView) -> torch.Tensor:
-        self._enter(view)
+        if view.longest is None:  # the fast path enters new tokens in `static_write`
+            self._enter(view)
         state = view.layer.state.setdefault(self.name, {"refreshed_at": view.layer.seen})
         if view.layer.seen - state["refreshed_at"] >= self.refresh_every:
             self._refresh(view)
         return view.layer.slot_tensor(_SCORE, init=torch.inf).unsqueeze(2)
+
+    def decode_variant(self, layer) -> bool:
+        """Whether the next decode step refreshes the scores: every `refresh_every` tokens after
+        the prompt, the same rule as `scores`, counted from the prompt's end."""
+        return (layer.seen - layer.state[self.name]["prompt_end"]) % self.refresh_every == 0
+
+    def static_write(self, view: LayerView) -> None:
+        """Fast path: a prompt chunk's tokens enter as on the reference path; a decode token's
+        fixed features go to the slot it was written to, by scatter (no host sync)."""
+        layer = view.layer
+        if not layer.decoding:
+            self._enter(view)
+            return
+        mlp, slot = self.predictor.mlp, layer.write_slot.unsqueeze(-1)  # [B, Hkv, 1]
+        b, h, _ = slot.shape
+        hidden = view.hidden[:, -1]  # [B, d_model]
+        with torch.no_grad():
+            projected = mlp.project_hidden(hidden).to(_PROJECTED_DTYPE)  # [B, width]
+        store = _projected(layer, mlp.project.out_features)
+        store.scatter_(2, slot_index(slot, store), projected.view(b, 1, 1, -1).expand(b, h, 1, -1))
+        layer.slot_tensor(_HIDDEN_NORM).scatter_(2, slot, hidden.float().norm(dim=-1).view(b, 1, 1).expand(b, h, 1))
+        types = self.predictor.token_types.to(view.keys.device)
+        kind = types[view.token_ids[:, -1]].float().view(b, 1, 1).expand(b, h, 1)
+        layer.slot_tensor(_TYPE, init=-1.0).scatter_(2, slot, kind)
 
     def check_model(self, model) -> None:
         """Refuse a base model other than the predictor's (`PredictorHeader.check_model`)."""
@@ -113,7 +140,7 @@ class LearnedSelector(Selector):
         """`[B, Hkv, S, F]` scalar features of every slot, in `SCALAR_FEATURES` order."""
         layer = view.layer
         # positions within each row's own text: left padding shifts a row's slots, not its features
-        padding = (layer.seen - view.context[:, 0, -1]).view(-1, 1, 1)
+        padding = (_seen(view) - view.context[:, 0, -1]).view(-1, 1, 1)
         pos = (view.slot_pos - padding).clamp(min=0).float()
         newest = (view.context[:, 0, -1] - 1).float().view(-1, 1, 1)
         seen_by = (newest - pos + 1).clamp(min=1)  # queries that could attend to the token so far
@@ -135,7 +162,7 @@ class LearnedSelector(Selector):
         if self._previous is None or index in (None, 0) or self._previous[0] >= view.layer_idx:
             return torch.zeros(view.slot_pos.shape, device=view.keys.device)
         by_position = self._previous[1]  # [B, seen]
-        if by_position.shape[-1] != view.layer.seen:
+        if by_position.shape[-1] != _positions(view):
             return torch.zeros(view.slot_pos.shape, device=view.keys.device)
         b, h, s = view.slot_pos.shape
         mean = by_position.gather(-1, view.slot_pos.clamp(min=0).reshape(b, h * s)).view(b, h, s)
@@ -146,7 +173,7 @@ class LearnedSelector(Selector):
         """Per-slot values `[B, Hkv, S]` averaged over the KV heads that hold each token, laid out
         by position `[B, seen]` (each head has its own slot layout once it has evicted)."""
         b, h, _ = per_slot.shape
-        seen = view.layer.seen
+        seen = _positions(view)
         pos = view.slot_pos.masked_fill(view.slot_pos < 0, seen)  # free slots land in a spare column
         total = torch.zeros(b, h, seen + 1, device=per_slot.device).scatter_(-1, pos, per_slot.float())
         held = torch.zeros(b, h, seen + 1, device=per_slot.device).scatter_(-1, pos, torch.ones_like(per_slot))
@@ -176,23 +203,22 @@ class LearnedSelector(Selector):
         kind[rows] = types[ids].float() if ids is not None else other
 
     def _refresh(self, view: LayerView) -> None:
-        """Recompute every held token's score from its current features."""
+        """Recompute every held token's score from its current features: the MLP runs on every
+        slot (free ones masked to -inf after), so the shapes are fixed and nothing is read back."""
         layer, mlp = view.layer, self.predictor.mlp
         scalars = self.features(view)
-        occupied = view.slot_pos >= 0
-        rows = occupied.nonzero(as_tuple=True)
-        index = self._layer_index[view.layer_idx]
+        b, h, s = view.slot_pos.shape
+        heads = torch.arange(h, device=scalars.device).view(1, h, 1).expand(b, h, s)
         with torch.no_grad():
             logits = mlp.score(
-                _projected(layer, mlp.project.out_features)[rows].to(mlp.w1.weight.dtype),
-                scalars[rows],
-                layer.slot_tensor(_TYPE, init=-1.0)[rows].clamp(min=0).long(),
-                torch.full_like(rows[0], index),
-                rows[1],
+                _projected(layer, mlp.project.out_features).reshape(b * h * s, -1).to(mlp.w1.weight.dtype),
+                scalars.reshape(b * h * s, -1),
+                layer.slot_tensor(_TYPE, init=-1.0).reshape(-1).clamp(min=0).long(),
+                torch.full((b * h * s,), self._layer_index[view.layer_idx], device=scalars.device),
+                heads.reshape(-1),
             )
         score = layer.slot_tensor(_SCORE, init=torch.inf)
-        score.fill_(-torch.inf)
-        score[rows] = logits.float()
+        score.copy_(logits.float().view(b, h, s).masked_fill(view.slot_pos < 0, -torch.inf))
         layer.state.setdefault(self.name, {})["refreshed_at"] = layer.seen
 
 
@@ -211,3 +237,15 @@ def _training_data(training: dict) -> str:
 def _projected(layer, width: int) -> torch.Tensor:
     """The per-slot projected hidden states `[B, Hkv, S, width]`, stored in `_PROJECTED_DTYPE`."""
     return layer.slot_tensor(_PROJECTED, dtype=_PROJECTED_DTYPE, width=width)
+
+
+def _seen(view: LayerView):
+    """Tokens written so far, the current one included: the host count on the reference path, the
+    cache's device counter on the fast path (a captured graph must not bake a Python number in)."""
+    return view.layer.position if view.longest is not None else view.layer.seen
+
+
+def _positions(view: LayerView) -> int:
+    """Width of the by-position buffers: the tokens seen, or on the fast path the longest context
+    of the call (fixed shapes; positions not yet written stay zero)."""
+    return view.longest if view.longest is not None else view.layer.seen

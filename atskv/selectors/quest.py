@@ -69,6 +69,9 @@ class QuestSelector(Selector):
     def static_write(self, view: LayerView) -> None:
         """Fast path: bounds over held slots only (the static buffer has free slots past the
         end), then, each step, the page the new token went to is recomputed in place."""
+        if not view.layer.decoding:  # a prompt chunk: bounds are built at the first decode step
+            view.layer.state.pop(self.name, None)
+            return
         state = view.layer.state.get(self.name)
         size = self.page_size
         if state is None:
