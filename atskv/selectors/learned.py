@@ -110,6 +110,7 @@ class LearnedSelector(Selector):
         fixed features go to the slot it was written to, by scatter (no host sync)."""
         layer = view.layer
         if not layer.decoding:
+            self._check(view)  # before the first features: the predictor moves to the model's device
             self._enter(view)
             return
         mlp, slot = self.predictor.mlp, layer.write_slot.unsqueeze(-1)  # [B, Hkv, 1]
