@@ -12,7 +12,9 @@ and moves with a plain synchronous copy.
 
 Moving is always copy first, release second: `demote` frees GPU slots only after the host tier
 has taken the block, `promote` releases host slots only after the block is written into GPU
-slots, so an exception in between leaves the token where it was.
+slots, so an exception in between leaves the token where it was. A copy that fails after writing
+part of its block is undone (the part written is freed again on the receiving tier), so a move
+either completes or leaves both tiers as they were.
 `TieredKVCache` is the transformers `Cache` for it, with the move accounting of a run (`stats`).
 """
 
@@ -101,7 +103,11 @@ class TieredLayer(SlotLayer):
             self.keys.gather(2, slot_index(slots, self.keys)),
             self.values.gather(2, slot_index(slots, self.values)),
         )
-        self.host.park(keys, values, positions)
+        try:
+            self.host.park(keys, values, positions)
+        except BaseException:
+            self.host.release(positions)  # whatever part arrived: these tokens stay on the GPU only
+            raise
         if self.index is not None:
             self.index.add(keys, positions)
         self._park_state(slots, positions)
@@ -120,8 +126,12 @@ class TieredLayer(SlotLayer):
         positions = positions.to(self.device)
         free = self.slot_pos[..., : self.length] < 0
         slots = self._claim_free_slots(positions.shape[-1], free, need=(positions >= 0).sum(-1))
-        self._write_slots(slots, keys, values, positions, ragged=True)
-        self._restore_state(slots, positions)
+        try:
+            self._write_slots(slots, keys, values, positions, ragged=True)
+            self._restore_state(slots, positions)
+        except BaseException:
+            self._free(slots, positions)  # whatever part arrived: these tokens stay on the host only
+            raise
         self.host.release(positions)
         if self.index is not None:
             self.index.remove(positions)
@@ -143,6 +153,12 @@ class TieredLayer(SlotLayer):
     def held_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(GPU positions `[B, Hkv, S]`, host positions `[B, Hkv, capacity]`), -1 for free slots."""
         return self.slot_pos[..., : self.length], self.host.positions()
+
+    def _free(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """Free the claimed `slots` of a promotion that failed (they were free before it)."""
+        b, h, i = (positions >= 0).nonzero(as_tuple=True)
+        self.slot_pos[b, h, slots[b, h, i]] = -1
+        self.may_have_free = True
 
     # --- selector state of parked tokens ---------------------------------------------------------
     def _park_state(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
