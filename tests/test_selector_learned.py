@@ -215,3 +215,19 @@ def test_loading_logs_one_line_with_path_base_model_and_training_data(tmp_path, 
     (record,) = [r for r in caplog.records if r.name == "atskv"]
     line = record.getMessage()
     assert str(tmp_path) in line and "'tiny-llama'" in line and "data/collect-austen" in line and "\n" not in line
+
+
+@pytest.mark.slow
+def test_real_smollm2_runs_the_shipped_predictor_by_name(caplog):
+    from atskv.models import load_model
+
+    lm = load_model("smollm2-135m")
+    ids = lm.tokenizer(" ".join(["The cat sat on the mat."] * 40), return_tensors="pt").input_ids
+    with caplog.at_level(logging.INFO, logger="atskv"):
+        with atskv.sparse(lm.model, "learned", 0.1) as session, torch.no_grad():
+            lm.model.generate(ids, max_new_tokens=4, do_sample=False)
+        with atskv.tiered(lm.model, selector="learned", budget=0.5) as tiered, torch.no_grad():
+            lm.model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert session.selector.predictor.header.config_hash is not None, "the shipped header records the config"
+    assert isinstance(tiered.selector, LearnedSelector)
+    assert any("predictors/smollm2-135m" in r.getMessage() for r in caplog.records)
