@@ -113,11 +113,10 @@ def starting_point(source: str | Path) -> StartingPoint:
     """Read the predictor to start from: a .ckpt, an exported predictor, or a model name."""
     path = Path(source).expanduser()
     if path.suffix == ".ckpt":
+        from atskv.predictor.checkpoints import load_module
         from atskv.predictor.training import RelevanceModule
 
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: no such checkpoint")
-        module = RelevanceModule.load_from_checkpoint(path, map_location="cpu")
+        module = load_module(RelevanceModule, path)
         start = StartingPoint(module.model, dict(module.hparams.collection), str(path), checkpoint_provenance(path))
     else:
         folder = path if path.exists() else find_predictor(str(source))
