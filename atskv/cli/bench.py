@@ -71,7 +71,8 @@ def decode(
     """End-to-end decode speed against plain transformers, in one run on one GPU.
 
     Prefill, then `new_tokens` greedy steps through `generate`: plain transformers (`plain`: its
-    own cache and SDPA, no atskv), atskv's fast path (`dense` or a selector name) and the
+    own cache and SDPA, no atskv; `plain-static`: its static cache, decode compiled by transformers),
+    atskv's fast path (`dense` or a selector name) and the
     reference hook (`hook:<selector>`: `atskv.sparse` + `model.generate`). Reports ms/step,
     tokens/s, the allocator's peak above the weights and the ratio to plain; writes table.md,
     speed.json and speed.png.
@@ -79,7 +80,7 @@ def decode(
     Args:
         model: an 8B-class shape with random weights (llama3.1-8b, qwen3-8b, mistral-7b), or a
             real model (a name, a Hugging Face directory or a .gguf file).
-        methods: plain, dense, selector names (fast path), hook:<selector> (reference path).
+        methods: plain, plain-static, dense, selector names (fast path), hook:<selector> (reference path).
         contexts: prompt lengths in tokens.
         batch_sizes: batch sizes.
         budget: KV budget per managed layer and KV head: tokens (int) or a fraction of the context.

@@ -56,6 +56,7 @@ SHAPES: dict[str, dict] = {
     ),
 }  # fmt: skip
 PLAIN = "plain"
+PLAIN_STATIC = "plain-static"
 
 
 @dataclass
@@ -147,6 +148,9 @@ def run_method(model, method: str, ids: torch.Tensor, budget, new_tokens: int, p
     with torch.no_grad():
         if method == PLAIN:
             model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, streamer=clock)
+        elif method == PLAIN_STATIC:  # transformers' static cache, whose decode step it compiles (CUDA graphs)
+            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, streamer=clock,
+                           cache_implementation="static")  # fmt: skip
         elif method == "hook:":
             with atskv.sparse(model, selector, budget, dense_layers=dense_layers):
                 model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
@@ -169,7 +173,10 @@ def measure(
     dense_layers: int = 2,
     seed: int = 0,
 ) -> list[SpeedRecord]:
-    """Every method at every (context, batch), plain first, each shape's ratios from its own run."""
+    """Every method at every (context, batch), each shape's ratios from its own run. Methods:
+    `plain` (transformers' default cache and SDPA), `plain-static` (transformers' static cache,
+    its decode step compiled by transformers), `dense` or a selector name (atskv's fast path),
+    `hook:<selector>` (atskv's reference session under `model.generate`)."""
     device = next(model.parameters()).device
     weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     vocab = model.config.get_text_config(decoder=True).vocab_size
@@ -181,7 +188,7 @@ def measure(
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        record = SpeedRecord(model_name, method, batch, context, None if method in (PLAIN, "dense") else budget,
+        record = SpeedRecord(model_name, method, batch, context, None if method in (PLAIN, PLAIN_STATIC, "dense") else budget,
                              None, None, None, None)  # fmt: skip
         try:
             ms, prefill = run_method(model, method, ids, budget, new_tokens, prefill_chunk, dense_layers)
@@ -191,7 +198,7 @@ def measure(
                 record.peak_gib = (torch.cuda.max_memory_allocated(device) - weights) / 2**30
         except torch.OutOfMemoryError as error:
             record.error = "out of memory: " + str(error).split("\n")[0][:120]
-        except (ValueError, NotImplementedError) as error:
+        except (ValueError, NotImplementedError, RuntimeError) as error:
             record.error = str(error)[:160]
         del ids
         records.append(record)
@@ -248,7 +255,7 @@ def _plot(records: list[SpeedRecord], path: Path) -> None:
         rows = [r for r in records if (r.model, r.context, r.batch) == shape]
         names = [r.method for r in rows]
         values = [r.tokens_per_s or 0 for r in rows]
-        ax.barh(names, values, color=["grey" if n == PLAIN else "tab:blue" for n in names])
+        ax.barh(names, values, color=["grey" if n.startswith(PLAIN) else "tab:blue" for n in names])
         ax.set_title(f"{shape[0]}, {shape[1] // 1024}K, B={shape[2]}", fontsize=9)
         ax.set_xlabel("tokens/s")
         ax.invert_yaxis()
