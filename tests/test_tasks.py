@@ -26,6 +26,11 @@ STATEMENT = {  # task -> (one inserted statement, how many the default task inse
     "needle_multikey": (NEEDLE, 4),
     "needle_multivalue": (NEEDLE, 4),
     "variable_tracking": (r"VAR ([A-Z]{5}) = (?:VAR [A-Z]{5}|\d{5})\.", 5),
+    "qa": (
+        r"([A-Z][a-z]+ [A-Z][a-z]+) "
+        r"(lives in the town of|keeps a pet named|works for a company called|grew up on the island of) ([A-Z][a-z]+)\.",
+        6,
+    ),
 }
 HAYSTACK_TASKS = sorted(STATEMENT)
 PROSE = (
@@ -77,6 +82,14 @@ def check_haystack_example(tokenizer, ex: TaskExample, task: str, n_tokens: int,
         for previous, needle in zip(ex.answers, needles[1:]):
             assert needle.endswith(f"= VAR {previous}.")
         assert ex.prompt.endswith(f"The {len(ex.answers)} variables that hold the value {value} are:")
+    elif task == "qa":
+        person, relation, answer = re.fullmatch(pattern, needles[0]).groups()
+        assert ex.answers == (answer,) and count_words(ex.prompt, answer) == 1
+        assert ex.prompt.endswith(f"\nAnswer: {person} {relation}")
+        facts = re.findall(pattern, ex.prompt)
+        assert len({f[2] for f in facts}) == len(facts), "every fact has its own answer"
+        assert sum(f[0] == person for f in facts) == 2, "one distractor about the asked person"
+        assert sum(f[:2] == (person, relation) for f in facts) == 1
     else:
         assert [re.search(r"\d+", n)[0] for n in needles] == list(ex.answers)
         assert all(count_words(ex.prompt, answer) == (2 if task == "passkey" else 1) for answer in ex.answers)
@@ -163,6 +176,8 @@ def test_option_errors(tokenizer):
         TASKS["variable_tracking"](tokenizer, 1000, 0.5, 0, n_chains=0)
     with pytest.raises(ValueError, match="common_repeats > rare_repeats"):
         TASKS["common_words"](tokenizer, 1000, 0.5, 0, common_repeats=2, rare_repeats=2)
+    with pytest.raises(ValueError, match="n_facts must be at least 2"):
+        TASKS["qa"](tokenizer, 1000, 0.5, 0, n_facts=1)
 
 
 def test_fresh_item_avoids_filler_and_taken():

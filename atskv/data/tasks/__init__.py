@@ -17,6 +17,7 @@ from atskv.data.tasks.example import TaskExample
 from atskv.data.tasks.haystack import CLASSIC_FILLER, filler_text, synthetic_filler
 from atskv.data.tasks.needle import needle_multikey_example, needle_multivalue_example, needle_single_example
 from atskv.data.tasks.passkey import passkey_example
+from atskv.data.tasks.qa import qa_example
 from atskv.data.tasks.variable_tracking import variable_tracking_example
 
 TASKS: dict[str, Callable[..., TaskExample]] = {
@@ -26,6 +27,7 @@ TASKS: dict[str, Callable[..., TaskExample]] = {
     "needle_multivalue": needle_multivalue_example,
     "variable_tracking": variable_tracking_example,
     "common_words": common_words_example,
+    "qa": qa_example,
 }
 """Task name -> generator ``(tokenizer, n_tokens, depth, seed, filler=None, **task_options)``."""
 
@@ -43,6 +45,7 @@ __all__ = [
     "needle_multivalue_example",
     "needle_single_example",
     "passkey_example",
+    "qa_example",
     "synthetic_filler",
     "variable_tracking_example",
 ]
