@@ -1,4 +1,5 @@
-"""`atskv eval recall|tasks|ppl|peer|heldout`: measure selectors (and predictors) against dense attention."""
+"""`atskv eval recall|tasks|ppl|peer|leaderboard|heldout`: measure selectors (and predictors) against dense
+attention."""
 
 from __future__ import annotations
 
@@ -237,6 +238,65 @@ def peer(
     return rows
 
 
+def leaderboard(
+    model: str = DEFAULT_MODEL,
+    methods: list[str] = ["snapkv", "h2o", "streaming_llm", "learned", "kvpress:snapkv", "kvpress:tova"],  # noqa: B006
+    contexts: list[int] = [4096, 8192],  # noqa: B006
+    ratios: list[float] = [0.25, 0.5, 0.75, 0.875, 0.9],  # noqa: B006
+    tasks: list[str] = list(TASKS),  # noqa: B006, B008 (jsonargparse reads it)
+    seeds: list[int] = [0, 1, 2],  # noqa: B006
+    examples: int = 4,
+    dense_layers: int = 2,
+    sparse_prefill: bool = False,
+    max_new_tokens: int | None = None,
+    batch_size: int = 8,
+    filler: str = "classic",
+    kvpress_python: Path | None = None,
+    out: Path = Path("results/leaderboard"),
+    device: str = "auto",
+    dtype: str = "auto",
+) -> None:
+    """The long-context leaderboard for one model: dense, atskv's selectors and kvpress's presses
+    at each compression ratio on the same task prompts, per context length, over seeds; writes
+    leaderboard.md (a table per context), leaderboard.json (every cell) and leaderboard.png.
+
+    Resumable: rerun into the same OUT and only missing cells are computed. kvpress runs in its
+    own venv (benchmarks/peer_kvpress/setup.sh); without it, its methods are skipped with a message.
+
+    Args:
+        model: a named model, a Hugging Face directory or a .gguf file.
+        methods: atskv selectors by name (learned included) and kvpress:<press> (snapkv,
+            streaming_llm, observed_attention, expected_attention, tova); dense always runs.
+        contexts: prompt lengths in tokens.
+        ratios: compression ratios, the fraction of the KV removed, in (0, 1); budget = 1 - ratio.
+        tasks: task names (see `atskv.data.tasks.TASKS`); a seed's score is their mean.
+        seeds: each seed is its own set of prompts; the table gives mean ± std over seeds.
+        examples: prompts per task, context and seed (needle depths spread over the haystack).
+        dense_layers: the first layers stay dense under atskv (kvpress compresses every layer).
+        sparse_prefill: atskv selectors also choose during prefill (default: dense prefill).
+        max_new_tokens: tokens to generate; default: twice the answer's length plus 4.
+        batch_size: prompts generated together (left-padded).
+        filler: the haystack: "classic", "varied", or a corpus (name, folder or hf:...).
+        kvpress_python: the python of the kvpress venv (default: ~/.cache/atskv/venvs/kvpress).
+        out: output folder, also the record of finished cells (cells.jsonl, settings.json).
+        device: cpu, cuda, or auto.
+        dtype: float32, bfloat16, float16, or auto.
+    """
+    from atskv.eval.leaderboard import check_grid, run_leaderboard
+    from atskv.models import load_model
+
+    grid = check_grid(contexts, ratios, methods, tasks, seeds, examples)
+    device, torch_dtype = resolve_device(device, dtype)
+    loaded = load_model(model, dtype=torch_dtype, device=device)
+    paths = run_leaderboard(
+        loaded, out, grid, examples=examples, dense_layers=dense_layers, sparse_prefill=sparse_prefill,
+        filler=filler, max_new_tokens=max_new_tokens, batch_size=batch_size, kvpress_python=kvpress_python,
+        device=device, dtype=str(torch_dtype).removeprefix("torch."),
+    )  # fmt: skip
+    print(paths["markdown"].read_text())
+    print(f"written to {out}/ (leaderboard.md, leaderboard.json, leaderboard.png; cells.jsonl for resuming)")
+
+
 def heldout(
     model: str = DEFAULT_MODEL,
     supervised: list[str] | None = None,
@@ -306,7 +366,8 @@ COMMANDS = {
     "ppl": ppl,
     "tasks": tasks,
     "peer": peer,
+    "leaderboard": leaderboard,
     "heldout": heldout,
     "_help": "Measure selectors against dense attention: attention recall, perplexity, tasks, kvpress, "
-    "held-out predictors.",
+    "the long-context leaderboard, held-out predictors.",
 }

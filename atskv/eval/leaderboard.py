@@ -1,0 +1,429 @@
+"""The long-context leaderboard, after kvpress's RULER table: for one model, every method (dense,
+atskv's selectors, kvpress's presses) at every compression ratio on the same synthetic task
+prompts, at several context lengths, over several seeds.
+
+A compression ratio r removes that fraction of the KV: atskv runs at budget 1 - r (a fraction of
+the context), kvpress at `compression_ratio` r, through the peer check's venv and script
+(`atskv.eval.peer`). Seed s of a (task, context) is `examples` prompts built from seeds
+1000 s + i, needles at depths spread evenly over (0, 1); the score of a cell is their mean exact
+score, a seed's score the mean over tasks, and the table gives mean ± std over seeds.
+
+The grid is long on a GPU, so it is resumable: each finished cell is appended to `cells.jsonl` in
+the output folder at once, and a rerun into that folder computes only the missing cells (the
+grid may grow: more seeds, ratios, methods). The settings that change a cell's score beyond its
+grid coordinates (model, examples, filler, dense layers, prefill, new tokens) are kept in
+`settings.json`, and a rerun with other settings is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from atskv.data import TASKS, TaskExample, filler_text
+from atskv.errors import InputError
+from atskv.eval import peer
+from atskv.eval.generation import encode_prompt, generate_batch, pad_left
+from atskv.eval.report import write_report
+from atskv.eval.tasks import answer_room
+from atskv.selectors import SELECTORS
+
+DENSE = "dense"
+KVPRESS = "kvpress:"
+KVPRESS_DENSE = "kvpress:none"  # kvpress's own full-KV run: the dense beside its presses
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One method at one ratio on the prompts of one (context, task, seed). `ratio` None: full
+    KV. `budget`: fraction of the context kept per managed layer and KV head (1 - ratio).
+    `dense_layers`: first layers left uncompressed (None for full KV); `prefill`: how the prompt
+    was attended."""
+
+    context: int
+    task: str
+    seed: int
+    method: str
+    ratio: float | None
+    budget: float | None
+    dense_layers: int | None
+    prefill: str
+    max_new_tokens: int
+    score: float
+    scores: tuple[float, ...]
+    prompt_tokens: tuple[int, ...]
+    texts: tuple[str, ...]
+
+    @property
+    def key(self) -> tuple:
+        return self.context, self.task, self.seed, self.method, self.ratio
+
+
+@dataclass(frozen=True)
+class Grid:
+    """What to run; `methods` are atskv selector names and `kvpress:<press>` names (dense is
+    always run, it is the reference)."""
+
+    contexts: tuple[int, ...]
+    ratios: tuple[float, ...]
+    methods: tuple[str, ...]
+    tasks: tuple[str, ...]
+    seeds: tuple[int, ...]
+
+    @property
+    def selectors(self) -> list[str]:
+        return [m for m in self.methods if not m.startswith(KVPRESS) and m != DENSE]
+
+    @property
+    def presses(self) -> list[str]:
+        return [m.removeprefix(KVPRESS) for m in self.methods if m.startswith(KVPRESS)]
+
+
+def check_grid(
+    contexts: Sequence[int],
+    ratios: Sequence[float],
+    methods: Sequence[str],
+    tasks: Sequence[str],
+    seeds: Sequence[int],
+    examples: int,
+) -> Grid:
+    """The grid, or an `InputError` before any model loads: ratios outside (0, 1), unknown
+    selectors, presses or tasks, empty axes."""
+    for name, axis in (("contexts", contexts), ("ratios", ratios), ("tasks", tasks), ("seeds", seeds)):
+        if not axis:
+            raise InputError(f"--{name} is empty")
+    if min(contexts) < 1 or examples < 1:
+        raise InputError(f"need contexts >= 1 token and examples >= 1, got {list(contexts)} and {examples}")
+    for ratio in ratios:
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < ratio < 1.0:
+            raise InputError(f"a compression ratio is the fraction of the KV removed, in (0, 1); got {ratio!r}")
+    for task in tasks:
+        if task not in TASKS:
+            raise InputError(f"unknown task {task!r}; choose from: {', '.join(TASKS)}")
+    for method in methods:
+        press = method.removeprefix(KVPRESS)
+        if method.startswith(KVPRESS) and press not in peer.KVPRESS_PRESSES:
+            raise InputError(f"unknown kvpress press {press!r}; choose from: {', '.join(peer.KVPRESS_PRESSES)}")
+        if not method.startswith(KVPRESS) and method != DENSE and method not in SELECTORS:
+            raise InputError(
+                f"unknown method {method!r}: an atskv selector ({', '.join(sorted(SELECTORS))}) "
+                f"or kvpress:<press> ({', '.join(peer.KVPRESS_PRESSES)})"
+            )
+    return Grid(
+        tuple(dict.fromkeys(contexts)), tuple(dict.fromkeys(float(r) for r in ratios)),
+        tuple(dict.fromkeys(m for m in methods if m != DENSE)), tuple(dict.fromkeys(tasks)),
+        tuple(dict.fromkeys(seeds)),
+    )  # fmt: skip
+
+
+def build_examples(tokenizer, task: str, context: int, seed: int, n: int, filler: str | None) -> list[TaskExample]:
+    """The `n` prompts of one (task, context, seed)."""
+    return [TASKS[task](tokenizer, context, (i + 0.5) / n, 1000 * seed + i, filler=filler) for i in range(n)]
+
+
+# --- the folder: cells done so far and the settings they were made with ------------------------
+
+
+class CellStore:
+    """`cells.jsonl` (one finished cell per line, appended as it finishes) and `settings.json`."""
+
+    def __init__(self, out: Path, settings: dict):
+        self.out, self.path = Path(out), Path(out) / "cells.jsonl"
+        self.out.mkdir(parents=True, exist_ok=True)
+        settings_path = self.out / "settings.json"
+        if settings_path.is_file():
+            before = json.loads(settings_path.read_text())
+            changed = {k: (before.get(k), v) for k, v in settings.items() if before.get(k) != v}
+            if changed:
+                raise InputError(
+                    f"{self.out} holds cells made with other settings "
+                    f"({', '.join(f'{k}: {a!r} there, {b!r} now' for k, (a, b) in changed.items())}); "
+                    "choose another --out or the same settings"
+                )
+        else:
+            settings_path.write_text(json.dumps(settings, indent=1))
+        self.cells: dict[tuple, Cell] = {}
+        if self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                if line.strip():  # a line cut by a crash is not a cell: it is computed again
+                    try:
+                        cell = _cell_from_json(json.loads(line))
+                    except (json.JSONDecodeError, TypeError):
+                        continue
+                    self.cells[cell.key] = cell
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self.cells
+
+    def add(self, cell: Cell) -> None:
+        self.cells[cell.key] = cell
+        with self.path.open("a") as f:
+            f.write(json.dumps(asdict(cell)) + "\n")
+
+
+def _cell_from_json(item: dict) -> Cell:
+    return Cell(**{**item, **{k: tuple(item[k]) for k in ("scores", "prompt_tokens", "texts")}})
+
+
+# --- running -----------------------------------------------------------------------------------
+
+
+def kvpress_unavailable(python: Path, loaded) -> str | None:
+    """Why kvpress cannot run here (no venv, not a Hugging Face model directory), or None."""
+    try:
+        peer.check_kvpress(python)
+    except peer.KvpressNotInstalled as missing:
+        return str(missing)
+    if not (Path(loaded.model.name_or_path) / "config.json").is_file():
+        return f"kvpress needs a Hugging Face model directory; {loaded.name!r} loaded from {loaded.model.name_or_path}"
+    return None
+
+
+def _atskv_cell(loaded, examples, key, selector, budget, dense_layers, sparse_prefill, new_tokens, batch_size):
+    """Greedy runs of `examples` in left-padded batches, as one cell."""
+    tokenizer, runs = loaded.tokenizer, []
+    for start in range(0, len(examples), batch_size):
+        batch = examples[start : start + batch_size]
+        ids, mask = pad_left(tokenizer, [encode_prompt(tokenizer, ex.prompt, chat=False)[0] for ex in batch])
+        runs += generate_batch(
+            loaded.model, tokenizer, ids, mask, selector=selector, budget=budget,
+            dense_layers=dense_layers, sparse_prefill=sparse_prefill,
+            max_new_tokens=new_tokens, examples=batch,
+        )  # fmt: skip
+    context, task, seed, method, ratio = key
+    prefill = "sparse" if sparse_prefill and selector is not None else "dense"
+    return Cell(
+        context, task, seed, method, ratio, budget, None if selector is None else dense_layers, prefill, new_tokens,
+        sum(r.score for r in runs) / len(runs), tuple(r.score for r in runs), tuple(r.prompt_tokens for r in runs),
+        tuple(r.text for r in runs),
+    )  # fmt: skip
+
+
+def _kvpress_cells(loaded, python, folder, examples, group, presses, ratios, new_tokens, device, dtype) -> list[Cell]:
+    """kvpress's presses (and its full-KV run) on `examples` through `peer.run_kvpress`, scored
+    like atskv's runs; `group` is (context, task, seed)."""
+    context, task, seed = group
+    tagged = [peer.PeerExample(f"{task}-{context}-{seed}-{i}", context, ex) for i, ex in enumerate(examples)]
+    peer.write_examples(folder / "examples.json", tagged)
+    budgets = [peer.budget_fraction(r) for r in ratios]
+    records = peer.run_kvpress(
+        python, folder / "examples.json", Path(loaded.model.name_or_path), presses, budgets,
+        folder / "kvpress.json", max_new_tokens=new_tokens, device=device, dtype=dtype,
+    )  # fmt: skip
+    full = {r["id"]: r for r in records if r["press"] == "none"}
+    per_token = {
+        i: peer.dense_bytes_per_token(r["kv_bytes"], r["prompt_tokens"], r["new_tokens"]) for i, r in full.items()
+    }
+    runs = defaultdict(list)
+    for run in peer.score_kvpress(records, tagged, per_token):
+        runs[run.method, None if run.budget is None else peer.compression_ratio(run.budget)].append(run)
+    order = {e.id: i for i, e in enumerate(tagged)}
+    cells = []
+    for (method, ratio), group_runs in runs.items():
+        group_runs.sort(key=lambda run: order[run.example_id])
+        cells.append(
+            Cell(
+                context, task, seed, method, ratio, None if ratio is None else peer.budget_fraction(ratio),
+                None if ratio is None else 0,
+                "dense" if ratio is None else "dense, compressed once after prefill", new_tokens,
+                sum(r.score for r in group_runs) / len(group_runs), tuple(r.score for r in group_runs),
+                tuple(e.n_tokens for e in examples), tuple(r.text for r in group_runs),
+            )
+        )  # fmt: skip
+    return cells
+
+
+def run_leaderboard(
+    loaded,
+    out: str | Path,
+    grid: Grid,
+    *,
+    examples: int = 4,
+    dense_layers: int = 2,
+    sparse_prefill: bool = False,
+    filler: str = "classic",
+    max_new_tokens: int | None = None,
+    batch_size: int = 8,
+    kvpress_python: Path | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    progress: bool = True,
+) -> dict[str, Path]:
+    """Compute the grid's missing cells for `loaded` (a `LoadedModel`) into `out`, then write the
+    report (see `write`). kvpress methods are skipped, with a message on stderr and in the table's
+    notes, where kvpress cannot run (`kvpress_unavailable`)."""
+    from atskv.selectors import selectors_for_model
+
+    settings = {
+        "model": loaded.name, "examples": examples, "filler": filler, "dense_layers": dense_layers,
+        "prefill": "sparse" if sparse_prefill else "dense", "max_new_tokens": max_new_tokens, "dtype": dtype,
+    }  # fmt: skip
+    store = CellStore(Path(out), settings)
+    selectors = dict(zip(grid.selectors, selectors_for_model(grid.selectors, loaded.name)))
+    python = Path(kvpress_python) if kvpress_python else peer.default_kvpress_python()
+    skipped = kvpress_unavailable(python, loaded) if grid.presses else None
+    if skipped:
+        print(f"kvpress methods skipped ({', '.join(KVPRESS + p for p in grid.presses)}): {skipped}", file=sys.stderr)
+    presses = [] if skipped else grid.presses
+    groups = [(c, t, s) for c in grid.contexts for t in grid.tasks for s in grid.seeds]
+    atskv_keys = {g: [(DENSE, None)] + [(m, r) for m in selectors for r in grid.ratios] for g in groups}
+    press_keys = {g: [(KVPRESS + p, r) for p in ["none", *presses] for r in ([None] if p == "none" else grid.ratios)]
+                  if presses else [] for g in groups}  # fmt: skip
+    pending = {g: [k for k in atskv_keys[g] + press_keys[g] if (*g, *k) not in store] for g in groups}
+    text = filler_text(filler)
+    bar = tqdm(total=sum(map(len, pending.values())), desc="leaderboard", disable=not progress)
+    for group in groups:
+        if not pending[group]:
+            continue
+        context, task, seed = group
+        batch = build_examples(loaded.tokenizer, task, context, seed, examples, text)
+        new_tokens = max_new_tokens or answer_room(loaded.tokenizer, batch)
+        for method, ratio in (k for k in pending[group] if k in atskv_keys[group]):
+            bar.set_postfix_str(f"{context} {task} seed {seed} {method} {ratio or ''}")
+            budget = None if ratio is None else peer.budget_fraction(ratio)
+            store.add(
+                _atskv_cell(
+                    loaded, batch, (*group, method, ratio), selectors.get(method), budget, dense_layers,
+                    sparse_prefill, new_tokens, batch_size,
+                )
+            )  # fmt: skip
+            bar.update()
+        wanted = [k for k in pending[group] if k in press_keys[group]]
+        if wanted:
+            bar.set_postfix_str(f"{context} {task} seed {seed} kvpress")
+            names = list(dict.fromkeys(m.removeprefix(KVPRESS) for m, r in wanted if r is not None))
+            ratios = list(dict.fromkeys(r for _, r in wanted if r is not None))
+            folder = store.out / "kvpress" / f"{task}-{context}-seed{seed}"
+            for cell in _kvpress_cells(loaded, python, folder, batch, group, names, ratios, new_tokens, device, dtype):
+                if cell.key[3:] in wanted:
+                    store.add(cell)
+                    bar.update()
+    bar.close()
+    cells = [store.cells[(*g, *k)] for g in groups for k in atskv_keys[g] + press_keys[g] if (*g, *k) in store.cells]
+    notes = _notes(settings, grid, skipped)
+    return write(cells, store.out, grid, loaded.name, notes, settings)
+
+
+# --- the report --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Summary:
+    """A method at a ratio and context: the task-average score per seed, its mean and std."""
+
+    context: int
+    method: str
+    ratio: float | None
+    seeds: tuple[int, ...]
+    per_seed: tuple[float, ...]
+    mean: float
+    std: float
+    per_task: dict[str, float]
+
+
+def summarize(cells: Sequence[Cell], tasks: Sequence[str]) -> list[Summary]:
+    """One summary per (context, method, ratio) over the seeds that have every task."""
+    by_seed = defaultdict(dict)
+    for cell in cells:
+        by_seed[cell.context, cell.method, cell.ratio, cell.seed][cell.task] = cell.score
+    per_setting = defaultdict(list)
+    for (context, method, ratio, seed), scores in by_seed.items():
+        if all(t in scores for t in tasks):
+            per_setting[context, method, ratio].append((seed, scores))
+    summaries = []
+    for (context, method, ratio), seeds in per_setting.items():
+        averages = [sum(s[t] for t in tasks) / len(tasks) for _, s in seeds]
+        summaries.append(
+            Summary(
+                context, method, ratio, tuple(seed for seed, _ in seeds), tuple(averages),
+                statistics.fmean(averages), statistics.stdev(averages) if len(averages) > 1 else 0.0,
+                {t: statistics.fmean(s[t] for _, s in seeds) for t in tasks},
+            )
+        )  # fmt: skip
+    return summaries
+
+
+def _points(summary: Summary) -> str:
+    """Score in points (0-100): mean ± std over seeds (the mean alone for one seed)."""
+    return f"{100 * summary.mean:.1f}" + (f" ± {100 * summary.std:.1f}" if len(summary.seeds) > 1 else "")
+
+
+def markdown(summaries: Sequence[Summary], grid: Grid, model: str) -> str:
+    """A table per context: rows methods, columns `dense` (the dense run of the row's own
+    environment: atskv's, or kvpress's full-KV run for its presses) and the ratios."""
+    at = {(s.context, s.method, s.ratio): s for s in summaries}
+    rows = [DENSE, *grid.methods]
+    tables = []
+    for context in grid.contexts:
+        lines = [
+            f"### {model}, {context} tokens",
+            "",
+            "| method | dense | " + " | ".join(f"{r:g}" for r in grid.ratios) + " |",
+            "|---" * (len(grid.ratios) + 2) + "|",
+        ]
+        for method in rows:
+            dense = at.get((context, KVPRESS_DENSE if method.startswith(KVPRESS) else DENSE, None))
+            scored = [None if method == DENSE else at.get((context, method, r)) for r in grid.ratios]
+            cells = ["" if s is None else _points(s) for s in scored]
+            lines.append(f"| {method} | {_points(dense) if dense else ''} | " + " | ".join(cells) + " |")
+        tables.append("\n".join(lines))
+    return "\n\n".join(tables)
+
+
+def plot(summaries: Sequence[Summary], grid: Grid, model: str, path: Path) -> None:
+    """Score against compression ratio, one panel per context, one line per method (kvpress's
+    dotted; std over seeds as error bars), dense as a horizontal line."""
+    from matplotlib.figure import Figure  # renders with Agg; no pyplot, no display
+
+    at = {(s.context, s.method, s.ratio): s for s in summaries}
+    fig = Figure(figsize=(4.5 * len(grid.contexts), 3.8), layout="constrained")
+    for ax, context in zip(fig.subplots(1, len(grid.contexts), squeeze=False)[0], grid.contexts):
+        if (dense := at.get((context, DENSE, None))) is not None:
+            ax.axhline(100 * dense.mean, color="black", linestyle="--", label=DENSE)
+        for method in grid.methods:
+            points = [(r, at[context, method, r]) for r in grid.ratios if (context, method, r) in at]
+            if points:
+                ax.errorbar(
+                    [r for r, _ in points], [100 * s.mean for _, s in points], yerr=[100 * s.std for _, s in points],
+                    marker="o", capsize=2, label=method, linestyle=":" if method.startswith(KVPRESS) else "-",
+                )  # fmt: skip
+        ax.set(title=f"{model}, {context} tokens", xlabel="compression ratio", ylabel="score (points)", ylim=(-3, 103))
+        ax.set_xticks(grid.ratios, [f"{r:g}" for r in grid.ratios])
+    fig.axes[0].legend(fontsize="small")
+    fig.savefig(path, dpi=120)
+
+
+def _notes(settings: dict, grid: Grid, skipped: str | None) -> str:
+    notes = (
+        f"Score: mean exact-match score in points (0-100) over the tasks {', '.join(grid.tasks)}, then mean ± "
+        f"sample std over seeds {list(grid.seeds)} ({settings['examples']} prompts per task, context and seed, "
+        f"{settings['filler']} filler, greedy). Ratio r: fraction of the KV removed; budget 1 - r of the context "
+        "per layer and KV head, the question included. atskv: first "
+        f"{settings['dense_layers']} layers dense, {settings['prefill']} prefill, then each selector reads (an "
+        "evicting one keeps) the budget at every decode step; kvpress: every layer compressed once after its "
+        "dense prefill, press defaults. "
+        "The dense column is the row's own environment's full-KV run (kvpress:none for kvpress's presses)."
+    )
+    if skipped:
+        notes += f"\n\nkvpress methods skipped: {skipped}"
+    return notes
+
+
+def write(
+    cells: Sequence[Cell], out: Path, grid: Grid, model: str, notes: str, settings: dict
+) -> dict[str, Path]:
+    """leaderboard.md (a table per context, then the notes), leaderboard.json (settings, grid,
+    every cell, the summaries) and leaderboard.png under `out`."""
+    summaries = summarize(cells, grid.tasks)
+    data = {"settings": settings, "grid": asdict(grid), "notes": notes, "summaries": summaries, "cells": list(cells)}
+    return write_report(
+        out, markdown(summaries, grid, model), data, json_name="leaderboard.json", markdown_name="leaderboard.md",
+        notes=notes, plot=lambda path: plot(summaries, grid, model, path), png_name="leaderboard.png",
+    )  # fmt: skip

@@ -1,0 +1,143 @@
+"""The long-context leaderboard (atskv.eval.leaderboard) on a tiny random Llama: every cell in the
+JSON with its settings, dense beside every row, resuming without recomputing, refusals, and the
+kvpress part skipped with its message where kvpress is not installed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from atskv.data.tasks import TASKS
+from atskv.errors import InputError
+from atskv.eval import leaderboard
+from atskv.eval.leaderboard import Cell, Grid, check_grid, run_leaderboard
+from atskv.models.loading import LoadedModel
+from tests.conftest import run_cli, tiny_bpe_tokenizer, tiny_model
+
+PLAN = dict(contexts=[200, 260], ratios=[0.5, 0.75], methods=["streaming_llm", "h2o"], tasks=["needle_single"])
+RUN = dict(examples=2, dense_layers=1, max_new_tokens=3, progress=False)
+CELLS_PER_SEED = 2 * (1 + 2 * 2)  # contexts x (dense + methods x ratios)
+
+
+@pytest.fixture(scope="module")
+def loaded() -> LoadedModel:
+    base = tiny_bpe_tokenizer()
+    texts = [TASKS["needle_single"](base, 300, 0.5, seed).prompt for seed in range(3)]
+    tokenizer = tiny_bpe_tokenizer(vocab_size=600, extra_texts=texts)
+    model = tiny_model("llama")
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    return LoadedModel(model, tokenizer, "tiny-llama", "test")
+
+
+@pytest.fixture
+def calls(monkeypatch) -> list:
+    """Every `generate_batch` the leaderboard makes (one per cell here: 2 prompts, batch 8)."""
+    made, real = [], leaderboard.generate_batch
+
+    def counted(*args, **kwargs):
+        made.append(kwargs["budget"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(leaderboard, "generate_batch", counted)
+    return made
+
+
+def test_grid_json_table_and_resume(loaded, calls, tmp_path):
+    grid = check_grid(**PLAN, seeds=[0, 1], examples=2)
+    paths = run_leaderboard(loaded, tmp_path, grid, **RUN)
+    assert len(calls) == 2 * CELLS_PER_SEED
+    data = json.loads(paths["json"].read_text())
+    cells = data["cells"]
+    assert len(cells) == 2 * CELLS_PER_SEED
+    assert {(c["context"], c["seed"], c["method"], c["ratio"]) for c in cells} == {
+        (n, s, m, r) for n in (200, 260) for s in (0, 1)
+        for m, r in [("dense", None)] + [(m, r) for m in ("streaming_llm", "h2o") for r in (0.5, 0.75)]
+    }  # fmt: skip
+    for c in cells:
+        assert len(c["scores"]) == len(c["texts"]) == 2 and c["prefill"] == "dense" and c["max_new_tokens"] == 3
+        assert c["budget"] == (None if c["ratio"] is None else 1 - c["ratio"])
+        assert c["dense_layers"] == (None if c["method"] == "dense" else 1)
+    assert data["settings"]["dense_layers"] == 1 and data["settings"]["prefill"] == "dense"
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    table = paths["markdown"].read_text()
+    for context in (200, 260):
+        assert f"### tiny-llama, {context} tokens" in table
+    rows = [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| ") and "method" not in line]
+    assert [r[0].strip() for r in rows] == ["dense", "streaming_llm", "h2o"] * 2
+    dense = {s["context"]: s for s in data["summaries"] if s["method"] == "dense"}
+    for i, context in enumerate((200, 260)):
+        beside = f"{100 * dense[context]['mean']:.1f} ± {100 * dense[context]['std']:.1f}"
+        assert all(r[1].strip() == beside for r in rows[3 * i : 3 * i + 3]), "dense beside every row"
+        assert all(cell.strip() for r in rows[3 * i + 1 : 3 * i + 3] for cell in r[2:])
+    assert "first 1 layers dense, dense prefill" in table and "budget 1 - r" in table
+
+    calls.clear()
+    again = run_leaderboard(loaded, tmp_path, grid, **RUN)
+    assert calls == [] and again["markdown"].read_text() == table
+    with open(tmp_path / "cells.jsonl", "a") as f:
+        f.write('{"context": 200, "ta')  # a line cut by a crash
+    more = check_grid(**PLAN, seeds=[0, 1, 2], examples=2)
+    run_leaderboard(loaded, tmp_path, more, **RUN)
+    assert len(calls) == CELLS_PER_SEED, "only the new seed's cells"
+    assert len(json.loads(paths["json"].read_text())["cells"]) == 3 * CELLS_PER_SEED
+    with pytest.raises(InputError, match="dense_layers: 1 there, 2 now"):
+        run_leaderboard(loaded, tmp_path, more, **{**RUN, "dense_layers": 2})
+
+
+def test_kvpress_is_skipped_with_a_message(loaded, calls, tmp_path, capsys):
+    grid = check_grid(**{**PLAN, "contexts": [200], "methods": ["h2o", "kvpress:snapkv"]}, seeds=[0], examples=2)
+    paths = run_leaderboard(loaded, tmp_path, grid, kvpress_python=tmp_path / "no" / "bin" / "python", **RUN)
+    message = "kvpress methods skipped (kvpress:snapkv): no kvpress environment at"
+    assert message in capsys.readouterr().err
+    table = paths["markdown"].read_text()
+    assert "kvpress methods skipped: no kvpress environment" in table and "setup.sh" in table
+    assert "| kvpress:snapkv |  |  |  |" in table  # its row stays, empty
+    assert len(calls) == 1 + 2 and {c["method"] for c in json.loads(paths["json"].read_text())["cells"]} == {
+        "dense", "h2o"
+    }  # fmt: skip
+
+
+def test_summaries_mean_and_std_over_seeds():
+    def cell(task, seed, method, ratio, score):
+        return Cell(100, task, seed, method, ratio, None, None, "dense", 3, score, (score,), (98,), ("",))
+
+    cells = [
+        cell("a", 0, "h2o", 0.5, 1.0), cell("b", 0, "h2o", 0.5, 0.5),  # seed 0: 0.75
+        cell("a", 1, "h2o", 0.5, 0.5), cell("b", 1, "h2o", 0.5, 0.0),  # seed 1: 0.25
+        cell("a", 2, "h2o", 0.5, 1.0),  # seed 2 lacks task b: left out
+        cell("a", 0, "dense", None, 1.0), cell("b", 0, "dense", None, 1.0),
+    ]  # fmt: skip
+    summaries = {(s.method, s.ratio): s for s in leaderboard.summarize(cells, ["a", "b"])}
+    h2o = summaries["h2o", 0.5]
+    assert h2o.seeds == (0, 1) and h2o.mean == 0.5 and h2o.std == pytest.approx(0.5**0.5 * 0.5)
+    assert h2o.per_task == {"a": 0.75, "b": 0.25}
+    grid = Grid((100,), (0.5, 0.9), ("h2o",), ("a", "b"), (0, 1))
+    assert leaderboard.markdown(list(summaries.values()), grid, "m").splitlines()[2:] == [
+        "| method | dense | 0.5 | 0.9 |",
+        "|---|---|---|---|",
+        "| dense | 100.0 |  |  |",
+        "| h2o | 100.0 | 50.0 ± 35.4 |  |",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"ratios": [0.5, 1.0]}, "in (0, 1); got 1.0"),
+        ({"ratios": [0.0]}, "in (0, 1); got 0.0"),
+        ({"ratios": [-0.25]}, "in (0, 1); got -0.25"),
+        ({"methods": ["kvpress:nope"]}, "unknown kvpress press 'nope'"),
+        ({"methods": ["nope"]}, "unknown method 'nope'"),
+        ({"tasks": ["nope"]}, "unknown task 'nope'"),
+        ({"seeds": []}, "--seeds is empty"),
+    ],
+)
+def test_bad_grids_are_refused_before_any_work(change, message, tmp_path, capsys):
+    plan = {**PLAN, "seeds": [0], "examples": 1, **change}
+    with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_grid(**plan)
+    args = [f"--{k}={json.dumps(v)}" for k, v in plan.items()]
+    assert run_cli(["eval", "leaderboard", "--model", "/no/such/model", *args, "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
