@@ -41,8 +41,9 @@ class GenerationRun:
         return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else float("nan")
 
 
-class _TokenClock(BaseStreamer):
-    """Timestamps each `put` of `generate`: first the prompt, then every new token."""
+class TokenClock(BaseStreamer):
+    """Timestamps each `put` of `generate` after a device sync: first the prompt, then every new
+    token, and `end` once more."""
 
     def __init__(self, device: torch.device):
         self.device, self.times = device, []
@@ -54,6 +55,11 @@ class _TokenClock(BaseStreamer):
 
     def end(self) -> None:
         self.put(None)
+
+    def decode_gaps(self) -> list[float]:
+        """Seconds between consecutive new tokens (the decode steps after the first token)."""
+        tokens = self.times[1:-1]
+        return [b - a for a, b in zip(tokens, tokens[1:])]
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
@@ -140,7 +146,7 @@ def generate_batch(
     kwargs = dict(
         attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=_pad_id(tokenizer)
     )
-    clock = _TokenClock(model.device)
+    clock = TokenClock(model.device)
     kwargs["streamer"] = clock
     start = time.perf_counter()
     with torch.inference_mode():

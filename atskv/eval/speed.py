@@ -23,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 import atskv
+from atskv.eval.generation import TokenClock
 
 # published configs (config.json of the named checkpoints), enough to build the shape
 SHAPES: dict[str, dict] = {
@@ -109,31 +110,10 @@ def random_predictor(model, dense_layers: int, folder: Path) -> Path:
     return folder
 
 
-class _TokenClock:
-    """A `generate` streamer that timestamps each new token (after a device sync)."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.times = device, []
-
-    def put(self, value) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-    def step_ms(self) -> float:
-        """Median decode interval: from the second new token on (the first put is the prompt, the
-        second ends the prefill)."""
-        gaps = [b - a for a, b in zip(self.times[1:], self.times[2:])]
-        return 1000 * statistics.median(gaps)
-
-
 def run_method(model, method: str, ids: torch.Tensor, budget, new_tokens: int, prefill_chunk: int, dense_layers: int):
     """One timed generation; returns (ms per step, prefill seconds). `learned` without a predictor
     of the model's own gets a random one of its shape."""
-    clock = _TokenClock(ids.device)
+    clock = TokenClock(ids.device)
     selector = method.removeprefix("hook:")
     if selector == "learned":
         import tempfile
@@ -158,7 +138,7 @@ def run_method(model, method: str, ids: torch.Tensor, budget, new_tokens: int, p
         else:
             atskv.generate(model, ids, selector, budget, max_new_tokens=new_tokens, dense_layers=dense_layers,
                            prefill_chunk=prefill_chunk, streamer=clock)  # fmt: skip
-    return clock.step_ms(), clock.times[1] - start
+    return 1000 * statistics.median(clock.decode_gaps()), clock.times[1] - start
 
 
 def measure(
