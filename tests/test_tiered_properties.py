@@ -186,7 +186,7 @@ def _first_part(positions: torch.Tensor, cut: float) -> torch.Tensor:
 
 
 def _position_sets(positions: torch.Tensor) -> list[set[int]]:
-    return [set(row[row >= 0].tolist()) for row in positions.reshape(-1, positions.shape[-1])]
+    return [set(row[row >= 0].tolist()) for row in positions.flatten(0, -2)]  # rows may hold no slots at all
 
 
 def _run(sequences: int, derandomize: bool) -> None:
