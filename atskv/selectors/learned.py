@@ -121,8 +121,7 @@ class LearnedSelector(Selector):
         store = _projected(layer, mlp.project.out_features)
         store.scatter_(2, slot_index(slot, store), projected.view(b, 1, 1, -1).expand(b, h, 1, -1))
         layer.slot_tensor(_HIDDEN_NORM).scatter_(2, slot, hidden.float().norm(dim=-1).view(b, 1, 1).expand(b, h, 1))
-        types = self.predictor.token_types.to(view.keys.device)
-        kind = types[view.token_ids[:, -1]].float().view(b, 1, 1).expand(b, h, 1)
+        kind = self.predictor.token_types[view.token_ids[:, -1]].float().view(b, 1, 1).expand(b, h, 1)
         layer.slot_tensor(_TYPE, init=-1.0).scatter_(2, slot, kind)
 
     def check_model(self, model) -> None:
@@ -135,6 +134,7 @@ class LearnedSelector(Selector):
         check_view_fits(view, header.geometry, header.managed_layers, made_for, "export one for this model")
         if self.predictor.mlp.w1.weight.device != view.keys.device:  # loaded on the CPU, run beside the model
             self.predictor.mlp.to(view.keys.device)
+            self.predictor.token_types = self.predictor.token_types.to(view.keys.device)
 
     # --- features ------------------------------------------------------------------------------
     def features(self, view: LayerView) -> torch.Tensor:
