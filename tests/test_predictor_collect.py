@@ -212,6 +212,66 @@ def test_killed_at_random_points_resumes_with_no_shard_lost_or_duplicated(tmp_pa
             torch.testing.assert_close(a.column(column), b.column(column), rtol=0, atol=0, equal_nan=True)
 
 
+def collect_on(device: str, folder: Path, windows: int, exit_after: int | None = None) -> Path:
+    """One process of a collection of the tiny model; with `exit_after`, rank 1 dies (os._exit,
+    no clean-up) once it has written that many shards, which ends the whole group mid-work."""
+    import os
+
+    from atskv.predictor.distributed import rank
+    from atskv.predictor.shards import ShardWriter
+
+    if exit_after is not None and rank() == 1:
+        real, done = ShardWriter.write, []
+
+        def write(self, *args, **kwargs):
+            real(self, *args, **kwargs)
+            done.append(1)
+            if len(done) == exit_after:
+                os._exit(3)
+
+        ShardWriter.write = write
+    kw = {"decision_points": DECISIONS, "future_queries": W, "topk": K, "dense_layers": 1, "progress": False}
+    return collect(tiny_model("llama"), tiny_bpe_tokenizer(), random_prompt(T, batch=windows), folder, **kw)
+
+
+def _same_collection(folder: Path, reference: Path) -> None:
+    """Equal manifests (keys in work order, file names, rows, schemas, meta), bit-identical tensors, no other files."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest == json.loads((reference / "manifest.json").read_text())
+    assert {p.name for p in folder.iterdir()} == {s["file"] for s in manifest["shards"]} | {"manifest.json"}
+    for shard in manifest["shards"]:
+        a, b = load_file(folder / shard["file"]), load_file(reference / shard["file"])
+        assert a.keys() == b.keys() and all(torch.equal(a[c].view(-1).view(torch.uint8), b[c].view(-1).view(torch.uint8)) for c in a)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    return collect_on("cpu", tmp_path_factory.mktemp("one") / "out", windows=7)
+
+
+def test_two_processes_collect_what_one_does(tmp_path, one_process):
+    """Two gloo processes deal the seven windows round robin (4 and 3) into one folder."""
+    from atskv.predictor.launch import spawn
+
+    folder = spawn(collect_on, 2, "cpu", tmp_path / "two", 7)
+    assert ShardDataset(folder).keys == [f"corpus-w{i}" for i in range(7)]
+    _same_collection(folder, one_process)
+
+
+def test_a_killed_two_process_collection_resumes_on_two(tmp_path, one_process):
+    from torch.multiprocessing import ProcessExitedException
+
+    from atskv.predictor.launch import spawn
+
+    folder = tmp_path / "two"
+    with pytest.raises(ProcessExitedException, match="exit code 3"):
+        spawn(collect_on, 2, "cpu", folder, 7, 2)
+    partial = ShardDataset(folder).keys
+    assert {"corpus-w1", "corpus-w3"} <= set(partial) and len(partial) < 7  # rank 1's two, whatever rank 0 finished
+    spawn(collect_on, 2, "cpu", folder, 7)
+    _same_collection(folder, one_process)
+
+
 def test_bad_input(tmp_path):
     _run(tmp_path, windows=1)
     with pytest.raises(InputError, match=r"^\S+/out holds another collection \(topk 6, not 7\); pass start_over"):
@@ -226,6 +286,8 @@ def test_bad_input(tmp_path):
         _run(tmp_path, windows=1, name="t", decision_points=(0.0,))
     with pytest.raises(ValueError, match="t \\+ W"):  # checked before the model is loaded
         collect_command(model="no-such-model", window_tokens=64, future_queries=64)
+    with pytest.raises(InputError, match="devices must be >= 1"):
+        collect_command(model="no-such-model", window_tokens=64, future_queries=8, devices=0)
 
     model_dir, corpus = tmp_path / "tiny-llama", tmp_path / "corpus"
     tiny_model("llama").save_pretrained(model_dir)

@@ -472,6 +472,8 @@ def test_finetune_then_export_then_the_learned_selector(tiny, tmp_path):
     torch.testing.assert_close(tuned.mlp.scalar_norm.running_var, supervised.mlp.scalar_norm.running_var)
     resumed = PolicyGradientModule(predictor=str(checkpoint), model=str(tiny / "tiny-llama"))  # a .ckpt starts too
     torch.testing.assert_close(resumed.model.w1.weight, tuned.mlp.w1.weight)
+    again = _finetune_args(tiny, tmp_path / "again", "--model.predictor", str(checkpoint), "--trainer.max_steps", "1")
+    assert run_cli(again) == 0  # and through the CLI (its instantiation once lost the checkpoint's collection)
     lm = load_model(str(tiny / "tiny-llama"))
     item = RolloutItem(random_prompt(40, seed=5)[0], 32, CORPUS)
     result = selector_rollout(lm.model, item, LearnedSelector(predictor=tmp_path / "exported"), 8, dense_layers=2)

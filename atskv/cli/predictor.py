@@ -25,6 +25,7 @@ def collect(
     out: Path | None = None,
     start_over: bool = False,
     device: str = "auto",
+    devices: int = 1,
     dtype: str = "auto",
 ) -> Path:
     """Collect the relevance predictor's training data: features and labels of MODEL's tokens.
@@ -32,7 +33,8 @@ def collect(
     Every window is run once densely; at each decision time t the tokens 0..t of every managed
     layer and KV head get their features and the attention they receive from the next W
     queries; all top-k tokens of that mass and as many others are stored. Rerunning into the
-    same folder resumes: finished windows are skipped.
+    same folder resumes: finished windows are skipped. With `devices` N > 1, N processes share
+    the windows and write into the same folder; the result is that of one process.
 
     Args:
         model: a named model, a Hugging Face directory or a .gguf file.
@@ -51,42 +53,45 @@ def collect(
         out: output folder (default: data/collect/<model name>).
         start_over: empty OUT first; without it, a folder holding another collection (other
             corpus, model or settings) is refused.
-        device: cpu, cuda, or auto.
+        device: the accelerator: cpu, cuda, or auto (cuda when there is a GPU).
+        devices: processes, each with the model: N GPUs (NCCL; process r on cuda:r) or N CPU
+            processes (gloo) sharing the cores.
         dtype: float32, bfloat16, float16, or auto (bfloat16 on GPU, float32 on CPU).
     """
-    from atskv.data import corpus_windows
     from atskv.predictor.collect import CollectSpec
-    from atskv.predictor.collect import collect as collect_shards
+    from atskv.predictor.launch import spawn
 
     # fail early, before the model loads
     CollectSpec(window_tokens, tuple(decision_points), future_queries, topk, influence, dense_layers, seed)
-    loaded = load(model, device, dtype, announce=False)
+    options = dict(
+        model=model, corpus=corpus, windows=windows, window_tokens=window_tokens, decision_points=decision_points,
+        future_queries=future_queries, topk=topk, influence=influence, dense_layers=dense_layers, seed=seed,
+        tasks=tasks, task_examples=task_examples, out=out, start_over=start_over, dtype=dtype,
+    )
+    folder = spawn(collect_process, devices, device, options)
+    extra = f" and {task_examples} prompts of each of {', '.join(tasks)}" if tasks and task_examples else ""
+    on = f" on {devices} processes" if devices > 1 else ""
+    print(f"collected {windows} windows{extra}{on} into {folder}")
+    return folder
+
+
+def collect_process(device: str, options: dict) -> Path:
+    """One process of `collect`: loads the model on `device`, reads the windows, collects its share."""
+    from atskv.data import corpus_windows
+    from atskv.predictor.collect import collect as collect_shards
+
+    o = dict(options)
+    loaded = load(o.pop("model"), device, o.pop("dtype"), announce=False)
+    corpus, windows, window_tokens = o.pop("corpus"), o.pop("windows"), o.pop("window_tokens")
     try:
         ids = corpus_windows(loaded.tokenizer, corpus, window_tokens, windows)
     except ValueError as err:
         raise ValueError(
             f"cannot collect {windows} windows of {window_tokens} tokens from corpus {corpus!r}: {err}"
         ) from err
-    folder = collect_shards(
-        loaded.model,
-        loaded.tokenizer,
-        ids,
-        out or Path("data/collect") / loaded.name,
-        decision_points=decision_points,
-        future_queries=future_queries,
-        topk=topk,
-        influence=influence,
-        dense_layers=dense_layers,
-        seed=seed,
-        model_name=loaded.name,
-        corpus=Path(corpus).name if "/" in corpus else corpus,
-        tasks=tasks,
-        task_examples=task_examples,
-        start_over=start_over,
-    )
-    extra = f" and {task_examples} prompts of each of {', '.join(tasks)}" if tasks and task_examples else ""
-    print(f"collected {windows} windows{extra} into {folder}")
-    return folder
+    out = o.pop("out") or Path("data/collect") / loaded.name
+    corpus = Path(corpus).name if "/" in corpus else corpus
+    return collect_shards(loaded.model, loaded.tokenizer, ids, out, model_name=loaded.name, corpus=corpus, **o)
 
 
 @passes_argv

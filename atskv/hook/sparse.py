@@ -73,6 +73,11 @@ class SparseSession:
         """Whether this layer's attention goes through `attend` (else transformers' SDPA)."""
         return layer_idx in self.managed_layers
 
+    @property
+    def needs_hidden(self) -> bool:
+        """Whether `attach` keeps the managed layers' attention inputs in `hidden`."""
+        return self.selector.needs_hidden
+
     def new_cache(self) -> SparseKVCache:
         return SparseKVCache(self.model.config, self.managed_layers)
 
@@ -244,7 +249,9 @@ def sparse(
 @contextlib.contextmanager
 def attach(model, session: SparseSession) -> Iterator[SparseSession]:
     """Route `model`'s attention and cache through `session` inside the block (what `sparse`
-    does with a `SparseSession`; the recall probe attaches its own session subclass)."""
+    does with a `SparseSession`; the recall probe attaches its own session subclass, the
+    predictor's biased attention a session of its own: any object with `attention_name`,
+    `handles`, `bind`, `attend` and `needs_hidden`, plus `hidden` when that is true)."""
     modules = attention_modules(model)
     if any(hasattr(m, _SESSION_ATTR) for m in modules):
         raise RuntimeError("this model is already under atskv.sparse; nesting sessions on one model is not supported")
@@ -272,7 +279,7 @@ def attach(model, session: SparseSession) -> Iterator[SparseSession]:
     for m in modules:
         setattr(m, _SESSION_ATTR, session)
     hooks = []
-    if session.selector.needs_hidden:
+    if session.needs_hidden:
         managed = [m for m in modules if m.layer_idx in session.managed_layers]
         hooks = [m.register_forward_pre_hook(keep_hidden, with_kwargs=True) for m in managed]
     model.forward, model.generate = forward, generate
@@ -281,7 +288,8 @@ def attach(model, session: SparseSession) -> Iterator[SparseSession]:
     finally:
         for hook in hooks:
             hook.remove()
-        session.hidden.clear()
+        if hooks:
+            session.hidden.clear()
         del model.forward, model.generate
         model.__dict__.update(shadowed)
         for m in modules:

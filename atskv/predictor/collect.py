@@ -9,6 +9,12 @@ a window is run: causality makes later tokens irrelevant.
 Work is a list of `(key, window)` items processed by `collect_items` into one `ShardWriter`
 folder (`atskv.predictor.shards`); it skips finished keys, so a rerun resumes. A folder holding
 another collection (other corpus, model or settings) is refused unless `start_over`.
+
+Under torch.distributed (`atskv.predictor.launch.spawn`) every process builds the same work list,
+takes every N-th unfinished item (round robin from its rank, so a resumed run stays balanced)
+and writes its shards into the same folder, named by the item's index; the manifest is put in
+work order at the end. Windows are computed alone either way, so the shards are those of one
+process.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from tqdm.auto import tqdm
 
 from atskv.models import model_geometry
 from atskv.predictor.capture import managed_layers
-from atskv.predictor.distributed import stable_seed
+from atskv.predictor.distributed import barrier, rank, stable_seed, world_size
 from atskv.predictor.features import SCALAR_FEATURES
 from atskv.predictor.labels import LabelCapture, influence_gradients
 from atskv.predictor.model import FeatureSpec
@@ -138,7 +144,7 @@ def collect_window(
     with sparse(model, capture, budget=every_token, dense_layers=spec.dense_layers) as session, torch.inference_mode():
         model(ids[:, :-1])
     managed = sorted(session.managed_layers)
-    grads = influence_gradients(model, ids, managed, spec) if spec.influence else None
+    grads = influence_gradients(model, ids, managed, spec.decision_times, spec.future_queries) if spec.influence else None
     index = {layer: i for i, layer in enumerate(managed)}
     columns: dict[str, list[torch.Tensor]] = {}
     for g in capture.groups:
@@ -173,14 +179,24 @@ def collect_items(
     progress: bool = True,
 ) -> list[str]:
     """Process `(key, window)` work items (or `(key, window, item_spec)`, e.g. a `task_item`) into
-    `writer`, skipping finished keys; returns the keys written now. Each shard is durable once
-    written, so an interruption loses only the window in progress."""
-    todo = [(item[0], item[1], item[2] if len(item) > 2 else spec) for item in items if not writer.has(item[0])]
+    `writer`, skipping finished keys, then list the folder's shards in the items' order; returns
+    the keys written now. Each shard is durable once written, so an interruption loses only the
+    windows in progress. Under torch.distributed every process passes the same items and a
+    writer on the same folder, and runs its share of them."""
+    items = [(item[0], item[1], item[2] if len(item) > 2 else spec) for item in items]
+    index = {item[0]: i for i, item in enumerate(items)}
+    todo = [item for item in items if not writer.has(item[0])]
+    barrier()  # every process has read the manifest before any adds to it
     types = token_type_table(tokenizer, model.config.get_text_config(decoder=True).vocab_size)
     written = []
-    for key, window, item_spec in tqdm(todo, desc="collect", unit="window", disable=not progress):
-        writer.write(key, collect_window(model, key, window, types, item_spec))
+    mine = todo[rank() :: world_size()]
+    for key, window, item_spec in tqdm(mine, desc="collect", unit="window", disable=not progress or rank() > 0):
+        writer.write(key, collect_window(model, key, window, types, item_spec), index=index[key])
         written.append(key)
+    barrier()
+    if rank() == 0:
+        writer.order(list(index))
+    barrier()  # no process returns before the manifest is final
     return written
 
 
@@ -208,7 +224,8 @@ def collect(
     keyed "<corpus>-w<i>", plus `task_examples` prompts of every task in `tasks` (see
     `task_item`, `task_tokens` long; keyed "<task>-e<seed>"); work already in the folder is
     skipped; a folder holding another collection is refused (`InputError`) unless `start_over`,
-    which empties it first. Returns the folder."""
+    which empties it first. Under torch.distributed every process calls this with the same
+    arguments and runs its share of the windows (see the module docstring). Returns the folder."""
     if windows.dim() != 2:
         raise ValueError(f"windows must be [N, T] token ids, got shape {tuple(windows.shape)}")
     spec = CollectSpec(windows.shape[1], tuple(decision_points), future_queries, topk, influence, dense_layers, seed)
@@ -216,7 +233,11 @@ def collect(
     meta = collection_meta(model, spec, name, corpus)
     if tasks and task_examples:
         meta["tasks"] = {"names": list(tasks), "examples": task_examples, "tokens": task_tokens or spec.window_tokens}
-    writer = ShardWriter(out_folder, meta, start_over=start_over)
+    if rank() == 0:  # the first process opens the folder (clean-up, meta check), then the others join
+        writer = ShardWriter(out_folder, meta, start_over=start_over)
+    barrier()
+    if rank() > 0:
+        writer = ShardWriter(out_folder, meta, join=True)
     items = [(f"{corpus}-w{i}", w) for i, w in enumerate(windows)]
     for task in tasks:
         seeds = range(TASK_SEED_BASE, TASK_SEED_BASE + task_examples)

@@ -1,4 +1,5 @@
-"""What data-parallel training needs beside Lightning's DDP so that N processes train as one.
+"""What data-parallel training needs beside Lightning's DDP so that N processes train as one
+(and the rank, world size and barrier of a collection split over processes, `atskv.predictor.launch`).
 
 `atskv fit` and `atskv finetune` give every optimiser step the same rows on any number of
 processes (`atskv.predictor.batches`); three things would still depend on how a step is split:
@@ -26,6 +27,16 @@ from torch import nn
 
 def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if world_size() > 1 else 0
+
+
+def barrier() -> None:
+    """Wait for every process (nothing to wait for in one)."""
+    if world_size() > 1:
+        dist.barrier()
 
 
 def all_sum(tensor: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +26,6 @@ from atskv.predictor.attention_bias import attention_biases
 from atskv.predictor.capture import FeatureCapture
 from atskv.predictor.features import future_mass, topk_members
 from atskv.selectors.base import LayerView
-
-if TYPE_CHECKING:
-    from atskv.predictor.collect import CollectSpec
 
 
 @dataclass
@@ -69,12 +65,12 @@ class LabelCapture(FeatureCapture):
 
 
 def influence_gradients(
-    model, ids: torch.Tensor, layers: Sequence[int], spec: CollectSpec
+    model, ids: torch.Tensor, layers: Sequence[int], times: Sequence[int], future_queries: int
 ) -> dict[tuple[int, int], torch.Tensor]:
-    """`{(t, layer): d loss_t / d bias}` `[1, Hkv, t+1]` for ids `[1, span]`, where loss_t is the mean
-    NLL of the predictions of queries t+1..t+W. One forward; one backward per decision time."""
+    """`{(t, layer): d loss_t / d bias}` `[1, Hkv, t+1]` for ids `[1, span]` and every decision time
+    t in `times`, where loss_t is the mean NLL of the predictions of queries t+1..t+W (W =
+    `future_queries`). One forward; one backward per decision time."""
     hkv = model_geometry(model.config).num_kv_heads
-    times = spec.decision_times
     biases = {
         (t, layer): torch.zeros(1, hkv, t + 1, device=ids.device, requires_grad=True) for t in times for layer in layers
     }
@@ -89,7 +85,7 @@ def influence_gradients(
                 grads = {}
                 for n, t in enumerate(times):
                     wanted = [biases[t, layer] for layer in layers]
-                    loss = nll[t + 1 : t + 1 + spec.future_queries].mean()
+                    loss = nll[t + 1 : t + 1 + future_queries].mean()
                     for layer, g in zip(layers, torch.autograd.grad(loss, wanted, retain_graph=n < len(times) - 1)):
                         grads[t, layer] = g
     finally:

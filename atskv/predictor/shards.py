@@ -7,9 +7,15 @@ renamed before the manifest is replaced (also temp + rename), so a kill at any p
 manifest that lists only complete shards; a reopened writer removes what a killed run left
 behind and skips the keys the manifest lists. The manifest's `meta` (base model geometry,
 feature spec) guards against mixing collections made for different models or features.
+
+Several processes may write one folder (`atskv collect --devices N`): one opens it (clean-up,
+meta check), the others `join` it; each names its shards by the work item's index, which no two
+share, and adds its entries to the manifest under an exclusive lock on the folder (read, append,
+replace), so no process's entry is lost; `order` finally puts the entries in work order.
 """
 
 import bisect
+import contextlib
 import json
 import os
 import re
@@ -51,6 +57,23 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+@contextlib.contextmanager
+def _locked(folder: Path):
+    """An exclusive lock on `folder` itself (no lock file to leave behind), for read-modify-write
+    of the manifest by processes sharing the folder; the OS releases it if the holder is killed."""
+    if os.name != "posix":  # no flock: one writer per folder
+        yield
+        return
+    import fcntl
+
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def _schema(tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
     return {
         name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
@@ -75,20 +98,24 @@ def _read_manifest(folder: Path) -> dict:
 class ShardWriter:
     """Appends finished units of work to `folder`; reopening the folder resumes a collection.
 
-    One writer per folder at a time (processes collecting in parallel use one folder each).
+    Processes sharing a folder: the first opens it, the others pass `join` once it has; every
+    process passes `write(..., index=)` (distinct work item indices) and one calls `order` last.
     """
 
-    def __init__(self, folder: str | os.PathLike, meta: dict, start_over: bool = False):
+    def __init__(self, folder: str | os.PathLike, meta: dict, start_over: bool = False, *, join: bool = False):
         """`start_over`: drop what `folder` holds; without it, a folder holding shards of another
-        collection (other meta) is refused."""
+        collection (other meta) is refused. `join`: share a folder another process has just
+        opened with the same meta (nothing is cleaned up or replaced)."""
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         meta = _canonical(meta)
         self._shards = []
+        if join and (start_over or not (self.folder / MANIFEST).exists()):
+            raise ValueError(f"join needs {self.folder} already opened by another writer, and no start_over")
         if (self.folder / MANIFEST).exists() and not start_over:
             manifest = _read_manifest(self.folder)
             old = manifest["meta"]
-            if manifest["shards"] and old != meta:
+            if (manifest["shards"] or join) and old != meta:
                 differ = ", ".join(
                     k if isinstance(old.get(k), (dict, list)) else f"{k} {old.get(k)!r}, not {meta.get(k)!r}"
                     for k in sorted(set(old) | set(meta))
@@ -99,8 +126,10 @@ class ShardWriter:
                 )
             self._shards = manifest["shards"]
         self._meta = meta
-        self._remove_leftovers()
-        self._write_manifest()
+        if not join:
+            with _locked(self.folder):
+                self._remove_leftovers()
+                self._write_manifest()
 
     @property
     def meta(self) -> dict:
@@ -114,8 +143,10 @@ class ShardWriter:
     def has(self, key: str) -> bool:
         return any(s["key"] == key for s in self._shards)
 
-    def write(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
-        """Store one finished unit of work; it is listed (and `has(key)`) once this returns."""
+    def write(self, key: str, tensors: dict[str, torch.Tensor], index: int | None = None) -> None:
+        """Store one finished unit of work; it is listed (and `has(key)`) once this returns.
+        `index`: the unit's place in the work, which names its file (`shard-<index>`); default
+        the number of shards listed (one writer per folder)."""
         if self.has(key):
             raise ValueError(f"shard {key!r} is already finished in {self.folder}")
         if not tensors:
@@ -126,15 +157,28 @@ class ShardWriter:
         tensors = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
         self._check_columns(key, tensors)
 
-        name = f"shard-{len(self._shards)}.safetensors"
+        name = f"shard-{len(self._shards) if index is None else index}.safetensors"
+        if any(s["file"] == name for s in self._shards):
+            raise ValueError(f"{self.folder / name} already holds shard {key!r}'s place; pass another index")
         tmp = self.folder / (name + _TMP_SUFFIX)
         save_file(tensors, tmp, metadata={"key": key})
         _fsync_file(tmp)
         os.replace(tmp, self.folder / name)
         _fsync_dir(self.folder)
         entry = {"key": key, "file": name, "rows": next(iter(rows.values())), "tensors": _schema(tensors)}
-        self._write_manifest(self._shards + [entry])
-        self._shards.append(entry)
+        with _locked(self.folder):  # other processes may have listed shards since we last read
+            shards = _read_manifest(self.folder)["shards"] + [entry]
+            self._write_manifest(shards)
+        self._shards = shards
+
+    def order(self, keys: list[str]) -> None:
+        """List the finished shards in the order of `keys` (the work order; keys not in it last)."""
+        place = {key: i for i, key in enumerate(keys)}
+        with _locked(self.folder):
+            shards = _read_manifest(self.folder)["shards"]
+            shards.sort(key=lambda s: place.get(s["key"], len(place)))
+            self._write_manifest(shards)
+        self._shards = shards
 
     def _check_columns(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
         """Every shard has the same columns with the same dtype and per-row shape."""

@@ -113,11 +113,14 @@ def starting_point(source: str | Path) -> StartingPoint:
     """Read the predictor to start from: a .ckpt, an exported predictor, or a model name."""
     path = Path(source).expanduser()
     if path.suffix == ".ckpt":
-        from atskv.predictor.checkpoints import load_module
+        from atskv.predictor.checkpoints import load_module, read_checkpoint
         from atskv.predictor.training import RelevanceModule
 
         module = load_module(RelevanceModule, path)
-        start = StartingPoint(module.model, dict(module.hparams.collection), str(path), checkpoint_provenance(path))
+        # from the file, not `module.hparams`: built while `atskv finetune`'s LightningCLI instantiates
+        # the policy module, its save_hyperparameters records the CLI's arguments for that one
+        collection = read_checkpoint(path)["hyper_parameters"]["collection"]
+        start = StartingPoint(module.model, dict(collection), str(path), checkpoint_provenance(path))
     else:
         folder = path if path.exists() else find_predictor(str(source))
         loaded = load_predictor(folder)
