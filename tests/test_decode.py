@@ -183,7 +183,7 @@ def test_graph_replay_gives_the_eager_tokens(tmp_path, selector):
     def make():
         if selector != "learned":
             return selector
-        return LearnedSelector(predictor=_random_predictor(model, tmp_path, [5]), refresh_every=4)
+        return LearnedSelector(predictor=_random_predictor(model, tmp_path, [2, 5]), refresh_every=4)
 
     eager = atskv.generate(model, ids, make(), 32, max_new_tokens=16, cuda_graph=False)
     graphed = atskv.generate(model, ids, make(), 32, max_new_tokens=16, cuda_graph=True)
