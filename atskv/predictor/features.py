@@ -57,12 +57,30 @@ def scalar_features(
         return x.to(torch.float32).view(-1, 1, n).expand(b, hkv, n)
 
     prev = torch.zeros(b, n, device=attention.device) if prev_attention is None else prev_attention
+    newest = torch.tensor(float(t), device=attention.device)
+    return feature_columns(
+        attention.float(), per_head(pos), newest, per_head(hidden.float().norm(dim=-1)), keys.float().norm(dim=-1),
+        per_head(prev),
+    )
+
+
+def feature_columns(
+    attention: torch.Tensor,
+    position: torch.Tensor,
+    newest: torch.Tensor,
+    hidden_norm: torch.Tensor,
+    key_norm: torch.Tensor,
+    prev_attention: torch.Tensor,
+) -> torch.Tensor:
+    """`[..., F]` float32 in `SCALAR_FEATURES` order from the raw parts, all `[...]` except `newest`
+    (broadcast): the one definition of each column, for the collection (`scalar_features`, tokens
+    0..t) and the learned selector at run time (tokens in slots, at any positions)."""
     columns = {
-        "attention": attention.float(),
-        "position": per_head(pos / max(t, 1)),
-        "log_age": per_head(torch.log1p(t - pos)),
-        "hidden_norm": per_head(hidden.float().norm(dim=-1)),
-        "key_norm": keys.float().norm(dim=-1),
-        "prev_attention": per_head(prev),
+        "attention": attention,
+        "position": position / newest.clamp(min=1.0),
+        "log_age": torch.log1p((newest - position).clamp(min=0)),
+        "hidden_norm": hidden_norm,
+        "key_norm": key_norm,
+        "prev_attention": prev_attention,
     }
     return torch.stack([columns[name] for name in SCALAR_FEATURES], dim=-1)

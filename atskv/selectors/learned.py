@@ -26,7 +26,7 @@ import torch
 from atskv.errors import InputError
 from atskv.memory.slot_cache import slot_index
 from atskv.predictor.export import LoadedPredictor, load_predictor
-from atskv.predictor.features import SCALAR_FEATURES
+from atskv.predictor.features import SCALAR_FEATURES, feature_columns
 from atskv.selectors.base import LayerView, Selector, check_view_fits
 
 _PROJECTED, _HIDDEN_NORM, _TYPE, _RECEIVED, _SCORE = (
@@ -146,16 +146,11 @@ class LearnedSelector(Selector):
         newest = (view.context[:, 0, -1] - 1).float().view(-1, 1, 1)
         seen_by = (newest - pos + 1).clamp(min=1)  # queries that could attend to the token so far
         attention = layer.slot_tensor(_RECEIVED) / view.group_size / seen_by
-        columns = {
-            "attention": attention,
-            "position": pos / newest.clamp(min=1.0),
-            "log_age": torch.log1p((newest - pos).clamp(min=0)),
-            "hidden_norm": layer.slot_tensor(_HIDDEN_NORM),
-            "key_norm": view.keys.float().norm(dim=-1),
-            "prev_attention": self._previous_attention(view),
-        }
+        previous = self._previous_attention(view)
         self._previous = (view.layer_idx, self._head_mean_by_position(view, attention))
-        return torch.stack([columns[name] for name in SCALAR_FEATURES], dim=-1)
+        return feature_columns(
+            attention, pos, newest, layer.slot_tensor(_HIDDEN_NORM), view.keys.float().norm(dim=-1), previous
+        )
 
     def _previous_attention(self, view: LayerView) -> torch.Tensor:
         """The previous managed layer's mean attention per token, read at this layer's slots."""
