@@ -12,11 +12,10 @@ with random weights straight on the GPU; quality comes from the real models else
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,6 +23,7 @@ from tqdm.auto import tqdm
 
 import atskv
 from atskv.eval.generation import TokenClock
+from atskv.eval.report import write_report
 
 # published configs (config.json of the named checkpoints), enough to build the shape
 SHAPES: dict[str, dict] = {
@@ -195,10 +195,9 @@ def _ratios(records: list[SpeedRecord]) -> None:
 
 
 def write(records: list[SpeedRecord], out: Path, meta: dict) -> Path:
-    """table.md, speed.json and speed.png under `out`; returns the table's path."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "speed.json").write_text(json.dumps({"meta": meta, "records": [asdict(r) for r in records]}, indent=1))
-    lines = [
+    """table.md, speed.json and speed.png under `out` (the evaluations' report writer); returns
+    the table's path."""
+    header = [
         f"Decode speed: {meta.get('command', '')}",
         f"GPU {meta.get('gpu', '?')}, {meta.get('date', '')}; {meta.get('new_tokens')} new tokens; "
         "ratio = ms/step over plain transformers' in the same run (< 1 is faster)",
@@ -206,21 +205,18 @@ def write(records: list[SpeedRecord], out: Path, meta: dict) -> Path:
         "| model | context | batch | method | budget | ms/step | tokens/s | ratio | peak GiB above weights | prefill s |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in records:
-        if r.ms_per_step is None:
-            lines.append(f"| {r.model} | {r.context} | {r.batch} | {r.method} | {r.budget or ''} | {r.error} | | | | |")
-            continue
-        lines.append(
-            f"| {r.model} | {r.context} | {r.batch} | {r.method} | {r.budget or ''} | {r.ms_per_step:.2f} | "
-            f"{r.tokens_per_s:.0f} | {r.ratio:.2f} | {r.peak_gib or 0:.1f} | {r.prefill_s:.1f} |"
-            if r.ratio is not None
-            else f"| {r.model} | {r.context} | {r.batch} | {r.method} | {r.budget or ''} | {r.ms_per_step:.2f} | "
-            f"{r.tokens_per_s:.0f} | | {r.peak_gib or 0:.1f} | {r.prefill_s:.1f} |"
-        )
-    table = out / "table.md"
-    table.write_text("\n".join(lines) + "\n")
-    _plot(records, out / "speed.png")
-    return table
+    rows = [_row(r) for r in records]
+    paths = write_report(out, "\n".join(header + rows), {"meta": meta, "records": records}, json_name="speed.json",
+                         plot=lambda path: _plot(records, path), png_name="speed.png")  # fmt: skip
+    return paths["markdown"]
+
+
+def _row(r: SpeedRecord) -> str:
+    first = f"| {r.model} | {r.context} | {r.batch} | {r.method} | {r.budget or ''} |"
+    if r.ms_per_step is None:
+        return f"{first} {r.error} | | | | |"
+    ratio = "" if r.ratio is None else f"{r.ratio:.2f}"
+    return f"{first} {r.ms_per_step:.2f} | {r.tokens_per_s:.0f} | {ratio} | {r.peak_gib or 0:.1f} | {r.prefill_s:.1f} |"
 
 
 def _plot(records: list[SpeedRecord], path: Path) -> None:

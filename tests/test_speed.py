@@ -1,0 +1,33 @@
+"""`atskv bench decode` (atskv/eval/speed.py) on a tiny model: every method gets a record, ratios
+are to plain from the same run, a method that cannot run is recorded with its reason, and the
+report has its three files. Times on a CPU mean nothing; the shape of the output is what is tested."""
+
+import json
+
+from atskv.eval import speed
+from tests.conftest import tiny_model
+
+
+def test_decode_speed_records_every_method_against_plain(tmp_path):
+    model = tiny_model("llama")
+    records = speed.measure(model, "tiny", ["plain", "dense", "snapkv", "sparcas", "hook:h2o"], [96], [1, 2], 16,
+                            new_tokens=4, prefill_chunk=64)  # fmt: skip
+    assert [(r.batch, r.method) for r in records] == [(b, m) for b in (1, 2) for m in
+                                                      ("plain", "dense", "snapkv", "sparcas", "hook:h2o")]  # fmt: skip
+    by = {(r.batch, r.method): r for r in records}
+    for b in (1, 2):
+        assert by[b, "plain"].ratio == 1.0 and by[b, "plain"].budget is None
+        assert by[b, "snapkv"].ratio == by[b, "snapkv"].ms_per_step / by[b, "plain"].ms_per_step
+        assert by[b, "snapkv"].tokens_per_s == b * 1000 / by[b, "snapkv"].ms_per_step
+        assert by[b, "sparcas"].ms_per_step is None and "no fast decode path" in by[b, "sparcas"].error
+    table = speed.write(records, tmp_path, {"command": "test", "new_tokens": 4})
+    assert "| tiny | 96 | 2 | sparcas | 16 | selector 'sparcas' has no fast decode path" in table.read_text()
+    saved = json.loads((tmp_path / "speed.json").read_text())
+    assert len(saved["records"]) == 10 and (tmp_path / "speed.png").stat().st_size > 0
+
+
+def test_shape_models_have_the_published_geometry():
+    model = speed.shape_model("smollm2-135m-shape", device="cpu")
+    config = model.config
+    assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (30, 9, 3)
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
