@@ -11,10 +11,9 @@ over many steps after a warm-up; ratios are dense time / selector time, taken in
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,6 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm.auto import tqdm
 from transformers import LlamaConfig
 
+from atskv.eval.report import write_report
 from atskv.hook.sparse import SparseSession, SparsityConfig
 from atskv.selectors import make_selector
 
@@ -194,6 +194,5 @@ def markdown(records: list[BenchRecord]) -> str:
 
 
 def write(records: list[BenchRecord], out: Path, meta: dict) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "table.md").write_text(markdown(records) + "\n")
-    (out / "bench.json").write_text(json.dumps({"meta": meta, "records": [asdict(r) for r in records]}, indent=1))
+    """table.md and bench.json under `out` (the evaluations' report writer)."""
+    write_report(out, markdown(records), {"meta": meta, "records": records}, json_name="bench.json")
