@@ -1,5 +1,5 @@
 # Two entry points that do all set-up on a fresh machine:
-#   make demo   - install into .venv, then run the dense-vs-sparse passkey demo on SmolLM2-135M
+#   make demo   - install into .venv, then collect, fit, export and compare a predictor on SmolLM2-135M (results/demo/, ~0.4 GB)
 #   make test   - install into .venv, then run the test suite (fast tests; `make test-slow` for all)
 # The venv sees system site-packages, so a GPU machine keeps the torch it has; a CPU machine
 # without torch gets the CPU build. Everything installs from the package index (and find-links)

@@ -3,13 +3,18 @@ on a tiny random model saved as a Hugging Face directory."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from atskv import cli
 from tests.conftest import COMMON, run_cli, tiny_bpe_tokenizer
 
-SUBCOMMANDS = ["demo", "generate", "selectors", "collect", "fit", "finetune", "export", "eval", "bench"]
+SUBCOMMANDS = ["demo", "passkey", "generate", "selectors", "collect", "fit", "finetune", "export", "eval", "bench"]
 SUBCOMMANDS += ["eval recall", "eval tasks", "eval ppl", "eval peer", "eval heldout", "profile kascade"]
 
 
@@ -30,14 +35,24 @@ def no_model_loading(monkeypatch):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["demo", "--budget", "0"], "bad budget 0: a budget is an int"),
-        (["demo", "--budget", "1.5"], "bad budget 1.5"),
-        (["demo", "--budget", "1.0"], "bad budget 1.0"),
+        (["passkey", "--budget", "0"], "bad budget 0: a budget is an int"),
+        (["passkey", "--budget", "1.5"], "bad budget 1.5"),
+        (["passkey", "--budget", "1.0"], "bad budget 1.0"),
+        (["demo", "--passkey_budget", "1.0"], "bad budget 1.0"),
+        (["demo", "--baselines", "[quest2]"], "unknown selector 'quest2'"),
         (["eval", "tasks", "--budgets", "[64,1.0]"], "bad budget 1.0"),
         (["eval", "ppl", "--budgets", "[0.1,-2]"], "bad budget -2"),
         (["eval", "recall", "--budgets", "[64,0]"], "bad budget 0"),
-        (["demo", "--selectors", "[quest2]"], "unknown selector 'quest2'; choose one of"),
+        (["passkey", "--selectors", "[quest2]"], "unknown selector 'quest2'; choose one of"),
         (["generate", "hi", "--selector", "nope"], "unknown selector 'nope'"),
+        (["generate", "@/no/such/prompt.txt"], "/no/such/prompt.txt: no such prompt file"),
+        (["generate", "hi", "--selector", "h2o", "--predictor", "p"], "select `learned` too"),
+        (["generate", "hi", "--selector", "learned", "--predictor", "/no/such"], "--predictor /no/such: no such"),
+        (["generate", "hi", "--selector", "h2o", "--selector_options", "{threshold: 0.0}"],
+         "selector 'h2o' has no option 'threshold'"),
+        (["eval", "recall", "--selectors", "[h2o]", "--selector_options", "{learned: {threshold: 0.0}}"],
+         "options given for 'learned', which is not selected"),
+        (["generate", "hi", "--predictor", "p"], "need a --selector"),
     ],
 )
 def test_bad_input_fails_clearly_before_loading(args, message, capsys, no_model_loading):
@@ -48,6 +63,29 @@ def test_bad_input_fails_clearly_before_loading(args, message, capsys, no_model_
 def test_missing_model_path_is_a_clear_error(capsys):
     assert run_cli(["generate", "hi", "--model", "/no/such/model"]) == 2
     assert "no such file or directory" in capsys.readouterr().err
+
+
+def test_every_bad_input_is_one_line_and_code_2(monkeypatch, capsys):
+    """Errors the library does not word itself (an OS error while reading) still end in one line."""
+
+    def fail(**kwargs):
+        raise PermissionError(13, "Permission denied", "/root/secret.txt")
+
+    monkeypatch.setitem(cli.COMMANDS, "selectors", fail)
+    assert run_cli(["selectors"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "atskv: error: PermissionError" in err and "/root/secret.txt" in err
+
+
+def test_ctrl_c_is_one_line_and_code_130(monkeypatch, capsys):
+    def interrupted():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)  # the handler raises before this ends
+
+    monkeypatch.setitem(cli.COMMANDS, "selectors", interrupted)
+    assert run_cli(["selectors"]) == 130
+    assert capsys.readouterr().err == "atskv: interrupted; finished work is kept (a rerun of collect resumes it)\n"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the handler is put back"
 
 
 def test_selectors_lists_the_registry(capsys):
@@ -67,8 +105,8 @@ def tiny_model_dir(tmp_path) -> str:
     return str(tmp_path)
 
 
-def test_demo_end_to_end_on_a_tiny_model(tiny_model_dir, capsys):
-    code = run_cli(["demo", "--model", tiny_model_dir, "--context_tokens", "300", "--budget", "32",
+def test_passkey_end_to_end_on_a_tiny_model(tiny_model_dir, capsys):
+    code = run_cli(["passkey", "--model", tiny_model_dir, "--context_tokens", "300", "--budget", "32",
                 "--max_new_tokens", "3", "--dense_layers", "0",
                 "--selectors", "[oracle,snapkv,h2o,streaming_llm]"])
     assert code == 0

@@ -11,6 +11,7 @@ from atskv.data import synthetic_filler
 from atskv.errors import InputError
 from atskv.eval.recall import attention_recall
 from atskv.models import load_model
+from atskv.models.identity import config_hash
 from atskv.selectors import selectors_for_model
 from tests.conftest import COMMON, run_cli, tiny_bpe_tokenizer
 
@@ -40,6 +41,7 @@ def test_collect_fit_export_then_the_learned_selector_by_name(tmp_path, monkeypa
     loaded = load_model(str(model_dir))
     (learned,) = selectors_for_model(["learned"], loaded.name)
     assert learned.predictor.header.managed_layers == (2, 3)
+    assert learned.predictor.header.config_hash == config_hash(loaded.model), "export records the base model"
     training = learned.predictor.header.training
     assert training["stage"] == "fit" and training["hyperparameters"]["lr"] == 1e-3 and "started_from" not in training
     windows = torch.randint(3, len(tokenizer), (2, 64))

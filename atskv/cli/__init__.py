@@ -17,7 +17,10 @@ as it is and parses it itself.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
 
 from jsonargparse import auto_cli
@@ -65,9 +68,23 @@ def for_help(commands: dict) -> dict:
     }  # fmt: skip
 
 
+class Interrupted(BaseException):
+    """Ctrl-C in the `atskv` process; not a KeyboardInterrupt, so that no library (Lightning
+    catches those and exits with 1) turns it into something else on its way out."""
+
+
 def main(argv: list[str] | None = None) -> None:
+    """Run one command. Bad input is one line on stderr and exit code 2; Ctrl-C is one line and
+    exit code 130 (what was written is kept: a rerun of `collect` resumes from its last shard)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     argv = sys.argv[1:] if argv is None else argv
+    owner = os.getpid()
+
+    def interrupt(signum, frame):  # worker processes forked from here keep the usual behaviour
+        raise Interrupted() if os.getpid() == owner else KeyboardInterrupt()
+
+    in_main_thread = threading.current_thread() is threading.main_thread()  # only it may set handlers
+    previous = signal.signal(signal.SIGINT, interrupt) if in_main_thread else None
     try:
         found = passed_argv(COMMANDS, argv)
         if found:
@@ -75,9 +92,25 @@ def main(argv: list[str] | None = None) -> None:
             command(rest)
         else:
             auto_cli(for_help(COMMANDS), args=argv, as_positional=True, prog="atskv")
-    except (ValueError, FileNotFoundError, ImportError, TypeError) as error:
-        print(f"atskv: error: {error}", file=sys.stderr)
+    except (Interrupted, KeyboardInterrupt):
+        print("atskv: interrupted; finished work is kept (a rerun of collect resumes it)", file=sys.stderr)
+        raise SystemExit(130) from None
+    except (ValueError, OSError, ImportError, TypeError) as error:
+        print(f"atskv: error: {one_line(error)}", file=sys.stderr)
         raise SystemExit(2) from None
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGINT, previous)
+
+
+def one_line(error: BaseException) -> str:
+    """An error's message on one line (the first of its lines; the type when it has none), with
+    what an OS error was about: its file and what kind of error it is."""
+    lines = str(error).strip().splitlines()
+    message = lines[0] if lines else type(error).__name__
+    if isinstance(error, OSError) and not isinstance(error, FileNotFoundError) and type(error).__name__ not in message:
+        message = f"{type(error).__name__}: {message}"
+    return message
 
 
 __all__ = ["COMMANDS", "main"]

@@ -3,6 +3,8 @@ the checks made before any model loads, and loading a model with one line of pro
 
 from __future__ import annotations
 
+import logging
+import warnings
 from collections.abc import Callable
 
 from atskv.models import resolve_device
@@ -13,6 +15,22 @@ def passes_argv(command: Callable[[list[str]], object]) -> Callable[[list[str]],
     itself); `atskv.cli.main` hands it the arguments after its name instead of parsing them."""
     command.passes_argv = True
     return command
+
+
+SELECTOR_HELP = {
+    "{PREDICTOR_HELP}": "the learned selector's predictor (file or folder); default: the model's "
+    "(`atskv export`, else the shipped one)",
+    "{OPTIONS_HELP}": "selector options, for every selector ('{threshold: 0.0, refresh_every: 8}') or "
+    "by name ('{learned: {threshold: 0.0}, h2o: {...}}')",
+}
+
+
+def selector_help(*commands: Callable) -> None:
+    """Write the help of the options every selector-running command shares (`predictor`,
+    `selector_options`) into the commands' docstrings, where they say {PREDICTOR_HELP} and {OPTIONS_HELP}."""
+    for command in commands:
+        for mark, text in SELECTOR_HELP.items():
+            command.__doc__ = command.__doc__.replace(mark, text)
 
 
 def check_selection(selectors: list[str], budget: int | float) -> None:
@@ -33,3 +51,17 @@ def load(model: str, device: str, dtype: str, *, announce: bool = True):
     if announce:
         print(f"loading {model} on {device} ({str(torch_dtype).removeprefix('torch.')}) ...", flush=True)
     return load_model(model, dtype=torch_dtype, device=device)
+
+
+def quiet_lightning() -> None:
+    """Lightning's messages once each, through the command's own log format: Lightning adds its
+    own console handler to the `lightning` logger, which also passes every record on to the root
+    logger the CLI configured (two lines per event); drop that handler, the advertising tip, a note
+    about its own checkpoint loading and a deprecation warning of Lightning's own code."""
+    import lightning  # noqa: F401 (its import adds the handler)
+
+    logging.getLogger("lightning").handlers.clear()
+    noise = ("Tip: For seamless cloud logging", "`weights_only` was not set")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(lambda record: not any(text in record.getMessage() for text in noise))
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from atskv.cli.common import check_selection, load
+from atskv.cli.common import check_selection, load, selector_help
 from atskv.data.tasks import TASKS
 from atskv.eval.peer import KVPRESS_PRESSES
 from atskv.models import DEFAULT_MODEL, resolve_device
@@ -24,6 +24,8 @@ def recall(
     dense_layers: int = 2,
     batch_size: int = 4,
     out: Path = Path("results/recall"),
+    predictor: Path | None = None,
+    selector_options: dict | None = None,
     device: str = "auto",
     dtype: str = "auto",
 ) -> None:
@@ -43,21 +45,23 @@ def recall(
         dense_layers: the first layers stay dense (and are not measured).
         batch_size: windows per forward.
         out: output folder.
-        tiering: run under `atskv.tiered` (GPU/host KV tiers) with these `TieringConfig` options,
-            e.g. '{retrieve: 64, index: faiss}' ('{}' for the defaults); none: `atskv.sparse`.
+        predictor: {PREDICTOR_HELP}.
+        selector_options: {OPTIONS_HELP}.
         device: cpu, cuda, or auto.
         dtype: float32, bfloat16, float16, or auto.
     """
     from atskv.data import corpus_windows
     from atskv.eval.recall import attention_recall
+    from atskv.selectors import selector_options as by_name
     from atskv.selectors import selectors_for_model
 
     for budget in budgets:
         check_selection(selectors, budget)
+    options = by_name(selectors, selector_options, predictor)
     loaded = load(model, device, dtype)
     ids = corpus_windows(loaded.tokenizer, corpus, window_tokens, windows)
     report = attention_recall(
-        loaded.model, ids, selectors_for_model(selectors, loaded.name), budgets,
+        loaded.model, ids, selectors_for_model(selectors, loaded.name, options), budgets,
         n_queries=n_queries, dense_layers=dense_layers,
         batch_size=batch_size, model_name=loaded.name,
     )
@@ -78,6 +82,8 @@ def ppl(
     batch_size: int = 4,
     out: Path = Path("results/ppl"),
     tiering: dict | None = None,
+    predictor: Path | None = None,
+    selector_options: dict | None = None,
     device: str = "auto",
     dtype: str = "auto",
 ) -> None:
@@ -98,23 +104,28 @@ def ppl(
         out: output folder.
         tiering: run under `atskv.tiered` (GPU/host KV tiers) with these `TieringConfig` options,
             e.g. '{retrieve: 64, index: faiss}' ('{}' for the defaults); none: `atskv.sparse`.
+        predictor: {PREDICTOR_HELP}.
+        selector_options: {OPTIONS_HELP}.
         device: cpu, cuda, or auto.
         dtype: float32, bfloat16, float16, or auto.
     """
     from atskv.data import corpus_windows
     from atskv.eval import perplexity
+    from atskv.selectors import selector_options as by_name
     from atskv.selectors import selectors_for_model
 
     for budget in budgets:
         check_selection(selectors, budget)
+    options = by_name(selectors, selector_options, predictor)
     loaded = load(model, device, dtype)
     by_length = {n: corpus_windows(loaded.tokenizer, corpus, n, windows) for n in lengths}
     records = perplexity.evaluate_perplexity(
-        loaded.model, by_length, selectors_for_model(selectors, loaded.name), budgets,
+        loaded.model, by_length, selectors_for_model(selectors, loaded.name, options), budgets,
         n_eval=n_eval, dense_layers=dense_layers, batch_size=batch_size, tiering=tiering
     )
-    perplexity.write(records, out)
+    paths = perplexity.write(records, out)
     print(perplexity.markdown(records))
+    print(f"\nwritten to {out}/ ({', '.join(path.name for path in paths.values())})")
 
 
 def tasks(
@@ -131,6 +142,8 @@ def tasks(
     filler: str = "classic",
     out: Path = Path("results/tasks"),
     tiering: dict | None = None,
+    predictor: Path | None = None,
+    selector_options: dict | None = None,
     device: str = "auto",
     dtype: str = "auto",
 ) -> None:
@@ -155,14 +168,18 @@ def tasks(
         out: output folder.
         tiering: run under `atskv.tiered` (GPU/host KV tiers) with these `TieringConfig` options,
             e.g. '{retrieve: 64, index: faiss}' ('{}' for the defaults); none: `atskv.sparse`.
+        predictor: {PREDICTOR_HELP}.
+        selector_options: {OPTIONS_HELP}.
         device: cpu, cuda, or auto.
         dtype: float32, bfloat16, float16, or auto.
     """
     from atskv.data import filler_text
     from atskv.eval.tasks import check_plan, evaluate_tasks, markdown, write
+    from atskv.selectors import selector_options as by_name
     from atskv.selectors import selectors_for_model
 
     check_plan(tasks, lengths, depths, trials, selectors, budgets)
+    options = by_name(selectors, selector_options, predictor)
     filler_str = filler_text(filler)
     loaded = load(model, device, dtype, announce=False)
     results = evaluate_tasks(
@@ -171,7 +188,7 @@ def tasks(
         lengths,
         depths,
         trials,
-        selectors_for_model(selectors, loaded.name),
+        selectors_for_model(selectors, loaded.name, options),
         budgets,
         dense_layers=dense_layers,
         max_new_tokens=max_new_tokens,
@@ -253,6 +270,8 @@ def leaderboard(
     filler: str = "classic",
     kvpress_python: Path | None = None,
     out: Path = Path("results/leaderboard"),
+    predictor: Path | None = None,
+    selector_options: dict | None = None,
     device: str = "auto",
     dtype: str = "auto",
 ) -> None:
@@ -279,19 +298,23 @@ def leaderboard(
         filler: the haystack: "classic", "varied", or a corpus (name, folder or hf:...).
         kvpress_python: the python of the kvpress venv (default: ~/.cache/atskv/venvs/kvpress).
         out: output folder, also the record of finished cells (cells.jsonl, settings.json).
+        predictor: {PREDICTOR_HELP}.
+        selector_options: {OPTIONS_HELP}.
         device: cpu, cuda, or auto.
         dtype: float32, bfloat16, float16, or auto.
     """
     from atskv.eval.leaderboard import check_grid, run_leaderboard
     from atskv.models import load_model
+    from atskv.selectors import selector_options as by_name
 
     grid = check_grid(contexts, ratios, methods, tasks, seeds, examples)
+    options = by_name(list(grid.selectors), selector_options, predictor)
     device, torch_dtype = resolve_device(device, dtype)
     loaded = load_model(model, dtype=torch_dtype, device=device)
     paths = run_leaderboard(
         loaded, out, grid, examples=examples, dense_layers=dense_layers, sparse_prefill=sparse_prefill,
         filler=filler, max_new_tokens=max_new_tokens, batch_size=batch_size, kvpress_python=kvpress_python,
-        device=device, dtype=str(torch_dtype).removeprefix("torch."),
+        device=device, dtype=str(torch_dtype).removeprefix("torch."), selector_options=options,
     )  # fmt: skip
     print(paths["markdown"].read_text())
     print(f"written to {out}/ (leaderboard.md, leaderboard.json, leaderboard.png; cells.jsonl for resuming)")
@@ -360,6 +383,8 @@ def heldout(
     print(table)
     return table
 
+
+selector_help(recall, ppl, tasks, leaderboard)
 
 COMMANDS = {
     "recall": recall,

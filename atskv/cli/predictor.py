@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from atskv.cli.common import load, passes_argv
+from atskv.cli.common import load, passes_argv, quiet_lightning
 from atskv.models import DEFAULT_MODEL
 
 
@@ -101,7 +101,9 @@ def fit(argv: list[str]) -> None:
     Typical use: `atskv fit --config configs/fit.yaml --seed_everything N` for N = 0, 1, 2."""
     from atskv.predictor.training import fit_main
 
-    fit_main(["fit", *argv])  # Lightning's own CLI (trainer, model, data, checkpoints) takes over
+    quiet_lightning()
+    cli = fit_main(["fit", *argv])  # Lightning's own CLI (trainer, model, data, checkpoints) takes over
+    wrote_checkpoints(cli.trainer)
 
 
 @passes_argv
@@ -112,10 +114,21 @@ def finetune(argv: list[str]) -> None:
     Typical use: `atskv finetune --config configs/finetune.yaml --seed_everything N --model.alpha A`."""
     from atskv.rl.training import finetune_main
 
-    finetune_main(argv)
+    quiet_lightning()
+    cli = finetune_main(argv)
+    wrote_checkpoints(cli.trainer)
 
 
-def export(checkpoint: Path, out: Path | None = None, model: str | None = None) -> None:
+def wrote_checkpoints(trainer) -> None:
+    """The last line of `fit` and `finetune`: where the checkpoints are and what to run next."""
+    callback = trainer.checkpoint_callback
+    if callback is not None and callback.last_model_path:
+        best = f"best {callback.best_model_path}, " if callback.best_model_path else ""
+        print(f"wrote checkpoints into {callback.dirpath} ({best}last {callback.last_model_path}); "
+              f"next: atskv export {callback.last_model_path}")
+
+
+def export(checkpoint: Path, out: Path | None = None, model: str | None = None, overwrite: bool = False) -> Path:
     """Turn a training checkpoint into predictor.safetensors plus its JSON header.
 
     Args:
@@ -123,32 +136,16 @@ def export(checkpoint: Path, out: Path | None = None, model: str | None = None) 
             runs/fit/.../checkpoints/last.ckpt).
         out: output folder (predictor.safetensors, predictor.json); default
             <cache>/predictors/<model name>, where `--selectors [learned]` finds it.
-        model: the base model (for its tokenizer's token-type table); default: the one the
-            training data was collected from. Its geometry must match the collection's.
+        model: the base model (for its tokenizer's token-type table and the config hash the header
+            records); default: the one the training data was collected from. Its geometry must
+            match the collection's.
+        overwrite: allow writing into the folder of a predictor shipped with atskv.
     """
-    from atskv.models import ModelGeometry, load_model, model_geometry
-    from atskv.predictor.export import checkpoint_provenance, default_predictor_dir, export_predictor
-    from atskv.predictor.token_types import token_type_table
-    from atskv.predictor.training import RelevanceModule
+    from atskv.predictor.export import export_checkpoint
 
-    if not Path(checkpoint).is_file():
-        raise FileNotFoundError(f"{checkpoint}: no such checkpoint; `atskv fit` writes them under runs/fit/")
-    module = RelevanceModule.load_from_checkpoint(checkpoint, map_location="cpu")
-    collection = module.hparams.collection
-    geometry = ModelGeometry.from_dict(collection["geometry"])
-    loaded = load_model(model or collection["model"])
-    if model_geometry(loaded.model.config) != geometry:
-        raise ValueError(f"{loaded.name} is not the model the training data came from ({collection['model']})")
-    path = export_predictor(
-        module.model.eval(),
-        token_type_table(loaded.tokenizer, loaded.model.config.vocab_size),
-        out or default_predictor_dir(collection["model"]),
-        base_model=collection["model"],
-        geometry=geometry,
-        managed_layers=collection["managed_layers"],
-        training=checkpoint_provenance(checkpoint),
-    )
-    print(f"wrote {path} ({module.model.parameter_count()} parameters) and {path.with_suffix('.json')}")
+    path = export_checkpoint(checkpoint, out, load(model, "cpu", "float32") if model else None, overwrite=overwrite)
+    print(f"wrote {path} and {path.with_suffix('.json')}")
+    return path
 
 
 COMMANDS = {"collect": collect, "fit": fit, "finetune": finetune, "export": export}

@@ -70,6 +70,26 @@ def read_text_folder(path: str | Path, source: str | None = None) -> list[Docume
     ]
 
 
+def _load_from_hub(datasets, name: str, split: str):
+    """`datasets.load_dataset(name)`; the hub's retry warnings silenced, and a hub it cannot reach
+    (offline, no local copy) an `InputError` in one line instead of a page of retries."""
+    import logging
+
+    from atskv.errors import InputError
+
+    hub = logging.getLogger("huggingface_hub")
+    level, hub.level = hub.level, logging.ERROR
+    try:
+        return datasets.load_dataset(name, split=split)
+    except (ConnectionError, OSError) as error:
+        raise InputError(
+            f"hf:{name}: the Hugging Face hub is out of reach and no local copy exists ({type(error).__name__}); "
+            "use a corpus name (see `atskv data list`) or a folder of .txt files"
+        ) from None
+    finally:
+        hub.setLevel(level)
+
+
 def read_hf_dataset(
     path_or_name: str | Path,
     split: str = "train",
@@ -104,7 +124,7 @@ def read_hf_dataset(
             )
         ds = datasets.load_dataset(builder, data_files={split: str(local)}, split=split)
     else:
-        ds = datasets.load_dataset(name, split=split)
+        ds = _load_from_hub(datasets, name, split)
     if text_field not in ds.column_names:
         raise ValueError(
             f"dataset {name!r} (split {split!r}) has no column {text_field!r}; "

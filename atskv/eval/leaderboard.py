@@ -254,19 +254,24 @@ def run_leaderboard(
     kvpress_python: Path | None = None,
     device: str = "cpu",
     dtype: str = "float32",
+    selector_options: dict[str, dict] | None = None,
     progress: bool = True,
 ) -> dict[str, Path]:
     """Compute the grid's missing cells for `loaded` (a `LoadedModel`) into `out`, then write the
     report (see `write`). kvpress methods are skipped, with a message on stderr and in the table's
-    notes, where kvpress cannot run (`kvpress_unavailable`)."""
+    notes, where kvpress cannot run (`kvpress_unavailable`). `selector_options`: constructor
+    arguments by selector name (`atskv.selectors.selectors_for_model`), part of the settings a
+    rerun into `out` must share."""
     from atskv.selectors import selectors_for_model
 
     settings = {
         "model": loaded.name, "examples": examples, "filler": filler, "dense_layers": dense_layers,
         "prefill": "sparse" if sparse_prefill else "dense", "max_new_tokens": max_new_tokens, "dtype": dtype,
+        **({"selector_options": {k: {o: str(v) for o, v in opts.items()} for k, opts in selector_options.items()}}
+           if selector_options else {}),
     }  # fmt: skip
     store = CellStore(Path(out), settings)
-    selectors = dict(zip(grid.selectors, selectors_for_model(grid.selectors, loaded.name)))
+    selectors = dict(zip(grid.selectors, selectors_for_model(grid.selectors, loaded.name, selector_options)))
     python = Path(kvpress_python) if kvpress_python else peer.default_kvpress_python()
     skipped = kvpress_unavailable(python, loaded) if grid.presses else None
     if skipped:

@@ -201,6 +201,38 @@ def export_predictor(
     return path
 
 
+def export_checkpoint(checkpoint: str | Path, folder: str | Path | None = None, loaded=None, *,
+                      overwrite: bool = False) -> Path:
+    """Export the predictor of a training checkpoint (`atskv fit` or `atskv finetune`) into
+    `folder` (default: `default_predictor_dir` of its base model); returns the weights path.
+
+    `loaded`: the base model as `load_model` returns it (its tokenizer gives the token-type table,
+    its config the hash the header records); default: the model the training data came from.
+    Its geometry must match the collection's."""
+    from atskv.models import load_model
+    from atskv.predictor.checkpoints import load_module
+    from atskv.predictor.token_types import token_type_table
+    from atskv.predictor.training import RelevanceModule
+
+    module = load_module(RelevanceModule, checkpoint)
+    collection = module.hparams.collection
+    geometry = ModelGeometry.from_dict(collection["geometry"])
+    loaded = loaded or load_model(collection["model"])
+    if model_geometry(loaded.model.config) != geometry:
+        raise InputError(f"{loaded.name} is not the model the training data came from ({collection['model']})")
+    return export_predictor(
+        module.model.eval(),
+        token_type_table(loaded.tokenizer, loaded.model.config.vocab_size),
+        folder or default_predictor_dir(collection["model"]),
+        base_model=collection["model"],
+        geometry=geometry,
+        managed_layers=collection["managed_layers"],
+        training=checkpoint_provenance(checkpoint),
+        config=loaded.model.config,
+        overwrite=overwrite,
+    )
+
+
 def _is_within(path: Path, folder: Path) -> bool:
     return path.resolve().is_relative_to(folder.resolve())
 

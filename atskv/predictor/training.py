@@ -29,6 +29,7 @@ Choices where the plan leaves one:
 from __future__ import annotations
 
 import itertools
+import os
 import warnings
 from pathlib import Path
 
@@ -127,6 +128,12 @@ def pairwise_ranking_loss(
     return F.softplus(-sign[keep] * (logits[i] - logits[j])[keep])
 
 
+def default_workers() -> int:
+    """Data-loader workers for this machine: half its usable cores, at most 4 (the main process
+    trains on the rest; more workers than cores only slows reading)."""
+    return min(4, len(os.sched_getaffinity(0)) // 2) if hasattr(os, "sched_getaffinity") else 0
+
+
 class RelevanceData(L.LightningDataModule):
     """Collected shards in `folder`, split into train / validation by shard key."""
 
@@ -135,7 +142,7 @@ class RelevanceData(L.LightningDataModule):
         folder: str = "data/collect",
         batch_size: int = 4096,
         validation_fraction: float = 0.1,
-        num_workers: int = 0,
+        num_workers: int | None = None,
         seed: int = 0,
     ):
         """
@@ -143,11 +150,12 @@ class RelevanceData(L.LightningDataModule):
             folder: a shard folder written by `atskv collect`.
             batch_size: rows per optimiser step over all processes, filled with whole groups.
             validation_fraction: share of the shard keys (windows) held out for validation.
-            num_workers: DataLoader worker processes.
+            num_workers: DataLoader worker processes; None: from the cores (`default_workers`).
             seed: the train/validation split (kept fixed across training seeds).
         """
         super().__init__()
         self.save_hyperparameters()
+        self.num_workers = default_workers() if num_workers is None else num_workers
         dataset = ShardDataset(folder, COLUMNS)
         if len(dataset) == 0:
             raise ValueError(f"{folder} lists no finished shards: run `atskv collect` into it first")
@@ -173,8 +181,8 @@ class RelevanceData(L.LightningDataModule):
             dataset,
             batch_sampler=sampler,
             collate_fn=stacked,
-            num_workers=self.hparams.num_workers,
-            persistent_workers=self.hparams.num_workers > 0,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
         )
 
     def train_dataloader(self) -> DataLoader:
@@ -295,6 +303,33 @@ def fit_main(args: list[str] | None = None) -> RelevanceCLI:
             RelevanceModule, RelevanceData, args=args, save_config_kwargs={"overwrite": True},
             parser_kwargs={"prog": "atskv"},
         )
+
+
+def fit_predictor(
+    folder: str | Path, out: str | Path, *, epochs: int = 4, seed: int = 0, progress: bool = True, **options
+) -> Path:
+    """Train a predictor on the shards in `folder` without the CLI (what `atskv fit` does with the
+    defaults of `RelevanceModule` and `RelevanceData`; `options` override either's by name) on the
+    CPU or the one GPU; returns the checkpoint of the last epoch, `out/last.ckpt`, for
+    `export_checkpoint`."""
+    from inspect import signature
+
+    L.seed_everything(seed, verbose=False)
+    data_keys = set(signature(RelevanceData.__init__).parameters) - {"self"}
+    unknown = set(options) - data_keys - set(signature(RelevanceModule.__init__).parameters)
+    if unknown:
+        raise TypeError(f"fit_predictor got unknown options {sorted(unknown)}")
+    data = RelevanceData(str(folder), **{k: v for k, v in options.items() if k in data_keys})
+    module = RelevanceModule(data.collection, **{k: v for k, v in options.items() if k not in data_keys})
+    trainer = L.Trainer(
+        max_epochs=epochs, accelerator="auto", devices=1, logger=False, enable_checkpointing=False,
+        enable_model_summary=False, enable_progress_bar=progress, use_distributed_sampler=False,
+        default_root_dir=str(out), log_every_n_steps=10,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=data)
+    path = Path(out) / "last.ckpt"
+    trainer.save_checkpoint(path)
+    return path
 
 
 CURVES = (("train/loss", "val/loss"), ("val/mass_recall",))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from atskv.errors import InputError
 from atskv.selectors.base import LayerView, Selector
 from atskv.selectors.dense import DenseSelector
@@ -46,17 +48,55 @@ def make_selector(name: str, **kwargs) -> Selector:
     return cls(**kwargs)
 
 
-def selectors_for_model(names: list[str], model_name: str) -> list[Selector]:
+def selectors_for_model(names: list[str], model_name: str, options: dict[str, dict] | None = None) -> list[Selector]:
     """Selector instances for one loaded model: Kascade reads that model's profile (written by
     `atskv profile kascade`) and the learned selector its predictor (the user's `atskv export`,
-    else the one shipped for the model); every other selector needs only its name."""
+    else the one shipped for the model); every other selector needs only its name. `options`:
+    constructor arguments by selector name (`selector_options`), which win over those defaults,
+    e.g. `{"learned": {"predictor": PATH, "threshold": 0.0}}`."""
     from atskv.selectors.kascade import default_profile_path
 
-    per_model = {
-        "kascade": lambda: {"profile": default_profile_path(model_name)},
-        "learned": lambda: {"predictor": _predictor_for(model_name)},
+    options = options or {}
+    per_model = {  # the argument each needs, and where it is found by default
+        "kascade": ("profile", lambda: default_profile_path(model_name)),
+        "learned": ("predictor", lambda: _predictor_for(model_name)),
     }
-    return [make_selector(name, **per_model.get(name, dict)()) for name in names]
+    built = []
+    for name in names:
+        given = dict(options.get(name, {}))
+        if name in per_model and per_model[name][0] not in given:
+            given[per_model[name][0]] = per_model[name][1]()
+        built.append(make_selector(name, **given))
+    return built
+
+
+def selector_options(names: list[str], options: dict | None, predictor: str | Path | None = None) -> dict[str, dict]:
+    """The `options` argument of `selectors_for_model` from a command line's `--selector_options`
+    and `--predictor`: a dict keyed by selector names gives each its own options; any other dict
+    goes to every selector in `names` (an `InputError` names a selector that has no such option);
+    `predictor` is the learned selector's predictor file or folder."""
+    from dataclasses import fields
+
+    options = dict(options or {})
+    check_selector_names(names)
+    if options and set(options) <= set(SELECTORS):
+        by_name = {name: dict(value or {}) for name, value in options.items()}
+        if set(by_name) - set(names):
+            raise InputError(f"options given for {sorted(set(by_name) - set(names))[0]!r}, which is not selected")
+    else:
+        by_name = {name: dict(options) for name in names} if options else {}
+    for name, given in by_name.items():
+        known = {f.name for f in fields(SELECTORS[name]) if f.init}
+        if set(given) - known:
+            unknown = sorted(set(given) - known)[0]
+            raise InputError(f"selector {name!r} has no option {unknown!r}; its options: {', '.join(sorted(known))}")
+    if predictor is not None:
+        if "learned" not in names:
+            raise InputError("--predictor is the learned selector's predictor: select `learned` too")
+        if not Path(predictor).expanduser().exists():
+            raise InputError(f"--predictor {predictor}: no such file or folder; `atskv export` writes one")
+        by_name.setdefault("learned", {})["predictor"] = predictor
+    return by_name
 
 
 def resolve_selector(selector: Selector | str, model) -> Selector:
@@ -104,5 +144,5 @@ def check_selector_names(names: list[str]) -> None:
 
 __all__ = [
     "SELECTORS", "LayerView", "Selector", "check_selector_names", "make_selector", "resolve_selector",
-    "selectors_for_model",
+    "selector_options", "selectors_for_model",
 ]
