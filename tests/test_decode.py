@@ -13,6 +13,7 @@ import atskv
 from atskv.hook import decode
 from atskv.hook.decode import masked_attention_lse
 from atskv.hook.gqa import grouped_attention, prefix_causal_attention, received_mass
+from atskv.hook.sparse import attach
 from atskv.memory.static_cache import StaticSlotLayer
 from atskv.selectors.learned import LearnedSelector
 
@@ -106,7 +107,7 @@ def test_the_planted_host_read_is_caught():
 def test_evicting_layers_shrink_to_budget_plus_one():
     model = tiny_model("llama")
     session = decode.StaticSession(model, atskv.make_selector("snapkv"), atskv.SparsityConfig(12, 1), 150, 4, 64)
-    with decode.static_session(model, session), torch.no_grad():
+    with attach(model, session), torch.no_grad():
         cache = session.new_cache()
         model(random_prompt(150), past_key_values=cache, use_cache=True)
         session.finish_prompt(None)

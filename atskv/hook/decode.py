@@ -25,9 +25,8 @@ synchronisation.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
@@ -36,7 +35,7 @@ from atskv.hook.sparse import STATIC_ATTENTION_NAME, SparseSession, SparsityConf
 from atskv.kernels.sparse_decode import sparse_decode_attention
 from atskv.memory.static_cache import StaticKVCache, StaticSlotLayer, first_free
 from atskv.selectors import make_selector
-from atskv.selectors.base import LayerView, Selector, resolve_budget
+from atskv.selectors.base import LayerView, Selector, resolve_budget, select_top_budget
 
 # selectors whose decode state is written by the hook alone (slot tensors, in place) or by a
 # `static_write`; the others still need host-side bookkeeping per step
@@ -162,13 +161,11 @@ class StaticSession(SparseSession):
             view = self.decode_view(idx, layer, None, 1.0)
             if self.selector.unwanted(view) is not None:
                 raise ValueError(f"{self.selector.name} with a threshold has no fast decode path yet; use atskv.sparse")
-            keep = self._top_budget(view, layer)
+            keep = self._top_budget(view)
             layer.evict(layer.slot_pos.ge(0) & ~keep)
             layer.shrink(min(layer.capacity, self.budget_cap + 1))
 
-    def _top_budget(self, view: LayerView, layer: StaticSlotLayer) -> torch.Tensor:
-        from atskv.selectors.base import select_top_budget
-
+    def _top_budget(self, view: LayerView) -> torch.Tensor:
         scores = self.selector.scores(view)
         return select_top_budget(scores, view.valid, view.budget, view.slot_pos, view.context)[:, :, 0]
 
@@ -317,15 +314,9 @@ def generate(
         )
     b, t = input_ids.shape
     session = StaticSession(model, selector, SparsityConfig(budget, dense_layers), t, max_new_tokens, prefill_chunk)
-    with static_session(model, session):
+    with attach(model, session):
         return _generate(model, session, input_ids, attention_mask, max_new_tokens, prefill_chunk, cuda_graph,
                          eos_token_id, streamer)  # fmt: skip
-
-
-@contextlib.contextmanager
-def static_session(model, session: StaticSession) -> Iterator[StaticSession]:
-    with attach(model, session):
-        yield session
 
 
 def _generate(model, session, input_ids, attention_mask, max_new_tokens, prefill_chunk, cuda_graph, eos_token_id,
