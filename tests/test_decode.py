@@ -224,3 +224,20 @@ def test_the_learned_selector_on_the_fast_path_gives_the_reference_tokens(tmp_pa
     with torch.no_grad(), atskv.sparse(model, selector(), 24, dense_layers=1):
         reference = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
     assert torch.equal(fast, reference)
+
+
+def test_an_evicting_selector_prefills_a_batch_one_row_at_a_time(monkeypatch):
+    """Each row's prompt is compressed before the next is read, so the prompt KV of one row, not
+    of the batch, is the prefill's peak: what lets a compressed cache serve a larger batch."""
+    rows = []
+    plain_prefill = decode._prefill
+
+    def counting(model, session, ids, *args):
+        rows.append(ids.shape[0])
+        return plain_prefill(model, session, ids, *args)
+
+    monkeypatch.setattr(decode, "_prefill", counting)
+    model = tiny_model("llama")
+    atskv.generate(model, random_prompt(80, batch=3), "snapkv", 16, max_new_tokens=2, prefill_chunk=64)
+    atskv.generate(model, random_prompt(80, batch=3), "quest", 16, max_new_tokens=2, prefill_chunk=64)
+    assert rows == [1, 1, 1, 3]

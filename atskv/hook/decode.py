@@ -319,6 +319,22 @@ def generate(
                          eos_token_id, streamer)  # fmt: skip
 
 
+def _prefill(model, session: StaticSession, ids, positions, real, chunk: int) -> tuple[StaticKVCache, torch.Tensor]:
+    """The prompt in chunks of `chunk` tokens (the last one full) into a new cache, finished for
+    decoding; returns it and the last position's logits `[B, vocab]`."""
+    t = ids.shape[1]
+    session.real = real
+    cache = session.new_cache()
+    first = t - (math.ceil(t / chunk) - 1) * chunk
+    for start in [0, *range(first, t, chunk)]:
+        stop = min(start + (first if start == 0 else chunk), t)
+        logits = model(input_ids=ids[:, start:stop], position_ids=positions[:, start:stop], past_key_values=cache,
+                       use_cache=True, logits_to_keep=1).logits  # fmt: skip
+    session.finish_prompt(real)
+    session.real = None
+    return cache, logits[:, -1]
+
+
 def _generate(model, session, input_ids, attention_mask, max_new_tokens, prefill_chunk, cuda_graph, eos_token_id,
               streamer):  # fmt: skip
     b, t = input_ids.shape
@@ -326,17 +342,15 @@ def _generate(model, session, input_ids, attention_mask, max_new_tokens, prefill
     emit(input_ids)
     device = input_ids.device
     real = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()
-    session.real = real
     positions = (real.long().cumsum(-1) - 1).clamp(min=0) if real is not None else torch.arange(t, device=device).expand(b, t)
-    cache = session.new_cache()
-    first = t - (math.ceil(t / prefill_chunk) - 1) * prefill_chunk  # the last chunk is a full one
-    for start in [0, *range(first, t, prefill_chunk)]:
-        stop = min(start + (first if start == 0 else prefill_chunk), t)
-        logits = model(input_ids=input_ids[:, start:stop], position_ids=positions[:, start:stop], past_key_values=cache,
-                       use_cache=True, logits_to_keep=1).logits  # fmt: skip
-    session.finish_prompt(real)
-    session.real = None
-    token = logits[:, -1].argmax(-1)
+    if session.selector.evicts and b > 1:  # each row compressed before the next: the prompt KV of one row at a time
+        rows = [_prefill(model, session, input_ids[i : i + 1], positions[i : i + 1],
+                         None if real is None or bool(real[i].all()) else real[i : i + 1], prefill_chunk)
+                for i in range(b)]  # fmt: skip
+        cache, logits = StaticKVCache.stack([c for c, _ in rows]), torch.cat([lg for _, lg in rows])
+    else:
+        cache, logits = _prefill(model, session, input_ids, positions, real, prefill_chunk)
+    token = logits.argmax(-1)
     emit(token.view(b, 1))
     ids_in = token.view(b, 1).clone()
     pos_in = positions[:, -1:] + 1

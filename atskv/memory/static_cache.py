@@ -127,6 +127,13 @@ class StaticSlotLayer(SlotLayer):
         self.capacity = self.length = capacity
         self.write_slot = first_free(self.slot_pos)
 
+    def stack_rows(self, rows: list[StaticSlotLayer]) -> None:
+        """Become the batch of `rows` (this layer among them), each a one-row layer of the same
+        call after its prompt: buffers, slot state and counters concatenated along the batch."""
+        for name in ("keys", "values", "slot_pos", "write_slot", "context"):
+            setattr(self, name, torch.cat([getattr(r, name) for r in rows]))
+        self._slot_state = {k: (torch.cat([r._slot_state[k][0] for r in rows]), i) for k, (_, i) in self._slot_state.items()}
+
     def evict(self, drop: torch.Tensor) -> None:
         """Free slots where `drop` is True; no compaction (shapes stay fixed)."""
         self.slot_pos.masked_fill_(drop, -1)
@@ -165,3 +172,11 @@ class StaticKVCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].seen
+
+    @staticmethod
+    def stack(caches: list[StaticKVCache]) -> StaticKVCache:
+        """One batch cache from one-row caches of the same call, each after its prompt."""
+        merged = caches[0]
+        for i, layer in enumerate(merged.layers):
+            layer.stack_rows([cache.layers[i] for cache in caches])
+        return merged
