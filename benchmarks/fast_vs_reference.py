@@ -1,0 +1,40 @@
+"""Quality of the fast path on a real model: greedy tokens of `atskv.generate` against the reference
+session (`atskv.sparse` + `model.generate`), per selector and budget; prints a markdown table.
+
+    python benchmarks/fast_vs_reference.py --model smollm2-135m --context 768 --steps 64
+"""
+
+import argparse
+from pathlib import Path
+
+import torch
+
+import atskv
+from atskv.models import load_model
+from atskv.selectors import resolve_selector
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+parser.add_argument("--model", default="smollm2-135m")
+parser.add_argument("--context", type=int, default=768)
+parser.add_argument("--steps", type=int, default=64)
+parser.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.5])
+parser.add_argument("--selectors", nargs="+", default=["learned", "quest", "h2o", "snapkv"])
+parser.add_argument("--device", default="cpu")
+args = parser.parse_args()
+
+dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+lm = load_model(args.model, device=args.device, dtype=dtype)
+lm.model.generation_config.eos_token_id = None  # both loops run the full number of steps
+text = (Path(__file__).resolve().parent.parent / "README.md").read_text() * 4  # any real text
+ids = lm.tokenizer(text, return_tensors="pt").input_ids[:, : args.context].to(args.device)
+print(f"{args.model}, {ids.shape[1]}-token prompt, {args.steps} greedy steps, {args.device} {dtype}\n")
+print("| selector | budget | same tokens | first difference |\n|---|---|---|---|")
+for budget in args.budgets:
+    for name in args.selectors:
+        fast = atskv.generate(lm.model, ids, resolve_selector(name, lm.model), budget, max_new_tokens=args.steps,
+                              prefill_chunk=256)  # fmt: skip
+        with torch.no_grad(), atskv.sparse(lm.model, resolve_selector(name, lm.model), budget):
+            reference = lm.model.generate(ids, max_new_tokens=args.steps, do_sample=False)
+        same = fast[0, ids.shape[1] :] == reference[0, ids.shape[1] :]
+        first = "-" if bool(same.all()) else int((~same).nonzero()[0])
+        print(f"| {name} | {budget} | {int(same.sum())}/{args.steps} | {first} |", flush=True)
