@@ -31,3 +31,18 @@ def test_shape_models_have_the_published_geometry():
     config = model.config
     assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (30, 9, 3)
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
+
+
+def test_learned_runs_the_given_predictor_or_a_random_one_of_the_shape(tmp_path):
+    from tests.test_decode import _random_predictor
+
+    model = tiny_model("llama")
+    given = _random_predictor(model, tmp_path, [2, 3])
+    for predictor in (given, None):
+        [record] = speed.measure(model, "tiny", ["learned"], [96], [1], 16, new_tokens=3, prefill_chunk=64,
+                                 predictor=predictor)  # fmt: skip
+        assert record.ms_per_step is not None, record.error
+    wrong = _random_predictor(model, tmp_path / "wrong", [3])  # not the layers the hook manages: refused, said why
+    [record] = speed.measure(model, "tiny", ["learned"], [96], [1], 16, new_tokens=3, prefill_chunk=64,
+                             predictor=wrong)  # fmt: skip
+    assert record.ms_per_step is None and "covers layers" in record.error

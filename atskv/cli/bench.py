@@ -67,6 +67,7 @@ def decode(
     prefill_chunk: int = 8192,
     dense_layers: int = 2,
     out: Path = Path("results/speed"),
+    predictor: Path | None = None,
 ) -> None:
     """End-to-end decode speed against plain transformers, in one run on one GPU.
 
@@ -88,6 +89,8 @@ def decode(
         prefill_chunk: prompt tokens per forward on the fast path.
         dense_layers: first layers kept dense.
         out: output folder.
+        predictor: the learned selector's predictor (file or folder); default: a random one of the
+            model's shape (its cost does not depend on what it learned).
     """
     import datetime
     import sys
@@ -104,7 +107,7 @@ def decode(
 
         loaded = load_model(model, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32).model
     records = speed.measure(loaded, model, methods, contexts, batch_sizes, budget, new_tokens, prefill_chunk,
-                            dense_layers)  # fmt: skip
+                            dense_layers, predictor=predictor)  # fmt: skip
     meta = {
         "command": "atskv bench decode " + " ".join(sys.argv[3:]),
         "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",

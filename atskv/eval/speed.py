@@ -110,12 +110,17 @@ def random_predictor(model, dense_layers: int, folder: Path) -> Path:
     return folder
 
 
-def run_method(model, method: str, ids: torch.Tensor, budget, new_tokens: int, prefill_chunk: int, dense_layers: int):
-    """One timed generation; returns (ms per step, prefill seconds). `learned` without a predictor
-    of the model's own gets a random one of its shape."""
+def run_method(model, method: str, ids: torch.Tensor, budget, new_tokens: int, prefill_chunk: int, dense_layers: int,
+               predictor: Path | None = None):  # fmt: skip
+    """One timed generation; returns (ms per step, prefill seconds). `learned` runs `predictor`,
+    or without one a random predictor of the model's shape."""
     clock = TokenClock(ids.device)
     selector = method.removeprefix("hook:")
-    if selector == "learned":
+    if selector == "learned" and predictor is not None:
+        from atskv.selectors.learned import LearnedSelector
+
+        selector = LearnedSelector(predictor=predictor)
+    elif selector == "learned":
         import tempfile
 
         from atskv.selectors.learned import LearnedSelector
@@ -152,6 +157,7 @@ def measure(
     prefill_chunk: int = 8192,
     dense_layers: int = 2,
     seed: int = 0,
+    predictor: Path | None = None,
 ) -> list[SpeedRecord]:
     """Every method at every (context, batch), each shape's ratios from its own run. Methods:
     `plain` (transformers' default cache and SDPA), `plain-static` (transformers' static cache,
@@ -171,7 +177,7 @@ def measure(
         record = SpeedRecord(model_name, method, batch, context, None if method in (PLAIN, PLAIN_STATIC, "dense") else budget,
                              None, None, None, None)  # fmt: skip
         try:
-            ms, prefill = run_method(model, method, ids, budget, new_tokens, prefill_chunk, dense_layers)
+            ms, prefill = run_method(model, method, ids, budget, new_tokens, prefill_chunk, dense_layers, predictor)
             record.ms_per_step, record.prefill_s = ms, prefill
             record.tokens_per_s = batch * 1000 / ms
             if device.type == "cuda":
