@@ -24,7 +24,7 @@ One attention call of a managed layer (`TieredSession.attend`):
 The hard cap leaves `refresh_every` slots of headroom, so the tokens written between two
 refreshes never push the active tier past `budget`.
 
-Choices where DESIGN.md is silent: a fractional budget is a fraction of the prompt, fixed when
+Choices the ATSKV proposal leaves open: a fractional budget is a fraction of the prompt, fixed when
 the prompt arrives (the GPU pool does not grow with the generated text); the host tier holds
 `max_tokens` (default: prompt + 1024) and is allocated when the prompt arrives, before any token
 moves; attention reads the cached keys (a selector's approximate keys, SparK's, are not used).
