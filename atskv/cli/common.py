@@ -33,6 +33,20 @@ def selector_help(*commands: Callable) -> None:
             command.__doc__ = command.__doc__.replace(mark, text)
 
 
+def load_with_selectors(model: str, device: str, dtype: str, selectors: list[str], budgets: list[int | float],
+                        predictor, selector_options: dict | None):  # fmt: skip
+    """The model and its selectors, for a command that runs selectors: names, budgets and options
+    are checked before anything loads; the learned selector reads `predictor` (default: the model's)."""
+    from atskv.selectors import selector_options as by_name
+    from atskv.selectors import selectors_for_model
+
+    for budget in budgets:
+        check_selection(selectors, budget)
+    options = by_name(selectors, selector_options, predictor)
+    loaded = load(model, device, dtype)
+    return loaded, selectors_for_model(selectors, loaded.name, options)
+
+
 def check_selection(selectors: list[str], budget: int | float) -> None:
     """Refuse a bad budget or an unknown selector before any model is loaded."""
     from atskv.selectors import check_selector_names

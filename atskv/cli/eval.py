@@ -5,9 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from atskv.cli.common import check_selection, load, selector_help
+from atskv.cli.common import load, load_with_selectors, selector_help
 from atskv.data.tasks import TASKS
 from atskv.eval.peer import KVPRESS_PRESSES
 from atskv.models import DEFAULT_MODEL, resolve_device
@@ -52,16 +50,11 @@ def recall(
     """
     from atskv.data import corpus_windows
     from atskv.eval.recall import attention_recall
-    from atskv.selectors import selector_options as by_name
-    from atskv.selectors import selectors_for_model
 
-    for budget in budgets:
-        check_selection(selectors, budget)
-    options = by_name(selectors, selector_options, predictor)
-    loaded = load(model, device, dtype)
+    loaded, chosen = load_with_selectors(model, device, dtype, selectors, budgets, predictor, selector_options)
     ids = corpus_windows(loaded.tokenizer, corpus, window_tokens, windows)
     report = attention_recall(
-        loaded.model, ids, selectors_for_model(selectors, loaded.name, options), budgets,
+        loaded.model, ids, chosen, budgets,
         n_queries=n_queries, dense_layers=dense_layers,
         batch_size=batch_size, model_name=loaded.name,
     )
@@ -111,16 +104,11 @@ def ppl(
     """
     from atskv.data import corpus_windows
     from atskv.eval import perplexity
-    from atskv.selectors import selector_options as by_name
-    from atskv.selectors import selectors_for_model
 
-    for budget in budgets:
-        check_selection(selectors, budget)
-    options = by_name(selectors, selector_options, predictor)
-    loaded = load(model, device, dtype)
+    loaded, chosen = load_with_selectors(model, device, dtype, selectors, budgets, predictor, selector_options)
     by_length = {n: corpus_windows(loaded.tokenizer, corpus, n, windows) for n in lengths}
     records = perplexity.evaluate_perplexity(
-        loaded.model, by_length, selectors_for_model(selectors, loaded.name, options), budgets,
+        loaded.model, by_length, chosen, budgets,
         n_eval=n_eval, dense_layers=dense_layers, batch_size=batch_size, tiering=tiering
     )
     paths = perplexity.write(records, out)

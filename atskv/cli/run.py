@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from atskv.cli.common import check_selection, load, quiet_lightning, selector_help
+from atskv.cli.common import check_selection, load, load_with_selectors, quiet_lightning, selector_help
 from atskv.models import DEFAULT_MODEL
 
 
@@ -95,18 +95,14 @@ def passkey(
     """
     from atskv.data import filler_text, passkey_example
     from atskv.eval.generation import encode_prompt, generate, markdown_table
-    from atskv.selectors import selector_options as by_name
-    from atskv.selectors import selectors_for_model
 
-    check_selection(selectors, budget)
-    options = by_name(selectors, selector_options, predictor)
     haystack = filler_text(filler)
-    loaded = load(model, device, dtype)
+    loaded, chosen = load_with_selectors(model, device, dtype, selectors, [budget], predictor, selector_options)
     example = passkey_example(loaded.tokenizer, context_tokens, depth, seed, filler=haystack)
     ids = encode_prompt(loaded.tokenizer, example.prompt, chat=False)  # the prompt ends "The pass key is"
     print(f"passkey {example.answer} at depth {depth:.0%} of a {ids.shape[1]}-token prompt; budget {budget}")
     runs = []
-    for selector in [None, *selectors_for_model(selectors, loaded.name, options)]:
+    for selector in [None, *chosen]:
         run = generate(
             loaded.model,
             loaded.tokenizer,
