@@ -3,8 +3,10 @@ on a tiny random model saved as a Hugging Face directory."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -53,11 +55,18 @@ def no_model_loading(monkeypatch):
         (["eval", "recall", "--selectors", "[h2o]", "--selector_options", "{learned: {threshold: 0.0}}"],
          "options given for 'learned', which is not selected"),
         (["generate", "hi", "--predictor", "p"], "need a --selector"),
+        (["eval", "heldout", "--selector_options", "{threshold: 0.0}"], "selector 'h2o' has no option 'threshold'"),
+        (["eval", "heldout", "--predictor", "p"], "select `learned` too"),
+        (["eval", "peer", "--kvpress_python", sys.executable, "--selector_options", "{bogus: 1}"],
+         "selector 'snapkv' has no option 'bogus'"),
+        (["eval", "peer", "--kvpress_python", sys.executable, "--our_selectors", "[learned]",
+          "--predictor", "/no/such"], "--predictor /no/such: no such"),
     ],
 )
 def test_bad_input_fails_clearly_before_loading(args, message, capsys, no_model_loading):
     assert run_cli(args) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
 
 
 def test_missing_model_path_is_a_clear_error(capsys):
@@ -145,26 +154,50 @@ def test_generate_tiered_from_the_command_line(tiny_model_dir, capsys):
     assert "KV held" in capsys.readouterr().err
 
 
-def test_generate_with_the_learned_selector_finds_the_models_predictor(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    """`--selector learned` uses the predictor exported for the model (as `eval` does), not a bare
-    selector without one."""
-    import torch
-
+def export_random_predictor(model_dir: str, folder=None, managed_layers=(2, 3)):
+    """A random predictor for the model in `model_dir`, exported into `folder` (default: where
+    `learned` finds the model's own); returns the folder."""
     from atskv.models import load_model, model_geometry
     from atskv.predictor.export import default_predictor_dir, export_predictor
     from atskv.predictor.features import SCALAR_FEATURES
     from atskv.predictor.model import FeatureSpec, RelevanceMLP
 
-    monkeypatch.setenv("ATSKV_CACHE", str(tmp_path))
-    loaded = load_model(tiny_model_dir, device="cpu")
+    loaded = load_model(model_dir, device="cpu")
     config = loaded.model.config
-    spec = FeatureSpec(config.hidden_size, SCALAR_FEATURES, 2, config.num_key_value_heads)
+    spec = FeatureSpec(config.hidden_size, SCALAR_FEATURES, len(managed_layers), config.num_key_value_heads)
     types = torch.zeros(config.vocab_size, dtype=torch.int8)
-    export_predictor(RelevanceMLP(spec, reduced_width=8, hidden=16).eval(), types,
-                     default_predictor_dir(loaded.name), base_model=loaded.name,
-                     geometry=model_geometry(config), managed_layers=[2, 3])
+    folder = folder or default_predictor_dir(loaded.name)
+    export_predictor(RelevanceMLP(spec, reduced_width=8, hidden=16).eval(), types, folder, base_model=loaded.name,
+                     geometry=model_geometry(config), managed_layers=list(managed_layers))
+    return folder
+
+
+def test_generate_with_the_learned_selector_finds_the_models_predictor(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """`--selector learned` uses the predictor exported for the model (as `eval` does), not a bare
+    selector without one."""
+    monkeypatch.setenv("ATSKV_CACHE", str(tmp_path))
+    export_random_predictor(tiny_model_dir)
     prompt = " ".join(["word"] * 120)
     args = ["generate", prompt, "--model", tiny_model_dir, "--selector", "learned", "--budget", "32",
             "--max_new_tokens", "4", "--device", "cpu", "--chat", "false"]
     assert run_cli(args) == 0
     assert "[learned@32]" in capsys.readouterr().err
+
+
+def test_eval_peer_runs_learned_with_the_given_predictor_and_options(tiny_model_dir, tmp_path, caplog, capsys):
+    """`eval peer --predictor --selector_options` reach the learned selector: its row is in the
+    table and the run logs the predictor it loaded; kvpress is a stand-in that returns no records."""
+    kvpress = tmp_path / "python"
+    kvpress.write_text(f"#!{sys.executable}\nimport sys\nopen(sys.argv[sys.argv.index('--out') + 1], 'w').write('[]')")
+    kvpress.chmod(0o755)
+    predictor = export_random_predictor(tiny_model_dir, tmp_path / "predictor", managed_layers=range(4))
+    args = ["eval", "peer", "--model", tiny_model_dir, "--lengths", "[200]", "--trials", "1", "--budgets", "[0.25]",
+            "--presses", "[]", "--our_selectors", "[learned]", "--predictor", str(predictor),
+            "--selector_options", "{learned: {refresh_every: 4}}", "--kvpress_python", str(kvpress),
+            "--max_new_tokens", "2", "--out", str(tmp_path / "out"), "--device", "cpu"]
+    with caplog.at_level(logging.INFO, logger="atskv"):
+        assert run_cli(args) == 0
+    assert "| atskv:learned@0.25 |" in capsys.readouterr().out
+    assert any(f"predictor {predictor}" in r.getMessage() for r in caplog.records)
+    assert run_cli([*args, "--selector_options", "{learned: {refresh_every: 0}}"]) == 2  # the selector got it
+    assert "refresh_every must be >= 1" in capsys.readouterr().err

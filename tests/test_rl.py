@@ -5,6 +5,7 @@ that learns, and `atskv finetune` -> `atskv export` -> the learned selector on a
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import re
 import statistics
@@ -364,6 +365,22 @@ def test_evaluation_records_and_summary(tiny):
         assert rows["supervised", THRESHOLD][key][0] == pytest.approx(expected)
     with pytest.raises(ValueError, match="not an evicting"):
         evaluate_selectors(lm.model, ["quest"], items, [0.25], dense_layers=2)
+
+
+def test_eval_heldout_runs_learned_among_the_baselines_with_the_given_predictor(tiny, tmp_path, caplog, capsys):
+    """`eval heldout --predictor --selector_options` reach the learned baseline: its row is in the
+    table, the run logs the predictor it loaded, and a bad value of an option fails in the selector."""
+    args = ["eval", "heldout", "--model", str(tiny / "tiny-llama"), "--supervised", f"[{tiny / 'supervised'}]",
+            "--finetuned", str(tmp_path / "none"), "--out", str(tmp_path / "out"), "--corpus", str(tiny / "corpus"),
+            "--windows", "1", "--context_tokens", "40", "--continuation_tokens", "4", "--tasks", "[]",
+            "--budgets", "[0.25]", "--baselines", "[learned]", "--predictor", str(tiny / "supervised"),
+            "--selector_options", "{learned: {refresh_every: 4}}", "--device", "cpu"]
+    with caplog.at_level(logging.INFO, logger="atskv"):
+        assert run_cli(args) == 0
+    assert re.search(r"\| learned \| top0\.25 \|", capsys.readouterr().out)
+    assert any(f"predictor {tiny / 'supervised'}" in r.getMessage() for r in caplog.records)
+    assert run_cli([*args, "--selector_options", "{learned: {refresh_every: 0}}"]) == 2
+    assert "refresh_every must be >= 1" in capsys.readouterr().err
 
 
 # --- the module and the command line ------------------------------------------------------------

@@ -201,6 +201,8 @@ def peer(
     out: Path = Path("results/peer"),
     max_new_tokens: int | None = None,
     filler: str = "classic",
+    predictor: Path | None = None,
+    selector_options: dict | None = None,
     device: str = "auto",
     dtype: str = "auto",
 ) -> list:
@@ -224,19 +226,20 @@ def peer(
         out: output folder (peer.md, peer.json, examples.json, kvpress.json).
         max_new_tokens: tokens generated per example; default: twice the answer's length plus 4.
         filler: the haystack: "classic", "varied", or a corpus (name, folder or hf:...).
+        predictor: {PREDICTOR_HELP}; it must manage every layer (here dense_layers=0).
+        selector_options: {OPTIONS_HELP}.
         device: cpu, cuda, or auto.
         dtype: float32, bfloat16, float16, or auto.
     """
     from atskv.eval.peer import check_peer_plan, compare_with_kvpress, default_kvpress_python
-    from atskv.models import load_model
 
     python = Path(kvpress_python) if kvpress_python else default_kvpress_python()
     check_peer_plan(python, budgets, presses, our_selectors)
+    loaded, chosen = load_with_selectors(model, device, dtype, our_selectors, budgets, predictor, selector_options)
     device, torch_dtype = resolve_device(device, dtype)
-    loaded = load_model(model, dtype=torch_dtype, device=device)
     rows, report = compare_with_kvpress(
         loaded, python, Path(out), task=task, lengths=lengths, trials=trials, budgets=budgets, presses=presses,
-        our_selectors=our_selectors, max_new_tokens=max_new_tokens, filler=filler, device=device,
+        our_selectors=chosen, max_new_tokens=max_new_tokens, filler=filler, device=device,
         dtype=str(torch_dtype).removeprefix("torch."),
     )  # fmt: skip
     print(f"\n{report}\nwritten to {out}/ (peer.md, peer.json, examples.json, kvpress.json)")
@@ -323,6 +326,8 @@ def heldout(
     shared_budgets: list[float] = [],  # noqa: B006
     offsets: list[float] = [],  # noqa: B006
     baselines: list[str] = ["h2o", "snapkv", "streaming_llm"],  # noqa: B006
+    predictor: Path | None = None,
+    selector_options: dict | None = None,
     device: str = "auto",
     dtype: str = "auto",
 ) -> str:
@@ -346,16 +351,18 @@ def heldout(
         shared_budgets: retained fractions for one threshold shared by all layers and KV heads
             (`shared<b>`), e.g. the fine-tuned predictors' threshold memories.
         offsets: logit thresholds c for `above<c>` (the threshold moved by c).
-        baselines: evicting selectors run through the hook at the same budgets.
+        baselines: evicting selectors run through the hook at the same budgets (learned too).
+        predictor: {PREDICTOR_HELP}; for `learned` among the baselines (the predictors compared
+            top-b are SUPERVISED and FINETUNED).
+        selector_options: {OPTIONS_HELP}; for the baselines.
         device: cpu, cuda, or auto.
         dtype: float32, bfloat16, float16, or auto.
     """
-    from atskv.models import load_model
     from atskv.predictor.export import find_predictor, load_predictor
     from atskv.rl.evaluate import heldout_records, write_report
 
-    device, torch_dtype = resolve_device(device, dtype)
-    lm = load_model(model, dtype=torch_dtype, device=device)
+    lm, chosen = load_with_selectors(model, device, dtype, baselines, budgets, predictor, selector_options)
+    device, _ = resolve_device(device, dtype)
     runs = {}
     for i, source in enumerate(supervised or [model]):
         path = Path(source) if Path(source).exists() else find_predictor(source)
@@ -365,14 +372,14 @@ def heldout(
     records = heldout_records(
         lm, runs, corpus=corpus, windows=windows, context_tokens=context_tokens,
         continuation_tokens=continuation_tokens, tasks=tasks, task_examples=task_examples, budgets=budgets,
-        shared_budgets=shared_budgets, offsets=offsets, baselines=baselines,
+        shared_budgets=shared_budgets, offsets=offsets, baselines=chosen,
     )  # fmt: skip
     table = write_report(records, out)
     print(table)
     return table
 
 
-selector_help(recall, ppl, tasks, leaderboard)
+selector_help(recall, ppl, tasks, peer, leaderboard, heldout)
 
 COMMANDS = {
     "recall": recall,

@@ -30,7 +30,7 @@ from atskv.errors import InputError
 from atskv.eval.report import write_report
 from atskv.eval.tasks import DENSE
 from atskv.paths import default_cache_dir
-from atskv.selectors.base import check_budget
+from atskv.selectors.base import Selector, check_budget
 
 PEER_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "peer_kvpress"
 KVPRESS_SCRIPT = PEER_DIR / "run_presses.py"
@@ -297,13 +297,12 @@ def markdown_table(rows: list[PeerRow]) -> str:
 def check_peer_plan(python: Path, budgets: list[float], presses: list[str], our_selectors: list[str]) -> None:
     """Refuse a missing kvpress venv, a budget that is not a fraction, an unknown selector or
     press, before any model loads."""
-    from atskv.selectors import make_selector
+    from atskv.selectors import check_selector_names
 
     check_kvpress(python)
     for budget in budgets:
         compression_ratio(budget)
-    for name in our_selectors:
-        make_selector(name)
+    check_selector_names(our_selectors)
     unknown = sorted(set(presses) - set(KVPRESS_PRESSES))
     if unknown:
         raise ValueError(f"unknown kvpress presses {unknown}; choose from {', '.join(KVPRESS_PRESSES)}")
@@ -319,17 +318,17 @@ def compare_with_kvpress(
     trials: int,
     budgets: list[float],
     presses: list[str],
-    our_selectors: list[str],
+    our_selectors: list[Selector],
     max_new_tokens: int | None,
     filler: str,
     device: str,
     dtype: str,
 ) -> tuple[list[PeerRow], str]:
     """Run the task prompts through `loaded` (an `atskv.models.LoadedModel`), dense and with each
-    of `our_selectors` at each budget, then through kvpress's `presses` (the venv of `python`);
-    write peer.md, peer.json, examples.json and kvpress.json under `out`. Returns the summary rows
-    and the table with its notes. `device` and `dtype` (by name) are the model's; kvpress gets
-    the same."""
+    of `our_selectors` (built for the model: `selectors_for_model`) at each budget, then through
+    kvpress's `presses` (the venv of `python`); write peer.md, peer.json, examples.json and
+    kvpress.json under `out`. Returns the summary rows and the table with its notes. `device` and
+    `dtype` (by name) are the model's; kvpress gets the same."""
     from atskv.data import filler_text
     from atskv.eval.generation import encode_prompt, generate
     from atskv.eval.tasks import answer_room
@@ -353,7 +352,7 @@ def compare_with_kvpress(
             )  # fmt: skip
             if selector is None:
                 bytes_per_token[e.id] = dense_bytes_per_token(run.kv_bytes, run.prompt_tokens, run.new_tokens)
-            method = DENSE if selector is None else f"atskv:{selector}"
+            method = DENSE if selector is None else f"atskv:{selector.name}"
             kv = held_fraction(run.kv_bytes, run.prompt_tokens, run.new_tokens, bytes_per_token[e.id])
             runs.append(PeerRun(method, budget, e.id, e.length, run.score, kv, run.text))
             print(f"{runs[-1].label:>28} {e.id}: score {run.score:.2f} {run.text.strip()[:32]!r}", flush=True)

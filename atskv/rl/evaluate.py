@@ -51,6 +51,7 @@ from atskv.predictor.model import RelevanceMLP
 from atskv.rl.items import CORPUS, RolloutItem, corpus_items, task_items
 from atskv.rl.policy import BernoulliPolicy, GumbelTopKPolicy
 from atskv.rl.rollout import RolloutResult, context_features, continuation_scores, predictor_logits, rollout
+from atskv.selectors.base import Selector
 
 HELDOUT_TASK_SEED_BASE = 2_000_000
 DENSE, THRESHOLD = "dense", "threshold"
@@ -158,28 +159,30 @@ def selector_rollout(model, item: RolloutItem, selector, budget: int | float, de
 
 def evaluate_selectors(
     model,
-    selectors: Sequence[str],
+    selectors: Sequence[str | Selector],
     items: Sequence[RolloutItem],
     budgets: Sequence[float],
     dense_layers: int,
     *,
     progress: bool = True,
 ) -> list[dict]:
-    """One record per (evicting selector, budget fraction, item), through the hook."""
-    from atskv.selectors import SELECTORS, make_selector
+    """One record per (evicting selector, budget fraction, item), through the hook. `selectors`:
+    names, or selectors built with their options (`selectors_for_model`: learned with its predictor)."""
+    from atskv.selectors import make_selector
 
-    for name in selectors:
-        if name not in SELECTORS or not SELECTORS[name].evicts or SELECTORS[name].query_aware:
+    built = [make_selector(s) if isinstance(s, str) else s for s in selectors]
+    for selector in built:
+        if not selector.evicts or selector.query_aware:
             raise ValueError(
-                f"{name!r} is not an evicting, query-agnostic selector; baselines here: {EVICTING_BASELINES}"
+                f"{selector.name!r} is not an evicting, query-agnostic selector; baselines here: {EVICTING_BASELINES}"
             )
     records = []
     for index, item in enumerate(tqdm(items, desc="baselines", unit="context", disable=not progress)):
-        for name in selectors:
+        for selector in built:
             for budget in budgets:
-                result = selector_rollout(model, item, make_selector(name), budget, dense_layers)
+                result = selector_rollout(model, item, selector, budget, dense_layers)
                 memory = math.ceil(budget * item.context) / item.context
-                records.append(_record(name, budget, index, item, memory, result, 0))
+                records.append(_record(selector.name, budget, index, item, memory, result, 0))
     return records
 
 
@@ -321,7 +324,7 @@ def heldout_records(
     budgets: Sequence[float] = (0.05, 0.1, 0.2, 0.4),
     shared_budgets: Sequence[float] = (),
     offsets: Sequence[float] = (),
-    baselines: Sequence[str] = EVICTING_BASELINES,
+    baselines: Sequence[str | Selector] = EVICTING_BASELINES,
 ) -> list[dict]:
     """The records of `runs` (name -> loaded predictor, all over the same managed layers) and of
     the evicting `baselines` on held-out data of `lm` (an `atskv.models.LoadedModel`): corpus
