@@ -497,6 +497,21 @@ def test_finetune_then_export_then_the_learned_selector(tiny, tmp_path):
     assert torch.isfinite(result.nll).all()
 
 
+def test_finetune_progress_bar_counts_steps_of_max_steps(tiny, tmp_path, monkeypatch):
+    """One bar over the run in optimiser steps (3 steps over 2 epochs of 2 contexts here), not the
+    stock bar's batches of an epoch under "Epoch 0/-2"."""
+    from atskv.rl.training import StepProgressBar
+
+    at_end = []  # the bar's tasks and the epoch when training ends
+    monkeypatch.setattr(StepProgressBar, "on_train_end",
+                        lambda self, trainer, module: at_end.append((self.progress.tasks, trainer.current_epoch)))
+    args = _finetune_args(tiny, tmp_path, "--data.windows", "2", "--data.batch_size", "1",
+                          "--trainer.enable_progress_bar", "true")
+    assert run_cli(args) == 0
+    ((task,), epochs) = at_end[0]  # Lightning counts the epoch at max_steps as done: two ran
+    assert (task.description, task.completed, task.total, epochs) == ("steps", 3, 3, 2)
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

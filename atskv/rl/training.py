@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,7 +67,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from torch.utils.data import DataLoader
 
@@ -367,9 +368,28 @@ class RolloutData(L.LightningDataModule):
         return DataLoader(items, batch_sampler=sampler, collate_fn=list)
 
 
+class StepProgressBar(RichProgressBar):
+    """Lightning's Rich bar as one bar for the run, in optimiser steps of `max_steps`: fine-tuning
+    is bounded by steps, not epochs (the stock bar counts each epoch's batches under "Epoch 0/-2")."""
+
+    @property
+    def total_train_batches(self) -> int:
+        return self.trainer.max_steps
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        return "steps"
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.train_progress_bar_id is None:  # later epochs carry on in the same bar
+            super().on_train_epoch_start(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int):
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, trainer.global_step - 1)
+
+
 class FinetuneCLI(LightningCLI):
     """LightningCLI with the tokenizer linked from the model, the policy's budget checked against
-    the data before anything loads, and a checkpoint of the last step."""
+    the data before anything loads, a checkpoint of the last step and a progress bar in steps."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.tokenizer", "data.tokenizer", apply_on="instantiate")
@@ -382,6 +402,21 @@ class FinetuneCLI(LightningCLI):
         policy = make_policy(model["policy"], model["budget"], model["temperature"])
         contexts = [data["context_tokens"]] + ([data["task_tokens"] or data["context_tokens"]] if data["tasks"] else [])
         policy.check(min(contexts))
+
+    def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
+        """The trainer; a run bounded by `max_steps` gets `StepProgressBar` where Lightning would
+        add its stock Rich bar (progress bar on, none given, rich installed)."""
+        config = self.config_init["trainer"]
+        callbacks = config.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        stock_rich_bar = (
+            config.get("enable_progress_bar") is not False
+            and not any(isinstance(c, ProgressBar) for c in callbacks)
+            and importlib.util.find_spec("rich") is not None
+        )
+        if stock_rich_bar and config.get("max_steps", -1) > 0:
+            kwargs["callbacks"] = [*callbacks, StepProgressBar()]
+        return super().instantiate_trainer(**kwargs)
 
 
 def finetune_main(args: list[str] | None = None) -> FinetuneCLI:
