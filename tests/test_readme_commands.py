@@ -1,6 +1,7 @@
 """Every `atskv` command the README shows, and the one each `configs/*.yaml` names in its first
 line, runs as written, with toy sizes appended (options given twice: the last wins) on a tiny
-random model saved under the default model's name, so examples cannot rot unnoticed."""
+random model saved under the default model's name; the README's Python snippets run too, with
+toy sizes swapped in; so examples cannot rot unnoticed."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from atskv.data import synthetic_filler
 from tests.conftest import COMMON, run_cli, tiny_bpe_tokenizer
+from tests.test_cli import export_random_predictor
 
 ROOT = Path(__file__).resolve().parent.parent
 TOY_CORPUS = "corpus"  # a folder of .txt files in the workspace, for every corpus name
@@ -45,6 +47,13 @@ TOY = {
     "selectors": [],
 }
 NOT_HERE = {"data fetch"}  # needs the network (apt or npm)
+# the README's Python snippets: text swapped for toy sizes (each must still be found in a snippet)
+PYTHON_TOY = {
+    'load_model("smollm2-135m")': f"load_model({TINY!r})",
+    "DemoPlan(windows=8, epochs=4)": f"DemoPlan(corpus={TOY_CORPUS!r}, heldout={TOY_CORPUS!r}, windows=2, "
+    "window_tokens=300, epochs=1, passkey_budget=32, recall_budgets=(16,))",
+    '"...a long prompt..."': repr(synthetic_filler(520, seed=3)),  # ~940 tokens: 10% holds the tiers
+}
 
 
 def shown_commands() -> list[str]:
@@ -72,10 +81,23 @@ def toy_argv(line: str) -> list[str]:
     return argv[1:] + extra
 
 
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    """A folder holding the tiny model, a toy corpus and a long prompt file, with the cache inside."""
-    root = tmp_path_factory.mktemp("readme")
+def python_snippets(readme: str) -> list[str]:
+    """The README's ```python blocks."""
+    return re.findall(r"```python\n(.*?)```", readme, re.S)
+
+
+def run_snippets(snippets: list[str], toy: dict[str, str]) -> None:
+    """Run the snippets in order in one namespace, as a reader pastes them into one session (a
+    later one uses the model an earlier one loaded), each with `toy`'s swaps made."""
+    namespace = {}
+    for i, snippet in enumerate(snippets, 1):
+        for old, new in toy.items():
+            snippet = snippet.replace(old, new)
+        exec(compile(snippet, f"README.md python snippet {i}", "exec"), namespace)
+
+
+def build_workspace(root: Path) -> Path:
+    """The tiny model, a toy corpus and a long prompt file in `root`."""
     tokenizer = tiny_bpe_tokenizer()
     torch.manual_seed(0)
     config = LlamaConfig(num_hidden_layers=4, num_key_value_heads=2, **{**COMMON, "vocab_size": len(tokenizer)})
@@ -84,8 +106,14 @@ def workspace(tmp_path_factory):
     (root / TOY_CORPUS).mkdir()
     for i in range(2):
         (root / TOY_CORPUS / f"doc{i}.txt").write_text(synthetic_filler(1500, seed=i))
-    (root / "long.txt").write_text(synthetic_filler(900, seed=3))  # ~900 tokens: 10% holds the tiers
+    (root / "long.txt").write_text(synthetic_filler(900, seed=3))  # ~1600 tokens: 10% holds the tiers
     return root
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A folder holding the tiny model, a toy corpus and a long prompt file, with the cache inside."""
+    return build_workspace(tmp_path_factory.mktemp("readme"))
 
 
 def runnable_commands() -> list[str]:
@@ -110,3 +138,20 @@ def test_every_shown_command_runs_at_toy_sizes(workspace, monkeypatch, capsys):
     for line in runnable_commands():
         code = run_cli(toy_argv(line))
         assert code == 0, f"{line!r} exited with {code}: {capsys.readouterr().err[-2000:]}"
+
+
+def test_the_readme_python_snippets_run_at_toy_sizes(tmp_path, monkeypatch):
+    """A few seconds: the demo's pipeline, atskv.sparse with snapkv and learned (by name and from
+    the demo's export), the fast path and the tiers, in a workspace of their own."""
+    snippets = python_snippets((ROOT / "README.md").read_text())
+    stale = [old for old in PYTHON_TOY if not any(old in snippet for snippet in snippets)]
+    assert len(snippets) >= 3 and not stale, f"toy swaps the README's snippets no longer contain: {stale}"
+    monkeypatch.chdir(build_workspace(tmp_path))
+    monkeypatch.setenv("ATSKV_CACHE", str(tmp_path / "cache"))
+    export_random_predictor(TINY)  # the model's own, which "learned" by name finds (the shipped one is SmolLM2's)
+    run_snippets(snippets, PYTHON_TOY)
+
+
+def test_a_broken_python_snippet_fails():
+    with pytest.raises(NameError, match="undefined_name"):
+        run_snippets(["x = 1", "print(undefined_name)"], {})
