@@ -184,9 +184,21 @@ def test_generate_with_the_learned_selector_finds_the_models_predictor(tiny_mode
     assert "[learned@32]" in capsys.readouterr().err
 
 
+def check_learned_gets_its_options(args: list[str], predictor, row: str, caplog, capsys) -> None:
+    """`args`, a command running `learned` with `--predictor PREDICTOR` and selector options, puts
+    `row` in its output and logs the predictor it loaded; a bad value of an option then fails in
+    the selector (so the options reached it)."""
+    with caplog.at_level(logging.INFO, logger="atskv"):
+        assert run_cli(args) == 0
+    assert row in capsys.readouterr().out
+    assert any(f"predictor {predictor}" in r.getMessage() for r in caplog.records)
+    assert run_cli([*args, "--selector_options", "{learned: {refresh_every: 0}}"]) == 2
+    assert "refresh_every must be >= 1" in capsys.readouterr().err
+
+
 def test_eval_peer_runs_learned_with_the_given_predictor_and_options(tiny_model_dir, tmp_path, caplog, capsys):
-    """`eval peer --predictor --selector_options` reach the learned selector: its row is in the
-    table and the run logs the predictor it loaded; kvpress is a stand-in that returns no records."""
+    """`eval peer --predictor --selector_options` reach the learned selector; kvpress is a
+    stand-in that returns no records."""
     kvpress = tmp_path / "python"
     kvpress.write_text(f"#!{sys.executable}\nimport sys\nopen(sys.argv[sys.argv.index('--out') + 1], 'w').write('[]')")
     kvpress.chmod(0o755)
@@ -195,9 +207,4 @@ def test_eval_peer_runs_learned_with_the_given_predictor_and_options(tiny_model_
             "--presses", "[]", "--our_selectors", "[learned]", "--predictor", str(predictor),
             "--selector_options", "{learned: {refresh_every: 4}}", "--kvpress_python", str(kvpress),
             "--max_new_tokens", "2", "--out", str(tmp_path / "out"), "--device", "cpu"]
-    with caplog.at_level(logging.INFO, logger="atskv"):
-        assert run_cli(args) == 0
-    assert "| atskv:learned@0.25 |" in capsys.readouterr().out
-    assert any(f"predictor {predictor}" in r.getMessage() for r in caplog.records)
-    assert run_cli([*args, "--selector_options", "{learned: {refresh_every: 0}}"]) == 2  # the selector got it
-    assert "refresh_every must be >= 1" in capsys.readouterr().err
+    check_learned_gets_its_options(args, predictor, "| atskv:learned@0.25 |", caplog, capsys)

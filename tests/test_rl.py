@@ -5,7 +5,6 @@ that learns, and `atskv finetune` -> `atskv export` -> the learned selector on a
 from __future__ import annotations
 
 import itertools
-import logging
 import math
 import re
 import statistics
@@ -41,6 +40,7 @@ from atskv.rl.rollout import context_features, predictor_logits, rollout
 from atskv.rl.training import PolicyGradientModule, policy_loss
 from atskv.selectors.learned import LearnedSelector
 from tests.conftest import COMMON, random_prompt, run_cli, tiny_bpe_tokenizer, tiny_model
+from tests.test_cli import check_learned_gets_its_options
 
 MANAGED = [2, 3]  # a 4-layer tiny Llama with dense_layers=2
 
@@ -368,19 +368,13 @@ def test_evaluation_records_and_summary(tiny):
 
 
 def test_eval_heldout_runs_learned_among_the_baselines_with_the_given_predictor(tiny, tmp_path, caplog, capsys):
-    """`eval heldout --predictor --selector_options` reach the learned baseline: its row is in the
-    table, the run logs the predictor it loaded, and a bad value of an option fails in the selector."""
+    """`eval heldout --predictor --selector_options` reach the learned baseline."""
     args = ["eval", "heldout", "--model", str(tiny / "tiny-llama"), "--supervised", f"[{tiny / 'supervised'}]",
             "--finetuned", str(tmp_path / "none"), "--out", str(tmp_path / "out"), "--corpus", str(tiny / "corpus"),
             "--windows", "1", "--context_tokens", "40", "--continuation_tokens", "4", "--tasks", "[]",
             "--budgets", "[0.25]", "--baselines", "[learned]", "--predictor", str(tiny / "supervised"),
             "--selector_options", "{learned: {refresh_every: 4}}", "--device", "cpu"]
-    with caplog.at_level(logging.INFO, logger="atskv"):
-        assert run_cli(args) == 0
-    assert re.search(r"\| learned \| top0\.25 \|", capsys.readouterr().out)
-    assert any(f"predictor {tiny / 'supervised'}" in r.getMessage() for r in caplog.records)
-    assert run_cli([*args, "--selector_options", "{learned: {refresh_every: 0}}"]) == 2
-    assert "refresh_every must be >= 1" in capsys.readouterr().err
+    check_learned_gets_its_options(args, tiny / "supervised", "| learned | top0.25 |", caplog, capsys)
 
 
 # --- the module and the command line ------------------------------------------------------------
