@@ -26,7 +26,7 @@ from atskv.hook.gqa import grouped_attention, sdpa_attention
 from atskv.memory.slot_cache import SlotLayer, SparseKVCache
 from atskv.models.geometry import attention_modules
 from atskv.selectors import resolve_selector
-from atskv.selectors.base import LayerView, Selector, check_budget, select_top_budget
+from atskv.selectors.base import LayerView, Selector, check_budget, select_top_budget, without_unwanted
 
 ATTENTION_NAME = "atskv"
 # the same attention function under a name with no mask function: transformers then builds no mask
@@ -132,7 +132,7 @@ class SparseSession:
         if not sparse:
             return view.valid
         keep = select_top_budget(self.selector.scores(view), view.valid, view.budget, view.slot_pos, view.context)
-        return _without_unwanted(keep, self.selector.unwanted(view))
+        return without_unwanted(keep, self.selector.unwanted(view))
 
     def attend_kept(self, view: LayerView, values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         keys = self.selector.attention_keys(view)
@@ -153,23 +153,12 @@ class SparseSession:
 
     def finish(self, view: LayerView, keep: torch.Tensor, sparse: bool) -> torch.Tensor | None:
         """After attention: a dense step builds the selector's prompt state; an evicting selector
-        returns the slots to retain `[B, Hkv, S]` (the budget as the newest query sees it)."""
+        returns the slots to retain `[B, Hkv, S]` (`Selector.retained`)."""
         if not sparse:
             self.selector.prefill(view)
         if not self.selector.evicts:
             return None
-        if sparse:
-            return keep[:, :, -1]
-        last = slice(-1, None)
-        scores = self.selector.scores(view)[:, :, last]
-        valid, context = view.valid[:, :, last], view.context[:, :, last]
-        retained = select_top_budget(scores, valid, view.budget, view.slot_pos, context)
-        return _without_unwanted(retained, self.selector.unwanted(view))[:, :, 0]
-
-
-def _without_unwanted(keep: torch.Tensor, unwanted: torch.Tensor | None) -> torch.Tensor:
-    """`keep` `[B, Hkv, Tq, S]` minus the slots a selector does not want at all (`[B, Hkv, S]`)."""
-    return keep if unwanted is None else keep & ~unwanted.unsqueeze(2)
+        return self.selector.retained(view, keep[:, :, -1] if sparse else None)
 
 
 def _visible_slots(

@@ -101,6 +101,18 @@ class Selector:
         budget. Read right after `scores`, on the same state."""
         return None
 
+    def retained(self, view: LayerView, attended: torch.Tensor | None) -> torch.Tensor:
+        """Evicting selectors: the slots `[B, Hkv, S]` to hold after a step. After a sparse step,
+        those the newest query attended (`attended`: what such a selector holds is its budget);
+        after a dense one (None), its top budget as the newest query sees it. A composition that
+        attends fewer tokens than it holds (`atskv.selectors.hybrid`) returns its residency instead."""
+        if attended is not None:
+            return attended
+        last = slice(-1, None)
+        scores = self.scores(view)[:, :, last]
+        keep = select_top_budget(scores, view.valid[:, :, last], view.budget, view.slot_pos, view.context[:, :, last])
+        return without_unwanted(keep, self.unwanted(view))[:, :, 0]
+
     def attention_keys(self, view: LayerView) -> torch.Tensor:
         """The keys attention runs on: the cached ones, unless the selector approximates them
         (SparK's pruned channels with recovery); scores and the cache always see the cached keys."""
@@ -179,6 +191,11 @@ def select_top_budget(
     in_budget = torch.arange(k_max, device=top.device) < k_row.unsqueeze(-1)
     keep = torch.zeros_like(valid).scatter_(-1, top, in_budget)
     return keep & valid
+
+
+def without_unwanted(keep: torch.Tensor, unwanted: torch.Tensor | None) -> torch.Tensor:
+    """`keep` `[B, Hkv, Tq, S]` minus the slots a selector does not want at all (`[B, Hkv, S]`)."""
+    return keep if unwanted is None else keep & ~unwanted.unsqueeze(2)
 
 
 def select_top_indices(scores: torch.Tensor, valid: torch.Tensor, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
