@@ -1,4 +1,6 @@
-"""Selectors: one file each, one protocol (`atskv.selectors.base.Selector`), one registry line each."""
+"""Selectors: one file each, one protocol (`atskv.selectors.base.Selector`), one registry line each.
+A name `a+b` composes two registered ones: residency by `a`, query-aware choice by `b`
+(`atskv.selectors.hybrid`)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from atskv.errors import InputError
 from atskv.selectors.base import LayerView, Selector
 from atskv.selectors.dense import DenseSelector
 from atskv.selectors.h2o import H2OSelector
+from atskv.selectors.hybrid import HybridSelector, check_parts
 from atskv.selectors.kascade import KascadeSelector
 from atskv.selectors.learned import LearnedSelector
 from atskv.selectors.oracle import OracleSelector
@@ -38,14 +41,22 @@ SELECTORS: dict[str, type[Selector]] = {
 
 def make_selector(name: str, **kwargs) -> Selector:
     """Build a selector by registry name; unknown names get the list of valid ones. A selector
-    built on another one (SparK) may name it: `base="h2o"` with `base_options={...}` for it."""
-    try:
-        cls = SELECTORS[name]
-    except KeyError:
-        raise ValueError(f"unknown selector {name!r}; choose one of: {', '.join(sorted(SELECTORS))}") from None
+    built on another one (SparK) may name it: `base="h2o"` with `base_options={...}` for it. A
+    composition builds each part with the options given under the part's name:
+    `make_selector("learned+sparq", learned={"predictor": PATH}, residency_budget=512)`."""
+    check_selector_names([name])
+    parts = name_parts(name)
+    if len(parts) == 2:
+        residency, attention = [make_selector(part, **kwargs.pop(part, {})) for part in parts]
+        return HybridSelector(residency, attention, **kwargs)
     if isinstance(kwargs.get("base"), str):
         kwargs["base"] = make_selector(kwargs["base"], **kwargs.pop("base_options", {}))
-    return cls(**kwargs)
+    return SELECTORS[name](**kwargs)
+
+
+def name_parts(name: str) -> list[str]:
+    """The registered selectors a name is made of: itself, or the two parts of `a+b`."""
+    return name.split("+")
 
 
 def selectors_for_model(names: list[str], model_name: str, options: dict[str, dict] | None = None) -> list[Selector]:
@@ -61,12 +72,19 @@ def selectors_for_model(names: list[str], model_name: str, options: dict[str, di
         "kascade": ("profile", lambda: default_profile_path(model_name)),
         "learned": ("predictor", lambda: _predictor_for(model_name)),
     }
+
+    def with_defaults(name: str, given: dict) -> dict:
+        if name in per_model and per_model[name][0] not in given:
+            given[per_model[name][0]] = per_model[name][1]()
+        return given
+
     built = []
     for name in names:
         given = dict(options.get(name, {}))
-        if name in per_model and per_model[name][0] not in given:
-            given[per_model[name][0]] = per_model[name][1]()
-        built.append(make_selector(name, **given))
+        parts = name_parts(name)
+        if len(parts) == 2:  # a composition: each part's options sit under its name
+            given |= {part: with_defaults(part, dict(given.get(part) or {})) for part in parts}
+        built.append(make_selector(name, **with_defaults(name, given)))
     return built
 
 
@@ -75,28 +93,43 @@ def selector_options(names: list[str], options: dict | None, predictor: str | Pa
     and `--predictor`: a dict keyed by selector names gives each its own options; any other dict
     goes to every selector in `names` (an `InputError` names a selector that has no such option);
     `predictor` is the learned selector's predictor file or folder."""
-    from dataclasses import fields
-
     options = dict(options or {})
     check_selector_names(names)
-    if options and set(options) <= set(SELECTORS):
+    if options and set(options) <= set(SELECTORS) | set(names):
         by_name = {name: dict(value or {}) for name, value in options.items()}
         if set(by_name) - set(names):
             raise InputError(f"options given for {sorted(set(by_name) - set(names))[0]!r}, which is not selected")
     else:
         by_name = {name: dict(options) for name in names} if options else {}
     for name, given in by_name.items():
-        known = {f.name for f in fields(SELECTORS[name]) if f.init}
-        if set(given) - known:
-            unknown = sorted(set(given) - known)[0]
-            raise InputError(f"selector {name!r} has no option {unknown!r}; its options: {', '.join(sorted(known))}")
+        _check_options(name, given)
     if predictor is not None:
-        if "learned" not in names:
+        with_learned = [name for name in names if "learned" in name_parts(name)]
+        if not with_learned:
             raise InputError("--predictor is the learned selector's predictor: select `learned` too")
         if not Path(predictor).expanduser().exists():
             raise InputError(f"--predictor {predictor}: no such file or folder; `atskv export` writes one")
-        by_name.setdefault("learned", {})["predictor"] = predictor
+        for name in with_learned:
+            given = by_name.setdefault(name, {})
+            (given.setdefault("learned", {}) if name != "learned" else given)["predictor"] = predictor
     return by_name
+
+
+def _check_options(name: str, given: dict) -> None:
+    """Refuse an option `name`'s selector does not have; a composition's are its own fields and,
+    under each part's name, that part's options."""
+    from dataclasses import fields
+
+    parts = name_parts(name)
+    cls = HybridSelector if len(parts) == 2 else SELECTORS[name]
+    known = {f.name for f in fields(cls) if f.init} - {"residency", "attention"}
+    if len(parts) == 2:
+        known |= set(parts)
+        for part in parts:
+            _check_options(part, dict(given.get(part) or {}))
+    if set(given) - known:
+        unknown = sorted(set(given) - known)[0]
+        raise InputError(f"selector {name!r} has no option {unknown!r}; its options: {', '.join(sorted(known))}")
 
 
 def resolve_selector(selector: Selector | str, model) -> Selector:
@@ -109,14 +142,16 @@ def resolve_selector(selector: Selector | str, model) -> Selector:
     if isinstance(selector, str):
         check_selector_names([selector])
         name = model_name(model)
-        if name is None and selector in ("learned", "kascade"):
-            what = "LearnedSelector(predictor=PATH)" if selector == "learned" else "KascadeSelector(profile=PATH)"
+        per_model = [part for part in name_parts(selector) if part in ("learned", "kascade")]
+        if name is None and per_model:
+            what = "LearnedSelector(predictor=PATH)" if per_model[0] == "learned" else "KascadeSelector(profile=PATH)"
             raise InputError(
-                f"the {selector} selector is made per model and this one has no name to find it by: "
+                f"the {per_model[0]} selector is made per model and this one has no name to find it by: "
                 f"load the model with atskv.models.load_model, or pass {what}"
             )
         selector = selectors_for_model([selector], name)[0]
-    for part in (selector, getattr(selector, "base", None)):  # SparK runs another selector
+    # SparK runs another selector, a composition two
+    for part in (selector, getattr(selector, "base", None), getattr(selector, "residency", None)):
         if isinstance(part, LearnedSelector):
             part.check_model(model)
     return selector
@@ -136,13 +171,23 @@ def _predictor_for(model_name: str):
 
 
 def check_selector_names(names: list[str]) -> None:
-    """Refuse unknown selector names (before any model is loaded), listing the valid ones."""
-    unknown = [name for name in names if name not in SELECTORS]
-    if unknown:
-        raise ValueError(f"unknown selector {unknown[0]!r}; choose one of: {', '.join(sorted(SELECTORS))}")
+    """Refuse unknown selector names (before any model is loaded), listing the valid ones, and
+    compositions whose parts cannot play their roles (`atskv.selectors.hybrid.check_parts`)."""
+    for name in names:
+        parts = name_parts(name)
+        unknown = [part for part in parts if part not in SELECTORS]
+        if unknown:
+            raise ValueError(
+                f"unknown selector {unknown[0]!r}; choose one of: {', '.join(sorted(SELECTORS))}, "
+                "or compose two as residency+attention (e.g. learned+sparq)"
+            )
+        if len(parts) > 2:
+            raise InputError(f"{name!r}: a composition has two parts, residency+attention (e.g. learned+sparq)")
+        if len(parts) == 2:
+            check_parts(*(SELECTORS[part] for part in parts))
 
 
 __all__ = [
-    "SELECTORS", "LayerView", "Selector", "check_selector_names", "make_selector", "resolve_selector",
-    "selector_options", "selectors_for_model",
+    "SELECTORS", "HybridSelector", "LayerView", "Selector", "check_selector_names", "make_selector", "name_parts",
+    "resolve_selector", "selector_options", "selectors_for_model",
 ]
