@@ -29,6 +29,18 @@ def page_bounds(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch
     return low, high
 
 
+def masked_page_bounds(keys: torch.Tensor, held: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Page min/max of `keys` `[B, Hkv, S, D]` over the slots `held` marks (`[B, Hkv, S]`); a page with
+    none gets zeros (mask its score out)."""
+    pad = -keys.shape[2] % size
+    keys = torch.nn.functional.pad(keys, (0, 0, 0, pad)).unflatten(2, (-1, size))  # [B, Hkv, P, size, D]
+    held = torch.nn.functional.pad(held, (0, pad)).unflatten(-1, (-1, size)).unsqueeze(-1)
+    low = keys.masked_fill(~held, torch.inf).amin(3)
+    high = keys.masked_fill(~held, -torch.inf).amax(3)
+    empty = ~held.any(3)
+    return low.masked_fill(empty, 0), high.masked_fill(empty, 0)
+
+
 def quest_page_scores_reference(query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor) -> torch.Tensor:
     """Plain-torch `quest_page_scores`. Uses `max(q*lo, q*hi) = relu(q)*hi + min(q, 0)*lo` (valid
     since hi >= lo), i.e. two matmuls instead of a `[.., P, D]` product per query."""

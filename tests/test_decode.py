@@ -14,6 +14,7 @@ from atskv.hook import decode
 from atskv.hook.decode import masked_attention_lse
 from atskv.hook.gqa import grouped_attention, prefix_causal_attention, received_mass
 from atskv.hook.sparse import attach
+from atskv.memory.host_pages import HostRetrieval
 from atskv.memory.static_cache import StaticSlotLayer
 from atskv.selectors.learned import LearnedSelector
 
@@ -80,7 +81,7 @@ def _no_host_reads():
             setattr(torch.Tensor, name, method)
 
 
-@pytest.mark.parametrize("selector", ["quest", "h2o", "learned"])
+@pytest.mark.parametrize("selector", ["quest", "h2o", "learned", "snapkv with a host tier"])
 def test_a_decode_step_reads_nothing_back_to_the_host(monkeypatch, tmp_path, selector):
     steps = []
     plain_call = decode.GraphedStep.__call__
@@ -93,9 +94,12 @@ def test_a_decode_step_reads_nothing_back_to_the_host(monkeypatch, tmp_path, sel
 
     monkeypatch.setattr(decode.GraphedStep, "__call__", guarded)
     model = tiny_model("gemma3")  # sliding-window and global layers
+    tier = HostRetrieval(tokens=32) if selector.endswith("host tier") else None
+    selector = selector.split()[0]
     if selector == "learned":  # refreshing on step 2 and 4 of the 4
         selector = LearnedSelector(predictor=_random_predictor(model, tmp_path, [2, 5]), refresh_every=2)
-    atskv.generate(model, random_prompt(100, seed=3), selector, 16, max_new_tokens=5, dense_layers=1, prefill_chunk=64)
+    atskv.generate(model, random_prompt(100, seed=3), selector, 16, max_new_tokens=5, dense_layers=1,
+                   prefill_chunk=64, tier=tier)  # fmt: skip
     assert len(steps) == 4
 
 

@@ -10,20 +10,22 @@ from tests.conftest import tiny_model
 
 def test_decode_speed_records_every_method_against_plain(tmp_path):
     model = tiny_model("llama")
-    records = speed.measure(model, "tiny", ["plain", "dense", "snapkv", "sparcas", "hook:h2o"], [96], [1, 2], 16,
-                            new_tokens=4, prefill_chunk=64)  # fmt: skip
-    assert [(r.batch, r.method) for r in records] == [(b, m) for b in (1, 2) for m in
-                                                      ("plain", "dense", "snapkv", "sparcas", "hook:h2o")]  # fmt: skip
+    methods = ("plain", "dense", "snapkv", "sparcas", "hook:h2o", "tiered:snapkv", "tiered:quest")
+    run = speed.DecodeRun(16, new_tokens=4, prefill_chunk=64, retrieve=32)
+    records = speed.measure(model, "tiny", methods, [96], [1, 2], run)
+    assert [(r.batch, r.method) for r in records] == [(b, m) for b in (1, 2) for m in methods]
     by = {(r.batch, r.method): r for r in records}
     for b in (1, 2):
         assert by[b, "plain"].ratio == 1.0 and by[b, "plain"].budget is None
         assert by[b, "snapkv"].ratio == by[b, "snapkv"].ms_per_step / by[b, "plain"].ms_per_step
         assert by[b, "snapkv"].tokens_per_s == b * 1000 / by[b, "snapkv"].ms_per_step
         assert by[b, "sparcas"].ms_per_step is None and "no fast decode path" in by[b, "sparcas"].error
+        assert by[b, "tiered:snapkv"].ms_per_step is not None, by[b, "tiered:snapkv"].error
+        assert "needs an evicting selector" in by[b, "tiered:quest"].error
     table = speed.write(records, tmp_path, {"command": "test", "new_tokens": 4})
     assert "| tiny | 96 | 2 | sparcas | 16 | selector 'sparcas' has no fast decode path" in table.read_text()
     saved = json.loads((tmp_path / "speed.json").read_text())
-    assert len(saved["records"]) == 10 and (tmp_path / "speed.png").stat().st_size > 0
+    assert len(saved["records"]) == 14 and (tmp_path / "speed.png").stat().st_size > 0
 
 
 def test_shape_models_have_the_published_geometry():
@@ -39,10 +41,19 @@ def test_learned_runs_the_given_predictor_or_a_random_one_of_the_shape(tmp_path)
     model = tiny_model("llama")
     given = _random_predictor(model, tmp_path, [2, 3])
     for predictor in (given, None):
-        [record] = speed.measure(model, "tiny", ["learned"], [96], [1], 16, new_tokens=3, prefill_chunk=64,
-                                 predictor=predictor)  # fmt: skip
+        options = {"learned": {"predictor": predictor}} if predictor else {}
+        [record] = speed.measure(model, "tiny", ["learned"], [96], [1], _run(options))
         assert record.ms_per_step is not None, record.error
     wrong = _random_predictor(model, tmp_path / "wrong", [3])  # not the layers the hook manages: refused, said why
-    [record] = speed.measure(model, "tiny", ["learned"], [96], [1], 16, new_tokens=3, prefill_chunk=64,
-                             predictor=wrong)  # fmt: skip
+    [record] = speed.measure(model, "tiny", ["learned"], [96], [1], _run({"learned": {"predictor": wrong}}))
     assert record.ms_per_step is None and "covers layers" in record.error
+
+
+def test_selector_options_reach_the_selector():
+    model = tiny_model("llama")
+    [record] = speed.measure(model, "tiny", ["quest"], [96], [1], _run({"quest": {"page_size": 0}}))
+    assert record.ms_per_step is None and "page_size must be >= 1" in record.error
+
+
+def _run(options: dict) -> speed.DecodeRun:
+    return speed.DecodeRun(16, new_tokens=3, prefill_chunk=64, selector_options=options)

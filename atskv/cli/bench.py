@@ -66,37 +66,52 @@ def decode(
     new_tokens: int = 64,
     prefill_chunk: int = 8192,
     dense_layers: int = 2,
+    retrieve: int | float = 1024,
+    gpu_memory: float | None = None,
+    max_batch: int = 256,
     out: Path = Path("results/speed"),
     predictor: Path | None = None,
+    selector_options: dict | None = None,
 ) -> None:
     """End-to-end decode speed against plain transformers, in one run on one GPU.
 
     Prefill, then `new_tokens` greedy steps through `generate`: plain transformers (`plain`: its
     own cache and SDPA, no atskv; `plain-static`: its static cache, decode compiled by transformers),
-    atskv's fast path (`dense` or a selector name) and the
+    atskv's fast path (`dense` or a selector name; `tiered:<selector>` with the host tier) and the
     reference hook (`hook:<selector>`: `atskv.sparse` + `model.generate`). Reports ms/step,
-    tokens/s, the allocator's peak above the weights and the ratio to plain; writes table.md,
-    speed.json and speed.png.
+    tokens/s, the allocator's peak above the weights, pinned host memory and the ratio to plain;
+    with `gpu_memory`, the largest batch each method fits instead; writes table.md, speed.json
+    and speed.png.
 
     Args:
         model: an 8B-class shape with random weights (llama3.1-8b, qwen3-8b, mistral-7b), or a
             real model (a name, a Hugging Face directory or a .gguf file).
-        methods: plain, plain-static, dense, selector names (fast path), hook:<selector> (reference path).
+        methods: plain, plain-static, dense, selector names (fast path), tiered:<selector> (fast
+            path with the host tier; an evicting selector), hook:<selector> (reference path).
         contexts: prompt lengths in tokens.
         batch_sizes: batch sizes.
         budget: KV budget per managed layer and KV head: tokens (int) or a fraction of the context.
         new_tokens: decode steps per run.
         prefill_chunk: prompt tokens per forward on the fast path.
         dense_layers: first layers kept dense.
+        retrieve: tokens a tiered method reads back from the host per step, layer and KV head.
+        gpu_memory: GiB of GPU memory above the weights: find the largest batch (1, 2, 4, ...,
+            max_batch) each method fits in it, at each context, instead of timing batch_sizes.
+        max_batch: the largest batch tried with gpu_memory.
         out: output folder.
         predictor: the learned selector's predictor (file or folder); default: a random one of the
             model's shape (its cost does not depend on what it learned).
+        selector_options: options per selector name, e.g. '{quest: {page_size: 32}}'.
     """
     import datetime
     import sys
 
     from atskv.eval import speed
+    from atskv.selectors import selector_options as options_for
 
+    names = [m.split(":")[-1] for m in methods if m not in (speed.PLAIN, speed.PLAIN_STATIC)]
+    run = speed.DecodeRun(budget, new_tokens, prefill_chunk, dense_layers, retrieve,
+                          options_for(sorted(set(names)), selector_options, predictor))  # fmt: skip
     if not torch.cuda.is_available():
         print("note: no CUDA GPU here; these timings say nothing about GPU speed")
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -106,8 +121,10 @@ def decode(
         from atskv.models import load_model
 
         loaded = load_model(model, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32).model
-    records = speed.measure(loaded, model, methods, contexts, batch_sizes, budget, new_tokens, prefill_chunk,
-                            dense_layers, predictor=predictor)  # fmt: skip
+    if gpu_memory is None:
+        records = speed.measure(loaded, model, methods, contexts, batch_sizes, run)
+    else:
+        records = [r for c in contexts for r in speed.largest_batches(loaded, model, methods, c, gpu_memory, run, max_batch)]
     meta = {
         "command": "atskv bench decode " + " ".join(sys.argv[3:]),
         "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",

@@ -1,11 +1,15 @@
 """End-to-end decode speed: prefill, then N decode steps through `generate`, for plain transformers
 (its own cache and SDPA, no atskv: what a user runs instead), atskv's fast path (dense and every
 selector it supports) and, on request, the reference hook (`atskv.sparse` + `model.generate`),
-all in one run on one GPU, with ratios to plain from that run.
+all in one run on one GPU, with ratios to plain from that run. `tiered:<selector>` runs the fast
+path with its host tier (`HostRetrieval`): the selector's budget stays on the GPU, every token also
+in pinned host memory, the best parked pages read back each step.
 
 Per method and shape: ms per decode step (the median interval between tokens after the first,
 read by a streamer that synchronises the device once per token, in both loops), tokens/s over
-the batch, and the allocator's peak above the weights (prefill included). Speed needs a model's
+the batch, the allocator's peak above the weights (prefill included) and the pinned host memory
+it took. `largest_batches` finds, per method, the largest batch (doubling) that runs in a fixed
+GPU memory: the weights plus a stated KV allowance, enforced through the allocator's limit. Speed needs a model's
 shape, not its weights, so `shape_model` builds 8B-class models from their published configs
 with random weights straight on the GPU; quality comes from the real models elsewhere.
 """
@@ -13,9 +17,10 @@ with random weights straight on the GPU; quality comes from the real models else
 from __future__ import annotations
 
 import statistics
+import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -24,6 +29,8 @@ from tqdm.auto import tqdm
 import atskv
 from atskv.eval.generation import TokenClock
 from atskv.eval.report import write_report
+from atskv.memory.host_pages import HostRetrieval, pinned_peak, reset_peak_pinned
+from atskv.selectors import make_selector
 
 # published configs (config.json of the named checkpoints), enough to build the shape
 SHAPES: dict[str, dict] = {
@@ -58,6 +65,22 @@ SHAPES: dict[str, dict] = {
 }  # fmt: skip
 PLAIN = "plain"
 PLAIN_STATIC = "plain-static"
+HOOK, TIERED = "hook:", "tiered:"
+
+
+@dataclass(frozen=True)
+class DecodeRun:
+    """What every method of one measurement shares: the budget (GPU tokens per managed layer and
+    KV head), decode steps, prompt chunk, dense first layers, `retrieve` (tokens a `tiered:` method
+    reads back per step, whole pages) and per-selector options (`{"learned": {"predictor": ...}}`;
+    learned without a predictor gets a random one of the model's shape)."""
+
+    budget: int | float = 0.05
+    new_tokens: int = 64
+    prefill_chunk: int = 8192
+    dense_layers: int = 2
+    retrieve: int | float = 1024
+    selector_options: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -73,6 +96,8 @@ class SpeedRecord:
     prefill_s: float | None
     ratio: float | None = None  # ms_per_step / plain's, same run (< 1: faster than plain)
     error: str = ""
+    host_gib: float | None = None  # pinned host memory the run took (a tier's store)
+    gpu_limit_gib: float | None = None  # `largest_batches`: the KV allowance above the weights
 
 
 def shape_model(name: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
@@ -110,86 +135,102 @@ def random_predictor(model, dense_layers: int, folder: Path) -> Path:
     return folder
 
 
-def run_method(model, method: str, ids: torch.Tensor, budget, new_tokens: int, prefill_chunk: int, dense_layers: int,
-               predictor: Path | None = None):  # fmt: skip
-    """One timed generation; returns (ms per step, prefill seconds). `learned` runs `predictor`,
-    or without one a random predictor of the model's shape."""
+def _selector(model, method: str, run: DecodeRun, folder: Path):
+    name = method.removeprefix(HOOK).removeprefix(TIERED)
+    options = dict(run.selector_options.get(name, {}))
+    if name == "learned" and "predictor" not in options:
+        options["predictor"] = random_predictor(model, run.dense_layers, folder)
+    return make_selector(name, **options)
+
+
+def run_method(model, method: str, ids: torch.Tensor, run: DecodeRun) -> tuple[float, float]:
+    """One timed generation; returns (ms per step, prefill seconds)."""
     clock = TokenClock(ids.device)
-    selector = method.removeprefix("hook:")
-    if selector == "learned" and predictor is not None:
-        from atskv.selectors.learned import LearnedSelector
-
-        selector = LearnedSelector(predictor=predictor)
-    elif selector == "learned":
-        import tempfile
-
-        from atskv.selectors.learned import LearnedSelector
-
-        with tempfile.TemporaryDirectory() as folder:
-            selector = LearnedSelector(predictor=random_predictor(model, dense_layers, Path(folder)))
-    if method.startswith("hook:"):
-        method = "hook:"
+    new = run.new_tokens
     start = time.perf_counter()
-    with torch.no_grad():
+    with torch.no_grad(), tempfile.TemporaryDirectory() as folder:
         if method == PLAIN:
-            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, streamer=clock)
+            model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, streamer=clock)
         elif method == PLAIN_STATIC:  # transformers' static cache, whose decode step it compiles (CUDA graphs)
-            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, streamer=clock,
+            model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, streamer=clock,
                            cache_implementation="static")  # fmt: skip
-        elif method == "hook:":
-            with atskv.sparse(model, selector, budget, dense_layers=dense_layers):
-                model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                               streamer=clock)  # fmt: skip
+        elif method.startswith(HOOK):
+            with atskv.sparse(model, _selector(model, method, run, Path(folder)), run.budget,
+                              dense_layers=run.dense_layers):  # fmt: skip
+                model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, streamer=clock)
         else:
-            atskv.generate(model, ids, selector, budget, max_new_tokens=new_tokens, dense_layers=dense_layers,
-                           prefill_chunk=prefill_chunk, streamer=clock)  # fmt: skip
+            tier = HostRetrieval(run.retrieve) if method.startswith(TIERED) else None
+            atskv.generate(model, ids, _selector(model, method, run, Path(folder)), run.budget, max_new_tokens=new,
+                           dense_layers=run.dense_layers, prefill_chunk=run.prefill_chunk, streamer=clock,
+                           tier=tier)  # fmt: skip
     return 1000 * statistics.median(clock.decode_gaps()), clock.times[1] - start
 
 
-def measure(
-    model,
-    model_name: str,
-    methods: Sequence[str],
-    contexts: Sequence[int],
-    batches: Sequence[int],
-    budget: int | float,
-    new_tokens: int = 64,
-    prefill_chunk: int = 8192,
-    dense_layers: int = 2,
-    seed: int = 0,
-    predictor: Path | None = None,
-) -> list[SpeedRecord]:
+def measure(model, model_name: str, methods: Sequence[str], contexts: Sequence[int], batches: Sequence[int],
+            run: DecodeRun = DecodeRun(), seed: int = 0) -> list[SpeedRecord]:  # fmt: skip
     """Every method at every (context, batch), each shape's ratios from its own run. Methods:
     `plain` (transformers' default cache and SDPA), `plain-static` (transformers' static cache,
     its decode step compiled by transformers), `dense` or a selector name (atskv's fast path),
-    `hook:<selector>` (atskv's reference session under `model.generate`)."""
-    device = next(model.parameters()).device
-    weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    vocab = model.config.get_text_config(decoder=True).vocab_size
-    records = []
+    `tiered:<selector>` (the fast path with its host tier), `hook:<selector>` (atskv's reference
+    session under `model.generate`)."""
     grid = [(c, b, m) for c in contexts for b in batches for m in methods]
-    for context, batch, method in tqdm(grid, desc=f"decode speed, {model_name}", unit="run"):
-        g = torch.Generator().manual_seed(seed)
-        ids = torch.randint(3, vocab, (batch, context), generator=g).to(device)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        record = SpeedRecord(model_name, method, batch, context, None if method in (PLAIN, PLAIN_STATIC, "dense") else budget,
-                             None, None, None, None)  # fmt: skip
-        try:
-            ms, prefill = run_method(model, method, ids, budget, new_tokens, prefill_chunk, dense_layers, predictor)
-            record.ms_per_step, record.prefill_s = ms, prefill
-            record.tokens_per_s = batch * 1000 / ms
-            if device.type == "cuda":
-                record.peak_gib = (torch.cuda.max_memory_allocated(device) - weights) / 2**30
-        except torch.OutOfMemoryError as error:
-            record.error = "out of memory: " + str(error).split("\n")[0][:120]
-        except (ValueError, NotImplementedError, RuntimeError) as error:
-            record.error = str(error)[:160]
-        del ids
-        records.append(record)
+    records = [_timed(model, model_name, m, c, b, run, seed) for c, b, m in
+               tqdm(grid, desc=f"decode speed, {model_name}", unit="run")]  # fmt: skip
     _ratios(records)
     return records
+
+
+def largest_batches(model, model_name: str, methods: Sequence[str], context: int, kv_gib: float,
+                    run: DecodeRun = DecodeRun(), max_batch: int = 256, seed: int = 0) -> list[SpeedRecord]:  # fmt: skip
+    """Per method, the largest batch (1, 2, 4, ...) that runs at `context` when the GPU may hold
+    the weights plus `kv_gib` GiB (the allocator's per-process limit), with its throughput; a
+    method that fits no batch gets its out-of-memory record. CUDA only."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        raise ValueError("largest_batches needs a CUDA GPU (it sets the allocator's memory limit)")
+    total = torch.cuda.get_device_properties(device).total_memory
+    limit = torch.cuda.memory_allocated(device) + kv_gib * 2**30
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
+    records = []
+    try:
+        for method in tqdm(methods, desc=f"largest batch in {kv_gib:g} GiB, {model_name}", unit="method"):
+            best, batch = None, 1
+            while batch <= max_batch:
+                record = _timed(model, model_name, method, context, batch, run, seed)
+                if record.ms_per_step is None:
+                    break
+                best, batch = record, batch * 2
+            records.append(replace(best or record, gpu_limit_gib=kv_gib))
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    return records
+
+
+def _timed(model, model_name: str, method: str, context: int, batch: int, run: DecodeRun, seed: int) -> SpeedRecord:
+    """One record: the run's time, peaks and error (out of memory, or a method that cannot run)."""
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    weights = torch.cuda.memory_allocated(device) if cuda else 0
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    ids = torch.randint(3, vocab, (batch, context), generator=torch.Generator().manual_seed(seed)).to(device)
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak_pinned()
+    budget = None if method in (PLAIN, PLAIN_STATIC, "dense") else run.budget
+    record = SpeedRecord(model_name, method, batch, context, budget, None, None, None, None)
+    try:
+        record.ms_per_step, record.prefill_s = run_method(model, method, ids, run)
+        record.tokens_per_s = batch * 1000 / record.ms_per_step
+        if cuda:
+            record.peak_gib = (torch.cuda.max_memory_allocated(device) - weights) / 2**30
+            record.host_gib = pinned_peak() / 2**30
+    except torch.OutOfMemoryError as error:
+        record.error = "out of memory: " + str(error).split("\n")[0][:120]
+    except (ValueError, NotImplementedError, RuntimeError) as error:
+        record.error = str(error)[:160]
+    return record
+
 
 
 def _ratios(records: list[SpeedRecord]) -> None:
@@ -208,8 +249,9 @@ def write(records: list[SpeedRecord], out: Path, meta: dict) -> Path:
         f"GPU {meta.get('gpu', '?')}, {meta.get('date', '')}; {meta.get('new_tokens')} new tokens; "
         "ratio = ms/step over plain transformers' in the same run (< 1 is faster)",
         "",
-        "| model | context | batch | method | budget | ms/step | tokens/s | ratio | peak GiB above weights | prefill s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model | context | batch | method | budget | ms/step | tokens/s | ratio | GPU peak GiB above weights | "
+        "host GiB | prefill s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     rows = [_row(r) for r in records]
     paths = write_report(out, "\n".join(header + rows), {"meta": meta, "records": records}, json_name="speed.json",
@@ -218,11 +260,13 @@ def write(records: list[SpeedRecord], out: Path, meta: dict) -> Path:
 
 
 def _row(r: SpeedRecord) -> str:
-    first = f"| {r.model} | {r.context} | {r.batch} | {r.method} | {r.budget or ''} |"
+    batch = f"{r.batch} (largest in {r.gpu_limit_gib:g} GiB)" if r.gpu_limit_gib is not None else r.batch
+    first = f"| {r.model} | {r.context} | {batch} | {r.method} | {r.budget or ''} |"
     if r.ms_per_step is None:
-        return f"{first} {r.error} | | | | |"
+        return f"{first} {r.error} | | | | | |"
     ratio = "" if r.ratio is None else f"{r.ratio:.2f}"
-    return f"{first} {r.ms_per_step:.2f} | {r.tokens_per_s:.0f} | {ratio} | {r.peak_gib or 0:.1f} | {r.prefill_s:.1f} |"
+    return (f"{first} {r.ms_per_step:.2f} | {r.tokens_per_s:.0f} | {ratio} | {r.peak_gib or 0:.1f} | "
+            f"{r.host_gib or 0:.1f} | {r.prefill_s:.1f} |")  # fmt: skip
 
 
 def _plot(records: list[SpeedRecord], path: Path) -> None:

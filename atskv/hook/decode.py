@@ -33,7 +33,9 @@ import torch
 from atskv.hook.gqa import group_matmul, grouped_attention, prefix_causal_attention, received_mass
 from atskv.hook.sparse import STATIC_ATTENTION_NAME, SparseSession, SparsityConfig, attach
 from atskv.kernels.sparse_decode import sparse_decode_attention
+from atskv.memory.host_pages import HostPages, HostRetrieval
 from atskv.memory.static_cache import StaticKVCache, StaticSlotLayer, first_free
+from atskv.memory.slot_cache import slot_index
 from atskv.selectors import make_selector
 from atskv.selectors.base import LayerView, Selector, resolve_budget, select_top_budget
 
@@ -51,12 +53,17 @@ class StaticSession(SparseSession):
 
     def __init__(
         self, model, selector: Selector, config: SparsityConfig, prompt_tokens: int, max_new_tokens: int,
-        prefill_chunk: int,
+        prefill_chunk: int, tier: HostRetrieval | None = None,
     ):  # fmt: skip
         if selector.name not in FAST_SELECTORS or getattr(selector, "threshold", None) is not None:
             raise ValueError(
                 f"selector {selector.name!r} has no fast decode path yet; use one of {', '.join(FAST_SELECTORS)}, "
                 "or `atskv.sparse` with `model.generate` (the reference path)"
+            )
+        if tier is not None and not selector.evicts:
+            raise ValueError(
+                f"a host tier needs an evicting selector to choose what stays on the GPU (h2o, snapkv, "
+                f"streaming_llm, learned), not {selector.name!r}"
             )
         if config.sparse_prefill:
             raise ValueError("the fast path prefills densely; sparse_prefill needs the reference path (atskv.sparse)")
@@ -66,6 +73,9 @@ class StaticSession(SparseSession):
         self.budget_cap = int(resolve_budget(config.budget, torch.tensor([self.longest])))
         self.real: torch.Tensor | None = None  # [B, T] bool: the prompt's non-padding tokens
         self._identity: dict[tuple, torch.Tensor] = {}
+        self.tier = tier
+        self.hosts: dict[int, HostPages] = {}  # managed layer -> its host tier (with `tier`)
+        self.batch, self.row = 1, 0  # rows of the call, and the one being prefilled (one at a time)
 
     def handles(self, layer_idx: int) -> bool:
         return True  # every layer's cache is static
@@ -161,9 +171,24 @@ class StaticSession(SparseSession):
             view = self.decode_view(idx, layer, None, 1.0)
             if self.selector.unwanted(view) is not None:
                 raise ValueError(f"{self.selector.name} with a threshold has no fast decode path yet; use atskv.sparse")
+            if self.tier is not None:
+                self._park(idx, layer)
             keep = self._top_budget(view)
             layer.evict(layer.slot_pos.ge(0) & ~keep)
             layer.shrink(min(layer.capacity, self.budget_cap + 1))
+            if self.tier is not None:
+                self.hosts[idx].mark_resident(self.row, layer.slot_pos[0])
+
+    def _park(self, layer_idx: int, layer: StaticSlotLayer) -> None:
+        """Copy the row just prefilled (real tokens at the front) to its layer's host tier."""
+        if layer.keys.shape[0] != 1:
+            raise ValueError("a host tier prefills one row at a time")
+        if layer_idx not in self.hosts:
+            _, h, _, d = layer.keys.shape
+            self.hosts[layer_idx] = HostPages(self.batch, h, self.longest, d, layer.keys.dtype, layer.keys.device,
+                                              self.tier.page_size)  # fmt: skip
+        count, first = int(layer.context[0]), int(layer.slot_pos[0, 0, 0])
+        self.hosts[layer_idx].park(self.row, layer.keys, layer.values, first, count)
 
     def _top_budget(self, view: LayerView) -> torch.Tensor:
         scores = self.selector.scores(view)
@@ -209,13 +234,26 @@ class StaticSession(SparseSession):
         over = valid.sum(-1, keepdim=True) > resolve_budget(view.budget, layer.context.view(-1, 1, 1))
         drop = torch.zeros_like(valid).scatter_(-1, victim, over)
         keep = valid & ~drop
-        out, mass = grouped_attention(query, layer.keys, layer.values, keep.unsqueeze(2), scaling,
+        keys, values = layer.keys, layer.values
+        if self.tier is not None:  # the parked tokens this query rates highest, read back from the host
+            keys, values, keep = self._with_fetched(layer_idx, layer, query[:, :, 0], victim, over, keep)
+        out, mass = grouped_attention(query, keys, values, keep.unsqueeze(2), scaling,
                                       want_mass=self.selector.needs_attention)  # fmt: skip
         if mass is not None:
-            self.selector.observe(view, mass)
+            self.selector.observe(view, mass[..., : layer.capacity])
         layer.evict(drop)
         layer.write_slot.copy_(torch.where(over, victim, first_free(layer.slot_pos).unsqueeze(-1))[..., 0])
         return out
+
+    def _with_fetched(self, layer_idx: int, layer: StaticSlotLayer, query, victim, over, keep):
+        """The host tier's part of a step: record the new token, flag the victim parked, fetch the
+        best parked pages; returns keys, values and mask over resident slots + fetched tokens."""
+        host = self.hosts[layer_idx]
+        new = layer.write_slot.unsqueeze(-1)
+        host.append(layer.keys.gather(2, slot_index(new, layer.keys)), layer.values.gather(2, slot_index(new, layer.values)))
+        host.release(layer.slot_pos.gather(2, victim), over)
+        keys, values, fetched = host.fetch(query, self.tier.pages(self.prompt_tokens))
+        return (torch.cat([layer.keys, keys], 2), torch.cat([layer.values, values], 2), torch.cat([keep, fetched], -1))
 
     def _identity_indices(self, layer: StaticSlotLayer) -> torch.Tensor:
         b, h, s = layer.slot_pos.shape
@@ -298,6 +336,7 @@ def generate(
     cuda_graph: bool = True,
     eos_token_id: int | None = None,
     streamer=None,
+    tier: HostRetrieval | None = None,
 ) -> torch.Tensor:
     """Greedy generation under a selector and budget on the fast path: `[B, T + new]` token ids.
 
@@ -305,7 +344,9 @@ def generate(
 
     Same tokens as `with atskv.sparse(model, selector, budget): model.generate(ids, do_sample=False)`
     for the selectors in `FAST_SELECTORS`; prompts are processed `prefill_chunk` tokens at a time.
-    `streamer`: as transformers' (`put` gets the prompt, then each new token `[B, 1]`; `end`)."""
+    `streamer`: as transformers' (`put` gets the prompt, then each new token `[B, 1]`; `end`).
+    `tier`: keep every token in pinned host memory as well and read the best parked pages back
+    at each step (`HostRetrieval`); `budget` is then what stays on the GPU."""
     if isinstance(selector, str):
         selector = make_selector(selector)
     if max_new_tokens < 1 or prefill_chunk < LAST_QUERIES:
@@ -313,7 +354,9 @@ def generate(
             f"need max_new_tokens >= 1 and prefill_chunk >= {LAST_QUERIES}, got {max_new_tokens}, {prefill_chunk}"
         )
     b, t = input_ids.shape
-    session = StaticSession(model, selector, SparsityConfig(budget, dense_layers), t, max_new_tokens, prefill_chunk)
+    session = StaticSession(model, selector, SparsityConfig(budget, dense_layers), t, max_new_tokens, prefill_chunk,
+                            tier)  # fmt: skip
+    session.batch = b
     with attach(model, session):
         return _generate(model, session, input_ids, attention_mask, max_new_tokens, prefill_chunk, cuda_graph,
                          eos_token_id, streamer)  # fmt: skip
@@ -344,9 +387,11 @@ def _generate(model, session, input_ids, attention_mask, max_new_tokens, prefill
     real = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()
     positions = (real.long().cumsum(-1) - 1).clamp(min=0) if real is not None else torch.arange(t, device=device).expand(b, t)
     if session.selector.evicts and b > 1:  # each row compressed before the next: the prompt KV of one row at a time
-        rows = [_prefill(model, session, input_ids[i : i + 1], positions[i : i + 1],
-                         None if real is None or bool(real[i].all()) else real[i : i + 1], prefill_chunk)
-                for i in range(b)]  # fmt: skip
+        rows = []
+        for i in range(b):
+            session.row = i
+            rows.append(_prefill(model, session, input_ids[i : i + 1], positions[i : i + 1],
+                                 None if real is None or bool(real[i].all()) else real[i : i + 1], prefill_chunk))  # fmt: skip
         cache, logits = StaticKVCache.stack([c for c, _ in rows]), torch.cat([lg for _, lg in rows])
     else:
         cache, logits = _prefill(model, session, input_ids, positions, real, prefill_chunk)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from atskv.kernels.quest import page_bounds, quest_page_scores
+from atskv.kernels.quest import masked_page_bounds, page_bounds, quest_page_scores
 from atskv.selectors.base import LayerView, Selector, budget_lengths, budget_tokens
 from atskv.selectors.buffers import with_room
 
@@ -38,6 +38,10 @@ class QuestSelector(Selector):
     name = "quest"
     query_aware = True
     page_size: int = 16
+
+    def __post_init__(self):
+        if self.page_size < 1:
+            raise ValueError(f"quest's page_size must be >= 1 token, got {self.page_size}")
 
     def scores(self, view: LayerView):
         low, high = self._bounds(view)
@@ -75,13 +79,13 @@ class QuestSelector(Selector):
         state = view.layer.state.get(self.name)
         size = self.page_size
         if state is None:
-            low, high = _masked_bounds(view.keys, view.slot_pos >= 0, size)
+            low, high = masked_page_bounds(view.keys, view.slot_pos >= 0, size)
             view.layer.state[self.name] = _PageBounds(low, high, view.keys.shape[2])
             return
         page = (view.layer.write_slot // size).view(*view.layer.write_slot.shape, 1)  # the token written this step
         slots = (page * size + torch.arange(size, device=page.device)).clamp(max=view.keys.shape[2] - 1)
         keys = view.keys.gather(2, slots.unsqueeze(-1).expand(-1, -1, -1, view.keys.shape[-1]))
-        low, high = _masked_bounds(keys, view.slot_pos.gather(2, slots) >= 0, size)
+        low, high = masked_page_bounds(keys, view.slot_pos.gather(2, slots) >= 0, size)
         index = page.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
         state.low.scatter_(2, index, low)
         state.high.scatter_(2, index, high)
@@ -110,15 +114,3 @@ def _page_has(valid: torch.Tensor, size: int) -> torch.Tensor:
     """`[B, Hkv, P]`: pages holding at least one slot that `valid` (`[B, Hkv, S]`) allows."""
     pad = -valid.shape[-1] % size
     return torch.nn.functional.pad(valid, (0, pad)).unflatten(-1, (-1, size)).any(-1)
-
-
-def _masked_bounds(keys: torch.Tensor, held: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Page min/max of `keys` `[B, Hkv, S, D]` over the slots `held` marks (`[B, Hkv, S]`); a page with
-    none gets zeros (its score is masked out by `_page_has`)."""
-    pad = -keys.shape[2] % size
-    keys = torch.nn.functional.pad(keys, (0, 0, 0, pad)).unflatten(2, (-1, size))  # [B, Hkv, P, size, D]
-    held = torch.nn.functional.pad(held, (0, pad)).unflatten(-1, (-1, size)).unsqueeze(-1)
-    low = keys.masked_fill(~held, torch.inf).amin(3)
-    high = keys.masked_fill(~held, -torch.inf).amax(3)
-    empty = ~held.any(3)
-    return low.masked_fill(empty, 0), high.masked_fill(empty, 0)

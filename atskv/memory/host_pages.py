@@ -1,0 +1,195 @@
+"""The host tier of the fast path (`atskv.generate(..., tier=HostRetrieval(...))`): every token of a
+managed layer also lives in pinned host memory, in arrival order and in pages, and each decode
+step reads back the pages its query needs, with no host work and inside the step's CUDA graph.
+
+Why this shape (ShadowKV, arXiv:2410.21465, and Quest, arXiv:2406.10774, decide on the GPU from a
+compact summary of what is off it): the GPU keeps, per row and KV head, the Quest bounds (key
+min/max) of every page, 1/8 of the keys at 16 tokens a page, and a flag per token saying whether
+it is resident in the GPU slots; the evicting selector decides residency as on the fast path
+without a tier. A step scores the pages that hold a non-resident token, takes the best `pages`,
+and gathers them (one gather per tensor and layer) straight out of pinned memory: on CUDA the
+pinned buffers are read through a device alias of the same memory (unified virtual addressing),
+so the gather is an ordinary kernel that reads over PCIe, graph-capturable and without a copy
+engine round trip. Off CUDA the host tensors are read directly.
+
+The host copy is written once per token: the prompt when a row's prefill ends, each decode token
+as it arrives (a scatter through the alias). A token the selector evicts from the GPU is only
+flagged non-resident; nothing moves at eviction time, so nothing can be lost in a transfer.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from atskv.kernels.quest import masked_page_bounds, quest_page_scores
+from atskv.selectors.base import check_budget
+
+
+@dataclass(frozen=True)
+class HostRetrieval:
+    """Tiered decode on the fast path: `tokens` parked tokens read back per decode step, layer and
+    KV head (an int, or a fraction of the prompt as budgets are), in whole pages of `page_size`."""
+
+    tokens: int | float = 1024
+    page_size: int = 16
+
+    def __post_init__(self):
+        check_budget(self.tokens)
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+
+    def pages(self, prompt_tokens: int) -> int:
+        tokens = self.tokens if isinstance(self.tokens, int) else math.ceil(self.tokens * prompt_tokens)
+        return max(1, math.ceil(tokens / self.page_size))
+
+
+# page-locked bytes held by host tiers now, and the most since `reset_peak_pinned` (the speed bench reads it)
+_PINNED = {"now": 0, "peak": 0}
+
+
+def pinned_zeros(shape: tuple[int, ...], *, dtype: torch.dtype) -> torch.Tensor:
+    """Zeros in page-locked host memory of exactly this size: host memory registered with CUDA, not
+    taken from torch's pinned allocator, which rounds every block up to a power of two (a 16 GiB
+    tier would hold 30). Unregistered when the tensor is collected."""
+    host = torch.zeros(shape, dtype=dtype)
+    cudart = torch.cuda.cudart()
+    torch.cuda.check_error(cudart.cudaHostRegister(host.data_ptr(), host.nbytes, 0))
+    _PINNED["now"] += host.nbytes
+    _PINNED["peak"] = max(_PINNED["peak"], _PINNED["now"])
+    weakref.finalize(host, _unregister, host.untyped_storage(), host.nbytes)
+    return host
+
+
+def _unregister(storage, nbytes: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(storage.data_ptr())  # before the storage can be freed
+    _PINNED["now"] -= nbytes
+
+
+def pinned_peak() -> int:
+    """The most page-locked bytes host tiers held at once since `reset_peak_pinned`."""
+    return _PINNED["peak"]
+
+
+def reset_peak_pinned() -> None:
+    _PINNED["peak"] = _PINNED["now"]
+
+
+class _HostArray:
+    """`__cuda_array_interface__` over a pinned host buffer: torch then makes a CUDA tensor of the
+    same memory (pinned memory is mapped into the device's address space)."""
+
+    def __init__(self, host: torch.Tensor):
+        self.host = host  # kept alive by the alias
+        self.__cuda_array_interface__ = {
+            "shape": tuple(host.shape), "typestr": "<i2", "data": (host.data_ptr(), False), "version": 2,
+            "strides": None,
+        }  # fmt: skip
+
+
+def device_alias(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A `device` tensor reading and writing the pinned 2-byte `host` buffer in place (CUDA), or
+    `host` itself off CUDA."""
+    if device.type != "cuda":
+        return host
+    if not host.is_pinned() or host.element_size() != 2 or not host.is_contiguous():
+        raise ValueError("a device alias needs a contiguous pinned host buffer of 2-byte elements")
+    with torch.cuda.device(device):
+        return torch.as_tensor(_HostArray(host.view(torch.int16)), device=device).view(host.dtype)
+
+
+class HostPages:
+    """One managed layer's KV on the host in pages, with the GPU-side bounds and residency flags;
+    see the module docstring. `tokens`: the most a row holds (prompt + new tokens)."""
+
+    def __init__(self, batch: int, kv_heads: int, tokens: int, head_dim: int, dtype, device, page_size: int):
+        self.page_size = page_size
+        self.pages = math.ceil(tokens / page_size)
+        shape = (batch, kv_heads, self.pages * page_size, head_dim)
+        make = pinned_zeros if device.type == "cuda" else torch.zeros
+        try:
+            self.host_keys, self.host_values = make(shape, dtype=dtype), make(shape, dtype=dtype)
+        except RuntimeError as error:
+            gib = 2 * math.prod(shape) * dtype.itemsize / 2**30
+            raise RuntimeError(f"cannot allocate {gib:.1f} GiB of pinned host memory for the KV tier: {error}") from error
+        self.keys, self.values = device_alias(self.host_keys, device), device_alias(self.host_values, device)
+        self.low = torch.zeros(batch, kv_heads, self.pages, head_dim, dtype=dtype, device=device)
+        self.high = torch.zeros_like(self.low)
+        self.resident = torch.zeros(batch, kv_heads, shape[2] + 1, dtype=torch.bool, device=device)  # last: a sink
+        self.count = torch.zeros(batch, 1, 1, dtype=torch.long, device=device)  # tokens held per row
+        self.offset = torch.zeros(batch, 1, 1, dtype=torch.long, device=device)  # slot_pos - host index
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes (the preallocated store)."""
+        return self.host_keys.nbytes + self.host_values.nbytes
+
+    @property
+    def gpu_nbytes(self) -> int:
+        """GPU bytes of the summary: page bounds and residency flags."""
+        return self.low.nbytes + self.high.nbytes + self.resident.nbytes
+
+    def park(self, row: int, keys: torch.Tensor, values: torch.Tensor, first_position: int, count: int) -> None:
+        """A row's prompt after its prefill: `keys`/`values` `[1, Hkv, >= count, D]` hold its `count`
+        real tokens in order at the front; `first_position`: the first one's slot position."""
+        self.host_keys[row, :, :count].copy_(keys[0, :, :count])
+        self.host_values[row, :, :count].copy_(values[0, :, :count])
+        held = torch.arange(keys.shape[2], device=keys.device) < count
+        low, high = masked_page_bounds(keys[:1], held.expand(1, keys.shape[1], -1), self.page_size)
+        n = min(low.shape[2], self.pages)
+        self.low[row, :, :n], self.high[row, :, :n] = low[0, :, :n], high[0, :, :n]
+        self.count[row], self.offset[row] = count, first_position
+
+    def mark_resident(self, row: int, slot_pos: torch.Tensor) -> None:
+        """A row's residency from its GPU slots' positions `[Hkv, S]` (-1 free)."""
+        index = self._host_index(slot_pos.unsqueeze(0), self.offset[row : row + 1])[0]
+        self.resident[row].zero_()
+        self.resident[row].scatter_(1, index, True)
+        self.resident[row, :, -1] = False
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """One decode token per row `[B, Hkv, 1, D]`, resident: written to the host at the row's
+        next index, its page's bounds widened."""
+        index = self.count.expand(-1, keys.shape[1], 1)  # [B, Hkv, 1]
+        self.keys.scatter_(2, _rows(index, keys), keys)
+        self.values.scatter_(2, _rows(index, values), values)
+        page = _rows(index // self.page_size, keys)
+        first = (index % self.page_size == 0).unsqueeze(-1)
+        low, high = self.low.gather(2, page), self.high.gather(2, page)
+        self.low.scatter_(2, page, torch.where(first, keys, torch.minimum(low, keys)))
+        self.high.scatter_(2, page, torch.where(first, keys, torch.maximum(high, keys)))
+        self.resident.scatter_(2, index, True)
+        self.count += 1
+
+    def release(self, slot_pos: torch.Tensor, evicted: torch.Tensor) -> None:
+        """Tokens at `slot_pos` `[B, Hkv, n]` left the GPU where `evicted`: flag them parked."""
+        self.resident.scatter_(2, self._host_index(slot_pos.masked_fill(~evicted, -1), self.offset), False)
+        self.resident[..., -1] = False
+
+    def fetch(self, query: torch.Tensor, pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The `pages` best pages for `query` `[B, Hq, D]` among those holding a parked token:
+        keys, values `[B, Hkv, pages * page_size, D]` and which of their tokens to attend (parked
+        ones, not resident duplicates or empty slots) `[B, Hkv, pages * page_size]`."""
+        b, h, n, d = self.keys.shape
+        size = self.page_size
+        parked = ~self.resident[..., :-1] & (torch.arange(n, device=query.device) < self.count)
+        scores = quest_page_scores(query, self.low, self.high)  # [B, Hkv, P]
+        scores = scores.masked_fill(~parked.view(b, h, self.pages, size).any(-1), -torch.inf)
+        best = scores.topk(min(pages, self.pages), dim=-1).indices  # [B, Hkv, r]
+        tokens = (best.unsqueeze(-1) * size + torch.arange(size, device=best.device)).flatten(-2)
+        page_rows = best.unsqueeze(-1).expand(-1, -1, -1, size * d)
+        keys = self.keys.view(b, h, self.pages, size * d).gather(2, page_rows).view(b, h, -1, d)
+        values = self.values.view(b, h, self.pages, size * d).gather(2, page_rows).view(b, h, -1, d)
+        return keys, values, parked.gather(2, tokens)
+
+    def _host_index(self, slot_pos: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        """Host index of each slot position (free slots: the sink at the end)."""
+        sink = self.resident.shape[-1] - 1
+        return torch.where(slot_pos >= 0, slot_pos - offset, sink).clamp(0, sink)
+
+
+def _rows(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return index.unsqueeze(-1).expand(*index.shape, like.shape[-1])

@@ -1,0 +1,131 @@
+"""The fast path's host tier (`atskv/memory/host_pages.py`, `atskv.generate(..., tier=...)`): what it
+fetches against a brute-force reference, residency bookkeeping, and generation that reads every
+parked page equal to dense generation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.conftest import random_prompt, tiny_model
+
+import atskv
+from atskv.kernels.quest import quest_page_scores_reference
+from atskv.memory.host_pages import (
+    HostPages, HostRetrieval, device_alias, pinned_peak, pinned_zeros, reset_peak_pinned,
+)  # fmt: skip
+
+B, H, D, PAGE = 2, 2, 8, 4
+
+
+def _filled(count: int = 22, tokens: int = 40) -> tuple[HostPages, torch.Tensor, torch.Tensor]:
+    """Rows parked with `count` prompt tokens each, row 1 left-padded by 3 positions."""
+    torch.manual_seed(0)
+    pages = HostPages(B, H, tokens, D, torch.float32, torch.device("cpu"), PAGE)
+    keys, values = torch.randn(B, H, tokens, D), torch.randn(B, H, tokens, D)
+    for row in range(B):
+        pages.park(row, keys[row : row + 1], values[row : row + 1], first_position=3 * row, count=count)
+    return pages, keys, values
+
+
+def test_fetch_takes_the_best_parked_pages_by_their_quest_bound():
+    pages, keys, values = _filled()
+    resident = torch.full((B, H, 6), -1)
+    resident[:, :, :5] = torch.tensor([0, 1, 2, 3, 17])  # page 0 wholly resident, one token of page 4
+    for row in range(B):
+        pages.mark_resident(row, resident[row] + 3 * row)
+    query = torch.randn(B, 2 * H, D)
+    got_k, got_v, attend = pages.fetch(query, pages=3)
+
+    low = torch.stack([keys[..., p * PAGE : min(22, (p + 1) * PAGE), :].amin(2) for p in range(6)], 2)
+    high = torch.stack([keys[..., p * PAGE : min(22, (p + 1) * PAGE), :].amax(2) for p in range(6)], 2)
+    scores = quest_page_scores_reference(query, low, high)
+    scores[..., 0] = -torch.inf  # nothing parked there
+    best = scores.topk(3, dim=-1).indices
+    for b in range(B):
+        for h in range(H):
+            tokens = torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in best[b, h].tolist()])
+            torch.testing.assert_close(got_k[b, h], keys[b, h, tokens])
+            torch.testing.assert_close(got_v[b, h], values[b, h, tokens])
+            expect = (tokens < 22) & ~torch.isin(tokens, resident[b, h])
+            assert attend[b, h].tolist() == expect.tolist()
+
+
+def test_a_decode_token_is_written_resident_and_released_when_evicted():
+    pages, _, _ = _filled()
+    for row in range(B):
+        pages.mark_resident(row, torch.full((H, 4), -1))
+    new_k, new_v = torch.full((B, H, 1, D), 100.0), torch.full((B, H, 1, D), -100.0)
+    pages.append(new_k, new_v)
+    assert pages.count.flatten().tolist() == [23, 23]
+    assert torch.equal(pages.host_keys[:, :, 22], new_k[:, :, 0]) and torch.equal(pages.host_values[:, :, 22], new_v[:, :, 0])
+    assert bool(pages.resident[:, :, 22].all()) and int(pages.resident.sum()) == B * H
+    assert bool((pages.high[:, :, 22 // PAGE] == 100).all())  # the page's bound widened to the new key
+    positions = torch.tensor([22, 22 + 3]).view(B, 1, 1).expand(B, H, 1)  # row 1's positions are offset by 3
+    pages.release(positions, torch.tensor([True, False]).view(B, 1, 1).expand(B, H, 1))
+    assert pages.resident[:, :, 22].tolist() == [[False, False], [True, True]]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("selector", ["snapkv", "h2o", "streaming_llm"])
+def test_reading_back_every_parked_page_gives_dense_tokens(family, selector):
+    """Resident slots plus every parked token is the whole context, each once: dense attention."""
+    model = tiny_model(family)
+    ids = random_prompt(150, seed=2, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :30] = 0
+    run = dict(attention_mask=mask, max_new_tokens=12, dense_layers=1, prefill_chunk=64)
+    dense = atskv.generate(model, ids, "dense", 0.5, **run)
+    tiered = atskv.generate(model, ids, selector, 12, tier=HostRetrieval(tokens=10_000), **run)
+    assert torch.equal(tiered, dense)
+
+
+def test_a_partial_read_back_differs_from_eviction_alone():
+    """A test of the fetch path that can fail: with only some pages read back the output is
+    neither dense's nor eviction's in general (these seeds were checked to differ from both)."""
+    model = tiny_model("llama")
+    ids = random_prompt(150, seed=2)
+    run = dict(max_new_tokens=12, dense_layers=1, prefill_chunk=64)
+    evicted = atskv.generate(model, ids, "snapkv", 12, **run)
+    tiered = atskv.generate(model, ids, "snapkv", 12, tier=HostRetrieval(tokens=32), **run)
+    assert not torch.equal(tiered, evicted)
+
+
+def test_a_tier_needs_an_evicting_selector():
+    with pytest.raises(ValueError, match="evicting selector"):
+        atskv.generate(tiny_model("llama"), random_prompt(80), "quest", 16, tier=HostRetrieval())
+    with pytest.raises(ValueError, match="budget"):
+        HostRetrieval(tokens=1.5)
+
+
+def test_the_host_tier_accounts_its_bytes():
+    pages, _, _ = _filled()
+    assert pages.nbytes == 2 * B * H * 40 * D * 4
+    assert pages.gpu_nbytes == 2 * B * H * 10 * D * 4 + B * H * 41
+
+
+@pytest.mark.gpu
+def test_the_device_alias_reads_and_writes_pinned_memory_inside_a_graph():
+    reset_peak_pinned()
+    host = pinned_zeros((4, 64, 32), dtype=torch.bfloat16)
+    assert pinned_peak() >= host.nbytes == 4 * 64 * 32 * 2  # exactly the size asked for
+    host.copy_(torch.randn(4, 64, 32))
+    alias = device_alias(host, torch.device("cuda"))
+    assert alias.is_cuda and torch.equal(alias.cpu(), host)
+    index = torch.tensor([[5], [9], [0], [63]], device="cuda").unsqueeze(-1).expand(4, 1, 32)
+    out = torch.empty(4, 1, 32, dtype=torch.bfloat16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(alias.gather(1, index))
+        alias[:, 1] = 7
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), host.gather(1, index.cpu())) and bool((host[:, 1] == 7).all())
+
+
+@pytest.mark.gpu
+def test_a_tiered_graph_replay_gives_the_eager_tokens():
+    model = tiny_model("gemma3").cuda().to(torch.bfloat16)
+    ids = random_prompt(300, seed=4, batch=2).cuda()
+    run = dict(max_new_tokens=16, tier=HostRetrieval(tokens=64))
+    eager = atskv.generate(model, ids, "snapkv", 32, cuda_graph=False, **run)
+    assert torch.equal(eager, atskv.generate(model, ids, "snapkv", 32, cuda_graph=True, **run))
