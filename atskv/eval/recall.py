@@ -7,7 +7,9 @@ here only mark slots as no longer selectable) but attends densely, so every sele
 the same dense trajectory. For each decode query, layer and KV head the probe records the exact
 attention probabilities over the whole past context, pooled (averaged) over the group's query
 heads, and reports:
-- recall: the share of that mass on the slots the selector kept;
+- recall: the share of that mass on the slots the selector kept (for a composition such as
+  `learned+sparq`, the slots its query-aware part attends at the budget, among those its
+  residency part still holds: what it evicted is lost to every later query, as in the real run);
 - mask difference: the share of the kept slots that are not in the per-query oracle top-k;
 - two ceilings, per budget: the per-query oracle top-k (any selector's limit) and the best single
   set for the window (top-k of the mass summed over the window's queries: the limit of any
