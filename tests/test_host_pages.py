@@ -17,10 +17,11 @@ from atskv.memory.host_pages import (
 B, H, D, PAGE = 2, 2, 8, 4
 
 
-def _filled(count: int = 22, tokens: int = 40) -> tuple[HostPages, torch.Tensor, torch.Tensor]:
-    """Rows parked with `count` prompt tokens each, row 1 left-padded by 3 positions."""
+def _filled(count: int = 22, tokens: int = 40, read: int = 3) -> tuple[HostPages, torch.Tensor, torch.Tensor]:
+    """Rows parked with `count` prompt tokens each, row 1 left-padded by 3 positions; `read` pages
+    read back per fetch, a cache of twice that."""
     torch.manual_seed(0)
-    pages = HostPages(B, H, tokens, D, torch.float32, torch.device("cpu"), PAGE)
+    pages = HostPages(B, H, tokens, D, torch.float32, torch.device("cpu"), PAGE, read, 2 * read)
     keys, values = torch.randn(B, H, tokens, D), torch.randn(B, H, tokens, D)
     for row in range(B):
         pages.park(row, keys[row : row + 1], values[row : row + 1], first_position=3 * row, count=count)
@@ -34,7 +35,7 @@ def test_fetch_takes_the_best_parked_pages_by_their_quest_bound():
     for row in range(B):
         pages.mark_resident(row, resident[row] + 3 * row)
     query = torch.randn(B, 2 * H, D)
-    got_k, got_v, attend = pages.fetch(query, pages=3)
+    got_k, got_v, attend = pages.fetch(query)
 
     low = torch.stack([keys[..., p * PAGE : min(22, (p + 1) * PAGE), :].amin(2) for p in range(6)], 2)
     high = torch.stack([keys[..., p * PAGE : min(22, (p + 1) * PAGE), :].amax(2) for p in range(6)], 2)
@@ -48,6 +49,47 @@ def test_fetch_takes_the_best_parked_pages_by_their_quest_bound():
             torch.testing.assert_close(got_v[b, h], values[b, h, tokens])
             expect = (tokens < 22) & ~torch.isin(tokens, resident[b, h])
             assert attend[b, h].tolist() == expect.tolist()
+
+
+def test_a_page_asked_for_again_comes_from_the_gpu_cache(monkeypatch):
+    from atskv.memory import host_pages
+
+    copied = []
+    real_copy = host_pages.page_copy
+
+    def counting(source, target, pages, slots, need):
+        copied.append(int(need.sum()))
+        real_copy(source, target, pages, slots, need)
+
+    monkeypatch.setattr(host_pages, "page_copy", counting)
+    pages, keys, _ = _filled()
+    for row in range(B):
+        pages.mark_resident(row, torch.full((H, 4), -1))
+    query = torch.randn(B, 2 * H, D)
+    first = pages.fetch(query)
+    again = pages.fetch(query)
+    assert copied == [B * H * 3] * 2 + [0, 0]  # keys and values: all missed once, then all hit
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    for seed in range(6):  # other queries push pages out and back in: a fetch is what a cold cache would give
+        query = torch.randn(B, 2 * H, D, generator=torch.Generator().manual_seed(seed))
+        cold, _, _ = _filled()
+        for row in range(B):
+            cold.mark_resident(row, torch.full((H, 4), -1))
+        for a, b in zip(pages.fetch(query), cold.fetch(query)):
+            assert torch.equal(a, b)
+
+
+def test_an_appended_token_refreshes_its_cached_page():
+    pages, _, _ = _filled(count=21, read=10)  # every page read back: page 5 (tokens 20..23) cached
+    for row in range(B):
+        pages.mark_resident(row, torch.full((H, 4), -1))
+    pages.fetch(torch.randn(B, 2 * H, D))
+    pages.append(torch.full((B, H, 1, D), 50.0), torch.full((B, H, 1, D), 50.0))  # token 21, in page 5
+    pages.release(torch.tensor([21, 24]).view(B, 1, 1).expand(B, H, 1), torch.ones(B, H, 1, dtype=torch.bool))
+    keys, _, attend = pages.fetch(torch.randn(B, 2 * H, D))
+    found = (keys == 50).all(-1) & attend
+    assert found.sum(-1).tolist() == [[1, 1], [1, 1]]  # the parked new token is read back, from fresh copies
 
 
 def test_a_decode_token_is_written_resident_and_released_when_evicted():
@@ -100,7 +142,7 @@ def test_a_tier_needs_an_evicting_selector():
 def test_the_host_tier_accounts_its_bytes():
     pages, _, _ = _filled()
     assert pages.nbytes == 2 * B * H * 40 * D * 4
-    assert pages.gpu_nbytes == 2 * B * H * 10 * D * 4 + B * H * 41
+    assert pages.gpu_nbytes == 2 * B * H * 10 * D * 4 + B * H * 41 + 2 * B * H * 6 * PAGE * D * 4
 
 
 @pytest.mark.gpu
@@ -123,9 +165,44 @@ def test_the_device_alias_reads_and_writes_pinned_memory_inside_a_graph():
 
 
 @pytest.mark.gpu
+def test_fetches_through_pinned_memory_and_the_kernel_equal_the_cpu_ones():
+    cpu, keys, values = _filled()
+    gpu = HostPages(B, H, 40, D, torch.float32, torch.device("cuda"), PAGE, 3, 6)
+    for row in range(B):
+        gpu.park(row, keys[row : row + 1].cuda(), values[row : row + 1].cuda(), first_position=3 * row, count=22)
+        for pages in (cpu, gpu):
+            pages.mark_resident(row, torch.tensor([[0, 1, 5]] * H, device=pages.low.device) + 3 * row)
+    for seed in range(5):  # misses, then hits and evictions in the page cache
+        query = torch.randn(B, 2 * H, D, generator=torch.Generator().manual_seed(seed % 3))
+        for a, b in zip(cpu.fetch(query), gpu.fetch(query.cuda())):
+            torch.testing.assert_close(a, b.cpu(), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
 def test_a_tiered_graph_replay_gives_the_eager_tokens():
     model = tiny_model("gemma3").cuda().to(torch.bfloat16)
     ids = random_prompt(300, seed=4, batch=2).cuda()
     run = dict(max_new_tokens=16, tier=HostRetrieval(tokens=64))
     eager = atskv.generate(model, ids, "snapkv", 32, cuda_graph=False, **run)
     assert torch.equal(eager, atskv.generate(model, ids, "snapkv", 32, cuda_graph=True, **run))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_page_copy_kernel_matches_its_reference(monkeypatch, dtype):
+    from atskv.kernels import page_copy as kernel
+
+    torch.manual_seed(3)
+    source = torch.randn(6, 9, 40).to(dtype)
+    pages = torch.stack([torch.randperm(9)[:4] for _ in range(6)])
+    slots = torch.stack([torch.randperm(5)[:4] for _ in range(6)])
+    need = torch.rand(6, 4) < 0.5
+    targets = []
+    for choice in ("reference", "triton"):
+        monkeypatch.setenv("ATSKV_KERNELS", choice)
+        target = torch.full((6, 5, 40), 100.0).to(dtype)  # never drawn from randn
+        kernel.page_copy(source, target, pages, slots, need)
+        targets.append(target)
+    assert torch.equal(targets[0], targets[1])
+    n, r = need.nonzero(as_tuple=True)
+    assert torch.equal(targets[0][n, slots[n, r]], source[n, pages[n, r]])
+    assert bool((targets[0].view(6, -1) == 100).sum(-1).eq((5 - need.sum(-1)) * 40).all())  # nothing else written

@@ -67,6 +67,7 @@ def decode(
     prefill_chunk: int = 8192,
     dense_layers: int = 2,
     retrieve: int | float = 1024,
+    tier_cache: float = 2.0,
     gpu_memory: float | None = None,
     max_batch: int = 256,
     out: Path = Path("results/speed"),
@@ -95,6 +96,7 @@ def decode(
         prefill_chunk: prompt tokens per forward on the fast path.
         dense_layers: first layers kept dense.
         retrieve: tokens a tiered method reads back from the host per step, layer and KV head.
+        tier_cache: pages a tiered method keeps on the GPU, in multiples of a step's read (>= 1).
         gpu_memory: GiB of GPU memory above the weights: find the largest batch (1, 2, 4, ...,
             max_batch) each method fits in it, at each context, instead of timing batch_sizes.
         max_batch: the largest batch tried with gpu_memory.
@@ -111,7 +113,7 @@ def decode(
 
     names = [m.split(":")[-1] for m in methods if m not in (speed.PLAIN, speed.PLAIN_STATIC)]
     run = speed.DecodeRun(budget, new_tokens, prefill_chunk, dense_layers, retrieve,
-                          options_for(sorted(set(names)), selector_options, predictor))  # fmt: skip
+                          options_for(sorted(set(names)), selector_options, predictor), tier_cache)  # fmt: skip
     if not torch.cuda.is_available():
         print("note: no CUDA GPU here; these timings say nothing about GPU speed")
     device = "cuda" if torch.cuda.is_available() else "cpu"

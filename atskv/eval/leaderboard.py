@@ -33,7 +33,7 @@ from atskv.eval import peer
 from atskv.eval.generation import encode_prompt, generate_batch, pad_left
 from atskv.eval.report import write_report
 from atskv.eval.tasks import answer_room
-from atskv.selectors import SELECTORS
+from atskv.selectors import check_selector_names
 
 DENSE = "dense"
 KVPRESS = "kvpress:"
@@ -111,11 +111,11 @@ def check_grid(
         press = method.removeprefix(KVPRESS)
         if method.startswith(KVPRESS) and press not in peer.KVPRESS_PRESSES:
             raise InputError(f"unknown kvpress press {press!r}; choose from: {', '.join(peer.KVPRESS_PRESSES)}")
-        if not method.startswith(KVPRESS) and method != DENSE and method not in SELECTORS:
-            raise InputError(
-                f"unknown method {method!r}: an atskv selector ({', '.join(sorted(SELECTORS))}) "
-                f"or kvpress:<press> ({', '.join(peer.KVPRESS_PRESSES)})"
-            )
+        if not method.startswith(KVPRESS) and method != DENSE:
+            try:
+                check_selector_names([method])  # compositions (learned+sparq) included
+            except ValueError as error:
+                raise InputError(f"{error} (or kvpress:<press>: {', '.join(peer.KVPRESS_PRESSES)})") from None
     return Grid(
         tuple(dict.fromkeys(contexts)), tuple(dict.fromkeys(float(r) for r in ratios)),
         tuple(dict.fromkeys(m for m in methods if m != DENSE)), tuple(dict.fromkeys(tasks)),

@@ -72,7 +72,8 @@ HOOK, TIERED = "hook:", "tiered:"
 class DecodeRun:
     """What every method of one measurement shares: the budget (GPU tokens per managed layer and
     KV head), decode steps, prompt chunk, dense first layers, `retrieve` (tokens a `tiered:` method
-    reads back per step, whole pages) and per-selector options (`{"learned": {"predictor": ...}}`;
+    reads back per step, whole pages; `tier_cache`: the GPU page cache, in reads) and per-selector
+    options (`{"learned": {"predictor": ...}}`;
     learned without a predictor gets a random one of the model's shape)."""
 
     budget: int | float = 0.05
@@ -81,6 +82,7 @@ class DecodeRun:
     dense_layers: int = 2
     retrieve: int | float = 1024
     selector_options: dict = field(default_factory=dict)
+    tier_cache: float = 2.0
 
 
 @dataclass
@@ -159,7 +161,7 @@ def run_method(model, method: str, ids: torch.Tensor, run: DecodeRun) -> tuple[f
                               dense_layers=run.dense_layers):  # fmt: skip
                 model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, streamer=clock)
         else:
-            tier = HostRetrieval(run.retrieve) if method.startswith(TIERED) else None
+            tier = HostRetrieval(run.retrieve, cache=run.tier_cache) if method.startswith(TIERED) else None
             atskv.generate(model, ids, _selector(model, method, run, Path(folder)), run.budget, max_new_tokens=new,
                            dense_layers=run.dense_layers, prefill_chunk=run.prefill_chunk, streamer=clock,
                            tier=tier)  # fmt: skip

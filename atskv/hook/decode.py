@@ -185,8 +185,9 @@ class StaticSession(SparseSession):
             raise ValueError("a host tier prefills one row at a time")
         if layer_idx not in self.hosts:
             _, h, _, d = layer.keys.shape
+            read = self.tier.pages(self.prompt_tokens)
             self.hosts[layer_idx] = HostPages(self.batch, h, self.longest, d, layer.keys.dtype, layer.keys.device,
-                                              self.tier.page_size)  # fmt: skip
+                                              self.tier.page_size, read, math.ceil(read * self.tier.cache))  # fmt: skip
         count, first = int(layer.context[0]), int(layer.slot_pos[0, 0, 0])
         self.hosts[layer_idx].park(self.row, layer.keys, layer.values, first, count)
 
@@ -252,7 +253,7 @@ class StaticSession(SparseSession):
         new = layer.write_slot.unsqueeze(-1)
         host.append(layer.keys.gather(2, slot_index(new, layer.keys)), layer.values.gather(2, slot_index(new, layer.values)))
         host.release(layer.slot_pos.gather(2, victim), over)
-        keys, values, fetched = host.fetch(query, self.tier.pages(self.prompt_tokens))
+        keys, values, fetched = host.fetch(query)
         return (torch.cat([layer.keys, keys], 2), torch.cat([layer.values, values], 2), torch.cat([keep, fetched], -1))
 
     def _identity_indices(self, layer: StaticSlotLayer) -> torch.Tensor:

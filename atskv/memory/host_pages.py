@@ -9,8 +9,10 @@ it is resident in the GPU slots; the evicting selector decides residency as on t
 without a tier. A step scores the pages that hold a non-resident token, takes the best `pages`,
 and gathers them (one gather per tensor and layer) straight out of pinned memory: on CUDA the
 pinned buffers are read through a device alias of the same memory (unified virtual addressing),
-so the gather is an ordinary kernel that reads over PCIe, graph-capturable and without a copy
-engine round trip. Off CUDA the host tensors are read directly.
+so the copy is an ordinary kernel that reads over PCIe, graph-capturable and without a copy
+engine round trip. Off CUDA the host tensors are read directly. Consecutive queries pick mostly
+the same pages, so fetched pages stay in GPU slots (`PageCache`, least recently used out) and only
+the misses cross PCIe (`kernels.page_copy` loads nothing for a hit).
 
 The host copy is written once per token: the prompt when a row's prefill ends, each decode token
 as it arrives (a scatter through the alias). A token the selector evicts from the GPU is only
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from atskv.kernels.page_copy import page_copy
 from atskv.kernels.quest import masked_page_bounds, quest_page_scores
 from atskv.selectors.base import check_budget
 
@@ -32,15 +35,18 @@ from atskv.selectors.base import check_budget
 @dataclass(frozen=True)
 class HostRetrieval:
     """Tiered decode on the fast path: `tokens` parked tokens read back per decode step, layer and
-    KV head (an int, or a fraction of the prompt as budgets are), in whole pages of `page_size`."""
+    KV head (an int, or a fraction of the prompt as budgets are), in whole pages of `page_size`;
+    the GPU keeps `cache` times as many pages as a step reads (>= 1: the pages read last step are
+    always kept), so a page asked for again is not fetched again."""
 
     tokens: int | float = 1024
     page_size: int = 16
+    cache: float = 2.0
 
     def __post_init__(self):
         check_budget(self.tokens)
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.page_size < 1 or self.cache < 1:
+            raise ValueError(f"need page_size >= 1 and cache >= 1, got {self.page_size}, {self.cache}")
 
     def pages(self, prompt_tokens: int) -> int:
         tokens = self.tokens if isinstance(self.tokens, int) else math.ceil(self.tokens * prompt_tokens)
@@ -85,29 +91,37 @@ class _HostArray:
     def __init__(self, host: torch.Tensor):
         self.host = host  # kept alive by the alias
         self.__cuda_array_interface__ = {
-            "shape": tuple(host.shape), "typestr": "<i2", "data": (host.data_ptr(), False), "version": 2,
-            "strides": None,
+            "shape": tuple(host.shape), "typestr": f"<i{host.element_size()}", "data": (host.data_ptr(), False),
+            "version": 2, "strides": None,
         }  # fmt: skip
 
 
+_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def device_alias(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A `device` tensor reading and writing the pinned 2-byte `host` buffer in place (CUDA), or
-    `host` itself off CUDA."""
+    """A `device` tensor reading and writing the pinned `host` buffer in place (CUDA), or `host`
+    itself off CUDA. The interface carries an integer type of the same width (it has no bfloat16)."""
     if device.type != "cuda":
         return host
-    if not host.is_pinned() or host.element_size() != 2 or not host.is_contiguous():
-        raise ValueError("a device alias needs a contiguous pinned host buffer of 2-byte elements")
+    if not host.is_pinned() or not host.is_contiguous():
+        raise ValueError("a device alias needs a contiguous pinned host buffer")
     with torch.cuda.device(device):
-        return torch.as_tensor(_HostArray(host.view(torch.int16)), device=device).view(host.dtype)
+        same_width = host.view(_SAME_SIZE_INT[host.element_size()])
+        return torch.as_tensor(_HostArray(same_width), device=device).view(host.dtype)
 
 
 class HostPages:
     """One managed layer's KV on the host in pages, with the GPU-side bounds and residency flags;
     see the module docstring. `tokens`: the most a row holds (prompt + new tokens)."""
 
-    def __init__(self, batch: int, kv_heads: int, tokens: int, head_dim: int, dtype, device, page_size: int):
+    def __init__(self, batch: int, kv_heads: int, tokens: int, head_dim: int, dtype, device, page_size: int,
+                 read_pages: int, cache_slots: int):  # fmt: skip
         self.page_size = page_size
         self.pages = math.ceil(tokens / page_size)
+        self.read_pages = min(read_pages, self.pages)
+        self.cache = PageCache(batch, kv_heads, self.pages, max(cache_slots, self.read_pages), page_size * head_dim,
+                               dtype, device)  # fmt: skip
         shape = (batch, kv_heads, self.pages * page_size, head_dim)
         make = pinned_zeros if device.type == "cuda" else torch.zeros
         try:
@@ -129,8 +143,8 @@ class HostPages:
 
     @property
     def gpu_nbytes(self) -> int:
-        """GPU bytes of the summary: page bounds and residency flags."""
-        return self.low.nbytes + self.high.nbytes + self.resident.nbytes
+        """GPU bytes: page bounds, residency flags and the page cache."""
+        return self.low.nbytes + self.high.nbytes + self.resident.nbytes + self.cache.nbytes
 
     def park(self, row: int, keys: torch.Tensor, values: torch.Tensor, first_position: int, count: int) -> None:
         """A row's prompt after its prefill: `keys`/`values` `[1, Hkv, >= count, D]` hold its `count`
@@ -162,6 +176,7 @@ class HostPages:
         self.low.scatter_(2, page, torch.where(first, keys, torch.minimum(low, keys)))
         self.high.scatter_(2, page, torch.where(first, keys, torch.maximum(high, keys)))
         self.resident.scatter_(2, index, True)
+        self.cache.forget(index // self.page_size)  # a cached copy of that page lacks the new token
         self.count += 1
 
     def release(self, slot_pos: torch.Tensor, evicted: torch.Tensor) -> None:
@@ -169,21 +184,19 @@ class HostPages:
         self.resident.scatter_(2, self._host_index(slot_pos.masked_fill(~evicted, -1), self.offset), False)
         self.resident[..., -1] = False
 
-    def fetch(self, query: torch.Tensor, pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The `pages` best pages for `query` `[B, Hq, D]` among those holding a parked token:
-        keys, values `[B, Hkv, pages * page_size, D]` and which of their tokens to attend (parked
-        ones, not resident duplicates or empty slots) `[B, Hkv, pages * page_size]`."""
+    def fetch(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The `read_pages` best pages for `query` `[B, Hq, D]` among those holding a parked token:
+        keys, values `[B, Hkv, read_pages * page_size, D]` and which of their tokens to attend
+        (parked ones, not resident duplicates or empty slots) `[B, Hkv, read_pages * page_size]`."""
         b, h, n, d = self.keys.shape
         size = self.page_size
         parked = ~self.resident[..., :-1] & (torch.arange(n, device=query.device) < self.count)
         scores = quest_page_scores(query, self.low, self.high)  # [B, Hkv, P]
         scores = scores.masked_fill(~parked.view(b, h, self.pages, size).any(-1), -torch.inf)
-        best = scores.topk(min(pages, self.pages), dim=-1).indices  # [B, Hkv, r]
+        best = scores.topk(self.read_pages, dim=-1).indices  # [B, Hkv, r]
         tokens = (best.unsqueeze(-1) * size + torch.arange(size, device=best.device)).flatten(-2)
-        page_rows = best.unsqueeze(-1).expand(-1, -1, -1, size * d)
-        keys = self.keys.view(b, h, self.pages, size * d).gather(2, page_rows).view(b, h, -1, d)
-        values = self.values.view(b, h, self.pages, size * d).gather(2, page_rows).view(b, h, -1, d)
-        return keys, values, parked.gather(2, tokens)
+        keys, values = self.cache.read(best, self.keys, self.values)
+        return keys.view(b, h, -1, d), values.view(b, h, -1, d), parked.gather(2, tokens)
 
     def _host_index(self, slot_pos: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
         """Host index of each slot position (free slots: the sink at the end)."""
@@ -193,3 +206,50 @@ class HostPages:
 
 def _rows(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return index.unsqueeze(-1).expand(*index.shape, like.shape[-1])
+
+
+class PageCache:
+    """GPU slots for pages read back from the host, per row and KV head, least recently used out;
+    `slot_of[b, h, page]` (-1: not cached) and `page_in[b, h, slot]`, each with a last sink entry
+    that absorbs writes for "none"."""
+
+    def __init__(self, batch: int, kv_heads: int, pages: int, slots: int, width: int, dtype, device):
+        self.shape, self.slots, self.width = (batch, kv_heads), slots, width
+        self.keys = torch.zeros(batch * kv_heads, slots, width, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self.slot_of = torch.full((batch, kv_heads, pages + 1), -1, dtype=torch.long, device=device)
+        self.page_in = torch.full((batch, kv_heads, slots + 1), pages, dtype=torch.long, device=device)
+        self.used = torch.zeros(batch, kv_heads, slots, dtype=torch.long, device=device)  # the step of last use
+        self.clock = torch.zeros(1, dtype=torch.long, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def read(self, pages: torch.Tensor, host_keys: torch.Tensor, host_values: torch.Tensor):
+        """Keys and values `[B, Hkv, R, width]` of `pages` `[B, Hkv, R]` (distinct per row), the
+        missing ones copied from `host_keys`/`host_values` `[B, Hkv, N, D]` into the least recently
+        used slots that no page of this step holds."""
+        b, h, r = pages.shape
+        self.clock += 1
+        slot = self.slot_of.gather(2, pages)
+        hit = slot >= 0
+        busy = torch.zeros_like(self.used, dtype=torch.bool).scatter_(2, slot.clamp(min=0), hit)
+        free = self.used.masked_fill(busy, torch.iinfo(torch.long).max).topk(r, dim=-1, largest=False).indices
+        slot = torch.where(hit, slot, free.gather(2, ((~hit).cumsum(-1) - 1).clamp(min=0)))
+        sink_page = self.slot_of.shape[-1] - 1
+        self.slot_of.scatter_(2, torch.where(hit, sink_page, self.page_in.gather(2, slot)), -1)  # evicted pages
+        self.slot_of.scatter_(2, pages, slot)
+        self.page_in.scatter_(2, slot, pages)
+        self.used.scatter_(2, slot, self.clock.expand_as(slot))
+        flat = (b * h, r)
+        for host, cached in ((host_keys, self.keys), (host_values, self.values)):
+            page_copy(host.view(b * h, -1, self.width), cached, pages.view(flat), slot.view(flat), (~hit).view(flat))
+        rows = slot.view(*flat, 1).expand(-1, -1, self.width)
+        return self.keys.gather(1, rows).view(b, h, r, -1), self.values.gather(1, rows).view(b, h, r, -1)
+
+    def forget(self, pages: torch.Tensor) -> None:
+        """Pages `[B, Hkv, n]` whose host copy changed: their slots become free."""
+        slot = self.slot_of.gather(2, pages)
+        self.page_in.scatter_(2, torch.where(slot >= 0, slot, self.slots), self.slot_of.shape[-1] - 1)
+        self.slot_of.scatter_(2, pages, -1)
