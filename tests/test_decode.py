@@ -58,6 +58,29 @@ def test_fast_generate_of_a_left_padded_batch(family, selector, budget):
     assert torch.equal(fast, _reference(model, ids, selector, budget, 10, mask))
 
 
+@pytest.mark.parametrize("selector", ["snapkv+sparq", "h2o+sparq", "streaming_llm+oracle", "h2o+oracle", "learned+sparq"])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_fast_generate_of_a_hybrid_gives_the_reference_tokens(family, selector, tmp_path):
+    """Residency part evicting at its own budget, attention part choosing among the resident
+    tokens; a left-padded batch."""
+    model = tiny_model(family)
+    model.generation_config.eos_token_id = None
+    ids = random_prompt(130, seed=1, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :20] = 0
+    ids[1, :20] = 0
+    options = {}
+    if selector.startswith("learned"):
+        options["learned"] = {"predictor": _random_predictor(model, tmp_path, [2, 5] if family == "gemma3" else [1, 2, 3])}
+
+    def make():
+        return atskv.make_selector(selector, residency_budget=24, **options)
+
+    fast = atskv.generate(model, ids, make(), 8, attention_mask=mask, max_new_tokens=10, dense_layers=1,
+                          prefill_chunk=64)  # fmt: skip
+    assert torch.equal(fast, _reference(model, ids, make(), 8, 10, mask))
+
+
 _CONVERSIONS = ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__")
 
 
@@ -173,6 +196,8 @@ def test_unsupported_selectors_and_chunks_are_refused():
     ids = random_prompt(80)
     with pytest.raises(ValueError, match="no fast decode path"):
         atskv.generate(model, ids, "sparcas", 16)
+    with pytest.raises(ValueError, match="no fast decode path"):  # Quest's pages assume position-ordered slots
+        atskv.generate(model, ids, "snapkv+quest", 16)
     with pytest.raises(ValueError, match="prefill_chunk"):
         atskv.generate(model, ids, "dense", 16, prefill_chunk=8)
 

@@ -17,6 +17,9 @@ row holds; all of that is right for studying selectors and wrong for speed. Here
   an evicting selector drops its lowest-scoring token when its budget is full and writes the
   next token into that slot. The top-k size is the budget of the longest context the call can
   reach, the per-row budget a device tensor, so every step is the same graph.
+- a composition (`learned+sparq`, `atskv.selectors.hybrid`) is an evicting layer at its
+  residency budget whose step attends what the query-aware part picks among the held tokens,
+  then evicts (Quest's pages need position-ordered slots: not on the fast path).
 
 Same selection as the reference session: `tests/test_decode.py` checks token-identical greedy
 output on random models for every supported selector, and that a decode step makes no host
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -38,6 +42,7 @@ from atskv.memory.static_cache import StaticKVCache, StaticSlotLayer, first_free
 from atskv.memory.slot_cache import slot_index
 from atskv.selectors import make_selector
 from atskv.selectors.base import LayerView, Selector, resolve_budget, select_top_budget
+from atskv.selectors.hybrid import HybridSelector
 
 # selectors whose decode state is written by the hook alone (slot tensors, in place) or by a
 # `static_write`; the others still need host-side bookkeeping per step
@@ -55,7 +60,10 @@ class StaticSession(SparseSession):
         self, model, selector: Selector, config: SparsityConfig, prompt_tokens: int, max_new_tokens: int,
         prefill_chunk: int, tier: HostRetrieval | None = None,
     ):  # fmt: skip
-        if selector.name not in FAST_SELECTORS or getattr(selector, "threshold", None) is not None:
+        parts = [selector.residency, selector.attention] if isinstance(selector, HybridSelector) else [selector]
+        if any(p.name not in FAST_SELECTORS or p.name == "quest" and len(parts) > 1 for p in parts) or any(
+            getattr(p, "threshold", None) is not None for p in parts
+        ):
             raise ValueError(
                 f"selector {selector.name!r} has no fast decode path yet; use one of {', '.join(FAST_SELECTORS)}, "
                 "or `atskv.sparse` with `model.generate` (the reference path)"
@@ -70,7 +78,14 @@ class StaticSession(SparseSession):
         super().__init__(model, selector, config)
         self.prompt_tokens, self.max_new_tokens, self.prefill_chunk = prompt_tokens, max_new_tokens, prefill_chunk
         self.longest = prompt_tokens + max_new_tokens
-        self.budget_cap = int(resolve_budget(config.budget, torch.tensor([self.longest])))
+        # who decides what the GPU holds, at which budget, and (a hybrid) who chooses what a query reads
+        self.keeper, self.keep_budget, self.chooser = selector, config.budget, None
+        if isinstance(selector, HybridSelector):
+            self.keeper, self.chooser = selector.residency, selector.attention
+            self.keep_budget = selector.budgets(config.budget).residency
+            if self.keep_budget is None:
+                raise ValueError(f"{selector.name} keeps every token at this budget: run {self.chooser.name} alone")
+        self.budget_cap = int(resolve_budget(self.keep_budget, torch.tensor([self.longest])))
         self.real: torch.Tensor | None = None  # [B, T] bool: the prompt's non-padding tokens
         self._identity: dict[tuple, torch.Tensor] = {}
         self.tier = tier
@@ -169,7 +184,7 @@ class StaticSession(SparseSession):
             if not self.evicting(idx):
                 continue
             view = self.decode_view(idx, layer, None, 1.0)
-            if self.selector.unwanted(view) is not None:
+            if self.keeper.unwanted(view) is not None:
                 raise ValueError(f"{self.selector.name} with a threshold has no fast decode path yet; use atskv.sparse")
             if self.tier is not None:
                 self._park(idx, layer)
@@ -192,8 +207,8 @@ class StaticSession(SparseSession):
         self.hosts[layer_idx].park(self.row, layer.keys, layer.values, first, count)
 
     def _top_budget(self, view: LayerView) -> torch.Tensor:
-        scores = self.selector.scores(view)
-        return select_top_budget(scores, view.valid, view.budget, view.slot_pos, view.context)[:, :, 0]
+        scores = self.keeper.scores(replace(view, budget=self.keep_budget))
+        return select_top_budget(scores, view.valid, self.keep_budget, view.slot_pos, view.context)[:, :, 0]
 
     # --- one decode step: static shapes, no host sync -------------------------------------------
     def decode_view(self, layer_idx: int, layer: StaticSlotLayer, query, scaling: float) -> LayerView:
@@ -224,37 +239,54 @@ class StaticSession(SparseSession):
     def _evicting_step(self, layer_idx: int, layer: StaticSlotLayer, query, scaling: float) -> torch.Tensor:
         """Keep the budget: when the row holds more than its budget, the lowest-scoring token
         (the oldest among equals, as the reference's ranking) is not attended and its slot takes
-        the next token."""
+        the next token. A hybrid attends what its attention part picks among every held token and
+        evicts afterwards, by the residency scores that include this step's attention (as the
+        reference's `retained`)."""
         view = self.decode_view(layer_idx, layer, query, scaling)
         self.selector.static_write(view)
         valid = view.valid[:, :, 0]
-        scores = self.selector.scores(view)[:, :, 0].float().masked_fill(~valid, torch.inf)
-        lowest = scores.amin(-1, keepdim=True)
-        oldest = layer.slot_pos.masked_fill(~(valid & (scores == lowest)), torch.iinfo(torch.long).max)
-        victim = oldest.argmin(-1, keepdim=True)  # [B, Hkv, 1]
-        over = valid.sum(-1, keepdim=True) > resolve_budget(view.budget, layer.context.view(-1, 1, 1))
-        drop = torch.zeros_like(valid).scatter_(-1, victim, over)
-        keep = valid & ~drop
+        host = self.hosts.get(layer_idx) if self.tier is not None else None
+        if host is not None:  # the new token's host copy
+            new = layer.write_slot.unsqueeze(-1)
+            host.append(layer.keys.gather(2, slot_index(new, layer.keys)), layer.values.gather(2, slot_index(new, layer.values)))
+        if self.chooser is None:
+            victim, over = self._victim(view, layer, valid, host)
+            attend = valid & ~torch.zeros_like(valid).scatter_(-1, victim, over)
+        else:
+            attend = self._chosen(view)
         keys, values = layer.keys, layer.values
-        if self.tier is not None:  # the parked tokens this query rates highest, read back from the host
-            keys, values, keep = self._with_fetched(layer_idx, layer, query[:, :, 0], victim, over, keep)
-        out, mass = grouped_attention(query, keys, values, keep.unsqueeze(2), scaling,
+        if host is not None:  # the parked tokens this query rates highest, read back from the host
+            fetched_keys, fetched_values, fetched = host.fetch(query[:, :, 0])
+            keys, values = torch.cat([keys, fetched_keys], 2), torch.cat([values, fetched_values], 2)
+            attend = torch.cat([attend, fetched], -1)
+        out, mass = grouped_attention(query, keys, values, attend.unsqueeze(2), scaling,
                                       want_mass=self.selector.needs_attention)  # fmt: skip
         if mass is not None:
             self.selector.observe(view, mass[..., : layer.capacity])
-        layer.evict(drop)
+        if self.chooser is not None:
+            victim, over = self._victim(view, layer, valid, host)
+        layer.evict(torch.zeros_like(valid).scatter_(-1, victim, over))
         layer.write_slot.copy_(torch.where(over, victim, first_free(layer.slot_pos).unsqueeze(-1))[..., 0])
         return out
 
-    def _with_fetched(self, layer_idx: int, layer: StaticSlotLayer, query, victim, over, keep):
-        """The host tier's part of a step: record the new token, flag the victim parked, fetch the
-        best parked pages; returns keys, values and mask over resident slots + fetched tokens."""
-        host = self.hosts[layer_idx]
-        new = layer.write_slot.unsqueeze(-1)
-        host.append(layer.keys.gather(2, slot_index(new, layer.keys)), layer.values.gather(2, slot_index(new, layer.values)))
-        host.release(layer.slot_pos.gather(2, victim), over)
-        keys, values, fetched = host.fetch(query)
-        return (torch.cat([layer.keys, keys], 2), torch.cat([layer.values, values], 2), torch.cat([keep, fetched], -1))
+    def _victim(self, view: LayerView, layer: StaticSlotLayer, valid, host: HostPages | None):
+        """The slot `[B, Hkv, 1]` each row drops, and whether it is over its budget (`[B, Hkv, 1]`);
+        with a host tier the dropped token is flagged parked."""
+        scores = self.keeper.scores(replace(view, budget=self.keep_budget))[:, :, 0].float().masked_fill(~valid, torch.inf)
+        lowest = scores.amin(-1, keepdim=True)
+        oldest = layer.slot_pos.masked_fill(~(valid & (scores == lowest)), torch.iinfo(torch.long).max)
+        victim = oldest.argmin(-1, keepdim=True)
+        over = valid.sum(-1, keepdim=True) > resolve_budget(self.keep_budget, layer.context.view(-1, 1, 1))
+        if host is not None:
+            host.release(layer.slot_pos.gather(2, victim), over)
+        return victim, over
+
+    def _chosen(self, view: LayerView) -> torch.Tensor:
+        """A hybrid's attention part: the slots `[B, Hkv, S]` it picks among the held ones."""
+        indices, lengths = self.chooser.decode_indices(view)
+        counted = torch.arange(indices.shape[-1], device=indices.device) < lengths.unsqueeze(-1)
+        picked = torch.zeros(view.slot_pos.shape, dtype=torch.int32, device=indices.device)
+        return picked.scatter_add_(-1, indices.long(), counted.int()) > 0
 
     def _identity_indices(self, layer: StaticSlotLayer) -> torch.Tensor:
         b, h, s = layer.slot_pos.shape

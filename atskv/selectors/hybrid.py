@@ -98,6 +98,16 @@ class HybridSelector(Selector):
     def observe(self, view: LayerView, attention_mass: torch.Tensor) -> None:
         self.residency.observe(view, attention_mass)
 
+    def static_write(self, view: LayerView) -> None:
+        self.residency.static_write(view)
+        self.attention.static_write(view)
+
+    def decode_variant(self, layer) -> object:
+        return self.residency.decode_variant(layer)
+
+    def unwanted(self, view: LayerView) -> torch.Tensor | None:
+        return self.residency.unwanted(view)
+
     def retained(self, view: LayerView, attended: torch.Tensor | None) -> torch.Tensor:
         """The residency part's choice at the residency budget, whatever was attended."""
         residency = self.budgets(view.budget).residency
