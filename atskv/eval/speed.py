@@ -139,9 +139,11 @@ def random_predictor(model, dense_layers: int, folder: Path) -> Path:
 
 def _selector(model, method: str, run: DecodeRun, folder: Path):
     name = method.removeprefix(HOOK).removeprefix(TIERED)
-    options = dict(run.selector_options.get(name, {}))
-    if name == "learned" and "predictor" not in options:
-        options["predictor"] = random_predictor(model, run.dense_layers, folder)
+    options = {key: dict(v) if isinstance(v, dict) else v for key, v in run.selector_options.get(name, {}).items()}
+    if "learned" in name.split("+"):  # a composition takes its learned part's options under its name
+        learned = options if name == "learned" else options.setdefault("learned", {})
+        if "predictor" not in learned:
+            learned["predictor"] = random_predictor(model, run.dense_layers, folder)
     return make_selector(name, **options)
 
 
