@@ -47,12 +47,7 @@ def test_fast_generate_gives_the_reference_tokens(family, selector, budget):
 @pytest.mark.parametrize("selector,budget", [c for c in CASES if c[0] in ("dense", "sparq", "snapkv", "h2o")])
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_fast_generate_of_a_left_padded_batch(family, selector, budget):
-    model = tiny_model(family)
-    model.generation_config.eos_token_id = None
-    ids = random_prompt(150, seed=2, batch=2)
-    mask = torch.ones_like(ids)
-    mask[1, :30] = 0
-    ids[1, :30] = 0
+    model, ids, mask = _left_padded(family, 150, 30, seed=2)
     fast = atskv.generate(model, ids, selector, budget, attention_mask=mask, max_new_tokens=10, dense_layers=1,
                           prefill_chunk=64)  # fmt: skip
     assert torch.equal(fast, _reference(model, ids, selector, budget, 10, mask))
@@ -63,12 +58,7 @@ def test_fast_generate_of_a_left_padded_batch(family, selector, budget):
 def test_fast_generate_of_a_hybrid_gives_the_reference_tokens(family, selector, tmp_path):
     """Residency part evicting at its own budget, attention part choosing among the resident
     tokens; a left-padded batch."""
-    model = tiny_model(family)
-    model.generation_config.eos_token_id = None
-    ids = random_prompt(130, seed=1, batch=2)
-    mask = torch.ones_like(ids)
-    mask[1, :20] = 0
-    ids[1, :20] = 0
+    model, ids, mask = _left_padded(family, 130, 20, seed=1)
     options = {}
     if selector.startswith("learned"):
         options["learned"] = {"predictor": _random_predictor(model, tmp_path, [2, 5] if family == "gemma3" else [1, 2, 3])}
@@ -79,6 +69,17 @@ def test_fast_generate_of_a_hybrid_gives_the_reference_tokens(family, selector, 
     fast = atskv.generate(model, ids, make(), 8, attention_mask=mask, max_new_tokens=10, dense_layers=1,
                           prefill_chunk=64)  # fmt: skip
     assert torch.equal(fast, _reference(model, ids, make(), 8, 10, mask))
+
+
+def _left_padded(family: str, tokens: int, padding: int, seed: int):
+    """A tiny model that never stops at EOS, and two prompts, the second left-padded by `padding`."""
+    model = tiny_model(family)
+    model.generation_config.eos_token_id = None
+    ids = random_prompt(tokens, seed=seed, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :padding] = 0
+    ids[1, :padding] = 0
+    return model, ids, mask
 
 
 _CONVERSIONS = ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__")
