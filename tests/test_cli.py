@@ -102,6 +102,7 @@ def test_selectors_lists_the_registry(capsys):
     assert run_cli(["selectors"]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in ["dense", "oracle", "snapkv", "h2o", "streaming_llm"])
+    assert "learned+sparq" in out  # compositions are named too
 
 
 @pytest.fixture

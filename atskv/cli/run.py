@@ -200,6 +200,8 @@ def selectors() -> None:
     for name, cls in sorted(SELECTORS.items()):
         kind = "keeps all" if cls.keeps_all else ("query-aware" if cls.query_aware else "query-agnostic")
         print(f"{name:15s} {kind:15s} {'evicts' if cls.evicts else ''}")
+    print("compositions: residency+attention, e.g. learned+sparq, h2o+oracle (an evicting query-agnostic "
+          "part holds residency_budget tokens; a query-aware part attends the budget among them)")
 
 
 selector_help(passkey, generate)
