@@ -9,6 +9,6 @@ from atskv.hook.tiered import TieredSession, TieringConfig, tiered
 
 __version__ = "0.1.0"
 __all__ = [
-    "SELECTORS", "HostRetrieval", "SparseKVCache", "generate", "SparseSession", "SparsityConfig", "TieredSession", "TieringConfig",
-    "kv_bytes", "make_selector", "sparse", "tiered",
+    "SELECTORS", "HostRetrieval", "SparseKVCache", "generate", "SparseSession", "SparsityConfig", "TieredSession",
+    "TieringConfig", "kv_bytes", "make_selector", "sparse", "tiered",
 ]

@@ -69,7 +69,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     lines = [
         f"Host fetch, {torch.cuda.get_device_name()}: gather through the device alias of pinned memory vs one "
-        f"contiguous pinned copy of the same bytes; 8 KV heads x 128 dims, bf16, K+V, {args.stored_tokens} tokens stored",
+        f"contiguous pinned copy of the same bytes; 8 KV heads x 128 dims, bf16, K+V, "
+        f"{args.stored_tokens} tokens stored",
         "",
         "| tokens | MiB | gather GB/s | copy GB/s | gather / copy ceiling | gather us |",
         "|---|---|---|---|---|---|",

@@ -33,7 +33,8 @@ args = parser.parse_args()
 dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
 lm = load_model(args.model, device=args.device, dtype=dtype)
 lm.model.generation_config.eos_token_id = None
-tokens = lm.tokenizer(args.text.expanduser().read_text()[: 40 * args.context * args.windows], return_tensors="pt").input_ids
+text = args.text.expanduser().read_text()[: 40 * args.context * args.windows]  # enough characters for the windows
+tokens = lm.tokenizer(text, return_tensors="pt").input_ids
 stride = (tokens.shape[1] - args.context) // max(1, args.windows)
 prompts = [tokens[:, i * stride : i * stride + args.context].to(args.device) for i in range(args.windows)]
 
@@ -73,4 +74,5 @@ for name in args.selectors:
     alone = agreement(run(name, None))
     pages_read.update(needed=0, listed=0)
     tiered = agreement(run(name, atskv.HostRetrieval(args.retrieve)))
-    print(f"| {name} | {alone} | {tiered} | {1 - pages_read['needed'] / max(1, pages_read['listed']):.2f} |", flush=True)
+    hits = 1 - pages_read["needed"] / max(1, pages_read["listed"])
+    print(f"| {name} | {alone} | {tiered} | {hits:.2f} |", flush=True)

@@ -53,7 +53,9 @@ def test_fast_generate_of_a_left_padded_batch(family, selector, budget):
     assert torch.equal(fast, _reference(model, ids, selector, budget, 10, mask))
 
 
-@pytest.mark.parametrize("selector", ["snapkv+sparq", "h2o+sparq", "streaming_llm+oracle", "h2o+oracle", "learned+sparq"])
+@pytest.mark.parametrize(
+    "selector", ["snapkv+sparq", "h2o+sparq", "streaming_llm+oracle", "h2o+oracle", "learned+sparq"]
+)
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_fast_generate_of_a_hybrid_gives_the_reference_tokens(family, selector, tmp_path):
     """Residency part evicting at its own budget, attention part choosing among the resident
@@ -61,7 +63,8 @@ def test_fast_generate_of_a_hybrid_gives_the_reference_tokens(family, selector, 
     model, ids, mask = _left_padded(family, 130, 20, seed=1)
     options = {}
     if selector.startswith("learned"):
-        options["learned"] = {"predictor": _random_predictor(model, tmp_path, [2, 5] if family == "gemma3" else [1, 2, 3])}
+        managed = [2, 5] if family == "gemma3" else [1, 2, 3]
+        options["learned"] = {"predictor": _random_predictor(model, tmp_path, managed)}
 
     def make():
         return atskv.make_selector(selector, residency_budget=24, **options)

@@ -99,7 +99,8 @@ def test_a_decode_token_is_written_resident_and_released_when_evicted():
     new_k, new_v = torch.full((B, H, 1, D), 100.0), torch.full((B, H, 1, D), -100.0)
     pages.append(new_k, new_v)
     assert pages.count.flatten().tolist() == [23, 23]
-    assert torch.equal(pages.host_keys[:, :, 22], new_k[:, :, 0]) and torch.equal(pages.host_values[:, :, 22], new_v[:, :, 0])
+    assert torch.equal(pages.host_keys[:, :, 22], new_k[:, :, 0])
+    assert torch.equal(pages.host_values[:, :, 22], new_v[:, :, 0])
     assert bool(pages.resident[:, :, 22].all()) and int(pages.resident.sum()) == B * H
     assert bool((pages.high[:, :, 22 // PAGE] == 100).all())  # the page's bound widened to the new key
     positions = torch.tensor([22, 22 + 3]).view(B, 1, 1).expand(B, H, 1)  # row 1's positions are offset by 3

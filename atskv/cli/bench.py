@@ -126,7 +126,8 @@ def decode(
     if gpu_memory is None:
         records = speed.measure(loaded, model, methods, contexts, batch_sizes, run)
     else:
-        records = [r for c in contexts for r in speed.largest_batches(loaded, model, methods, c, gpu_memory, run, max_batch)]
+        records = [r for c in contexts
+                   for r in speed.largest_batches(loaded, model, methods, c, gpu_memory, run, max_batch)]  # fmt: skip
     meta = {
         "command": "atskv bench decode " + " ".join(sys.argv[3:]),
         "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",

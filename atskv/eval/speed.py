@@ -9,8 +9,8 @@ Per method and shape: ms per decode step (the median interval between tokens aft
 read by a streamer that synchronises the device once per token, in both loops), tokens/s over
 the batch, the allocator's peak above the weights (prefill included) and the pinned host memory
 it took. `largest_batches` finds, per method, the largest batch (doubling) that runs in a fixed
-GPU memory: the weights plus a stated KV allowance, enforced through the allocator's limit. Speed needs a model's
-shape, not its weights, so `shape_model` builds 8B-class models from their published configs
+GPU memory: the weights plus a stated KV allowance, enforced through the allocator's limit.
+Speed needs a model's shape, not its weights, so `shape_model` builds 8B-class models from their published configs
 with random weights straight on the GPU; quality comes from the real models elsewhere.
 """
 
@@ -73,8 +73,8 @@ class DecodeRun:
     """What every method of one measurement shares: the budget (GPU tokens per managed layer and
     KV head), decode steps, prompt chunk, dense first layers, `retrieve` (tokens a `tiered:` method
     reads back per step, whole pages; `tier_cache`: the GPU page cache, in reads) and per-selector
-    options (`{"learned": {"predictor": ...}}`;
-    learned without a predictor gets a random one of the model's shape)."""
+    options (`{"learned": {"predictor": ...}}`; learned without a predictor gets a random one of
+    the model's shape)."""
 
     budget: int | float = 0.05
     new_tokens: int = 64
@@ -184,8 +184,10 @@ def measure(model, model_name: str, methods: Sequence[str], contexts: Sequence[i
     return records
 
 
-def largest_batches(model, model_name: str, methods: Sequence[str], context: int, kv_gib: float,
-                    run: DecodeRun = DecodeRun(), max_batch: int = 256, seed: int = 0) -> list[SpeedRecord]:  # fmt: skip
+def largest_batches(
+    model, model_name: str, methods: Sequence[str], context: int, kv_gib: float, run: DecodeRun = DecodeRun(),
+    max_batch: int = 256, seed: int = 0,
+) -> list[SpeedRecord]:  # fmt: skip
     """Per method, the largest batch (1, 2, 4, ...) that runs at `context` when the GPU may hold
     the weights plus `kv_gib` GiB (the allocator's per-process limit), with its throughput; a
     method that fits no batch gets its out-of-memory record. CUDA only."""
@@ -234,7 +236,6 @@ def _timed(model, model_name: str, method: str, context: int, batch: int, run: D
     except (ValueError, NotImplementedError, RuntimeError) as error:
         record.error = str(error)[:160]
     return record
-
 
 
 def _ratios(records: list[SpeedRecord]) -> None:

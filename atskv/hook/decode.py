@@ -58,7 +58,7 @@ class StaticSession(SparseSession):
 
     def __init__(
         self, model, selector: Selector, config: SparsityConfig, prompt_tokens: int, max_new_tokens: int,
-        prefill_chunk: int, tier: HostRetrieval | None = None,
+        prefill_chunk: int, tier: HostRetrieval | None = None, batch: int = 1,
     ):  # fmt: skip
         parts = [selector.residency, selector.attention] if isinstance(selector, HybridSelector) else [selector]
         if any(p.name not in FAST_SELECTORS or p.name == "quest" and len(parts) > 1 for p in parts) or any(
@@ -90,7 +90,7 @@ class StaticSession(SparseSession):
         self._identity: dict[tuple, torch.Tensor] = {}
         self.tier = tier
         self.hosts: dict[int, HostPages] = {}  # managed layer -> its host tier (with `tier`)
-        self.batch, self.row = 1, 0  # rows of the call, and the one being prefilled (one at a time)
+        self.batch, self.row = batch, 0  # rows of the call, and the one being prefilled (one at a time)
 
     def handles(self, layer_idx: int) -> bool:
         return True  # every layer's cache is static
@@ -245,13 +245,13 @@ class StaticSession(SparseSession):
         view = self.decode_view(layer_idx, layer, query, scaling)
         self.selector.static_write(view)
         valid = view.valid[:, :, 0]
-        host = self.hosts.get(layer_idx) if self.tier is not None else None
+        host = self.hosts.get(layer_idx)  # with a host tier
         if host is not None:  # the new token's host copy
             new = layer.write_slot.unsqueeze(-1)
-            host.append(layer.keys.gather(2, slot_index(new, layer.keys)), layer.values.gather(2, slot_index(new, layer.values)))
+            host.append(*(t.gather(2, slot_index(new, t)) for t in (layer.keys, layer.values)))
         if self.chooser is None:
-            victim, over = self._victim(view, layer, valid, host)
-            attend = valid & ~torch.zeros_like(valid).scatter_(-1, victim, over)
+            victim, over, drop = self._victim(view, layer, valid, host)
+            attend = valid & ~drop
         else:
             attend = self._chosen(view)
         keys, values = layer.keys, layer.values
@@ -264,22 +264,23 @@ class StaticSession(SparseSession):
         if mass is not None:
             self.selector.observe(view, mass[..., : layer.capacity])
         if self.chooser is not None:
-            victim, over = self._victim(view, layer, valid, host)
-        layer.evict(torch.zeros_like(valid).scatter_(-1, victim, over))
+            victim, over, drop = self._victim(view, layer, valid, host)
+        layer.evict(drop)
         layer.write_slot.copy_(torch.where(over, victim, first_free(layer.slot_pos).unsqueeze(-1))[..., 0])
         return out
 
     def _victim(self, view: LayerView, layer: StaticSlotLayer, valid, host: HostPages | None):
-        """The slot `[B, Hkv, 1]` each row drops, and whether it is over its budget (`[B, Hkv, 1]`);
-        with a host tier the dropped token is flagged parked."""
-        scores = self.keeper.scores(replace(view, budget=self.keep_budget))[:, :, 0].float().masked_fill(~valid, torch.inf)
+        """The slot `[B, Hkv, 1]` each row drops, whether it is over its budget (`[B, Hkv, 1]`) and
+        the slots to free (`[B, Hkv, S]`); with a host tier the dropped token is flagged parked."""
+        scores = self.keeper.scores(replace(view, budget=self.keep_budget))[:, :, 0]
+        scores = scores.float().masked_fill(~valid, torch.inf)
         lowest = scores.amin(-1, keepdim=True)
         oldest = layer.slot_pos.masked_fill(~(valid & (scores == lowest)), torch.iinfo(torch.long).max)
         victim = oldest.argmin(-1, keepdim=True)
         over = valid.sum(-1, keepdim=True) > resolve_budget(self.keep_budget, layer.context.view(-1, 1, 1))
         if host is not None:
             host.release(layer.slot_pos.gather(2, victim), over)
-        return victim, over
+        return victim, over, torch.zeros_like(valid).scatter_(-1, victim, over)
 
     def _chosen(self, view: LayerView) -> torch.Tensor:
         """A hybrid's attention part: the slots `[B, Hkv, S]` it picks among the held ones."""
@@ -388,18 +389,19 @@ def generate(
         )
     b, t = input_ids.shape
     session = StaticSession(model, selector, SparsityConfig(budget, dense_layers), t, max_new_tokens, prefill_chunk,
-                            tier)  # fmt: skip
-    session.batch = b
+                            tier, batch=b)  # fmt: skip
     with attach(model, session):
         return _generate(model, session, input_ids, attention_mask, max_new_tokens, prefill_chunk, cuda_graph,
                          eos_token_id, streamer)  # fmt: skip
 
 
-def _prefill(model, session: StaticSession, ids, positions, real, chunk: int) -> tuple[StaticKVCache, torch.Tensor]:
+def _prefill(model, session: StaticSession, ids, positions, real, chunk: int,
+             row: int = 0) -> tuple[StaticKVCache, torch.Tensor]:  # fmt: skip
     """The prompt in chunks of `chunk` tokens (the last one full) into a new cache, finished for
-    decoding; returns it and the last position's logits `[B, vocab]`."""
+    decoding; returns it and the last position's logits `[B, vocab]`. `row`: which row of the
+    call `ids` is, when rows are prefilled one at a time (a host tier parks it there)."""
     t = ids.shape[1]
-    session.real = real
+    session.real, session.row = real, row
     cache = session.new_cache()
     first = t - (math.ceil(t / chunk) - 1) * chunk
     for start in [0, *range(first, t, chunk)]:
@@ -418,13 +420,14 @@ def _generate(model, session, input_ids, attention_mask, max_new_tokens, prefill
     emit(input_ids)
     device = input_ids.device
     real = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()
-    positions = (real.long().cumsum(-1) - 1).clamp(min=0) if real is not None else torch.arange(t, device=device).expand(b, t)
+    if real is not None:
+        positions = (real.long().cumsum(-1) - 1).clamp(min=0)
+    else:
+        positions = torch.arange(t, device=device).expand(b, t)
     if session.selector.evicts and b > 1:  # each row compressed before the next: the prompt KV of one row at a time
-        rows = []
-        for i in range(b):
-            session.row = i
-            rows.append(_prefill(model, session, input_ids[i : i + 1], positions[i : i + 1],
-                                 None if real is None or bool(real[i].all()) else real[i : i + 1], prefill_chunk))  # fmt: skip
+        rows = [_prefill(model, session, input_ids[i : i + 1], positions[i : i + 1],
+                         None if real is None or bool(real[i].all()) else real[i : i + 1], prefill_chunk, i)
+                for i in range(b)]  # fmt: skip
         cache, logits = StaticKVCache.stack([c for c, _ in rows]), torch.cat([lg for _, lg in rows])
     else:
         cache, logits = _prefill(model, session, input_ids, positions, real, prefill_chunk)

@@ -128,7 +128,9 @@ class HostPages:
             self.host_keys, self.host_values = make(shape, dtype=dtype), make(shape, dtype=dtype)
         except RuntimeError as error:
             gib = 2 * math.prod(shape) * dtype.itemsize / 2**30
-            raise RuntimeError(f"cannot allocate {gib:.1f} GiB of pinned host memory for the KV tier: {error}") from error
+            raise RuntimeError(
+                f"cannot allocate {gib:.1f} GiB of pinned host memory for the KV tier: {error}"
+            ) from error
         self.keys, self.values = device_alias(self.host_keys, device), device_alias(self.host_values, device)
         self.low = torch.zeros(batch, kv_heads, self.pages, head_dim, dtype=dtype, device=device)
         self.high = torch.zeros_like(self.low)
