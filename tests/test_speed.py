@@ -4,6 +4,8 @@ report has its three files. Times on a CPU mean nothing; the shape of the output
 
 import json
 
+import pytest
+
 from atskv.eval import speed
 from tests.conftest import tiny_model
 
@@ -58,3 +60,22 @@ def test_selector_options_reach_the_selector():
 
 def _run(options: dict) -> speed.DecodeRun:
     return speed.DecodeRun(16, new_tokens=3, prefill_chunk=64, selector_options=options)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--budget", "0"], "budget"),
+        (["--retrieve", "1.5"], "budget"),  # the tokens read back follow the budget's rule
+        (["--tier_cache", "0.5"], "cache >= 1"),
+        (["--gpu_memory", "0"], "gpu_memory > 0"),
+    ],
+)
+def test_bad_decode_settings_exit_in_one_line_before_a_model_is_built(args, message, capsys, monkeypatch):
+    from atskv.cli import main
+
+    monkeypatch.setattr(speed, "shape_model", lambda *a, **k: pytest.fail("a model was built"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "decode", "--model", "smollm2-135m-shape", "--methods", "[plain, tiered:snapkv]", *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err

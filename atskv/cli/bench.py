@@ -114,6 +114,8 @@ def decode(
     names = [m.split(":")[-1] for m in methods if m not in (speed.PLAIN, speed.PLAIN_STATIC)]
     run = speed.DecodeRun(budget, new_tokens, prefill_chunk, dense_layers, retrieve,
                           options_for(sorted(set(names)), selector_options, predictor), tier_cache)  # fmt: skip
+    if gpu_memory is not None and (gpu_memory <= 0 or max_batch < 1):
+        raise ValueError(f"need gpu_memory > 0 GiB and max_batch >= 1, got {gpu_memory} and {max_batch}")
     if not torch.cuda.is_available():
         print("note: no CUDA GPU here; these timings say nothing about GPU speed")
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -31,6 +31,7 @@ from atskv.eval.generation import TokenClock
 from atskv.eval.report import write_report
 from atskv.memory.host_pages import HostRetrieval, pinned_peak, reset_peak_pinned
 from atskv.selectors import make_selector
+from atskv.selectors.base import check_budget
 
 # published configs (config.json of the named checkpoints), enough to build the shape
 SHAPES: dict[str, dict] = {
@@ -83,6 +84,14 @@ class DecodeRun:
     retrieve: int | float = 1024
     selector_options: dict = field(default_factory=dict)
     tier_cache: float = 2.0
+
+    def __post_init__(self):  # bad settings fail here, before a model is built
+        check_budget(self.budget)
+        self.tier()
+
+    def tier(self) -> HostRetrieval:
+        """The host tier a `tiered:` method runs with."""
+        return HostRetrieval(self.retrieve, cache=self.tier_cache)
 
 
 @dataclass
@@ -163,7 +172,7 @@ def run_method(model, method: str, ids: torch.Tensor, run: DecodeRun) -> tuple[f
                               dense_layers=run.dense_layers):  # fmt: skip
                 model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, streamer=clock)
         else:
-            tier = HostRetrieval(run.retrieve, cache=run.tier_cache) if method.startswith(TIERED) else None
+            tier = run.tier() if method.startswith(TIERED) else None
             atskv.generate(model, ids, _selector(model, method, run, Path(folder)), run.budget, max_new_tokens=new,
                            dense_layers=run.dense_layers, prefill_chunk=run.prefill_chunk, streamer=clock,
                            tier=tier)  # fmt: skip
