@@ -1,18 +1,21 @@
-"""Where a selector's decode step spends its time: torch.profiler over the same step that
-`atskv bench` times (append, view, score, top budget, attend), ops sorted by CUDA time.
+"""Where a selector's decode step spends its time: torch.profiler over the same one-layer step that
+`atskv bench attention` times (the fast path's, or the reference's for `hook:<name>`), run eagerly
+so each kernel shows, ops sorted by CUDA time.
 
-    python benchmarks/profile_decode_step.py --selector quest --batch 16 --context 32768
+    python benchmarks/profile_decode_step.py --selector quest learned --batch 1 --context 32768
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import tempfile
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from atskv.eval.bench import GEOMETRIES, selector_step
+from atskv.eval.bench import GEOMETRIES, HOOK, Shape, fast_step, hook_step
 
 
 def main(argv=None) -> None:
@@ -29,9 +32,13 @@ def main(argv=None) -> None:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     budget = math.ceil(args.budget * args.context)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    shape = Shape(args.batch, args.context, GEOMETRIES[args.geometry], dtype, torch.device(device))
     for name in args.selector:
-        step = selector_step(name, args.batch, args.context, budget, GEOMETRIES[args.geometry], dtype, device)
         with torch.no_grad():
+            if name.startswith(HOOK):
+                step = hook_step(name.removeprefix(HOOK), shape, budget)
+            else:
+                step = fast_step(name, shape, args.budget, 8 + 5 + args.steps, Path(tempfile.mkdtemp()))
             for _ in range(5):
                 step()
             with profile(activities=activities) as prof:

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from atskv.eval.bench import DENSE, bench_decode_attention, markdown, selector_step
+from atskv.eval.bench import DENSE, Shape, bench_decode_attention, fast_step, hook_step, markdown
 
 
 def test_bench_times_dense_and_each_selector_in_one_run():
     records = bench_decode_attention(
-        ["oracle", "snapkv"], batch_sizes=[1, 2], contexts=[64, 128], budget_fraction=0.25,
-        geometry="smollm2-135m", dtype=torch.float32, device="cpu", steps=2, warmup=1, progress=False,
+        ["oracle", "snapkv", "hook:quest"], batch_sizes=[1, 2], contexts=[64, 128], budget_fraction=0.25,
+        geometry="smollm2-135m", dtype=torch.float32, device="cpu", replays=2, repeat=2, progress=False,
     )
-    assert len(records) == 2 * 2 * 3
+    assert len(records) == 2 * 2 * 4
     dense = {(r.batch, r.context): r.milliseconds for r in records if r.selector == DENSE}
     for r in records:
         assert r.milliseconds > 0
@@ -23,14 +25,24 @@ def test_bench_times_dense_and_each_selector_in_one_run():
     assert "B=2, 0.125K" in table and "| oracle |" in table
 
 
-@pytest.mark.parametrize("name", ["oracle", "snapkv"])
-def testselector_step_attends_over_the_budget_it_should(name):
-    """Query-aware selectors keep the whole context reachable; evicting ones hold only the budget."""
-    step = selector_step(name, batch=1, context=64, budget=16, geometry=(4, 2, 16), dtype=torch.float32, device="cpu")
-    out = step()
-    assert out.shape == (1, 1, 4, 16) and torch.isfinite(out).all()
-    occupied = int(step.layer.occupied.sum(-1).max())
-    assert occupied == (65 if name == "oracle" else 16)
+@pytest.mark.parametrize("name", ["oracle", "snapkv", "learned"])
+def test_fast_step_holds_what_the_fast_path_holds(name, tmp_path):
+    """After the session's own prefill, query-aware selectors keep every token reachable and evicting
+    ones hold only their budget, step after step, as `atskv.generate` would."""
+    shape = Shape(1, 64, (4, 2, 16), torch.float32, torch.device("cpu"))
+    step = fast_step(name, shape, budget=0.25, room=8, folder=tmp_path)
+    for taken in range(1, 4):
+        out = step()
+        assert out.shape == (1, 1, 4, 16) and torch.isfinite(out).all()
+        held = int((step.layer.slot_pos >= 0).sum(-1).max())
+        assert held == (64 + taken if name == "oracle" else math.ceil(0.25 * (64 + taken)))  # a fraction of the context
+
+
+def test_hook_step_attends_over_the_budget_it_should():
+    shape = Shape(1, 64, (4, 2, 16), torch.float32, torch.device("cpu"))
+    step = hook_step("snapkv", shape, budget=16)
+    assert step().shape == (1, 1, 4, 16)
+    assert int(step.layer.occupied.sum(-1).max()) == 16
 
 
 def test_bench_refuses_unknown_geometry_and_bad_budget():

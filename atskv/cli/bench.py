@@ -13,28 +13,31 @@ from atskv.models import resolve_device
 
 
 def attention(
-    selectors: list[str] = ["oracle", "quest", "sparq", "sparcas", "snapkv"],  # noqa: B006
+    selectors: list[str] = ["quest", "sparq", "learned", "snapkv", "hook:quest"],  # noqa: B006
     batch_sizes: list[int] = [1, 16],  # noqa: B006
     contexts: list[int] = [8192, 32768, 131072],  # noqa: B006
     budget: float = 0.05,
     geometry: str = "llama3-8b",
-    steps: int = 50,
+    replays: int = 20,
+    repeat: int = 16,
     out: Path = Path("results/bench"),
     device: str = "auto",
     dtype: str = "auto",
 ) -> None:
-    """Decode-attention latency of each selector's full path against dense SDPA, as ratios.
+    """One layer's whole decode step per method against dense SDPA, as ratios.
 
-    One managed layer's decode step (append, score, top budget, attend) is timed with CUDA events
-    in the same run as PyTorch SDPA over the whole context; writes table.md and bench.json.
+    A selector runs the fast path's step (append, selector state, score, pick, attend, evict), captured
+    in a CUDA graph as `atskv.generate` runs it; `hook:<selector>` runs the reference path eagerly.
+    Timed with CUDA events in the same run as SDPA over the whole context; writes table.md, bench.json.
 
     Args:
-        selectors: selectors to time (see `atskv selectors`).
+        selectors: selectors to time (see `atskv selectors`); `hook:<name>` for the reference path.
         batch_sizes: batch sizes.
         contexts: context lengths in tokens.
         budget: KV budget as a fraction of the context.
         geometry: attention shape: llama3-8b (32/8 heads, dim 128), smollm2-135m or gemma3-270m.
-        steps: timed decode steps per setting (after a warm-up).
+        replays: timed calls per setting, each `repeat` steps (after two untimed calls).
+        repeat: consecutive steps per call (one CUDA graph), so the host's launch is not timed.
         out: output folder.
         device: cuda, cpu, or auto.
         dtype: bfloat16, float16, float32, or auto (bfloat16 on GPU, float32 on CPU).
@@ -45,7 +48,7 @@ def attention(
 
     device, torch_dtype = resolve_device(device, dtype)
     records = benchmark.bench_decode_attention(
-        selectors, batch_sizes, contexts, budget, geometry, torch_dtype, device, steps=steps, warmup=max(3, steps // 5)
+        selectors, batch_sizes, contexts, budget, geometry, torch_dtype, device, replays=replays, repeat=repeat
     )
     gpu = torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu"
     meta = {"device": gpu, "dtype": str(torch_dtype), "geometry": geometry, "budget": budget}

@@ -1,18 +1,21 @@
-"""Decode-attention latency: each selector's full path against dense attention, in one run.
+"""Decode-attention latency of one managed layer: each method's whole step against dense SDPA, in one run.
 
-One decode step of one managed layer is timed as the hook runs it: append the new token's K/V to
-the slot cache, build the view, score, take the top budget, attend (the sparse decode kernel for
-query-aware selectors; the mask path over the held tokens for evicting ones, whose cache already
-holds only their budget). The baseline is PyTorch SDPA decoding over the whole context from a
-preallocated cache (the same append), with the backend named in the table (flash where it takes
-this input). Random K/V: latency does not depend on the values. Times come from CUDA events
-over many steps after a warm-up; ratios are dense time / selector time, taken in the same run.
+A method is a selector on the fast path (`atskv.generate`'s `StaticSession`: append the new token,
+update the selector's state, score, pick, attend, evict; every step captured in a CUDA graph, as
+`generate` runs it), or `hook:<selector>` on the reference path (`atskv.sparse`, eager: it asks the
+host how many slots each row holds). The baseline is PyTorch SDPA decoding over the whole context
+from a preallocated cache (the same append), captured in a graph too, with the backend named in the
+table. The layer's cache is filled through the session's own prompt path with random K/V, queries
+and hidden states (latency does not depend on the values; the learned selector runs a predictor
+of the shape with random weights). A timed call replays `repeat` consecutive steps, so the host's
+launch of a replay is not part of a step's time; ratios are SDPA time / method time, same run.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,8 +27,9 @@ from tqdm.auto import tqdm
 from transformers import LlamaConfig
 
 from atskv.eval.report import write_report
+from atskv.hook.decode import StaticSession
 from atskv.hook.sparse import SparseSession, SparsityConfig
-from atskv.selectors import make_selector
+from atskv.selectors import check_selector_names, make_selector
 
 GEOMETRIES = {  # query heads, KV heads, head dim
     "llama3-8b": (32, 8, 128),
@@ -33,6 +37,8 @@ GEOMETRIES = {  # query heads, KV heads, head dim
     "gemma3-270m": (4, 1, 256),
 }
 DENSE = "dense (SDPA)"
+HOOK = "hook:"  # the reference path's methods
+PREFILL_CHUNK = 4096
 
 
 @dataclass
@@ -46,41 +52,37 @@ class BenchRecord:
     backend: str = ""
 
 
-def _timer(device: torch.device):
-    """`time(fn, steps, warmup) -> ms per call` with CUDA events on a GPU, wall clock elsewhere."""
-    import time
+@dataclass
+class Shape:
+    """One timed setting: the attention geometry and where its tensors live."""
 
-    def time_it(fn, steps: int, warmup: int) -> float:
-        for _ in range(warmup):
-            fn()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(device)
-            start.record()
-            for _ in range(steps):
-                fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            return start.elapsed_time(end) / steps
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            fn()
-        return (time.perf_counter() - t0) * 1e3 / steps
+    batch: int
+    context: int
+    geometry: tuple[int, int, int]  # query heads, KV heads, head dim
+    dtype: torch.dtype
+    device: torch.device
 
-    return time_it
+    def randn(self, *size: int) -> torch.Tensor:
+        return torch.randn(*size, dtype=self.dtype, device=self.device)
+
+    def config(self) -> LlamaConfig:
+        hq, hkv, d = self.geometry
+        return LlamaConfig(num_hidden_layers=1, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d,
+                           hidden_size=hq * d, intermediate_size=8, vocab_size=8)  # fmt: skip
 
 
-def _dense_step(batch: int, context: int, geometry, dtype, device, room: int):
-    """SDPA decode over a preallocated cache that grows by one token per call; returns (step, backend)."""
-    hq, hkv, d = geometry
-    keys = torch.randn(batch, hkv, context + room, d, dtype=dtype, device=device)
+def sdpa_step(shape: Shape, room: int) -> tuple[Callable[[], torch.Tensor], str]:
+    """SDPA decode over a preallocated cache that grows by one token per call (back to the prompt's
+    end when `room` runs out); returns (step, backend)."""
+    b, context = shape.batch, shape.context
+    hq, hkv, d = shape.geometry
+    keys = shape.randn(b, hkv, context + room, d)
     values = torch.randn_like(keys)
-    query = torch.randn(batch, hq, 1, d, dtype=dtype, device=device)
-    new = torch.randn(batch, hkv, 1, d, dtype=dtype, device=device)
+    query, new = shape.randn(b, hq, 1, d), shape.randn(b, hkv, 1, d)
     state = {"n": context}
 
     def attend():
-        n = state["n"] = state["n"] + 1 if state["n"] < context + room else context
+        n = state["n"] = state["n"] + 1 if state["n"] < context + room else context + 1
         keys[:, :, n - 1 : n] = new
         values[:, :, n - 1 : n] = new
         return F.scaled_dot_product_attention(query, keys[:, :, :n], values[:, :, :n], enable_gqa=hq > hkv)
@@ -100,30 +102,105 @@ def _dense_step(batch: int, context: int, geometry, dtype, device, room: int):
     raise RuntimeError("no SDPA backend accepted the dense decode input")
 
 
-def selector_step(name: str, batch: int, context: int, budget: int, geometry, dtype, device):
-    """One hook decode step of a managed layer for selector `name` (cache filled with `context`
+def fast_step(name: str, shape: Shape, budget: float, room: int, folder: Path) -> Callable[[], torch.Tensor]:
+    """One decode step of a managed layer on the fast path, after a prompt of `shape.context`
+    random tokens through the session's own chunked prefill (an evicting selector then holds its
+    budget). Host-side counters advance as `generate` advances them."""
+    b, context = shape.batch, shape.context
+    hq, hkv, d = shape.geometry
+    model = SimpleNamespace(config=shape.config())
+    options = {}
+    if name == "learned":
+        from atskv.eval.speed import random_predictor
+
+        options["predictor"] = random_predictor(model, 0, folder)
+    selector = make_selector(name, **options)
+    chunk = min(PREFILL_CHUNK, context)
+    session = StaticSession(model, selector, SparsityConfig(budget, dense_layers=0), context, room, chunk, batch=b)
+    cache = session.bind(session.new_cache())
+    layer, module, scaling = cache.layers[0], SimpleNamespace(layer_idx=0), d**-0.5
+    first = context - (math.ceil(context / chunk) - 1) * chunk  # the last chunk is a full one, as `_prefill`'s
+    with torch.no_grad():
+        for start in [0, *range(first, context, chunk)]:
+            n = min(start + (first if start == 0 else chunk), context) - start
+            keys, values = layer.update(shape.randn(b, hkv, n, d), shape.randn(b, hkv, n, d))
+            session.hidden[0], session.token_ids = shape.randn(b, n, hq * d), torch.zeros(b, n, dtype=torch.long, device=shape.device)
+            session.attend(module, shape.randn(b, hq, n, d), keys, values, None, scaling)
+        session.finish_prompt(None)
+    query, new = shape.randn(b, hq, 1, d), shape.randn(b, hkv, 1, d)
+    hidden, ids = shape.randn(b, 1, hq * d), torch.zeros(b, 1, dtype=torch.long, device=shape.device)
+
+    def step() -> torch.Tensor:
+        layer.seen += 1
+        session.hidden[0], session.token_ids = hidden, ids
+        keys, values = layer.update(new, new)
+        return session.attend(module, query, keys, values, None, scaling)
+
+    step.layer = layer  # what the step holds, for checks
+    return step
+
+
+def hook_step(name: str, shape: Shape, budget: int) -> Callable[[], torch.Tensor]:
+    """One decode step of a managed layer on the reference path (cache filled with `shape.context`
     tokens; an evicting selector's cache holds only its budget, as after its prefill eviction)."""
-    hq, hkv, d = geometry
-    config = LlamaConfig(num_hidden_layers=1, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d,
-                         hidden_size=hq * d, vocab_size=8)
+    b, context = shape.batch, shape.context
+    hq, hkv, d = shape.geometry
     selector = make_selector(name)
-    session = SparseSession(SimpleNamespace(config=config), selector, SparsityConfig(budget, dense_layers=0))
+    session = SparseSession(SimpleNamespace(config=shape.config()), selector, SparsityConfig(budget, dense_layers=0))
     layer = session.bind(None).layers[0]
     held = budget if selector.evicts else context
     layer.seen = 0
-    layer.update(*(torch.randn(batch, hkv, held, d, dtype=dtype, device=device) for _ in range(2)))
+    layer.update(shape.randn(b, hkv, held, d), shape.randn(b, hkv, held, d))
     layer.seen = context  # evicting selectors: the tokens before the held ones were dropped
     layer.slot_pos[..., :held] += context - held
     module = SimpleNamespace(layer_idx=0)
-    query = torch.randn(batch, hq, 1, d, dtype=dtype, device=device)
-    new = torch.randn(batch, hkv, 1, d, dtype=dtype, device=device)
+    query, new = shape.randn(b, hq, 1, d), shape.randn(b, hkv, 1, d)
 
     def step():
         keys, values = layer.update(new, new)
         return session.attend(module, query, keys, values, None, d**-0.5)
 
-    step.layer = layer  # what the step holds, for checks
+    step.layer = layer
     return step
+
+
+def step_milliseconds(step: Callable[[], torch.Tensor], device: torch.device, graph: bool, repeat: int,
+                      replays: int) -> float:  # fmt: skip
+    """Milliseconds per step: `repeat` steps per call (captured in one CUDA graph with `graph`, the
+    host-side counters baked in at capture as `generate`'s graphs bake them), CUDA events over
+    `replays` calls after two untimed ones; the wall clock off CUDA."""
+    import time
+
+    def run_eagerly():
+        for _ in range(repeat):
+            step()
+
+    call = run_eagerly
+    if device.type == "cuda" and graph:
+        side = torch.cuda.Stream(device)  # warm-up off the capture stream, as CUDA graph capture wants
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            run_eagerly()
+        torch.cuda.current_stream(device).wait_stream(side)
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            run_eagerly()
+        call = captured.replay
+    for _ in range(2):
+        call()
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(replays):
+            call()
+        return (time.perf_counter() - t0) * 1e3 / (replays * repeat)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
+    start.record()
+    for _ in range(replays):
+        call()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / (replays * repeat)
 
 
 def bench_decode_attention(
@@ -134,41 +211,43 @@ def bench_decode_attention(
     geometry: str = "llama3-8b",
     dtype: torch.dtype = torch.bfloat16,
     device: str = "cuda",
-    steps: int = 50,
-    warmup: int = 10,
+    replays: int = 20,
+    repeat: int = 16,
     progress: bool = True,
 ) -> list[BenchRecord]:
-    """Milliseconds per decode step of one layer, dense and per selector, for every batch x context."""
+    """Milliseconds per decode step of one layer, SDPA and per method, for every batch x context.
+    `selectors`: selector names (the fast path) or `hook:<name>` (the reference path)."""
     if geometry not in GEOMETRIES:
         raise ValueError(f"unknown geometry {geometry!r}; choose one of: {', '.join(GEOMETRIES)}")
     if not 0 < budget_fraction < 1:
         raise ValueError(f"budget_fraction must lie in (0, 1), got {budget_fraction}")
-    for name in selectors:
-        make_selector(name)
-    shape = GEOMETRIES[geometry]
+    check_selector_names([name.removeprefix(HOOK) for name in selectors])
     device = torch.device(device)
-    time_it = _timer(device)
     records = []
     cases = [(b, s) for b in batch_sizes for s in contexts]
+    room = repeat * (replays + 4) + 8  # every step of the warm-up, capture and replays has a free slot
     # the first case runs twice, untimed the first time: kernel compilation and clock ramp-up
     # must not land in whichever setting happens to come first
-    for n, (batch, context) in enumerate(tqdm([cases[0], *cases], desc="bench", disable=not progress)):
-        budget = max(1, math.ceil(budget_fraction * context))
-        room = steps + warmup + 8
-        with torch.no_grad():
-            step, backend = _dense_step(batch, context, shape, dtype, device, room)
-            dense_ms = time_it(step, steps, warmup)
+    with tempfile.TemporaryDirectory() as folder, torch.no_grad():
+        for n, (batch, context) in enumerate(tqdm([cases[0], *cases], desc="bench", disable=not progress)):
+            shape = Shape(batch, context, GEOMETRIES[geometry], dtype, device)
+            budget = max(1, math.ceil(budget_fraction * context))
+            step, backend = sdpa_step(shape, room)
+            dense_ms = step_milliseconds(step, device, True, repeat, replays)
             del step
             case = [BenchRecord(DENSE, batch, context, budget, dense_ms, 1.0, backend)]
             for name in selectors:
-                step = selector_step(name, batch, context, budget, shape, dtype, device)
-                ms = time_it(step, steps, warmup)
+                if name.startswith(HOOK):
+                    step = hook_step(name.removeprefix(HOOK), shape, budget)
+                else:
+                    step = fast_step(name, shape, budget_fraction, room, Path(folder))
+                ms = step_milliseconds(step, device, not name.startswith(HOOK), repeat, replays)
                 del step
                 case.append(BenchRecord(name, batch, context, budget, ms, dense_ms / ms))
-        if n > 0:
-            records += case
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+            if n > 0:
+                records += case
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     return records
 
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from atskv.kernels.quest import masked_page_bounds, page_bounds, quest_page_scores
-from atskv.selectors.base import LayerView, Selector, budget_lengths, budget_tokens
+from atskv.kernels.quest_decode import quest_pick, quest_step_scores
+from atskv.selectors.base import LayerView, Selector, budget_tokens
 from atskv.selectors.buffers import with_room
 
 
@@ -31,6 +32,7 @@ class _PageBounds:
     low: torch.Tensor  # [B, Hkv, room, D]
     high: torch.Tensor
     slots: int  # slots covered so far
+    held: torch.Tensor | None = None  # [B, Hkv, P] int32 tokens per page: the fast path's static cache
 
 
 @dataclass
@@ -49,46 +51,36 @@ class QuestSelector(Selector):
         return pages.repeat_interleave(self.page_size, dim=-1)[..., : view.keys.shape[2]]
 
     def decode_indices(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rank pages rather than tokens (P = S / 16 candidates for `topk`), then list the slots
-        of the best pages, newest first within a page, with slots that are past the end or not
-        visible (padding) moved behind the counted ones; the first k count. Two pages beyond
-        ceil(k / 16) cover a partial last page and a padded first one. Same choice as ranking the
-        token scores with ties broken towards recent tokens, except between pages of exactly
-        equal bound."""
-        low, high = self._bounds(view)
-        pages = quest_page_scores(view.query[:, :, -1], low, high)  # [B, Hkv, P]
-        slots, size = view.keys.shape[2], self.page_size
-        pages = pages.masked_fill(~_page_has(view.valid[:, :, -1], size), -math.inf)  # a page of free slots only
+        """Rank pages rather than tokens (P = S / 16 candidates), then list the slots of the best
+        pages, newest first within a page, usable slots first; the first k count (`quest_pick`).
+        Two pages beyond ceil(k / 16) cover a partial last page and a padded first one. Same
+        choice as ranking the token scores with ties broken towards recent tokens, except between
+        pages of exactly equal bound. On the fast path the new token's page is updated and every
+        page scored in one kernel (`quest_step_scores`)."""
+        valid, size = view.valid[:, :, -1], self.page_size
+        state = view.layer.state.get(self.name)
+        if state is not None and state.held is not None:
+            pages = quest_step_scores(view.query[:, :, -1], state.low, state.high, state.held, view.keys,
+                                      view.slot_pos, view.layer.write_slot, size)  # fmt: skip
+        else:
+            low, high = self._bounds(view)
+            pages = quest_page_scores(view.query[:, :, -1], low, high)  # [B, Hkv, P]
+            pages = pages.masked_fill(_page_counts(valid, size) == 0, -math.inf)  # a page of free slots only
         n_pages = min(math.ceil(budget_tokens(view) / size) + 2, pages.shape[-1])
-        best = pages.topk(n_pages, dim=-1, sorted=True).indices  # [B, Hkv, n]
-        newest_first = torch.arange(size - 1, -1, -1, device=best.device)
-        candidates = (best.unsqueeze(-1) * size + newest_first).flatten(-2)  # [B, Hkv, n * size]
-        in_range = candidates < slots
-        candidates = candidates.clamp(max=slots - 1)
-        valid = view.valid[:, :, -1]
-        usable = in_range & valid.gather(-1, candidates)
-        order = (~usable).to(torch.int8).argsort(dim=-1, stable=True)  # usable slots first, rank kept
-        return candidates.gather(-1, order), budget_lengths(view, valid).minimum(usable.sum(-1))
+        return quest_pick(pages, valid, view.budget, view.context[:, 0, -1], n_pages, size)
 
     def static_write(self, view: LayerView) -> None:
-        """Fast path: bounds over held slots only (the static buffer has free slots past the
-        end), then, each step, the page the new token went to is recomputed in place."""
+        """Fast path: at the first decode step, bounds and token counts of every page over the held
+        slots (the static buffer has free slots past the end); after that `decode_indices` keeps
+        the written page's up to date."""
         if not view.layer.decoding:  # a prompt chunk: bounds are built at the first decode step
             view.layer.state.pop(self.name, None)
             return
-        state = view.layer.state.get(self.name)
-        size = self.page_size
-        if state is None:
-            low, high = masked_page_bounds(view.keys, view.slot_pos >= 0, size)
-            view.layer.state[self.name] = _PageBounds(low, high, view.keys.shape[2])
-            return
-        page = (view.layer.write_slot // size).view(*view.layer.write_slot.shape, 1)  # the token written this step
-        slots = (page * size + torch.arange(size, device=page.device)).clamp(max=view.keys.shape[2] - 1)
-        keys = view.keys.gather(2, slots.unsqueeze(-1).expand(-1, -1, -1, view.keys.shape[-1]))
-        low, high = masked_page_bounds(keys, view.slot_pos.gather(2, slots) >= 0, size)
-        index = page.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
-        state.low.scatter_(2, index, low)
-        state.high.scatter_(2, index, high)
+        if self.name not in view.layer.state:
+            held = view.slot_pos >= 0
+            low, high = masked_page_bounds(view.keys, held, self.page_size)
+            counts = _page_counts(held, self.page_size)
+            view.layer.state[self.name] = _PageBounds(low, high, view.keys.shape[2], counts)
 
     def _bounds(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
         """Page bounds of every slot in `view`, recomputing only the pages new slots fall into."""
@@ -110,7 +102,7 @@ class QuestSelector(Selector):
         return state.low[:, :, :pages], state.high[:, :, :pages]
 
 
-def _page_has(valid: torch.Tensor, size: int) -> torch.Tensor:
-    """`[B, Hkv, P]`: pages holding at least one slot that `valid` (`[B, Hkv, S]`) allows."""
+def _page_counts(valid: torch.Tensor, size: int) -> torch.Tensor:
+    """`[B, Hkv, P]` int32: how many slots of each page `valid` (`[B, Hkv, S]`) allows."""
     pad = -valid.shape[-1] % size
-    return torch.nn.functional.pad(valid, (0, pad)).unflatten(-1, (-1, size)).any(-1)
+    return torch.nn.functional.pad(valid, (0, pad)).unflatten(-1, (-1, size)).sum(-1, dtype=torch.int32)
