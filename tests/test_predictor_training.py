@@ -25,9 +25,11 @@ K = 8  # positives per group; as many sampled negatives
 SMALL = {"reduced_width": 8, "hidden": 32, "lr": 1e-2}
 
 
-def write_shards(folder, shards=6, groups=24, seed=0) -> dict[str, torch.Tensor]:
-    """One shard per window, `groups` groups of 2K rows each; returns all rows concatenated."""
-    writer = ShardWriter(folder, {"model": "synthetic", "feature_spec": SPEC.to_dict(), "topk": K})
+def write_shards(folder, shards=6, groups=24, seed=0, label="mass") -> dict[str, torch.Tensor]:
+    """One shard per window, `groups` groups of 2K rows each; returns all rows concatenated. With
+    `label` kvzip the learnable score is the `kvzip` column and `mass` is noise."""
+    meta = {"model": "synthetic", "feature_spec": SPEC.to_dict(), "topk": K}
+    writer = ShardWriter(folder, {**meta, "label": label} if label != "mass" else meta)
     g = torch.Generator().manual_seed(seed)
     written = []
     for s in range(shards):
@@ -51,6 +53,8 @@ def write_shards(folder, shards=6, groups=24, seed=0) -> dict[str, torch.Tensor]
             "position": torch.randint(0, 100, (n,), generator=g, dtype=torch.int32),
             "decision": torch.full((n,), 100, dtype=torch.int32),
         }
+        if label == "kvzip":
+            rows["kvzip"], rows["mass"] = rows["mass"], rows["mass"][torch.randperm(n, generator=g)]
         writer.write(f"synthetic-w{s}", rows)
         written.append(rows)
     return {c: torch.cat([w[c] for w in written]) for c in written[0]}
@@ -119,6 +123,20 @@ def test_fit_learns_and_checkpoint_reloads(shards, tmp_path):
     reloaded.eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(batch), model(batch), rtol=0, atol=0)
+
+
+def test_a_kvzip_collection_trains_and_validates_on_its_kvzip_column(tmp_path):
+    rows = write_shards(tmp_path, label="kvzip")
+    L.seed_everything(0)
+    data = RelevanceData(str(tmp_path), batch_size=128, validation_fraction=0.34)
+    assert "kvzip" in data.dataset.columns and "mass" not in data.dataset.columns
+    model = RelevanceModule(data.collection, **SMALL)
+    trainer = L.Trainer(
+        max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(model, data)
+    assert trainer.callback_metrics["val/mass_recall"] > random_ranking_recall({"mass": rows["kvzip"]}) + 0.15
 
 
 def test_batches_hold_whole_groups_and_reshuffle(shards):

@@ -16,6 +16,15 @@ from atskv.hook.gqa import grouped_probs
 from atskv.hook.sparse import ATTENTION_NAME, attach
 
 
+def allowed(attention_mask: torch.Tensor | None, tq: int, s: int, device) -> torch.Tensor:
+    """Where the last `tq` queries may attend among `s` keys, `[B or 1, Tq, S]` bool, from the mask
+    the hook's attention registration hands a session (None: plain causal)."""
+    if attention_mask is None:
+        return torch.ones(tq, s, dtype=torch.bool, device=device).tril(s - tq).unsqueeze(0)
+    mask = attention_mask[:, 0, :, :s]
+    return mask if mask.dtype == torch.bool else mask == 0  # additive float mask: 0 where allowed
+
+
 class BiasSession:
     """Layer l adds every `(t, bias [B, Hkv, t+1])` of `biases[l]` to the logits of its queries
     after t on tokens i <= t (all query heads of KV head h); other layers run SDPA. The caller's
@@ -38,11 +47,7 @@ class BiasSession:
         Returns `[B, Tq, Hq, D]`."""
         b, s = key.shape[0], key.shape[2]
         tq = query.shape[2]
-        if attention_mask is None:
-            mask = torch.ones(tq, s, dtype=torch.bool, device=query.device).tril(s - tq)
-        else:
-            mask = attention_mask[:, 0, :, :s]
-            mask = mask if mask.dtype == torch.bool else mask == 0  # additive float mask: 0 where allowed
+        mask = allowed(attention_mask, tq, s, query.device)
         queries = torch.arange(s - tq, s, device=query.device)
         bias = sum(
             F.pad(g, (0, s - t - 1))[:, :, None, :] * (queries > t).to(g.dtype)[:, None]

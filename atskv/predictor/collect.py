@@ -4,7 +4,9 @@ For every window, decision time t (fractions of the window), managed layer and K
 tokens 0..t get the features of `atskv.predictor.features` and the labels of
 `atskv.predictor.labels` (future attention mass, top-k membership, optionally influence), from
 one dense forward through the hook (`atskv.predictor.capture`). Only the prefix 0..max(t)+W of
-a window is run: causality makes later tokens irrelevant.
+a window is run: causality makes later tokens irrelevant. With `label="kvzip"` one more forward
+per decision time (tokens 0..t, an instruction, tokens 0..t again: `atskv.predictor.kvzip`) gives
+the reconstruction scores that then pick the top-k.
 
 Work is a list of `(key, window)` items processed by `collect_items` into one `ShardWriter`
 folder (`atskv.predictor.shards`); it skips finished keys, so a rerun resumes. A folder holding
@@ -30,7 +32,8 @@ from atskv.models import model_geometry
 from atskv.predictor.capture import managed_layers
 from atskv.predictor.distributed import barrier, rank, stable_seed, world_size
 from atskv.predictor.features import SCALAR_FEATURES
-from atskv.predictor.labels import LabelCapture, influence_gradients
+from atskv.predictor.kvzip import REPEAT_PROMPT, repeat_scores
+from atskv.predictor.labels import LABELS, LabelCapture, influence_gradients
 from atskv.predictor.model import FeatureSpec
 from atskv.predictor.shards import ShardWriter
 from atskv.predictor.token_types import token_type_table
@@ -47,9 +50,12 @@ class CollectSpec:
     influence: bool = False
     dense_layers: int = 2
     seed: int = 0
+    label: str = "mass"  # what ranks the tokens: `LABELS` (atskv.predictor.labels)
 
     def __post_init__(self):
         object.__setattr__(self, "decision_points", tuple(float(f) for f in self.decision_points))
+        if self.label not in LABELS:
+            raise ValueError(f"label must be one of {', '.join(LABELS)}, got {self.label!r}")
         if self.future_queries < 1 or self.topk < 1:
             raise ValueError(f"future_queries and topk must be positive, got {self.future_queries}, {self.topk}")
         if not self.decision_points:
@@ -125,20 +131,28 @@ def collection_meta(model, spec: CollectSpec, model_name: str, corpus: str = "co
         "topk": spec.topk,
         "sampling": {"positives": "top-k members", "negatives_per_positive": 1, "seed": spec.seed},
         "influence": spec.influence,
+        "label": spec.label,
     }
 
 
 def collect_window(
-    model, key: str, window: torch.Tensor, types: torch.Tensor, spec: CollectSpec
+    model, key: str, window: torch.Tensor, types: torch.Tensor, spec: CollectSpec, instruction: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    """The shard columns of one window (1-D ids); `types`: the token type of every id."""
+    """The shard columns of one window (1-D ids); `types`: the token type of every id;
+    `instruction`: the ids of `REPEAT_PROMPT` (read with `label="kvzip"` only)."""
     from atskv.hook.sparse import sparse
 
     device = next(model.parameters()).device
     ids = window[: spec.span + 1].reshape(1, -1).to(device)
     generator = torch.Generator().manual_seed(stable_seed(f"{spec.seed}/{key}"))
+    kvzip = {}
+    if spec.label == "kvzip":
+        layers = managed_layers(model, spec.dense_layers)
+        for t in spec.decision_times:
+            scores = repeat_scores(model, ids[0, : t + 1], instruction, layers)
+            kvzip.update({(t, layer): s for layer, s in scores.items()})
     capture = LabelCapture(
-        spec.decision_times, future_queries=spec.future_queries, topk=spec.topk, generator=generator
+        spec.decision_times, future_queries=spec.future_queries, topk=spec.topk, generator=generator, kvzip=kvzip
     )
     every_token = ids.shape[1]  # an int budget: tokens (1.0 is not a budget)
     with sparse(model, capture, budget=every_token, dense_layers=spec.dense_layers) as session, torch.inference_mode():
@@ -152,6 +166,7 @@ def collect_window(
         n, layer = rows.numel(), index[g["layer_idx"]]
         influence = grads[g["t"], g["layer_idx"]][0, g["head"], rows] if grads else torch.full((n,), float("nan"))
         group = stable_seed(f"{key}/{g['t']}/{layer}/{g['head']}")
+        kvzip = {"kvzip": g["kvzip"]} if "kvzip" in g else {}
         for name, value in {
             "hidden": g["hidden"],
             "scalars": g["scalars"],
@@ -160,6 +175,7 @@ def collect_window(
             "head": torch.full((n,), g["head"], dtype=torch.int8),
             "mass": g["mass"],
             "in_topk": g["in_topk"],
+            **kvzip,
             "influence": influence.float(),
             "group": torch.full((n,), group, dtype=torch.int64),
             "position": rows.to(torch.int32),
@@ -188,10 +204,11 @@ def collect_items(
     todo = [item for item in items if not writer.has(item[0])]
     barrier()  # every process has read the manifest before any adds to it
     types = token_type_table(tokenizer, model.config.get_text_config(decoder=True).vocab_size)
+    instruction = torch.tensor(tokenizer(REPEAT_PROMPT, add_special_tokens=False)["input_ids"])
     written = []
     mine = todo[rank() :: world_size()]
     for key, window, item_spec in tqdm(mine, desc="collect", unit="window", disable=not progress or rank() > 0):
-        writer.write(key, collect_window(model, key, window, types, item_spec), index=index[key])
+        writer.write(key, collect_window(model, key, window, types, item_spec, instruction), index=index[key])
         written.append(key)
     barrier()
     if rank() == 0:
@@ -212,6 +229,7 @@ def collect(
     influence: bool = False,
     dense_layers: int = 2,
     seed: int = 0,
+    label: str = "mass",
     model_name: str | None = None,
     corpus: str = "corpus",
     tasks: Sequence[str] = (),
@@ -224,11 +242,14 @@ def collect(
     keyed "<corpus>-w<i>", plus `task_examples` prompts of every task in `tasks` (see
     `task_item`, `task_tokens` long; keyed "<task>-e<seed>"); work already in the folder is
     skipped; a folder holding another collection is refused (`InputError`) unless `start_over`,
-    which empties it first. Under torch.distributed every process calls this with the same
-    arguments and runs its share of the windows (see the module docstring). Returns the folder."""
+    which empties it first. `label`: what ranks the tokens (`CollectSpec.label`). Under
+    torch.distributed every process calls this with the same arguments and runs its share of the
+    windows (see the module docstring). Returns the folder."""
     if windows.dim() != 2:
         raise ValueError(f"windows must be [N, T] token ids, got shape {tuple(windows.shape)}")
-    spec = CollectSpec(windows.shape[1], tuple(decision_points), future_queries, topk, influence, dense_layers, seed)
+    spec = CollectSpec(
+        windows.shape[1], tuple(decision_points), future_queries, topk, influence, dense_layers, seed, label
+    )
     name = model_name or getattr(model.config, "_name_or_path", "") or model.config.model_type
     meta = collection_meta(model, spec, name, corpus)
     if tasks and task_examples:

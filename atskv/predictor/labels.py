@@ -3,6 +3,11 @@ the attention mass the next W queries give each token 0..t, membership in its to
 `influence`) the gradient of the future loss with respect to an additive bias on the token's
 attention logits.
 
+A collection's `label` (`LABELS`) says which score ranks the tokens: `mass` (the future attention
+above) or `kvzip` (reconstruction scores from a repeat-the-context pass, `atskv.predictor.kvzip`,
+kept in a `kvzip` column beside the mass). It picks the top-k members, hence the sampled rows, and
+training learns to order tokens by it (`label_column`).
+
 - `LabelCapture` computes mass and top-k inside the capture (`atskv.predictor.capture`) and
   keeps only sampled rows: all top-k members and as many uniformly drawn non-members, so shards
   stay small and classes balanced.
@@ -27,22 +32,36 @@ from atskv.predictor.capture import FeatureCapture
 from atskv.predictor.features import future_mass, topk_members
 from atskv.selectors.base import LayerView
 
+LABELS = ("mass", "kvzip")
+
+
+def label_column(meta: dict) -> str:
+    """The shard column that ranks a collection's tokens (its `label`); collections made before
+    the choice existed are `mass`."""
+    return meta.get("label", "mass")
+
 
 @dataclass
 class LabelCapture(FeatureCapture):
     """The collection's capture: at every (t, KV head) it keeps the labels and features of the
-    sampled rows only."""
+    sampled rows only. `kvzip`: reconstruction scores `[1, Hkv, t+1]` by (t, layer index); when
+    given, they pick the top-k members instead of the future mass."""
 
     future_queries: int = 1
     topk: int = 1
     generator: torch.Generator | None = None
+    kvzip: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     groups: list[dict] = field(default_factory=list)
 
     def record(self, view: LayerView, t: int, probs: torch.Tensor, scalars: torch.Tensor) -> None:
         mass = future_mass(probs, t, self.future_queries)
-        members = topk_members(mass, self.topk)
+        kvzip = self.kvzip.get((t, view.layer_idx))
+        members = topk_members(mass if kvzip is None else kvzip, self.topk)
         for h in range(mass.shape[1]):
             rows = self._sample(members[0, h])
+            labels = {"mass": mass[0, h, rows], "in_topk": members[0, h, rows]}
+            if kvzip is not None:
+                labels["kvzip"] = kvzip[0, h, rows]
             self.groups.append(
                 {
                     "layer_idx": view.layer_idx,
@@ -51,8 +70,7 @@ class LabelCapture(FeatureCapture):
                     "position": rows,
                     "hidden": view.hidden[0, rows].to(torch.float16),
                     "scalars": scalars[0, h, rows],
-                    "mass": mass[0, h, rows],
-                    "in_topk": members[0, h, rows],
+                    **labels,
                 }
             )
 

@@ -1,10 +1,11 @@
 """Supervised training of the RelevanceMLP on collected shards (`atskv fit`), in Lightning.
 
-Loss = `bce_weight` x BCE(logit, in_topk) + `ranking_weight` x a pairwise logistic loss on
-`mass`: for each row, `ranking_pairs` partners are drawn from its own group (one window,
-decision time, managed layer and KV head) and the model is asked to order each pair as their
-masses are. BCE alone learns the top-k boundary; the ranking term also orders tokens inside and
-outside it, which matters when the selector's budget differs from the collection's k.
+Loss = `bce_weight` x BCE(logit, in_topk) + `ranking_weight` x a pairwise logistic loss on the
+collection's label score (`mass`, or `kvzip` for a `--label kvzip` collection; `label_column`):
+for each row, `ranking_pairs` partners are drawn from its own group (one window, decision time,
+managed layer and KV head) and the model is asked to order each pair as their scores are. BCE
+alone learns the top-k boundary; the ranking term also orders tokens inside and outside it,
+which matters when the selector's budget differs from the collection's k.
 
 Choices where the plan leaves one:
 - Batches hold whole groups (shuffled per epoch), so every row has partners for the ranking
@@ -13,9 +14,10 @@ Choices where the plan leaves one:
   `seed_everything`: the three seeds (`atskv fit fit --config configs/fit.yaml
   --seed_everything N`, N = 0, 1, 2) differ in initialisation and batch order, not in the
   held-out windows, so their validation numbers compare.
-- Mass recall (`MassRecall`) is the share of a group's sampled mass that the predicted top-k_g
-  captures, over the share the true top-k_g captures, k_g = the group's positives: the
-  quantity a selector keeping k_g tokens cares about. The checkpoint keeps the best epoch by it.
+- Mass recall (`MassRecall`) is the share of a group's sampled mass (label score) that the
+  predicted top-k_g captures, over the share the true top-k_g captures, k_g = the group's
+  positives: the quantity a selector keeping k_g tokens cares about. The checkpoint keeps the
+  best epoch by it.
 - The feature spec comes from the shards' manifest and is saved in the hyperparameters, so a
   checkpoint reloads with `RelevanceModule.load_from_checkpoint(path)` alone.
 - Data parallel (`trainer.devices: N`, Lightning DDP) computes the same steps as one process:
@@ -47,11 +49,18 @@ from torchmetrics.utilities import dim_zero_cat
 from atskv.eval.figures import save_figure
 from atskv.predictor.batches import GroupBatchSampler
 from atskv.predictor.distributed import counter_hash, global_means, globalise_batch_norms
+from atskv.predictor.labels import label_column
 from atskv.predictor.model import FeatureSpec, RelevanceMLP
 from atskv.predictor.shards import ShardDataset, stacked
 
-COLUMNS = ["hidden", "scalars", "token_type", "layer", "head", "mass", "in_topk", "group"]
+FEATURES = ["hidden", "scalars", "token_type", "layer", "head"]
 MONITOR = "val/mass_recall"
+
+
+def training_columns(meta: dict) -> list[str]:
+    """The shard columns a fit reads from a collection with manifest `meta`: the features, the
+    top-k membership, the group and the label score."""
+    return [*FEATURES, "in_topk", "group", label_column(meta)]
 
 
 def _rank_within_groups(group: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -156,11 +165,12 @@ class RelevanceData(L.LightningDataModule):
         super().__init__()
         self.save_hyperparameters()
         self.num_workers = default_workers() if num_workers is None else num_workers
-        dataset = ShardDataset(folder, COLUMNS)
+        meta = ShardDataset(folder, []).meta
+        if "feature_spec" not in meta:
+            raise ValueError(f"{folder}'s manifest has no feature_spec: not a predictor collection")
+        dataset = ShardDataset(folder, training_columns(meta))
         if len(dataset) == 0:
             raise ValueError(f"{folder} lists no finished shards: run `atskv collect` into it first")
-        if "feature_spec" not in dataset.meta:
-            raise ValueError(f"{folder}'s manifest has no feature_spec: not a predictor collection")
         self.dataset = dataset
         self.feature_spec = FeatureSpec.from_dict(dataset.meta["feature_spec"])
         self.collection = dataset.meta  # base model, geometry, managed layers: what `atskv export` needs
@@ -227,6 +237,7 @@ class RelevanceModule(L.LightningModule):
         self.model = RelevanceMLP(
             FeatureSpec.from_dict(collection["feature_spec"]), reduced_width, hidden, layer_embedding, head_embedding
         )
+        self.label = label_column(collection)
         self.train_auroc, self.val_auroc = BinaryAUROC(), BinaryAUROC()
         self.train_recall, self.val_recall = MassRecall(), MassRecall()
         self.val_losses = nn.ModuleDict({name: MeanMetric() for name in ("loss", "bce", "ranking")})
@@ -246,7 +257,7 @@ class RelevanceModule(L.LightningModule):
         pairs = logits[:0]
         if hp.ranking_weight:
             seed = self.pair_seed + self.global_step
-            pairs = pairwise_ranking_loss(logits, batch["mass"], batch["group"], hp.ranking_pairs, seed)
+            pairs = pairwise_ranking_loss(logits, batch[self.label], batch["group"], hp.ranking_pairs, seed)
         shares, means = global_means(torch.stack([bce, pairs.sum()]), torch.tensor([logits.numel(), pairs.numel()]))
         loss = hp.bce_weight * shares[0] + hp.ranking_weight * shares[1]  # this process's share of the batch's loss
         rows = means.new_tensor(float(len(logits)))  # the batch's value is every process's: weigh it by local rows
@@ -261,7 +272,7 @@ class RelevanceModule(L.LightningModule):
                 self.log(f"val/{name}", self.val_losses[name], prog_bar=name == "loss")
         auroc, recall = getattr(self, f"{stage}_auroc"), getattr(self, f"{stage}_recall")
         auroc.update(logits.detach(), batch["in_topk"].long())
-        recall.update(logits, batch["mass"], batch["in_topk"], batch["group"])
+        recall.update(logits, batch[self.label], batch["in_topk"], batch["group"])
         self.log(f"{stage}/auroc", auroc, on_step=False, on_epoch=True)
         self.log(f"{stage}/mass_recall", recall, on_step=False, on_epoch=True, prog_bar=stage == "val")
         return loss
