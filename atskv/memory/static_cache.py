@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 from transformers.cache_utils import Cache
 
+from atskv.kernels.slot_write import write_decode_token
 from atskv.memory.slot_cache import SlotLayer, slot_index
 
 
@@ -83,9 +84,7 @@ class StaticSlotLayer(SlotLayer):
     def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Decode write of one token per (row, KV head) into `slots` `[B, Hkv, 1]`, at `position`;
         the slot's selector state restarts at its init. Advances `position` and `context`."""
-        self.keys.scatter_(2, slot_index(slots, self.keys), keys)
-        self.values.scatter_(2, slot_index(slots, self.values), values)
-        self.slot_pos.scatter_(2, slots, self.position.expand(slots.shape))
+        write_decode_token(self.keys, self.values, self.slot_pos, slots, keys, values, self.position)
         for tensor, init in self._slot_state.values():
             index = slot_index(slots, tensor)
             tensor.scatter_(2, index, torch.full(index.shape, init, dtype=tensor.dtype, device=self.device))
