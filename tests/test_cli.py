@@ -16,8 +16,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from atskv import cli
 from tests.conftest import COMMON, run_cli, tiny_bpe_tokenizer
 
-SUBCOMMANDS = ["demo", "passkey", "generate", "selectors", "collect", "fit", "finetune", "export", "eval", "bench"]
-SUBCOMMANDS += ["eval recall", "eval tasks", "eval ppl", "eval peer", "eval heldout", "profile kascade"]
+SUBCOMMANDS = ["demo", "passkey", "generate", "selectors", "collect", "fit", "finetune", "export", "ridge"]
+SUBCOMMANDS += ["eval", "bench", "eval recall", "eval tasks", "eval ppl", "eval peer", "eval heldout", "profile kascade"]
 
 
 @pytest.mark.parametrize("command", [*SUBCOMMANDS, "data fetch", "data list"])

@@ -167,3 +167,22 @@ def test_a_damaged_or_missing_checkpoint_is_one_line_naming_it(tmp_path):
     torch.save([1, 2], tmp_path / "list.ckpt")
     with pytest.raises(InputError, match="not a training checkpoint"):
         read_checkpoint(tmp_path / "list.ckpt")
+
+
+def test_an_ablated_mlp_round_trips_and_runs_in_the_learned_selector(tmp_path):
+    import atskv
+    from atskv.predictor.features import SCALAR_FEATURES
+    from atskv.selectors.learned import LearnedSelector
+    from tests.conftest import random_prompt
+
+    model = tiny_model("llama")
+    spec = FeatureSpec(model.config.hidden_size, SCALAR_FEATURES, 2, model.config.num_key_value_heads)
+    mlp = RelevanceMLP(spec, reduced_width=0, hidden=16, without=["key_norm"]).eval()
+    export_predictor(mlp, torch.zeros(96, dtype=torch.int8), tmp_path, base_model="tiny-llama",
+                     geometry=model_geometry(model.config), managed_layers=[2, 3])
+    loaded = load_predictor(tmp_path, model=model)
+    assert loaded.header.kind == "mlp" and loaded.header.widths["without"] == ["key_norm"]
+    assert loaded.mlp.arguments() == mlp.arguments()
+    with atskv.sparse(model, LearnedSelector(predictor=loaded), budget=8) as session, torch.no_grad():
+        model.generate(random_prompt(20), max_new_tokens=3, do_sample=False)
+    assert int(session.cache.layers[3].occupied.sum(-1).max()) <= 8

@@ -131,3 +131,19 @@ def test_feature_spec_round_trip_and_mismatches():
         mlp(hidden, scalars[:, :3], types, layer, head)
     with pytest.raises(ValueError, match="must have shape"):
         mlp(hidden, scalars, types[:2], layer, head)
+
+
+def test_inputs_left_out_change_nothing_and_the_rest_still_counts():
+    """The ablations' MLPs: no hidden state (reduced_width 0), no attention features, no token type."""
+    spec = FeatureSpec(64, SCALARS, 2, 2)
+    mlp = RelevanceMLP(spec, reduced_width=0, hidden=32, without=["attention", "prev_attention", "token_type"]).eval()
+    assert mlp.projected_width == 0 and mlp.arguments()["without"] == ["attention", "prev_attention", "token_type"]
+    hidden, scalars, types, layer, head = make_inputs(spec, 16)
+    base = mlp(hidden, scalars, types, layer, head)
+    other = scalars.clone()
+    other[:, [0, 5]] += 3.0  # attention and prev_attention
+    torch.testing.assert_close(mlp(torch.randn_like(hidden), other, (types + 1) % 8, layer, head), base)
+    other[:, 1] += 3.0  # position is still read
+    assert not torch.allclose(mlp(hidden, other, types, layer, head), base)
+    with pytest.raises(ValueError, match=r"without names \['age'\]"):
+        RelevanceMLP(spec, without=["age"])

@@ -6,7 +6,7 @@ YAML file under `configs/` via `--config`); it checks its options and calls the 
     data.py       data fetch|list
     eval.py       eval recall|tasks|ppl|peer
     bench.py      bench attention|decode
-    predictor.py  collect, fit, finetune, export (fit and finetune: LightningCLIs)
+    predictor.py  collect, fit, finetune, export, ridge (fit and finetune: LightningCLIs)
     profile.py    profile kascade
 
 `COMMANDS` is the registry: a name maps to a command or to a group (a dict of commands with its

@@ -1,5 +1,6 @@
-"""`atskv collect`, `atskv fit`, `atskv export` and `atskv finetune`: the relevance predictor's
-training data, its supervised training, its export, and its policy-gradient fine-tuning."""
+"""`atskv collect`, `atskv fit`, `atskv export`, `atskv ridge` and `atskv finetune`: the relevance
+predictor's training data, its supervised training, its export, the closed-form linear scorer
+beside it, and its policy-gradient fine-tuning."""
 
 from __future__ import annotations
 
@@ -154,4 +155,40 @@ def export(checkpoint: Path, out: Path | None = None, model: str | None = None, 
     return path
 
 
-COMMANDS = {"collect": collect, "fit": fit, "finetune": finetune, "export": export}
+def ridge(
+    folder: Path,
+    out: Path | None = None,
+    alphas: list[float] = [0.01, 0.1, 1.0, 10.0],  # noqa: B006
+    validation_fraction: float = 0.1,
+    seed: int = 0,
+    model: str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Fit the linear scorer (ridge regression per managed layer and KV head, closed form) on
+    collected shards and export it as a predictor the `learned` selector loads like the MLP's.
+
+    Args:
+        folder: a shard folder written by `atskv collect` (either label).
+        out: output folder (predictor.safetensors, predictor.json); default
+            <cache>/predictors/<model name>, where `--selectors [learned]` finds it.
+        alphas: penalties to try (per row, on standardised inputs); the one with the best
+            validation mass recall is kept.
+        validation_fraction: share of the windows held out to choose the penalty.
+        seed: the train/validation split (as `atskv fit`'s data.seed).
+        model: the base model (token-type table, config hash); default: the collection's.
+        overwrite: allow writing into the folder of a predictor shipped with atskv.
+    """
+    from atskv.predictor.export import export_trained
+    from atskv.predictor.ridge import fit_ridge
+
+    fit = fit_ridge(folder, alphas, validation_fraction, seed)
+    recalls = {str(alpha): recall for alpha, recall in fit.validation.items()}
+    training = {"stage": "ridge", "data": {"folder": str(folder), "seed": seed}, "alpha": fit.alpha,
+                "validation_mass_recall": recalls}
+    loaded = load(model, "cpu", "float32") if model else None
+    path = export_trained(fit.scorer, fit.collection, out, loaded, training, overwrite=overwrite)
+    print(f"alpha {fit.alpha} (validation mass recall by alpha: {recalls}); wrote {path}")
+    return path
+
+
+COMMANDS = {"collect": collect, "fit": fit, "finetune": finetune, "export": export, "ridge": ridge}

@@ -1,7 +1,8 @@
-"""A trained predictor as one file a user can ship: `predictor.safetensors` holds the MLP's
+"""A trained predictor as one file a user can ship: `predictor.safetensors` holds the scorer's
 weights and the base model's token-type table, and its metadata holds a JSON header naming the
 base model (architecture, layer count, head counts, head dim, hidden size: its `ModelGeometry`),
-the managed layers the predictor scores, the feature spec and the MLP's widths, and the hash of
+the managed layers the predictor scores, the feature spec, the scorer's kind (`SCORERS`: the MLP,
+or the ridge scorer; files without one are MLPs) and constructor arguments, and the hash of
 the base model's config (`atskv.models.identity`). The same header is written beside it as
 `predictor.json` for people; loading reads the one inside the weights file, so the two can never
 disagree about what is loaded. Loading against another base model fails naming both models and
@@ -25,9 +26,11 @@ from atskv.models.geometry import ModelGeometry, model_geometry
 from atskv.models.identity import config_hash, model_name
 from atskv.paths import default_cache_dir
 from atskv.predictor.checkpoints import read_checkpoint
-from atskv.predictor.model import FeatureSpec, RelevanceMLP
+from atskv.predictor.model import FeatureSpec, RelevanceMLP, RelevanceScorer
+from atskv.predictor.ridge import RidgeScorer
 
 FORMAT = 1
+SCORERS: dict[str, type[RelevanceScorer]] = {cls.kind: cls for cls in (RelevanceMLP, RidgeScorer)}
 _HEADER_KEY = "atskv_predictor"
 _TOKEN_TYPES = "token_types"
 
@@ -40,15 +43,17 @@ class PredictorHeader:
     geometry: ModelGeometry
     managed_layers: tuple[int, ...]
     feature_spec: FeatureSpec
-    widths: dict[str, int]  # RelevanceMLP's constructor widths
+    widths: dict  # the scorer's constructor arguments besides the spec (`RelevanceScorer.arguments`)
     training: dict = field(default_factory=dict)  # free-form provenance (data, seed, metrics)
     config_hash: str | None = None  # `atskv.models.config_hash` of the base model; None in older exports
+    kind: str = RelevanceMLP.kind  # which of `SCORERS`; older exports are MLPs
 
     def to_json(self) -> str:
         identity = {} if self.config_hash is None else {"config_hash": self.config_hash}
         return json.dumps(
             {
                 "format": FORMAT,
+                "kind": self.kind,
                 "base_model": self.base_model,
                 **identity,
                 "geometry": self.geometry.to_dict(),
@@ -73,6 +78,7 @@ class PredictorHeader:
             widths=data["widths"],
             training=data.get("training", {}),
             config_hash=data.get("config_hash"),
+            kind=data.get("kind", RelevanceMLP.kind),
         )
 
     def check_model(self, model) -> None:
@@ -97,7 +103,7 @@ class PredictorHeader:
 
 @dataclass
 class LoadedPredictor:
-    mlp: RelevanceMLP  # in eval mode
+    mlp: RelevanceScorer  # in eval mode: the MLP, or another kind of `SCORERS`
     header: PredictorHeader
     token_types: torch.Tensor  # [vocab] int8: type of every input id of the base model
 
@@ -119,16 +125,6 @@ def find_predictor(model_name: str) -> Path:
         return own
     shipped = SHIPPED / model_name
     return shipped if (shipped / "predictor.safetensors").is_file() else own
-
-
-def mlp_widths(mlp: RelevanceMLP) -> dict[str, int]:
-    """The constructor widths of `mlp`, read off its layers (what rebuilding it needs)."""
-    return {
-        "reduced_width": mlp.project.out_features,
-        "hidden": mlp.w1.out_features,
-        "layer_embedding": mlp.layer_embedding.embedding_dim,
-        "head_embedding": mlp.head_embedding.embedding_dim,
-    }
 
 
 def checkpoint_provenance(checkpoint: str | Path) -> dict:
@@ -157,7 +153,7 @@ def checkpoint_provenance(checkpoint: str | Path) -> dict:
 
 
 def export_predictor(
-    mlp: RelevanceMLP,
+    scorer: RelevanceScorer,
     token_types: torch.Tensor,
     folder: str | Path,
     *,
@@ -182,16 +178,17 @@ def export_predictor(
         )
     if config is not None and model_geometry(getattr(config, "config", config)) != geometry:
         raise InputError(f"the config given for {base_model!r} is not the model the predictor was trained on")
-    if len(managed_layers) != mlp.spec.num_layers:
-        raise ValueError(f"{len(managed_layers)} managed layers given, the predictor scores {mlp.spec.num_layers}")
-    if geometry.num_kv_heads != mlp.spec.num_kv_heads:
-        raise ValueError(f"the model has {geometry.num_kv_heads} KV heads, the predictor {mlp.spec.num_kv_heads}")
+    spec = scorer.spec
+    if len(managed_layers) != spec.num_layers:
+        raise ValueError(f"{len(managed_layers)} managed layers given, the predictor scores {spec.num_layers}")
+    if geometry.num_kv_heads != spec.num_kv_heads:
+        raise ValueError(f"the model has {geometry.num_kv_heads} KV heads, the predictor {spec.num_kv_heads}")
     header = PredictorHeader(
-        base_model, geometry, tuple(managed_layers), mlp.spec, mlp_widths(mlp), dict(training or {}),
-        config_hash(config) if config is not None else None,
+        base_model, geometry, tuple(managed_layers), spec, scorer.arguments(), dict(training or {}),
+        config_hash(config) if config is not None else None, scorer.kind,
     )
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().cpu().contiguous() for name, t in mlp.state_dict().items()}
+    tensors = {name: t.detach().cpu().contiguous() for name, t in scorer.state_dict().items()}
     tensors[_TOKEN_TYPES] = token_types.detach().cpu().to(torch.int8).contiguous()
     path = folder / "predictor.safetensors"
     partial = path.with_name(path.name + ".partial")
@@ -209,25 +206,37 @@ def export_checkpoint(checkpoint: str | Path, folder: str | Path | None = None, 
     `loaded`: the base model as `load_model` returns it (its tokenizer gives the token-type table,
     its config the hash the header records); default: the model the training data came from.
     Its geometry must match the collection's."""
-    from atskv.models import load_model
     from atskv.predictor.checkpoints import load_module
-    from atskv.predictor.token_types import token_type_table
     from atskv.predictor.training import RelevanceModule
 
     module = load_module(RelevanceModule, checkpoint)
-    collection = module.hparams.collection
+    return export_trained(
+        module.model.eval(), module.hparams.collection, folder, loaded, checkpoint_provenance(checkpoint),
+        overwrite=overwrite,
+    )
+
+
+def export_trained(scorer: RelevanceScorer, collection: dict, folder: str | Path | None = None, loaded=None,
+                   training: dict | None = None, *, overwrite: bool = False) -> Path:
+    """Export a scorer trained on a collection (manifest meta `collection`) into `folder` (default:
+    `default_predictor_dir` of its base model); returns the weights path. `loaded`: the base model
+    as `load_model` returns it (tokenizer for the token-type table, config for the hash), default
+    the collection's; its geometry must match the collection's. `training`: the provenance."""
+    from atskv.models import load_model
+    from atskv.predictor.token_types import token_type_table
+
     geometry = ModelGeometry.from_dict(collection["geometry"])
     loaded = loaded or load_model(collection["model"])
     if model_geometry(loaded.model.config) != geometry:
         raise InputError(f"{loaded.name} is not the model the training data came from ({collection['model']})")
     return export_predictor(
-        module.model.eval(),
+        scorer,
         token_type_table(loaded.tokenizer, loaded.model.config.vocab_size),
         folder or default_predictor_dir(collection["model"]),
         base_model=collection["model"],
         geometry=geometry,
         managed_layers=collection["managed_layers"],
-        training=checkpoint_provenance(checkpoint),
+        training=training,
         config=loaded.model.config,
         overwrite=overwrite,
     )
@@ -253,7 +262,9 @@ def load_predictor(path: str | Path, model=None, device: str | torch.device = "c
             header = PredictorHeader.from_json(metadata[_HEADER_KEY])
             tensors = {name: f.get_tensor(name) for name in f.keys()}
         token_types = tensors.pop(_TOKEN_TYPES)
-        mlp = RelevanceMLP(header.feature_spec, **header.widths)
+        if header.kind not in SCORERS:
+            raise InputError(f"{path} holds a predictor of kind {header.kind!r}; this atskv reads {', '.join(SCORERS)}")
+        mlp = SCORERS[header.kind](header.feature_spec, **header.widths)
         mlp.load_state_dict(tensors)
     except (SafetensorError, OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
         if isinstance(error, InputError):

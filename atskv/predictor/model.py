@@ -17,9 +17,16 @@ Choices where the proposal leaves one:
 - Token types enter one-hot: with eight types that is a learned column of W1 per type.
 - Default `hidden` 768 puts SmolLM2-135M and Gemma 3 270M at about 110K parameters, the low end
   of the proposal's 100K-500K, keeping the cost of a refresh small.
+- Any input can be left out, for ablations: the hidden state with `reduced_width` 0, scalar
+  features and the token type by name in `without` (W1 then reads only the rest).
+
+`RelevanceScorer` is what the learned selector, export and evaluation rely on; the MLP is one
+kind, the closed-form ridge scorer (`atskv.predictor.ridge`) another.
 """
 
+import itertools
 from dataclasses import asdict, dataclass, fields
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -62,48 +69,56 @@ class FeatureSpec:
         return cls(**data)
 
 
-class RelevanceMLP(nn.Module):
-    """Relevance logits for (token, managed layer, KV head) rows; sigmoid gives r in (0, 1)."""
+class RelevanceScorer(nn.Module):
+    """Relevance logits for (token, managed layer, KV head) rows, in two steps so the learned
+    selector can store a token's hidden-state part once, when it enters the cache:
+    `project_hidden` (per token, shared by the KV heads; `projected_width` wide) and `score`.
+    `kind` names the class in a predictor file and `arguments()` rebuilds it with the spec."""
 
-    def __init__(
-        self,
-        spec: FeatureSpec,
-        reduced_width: int = 64,
-        hidden: int = 768,
-        layer_embedding: int = 8,
-        head_embedding: int = 4,
-    ):
-        super().__init__()
-        self.spec = spec
-        self.project = nn.Linear(spec.d_model, reduced_width)
-        self.scalar_norm = nn.BatchNorm1d(len(spec.scalar_features), affine=False)
-        self.layer_embedding = nn.Embedding(spec.num_layers, layer_embedding)
-        self.head_embedding = nn.Embedding(spec.num_kv_heads, head_embedding)
-        width = reduced_width + len(spec.scalar_features) + spec.num_token_types + layer_embedding + head_embedding
-        self.w1 = nn.Linear(width, hidden)
-        self.w2 = nn.Linear(hidden, 1)
+    kind: ClassVar[str] = ""
+    spec: FeatureSpec
 
-    def parameter_count(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+    @property
+    def projected_width(self) -> int:
+        raise NotImplementedError
+
+    def arguments(self) -> dict:
+        """Constructor arguments besides the spec, read off the scorer (what an export records)."""
+        raise NotImplementedError
 
     def project_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[N, d_model]` layer-input hidden states -> `[N, reduced_width]`, shared by the KV heads."""
+        """`[N, d_model]` layer-input hidden states -> `[N, projected_width]`."""
+        raise NotImplementedError
+
+    def score(self, projected, scalars, token_types, layer, head) -> torch.Tensor:
+        """Logits `[N]` from projected hidden states `[N, projected_width]`, raw scalar features
+        `[N, F]` (in `spec.scalar_features` order), and type / managed-layer / KV-head indices `[N]`."""
+        raise NotImplementedError
+
+    def forward(self, hidden, scalars, token_types, layer, head) -> torch.Tensor:
+        """Logits `[N]` for hidden states `[N, d_model]` and the `score` inputs."""
+        return self.score(self.project_hidden(hidden), scalars, token_types, layer, head)
+
+    @property
+    def device(self) -> torch.device:
+        return self._any_tensor().device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._any_tensor().dtype
+
+    def _any_tensor(self) -> torch.Tensor:
+        return next(itertools.chain(self.parameters(), self.buffers()))
+
+    def normalised(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states RMS-normalised in the scorer's dtype: their scale grows along the residual
+        stream and is a scalar feature of its own (`hidden_norm`)."""
         if hidden.shape[-1] != self.spec.d_model:
             raise ValueError(f"hidden states have width {hidden.shape[-1]}, the predictor expects {self.spec.d_model}")
-        hidden = hidden.to(self.project.weight.dtype)
-        return self.project(F.rms_norm(hidden, (hidden.shape[-1],)))
+        hidden = hidden.to(self.dtype)
+        return F.rms_norm(hidden, (hidden.shape[-1],))
 
-    def score(
-        self,
-        projected: torch.Tensor,
-        scalars: torch.Tensor,
-        token_types: torch.Tensor,
-        layer: torch.Tensor,
-        head: torch.Tensor,
-    ) -> torch.Tensor:
-        """Logits `[N]` from projected hidden states `[N, d_r]`, raw scalar features `[N, F]` (in
-        `spec.scalar_features` order), and type / managed-layer / KV-head indices `[N]`."""
-        n = projected.shape[0]
+    def check_rows(self, n: int, scalars, token_types, layer, head) -> None:
         if scalars.shape != (n, len(self.spec.scalar_features)):
             raise ValueError(
                 f"scalar features have shape {tuple(scalars.shape)}, expected ({n}, {len(self.spec.scalar_features)}) "
@@ -114,18 +129,69 @@ class RelevanceMLP(nn.Module):
                 f"token types, layers and heads must have shape ({n},), got "
                 f"{tuple(token_types.shape)}, {tuple(layer.shape)}, {tuple(head.shape)}"
             )
-        x = torch.cat(
-            [
-                projected,
-                self.scalar_norm(scalars.to(projected.dtype)),
-                F.one_hot(token_types.long(), self.spec.num_token_types).to(projected.dtype),
-                self.layer_embedding(layer.long()),
-                self.head_embedding(head.long()),
-            ],
-            dim=-1,
-        )
-        return self.w2(F.relu(self.w1(x))).squeeze(-1)
 
-    def forward(self, hidden, scalars, token_types, layer, head) -> torch.Tensor:
-        """Logits `[N]` for hidden states `[N, d_model]` and the `score` inputs."""
-        return self.score(self.project_hidden(hidden), scalars, token_types, layer, head)
+
+class RelevanceMLP(RelevanceScorer):
+    """Relevance logits for (token, managed layer, KV head) rows; sigmoid gives r in (0, 1)."""
+
+    kind = "mlp"
+
+    def __init__(
+        self,
+        spec: FeatureSpec,
+        reduced_width: int = 64,
+        hidden: int = 768,
+        layer_embedding: int = 8,
+        head_embedding: int = 4,
+        without: tuple[str, ...] | list[str] = (),
+    ):
+        super().__init__()
+        self.spec = spec
+        self.without = tuple(without)
+        if unknown := set(self.without) - {*spec.scalar_features, "token_type"}:
+            raise ValueError(f"without names {sorted(unknown)}; it takes scalar features {spec.scalar_features} "
+                             "and token_type")
+        self.kept = [i for i, name in enumerate(spec.scalar_features) if name not in self.without]
+        self.types = "token_type" not in self.without
+        self.project = nn.Linear(spec.d_model, reduced_width)
+        self.scalar_norm = nn.BatchNorm1d(len(spec.scalar_features), affine=False)
+        self.layer_embedding = nn.Embedding(spec.num_layers, layer_embedding)
+        self.head_embedding = nn.Embedding(spec.num_kv_heads, head_embedding)
+        types = spec.num_token_types if self.types else 0
+        width = reduced_width + len(self.kept) + types + layer_embedding + head_embedding
+        self.w1 = nn.Linear(width, hidden)
+        self.w2 = nn.Linear(hidden, 1)
+
+    @property
+    def projected_width(self) -> int:
+        return self.project.out_features
+
+    def arguments(self) -> dict:
+        widths = {
+            "reduced_width": self.project.out_features,
+            "hidden": self.w1.out_features,
+            "layer_embedding": self.layer_embedding.embedding_dim,
+            "head_embedding": self.head_embedding.embedding_dim,
+        }
+        return {**widths, "without": list(self.without)} if self.without else widths
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def project_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.project(self.normalised(hidden))
+
+    def score(
+        self,
+        projected: torch.Tensor,
+        scalars: torch.Tensor,
+        token_types: torch.Tensor,
+        layer: torch.Tensor,
+        head: torch.Tensor,
+    ) -> torch.Tensor:
+        self.check_rows(projected.shape[0], scalars, token_types, layer, head)
+        parts = [projected, self.scalar_norm(scalars.to(projected.dtype))[:, self.kept]]
+        if self.types:
+            parts.append(F.one_hot(token_types.long(), self.spec.num_token_types).to(projected.dtype))
+        x = torch.cat([*parts, self.layer_embedding(layer.long()), self.head_embedding(head.long())], dim=-1)
+        return self.w2(F.relu(self.w1(x))).squeeze(-1)

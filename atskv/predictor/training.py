@@ -212,6 +212,7 @@ class RelevanceModule(L.LightningModule):
         hidden: int = 768,
         layer_embedding: int = 8,
         head_embedding: int = 4,
+        without: list[str] = [],  # noqa: B006 (read-only; a list for the CLI)
         lr: float = 1e-3,
         weight_decay: float = 0.01,
         bce_weight: float = 1.0,
@@ -222,10 +223,11 @@ class RelevanceModule(L.LightningModule):
         Args:
             collection: the collection's manifest meta (feature spec, base model, geometry, managed
                 layers; the CLI links it from the data), kept in checkpoints for `atskv export`.
-            reduced_width: width of the hidden-state projection (d_r).
+            reduced_width: width of the hidden-state projection (d_r); 0 leaves the hidden state out.
             hidden: hidden units of the MLP.
             layer_embedding: size of the learned managed-layer embedding.
             head_embedding: size of the learned KV-head embedding.
+            without: inputs left out (ablations): scalar features by name and/or token_type.
             lr: AdamW learning rate.
             weight_decay: AdamW weight decay.
             bce_weight: weight of BCE on top-k membership.
@@ -235,7 +237,8 @@ class RelevanceModule(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.model = RelevanceMLP(
-            FeatureSpec.from_dict(collection["feature_spec"]), reduced_width, hidden, layer_embedding, head_embedding
+            FeatureSpec.from_dict(collection["feature_spec"]), reduced_width, hidden, layer_embedding, head_embedding,
+            without,
         )
         self.label = label_column(collection)
         self.train_auroc, self.val_auroc = BinaryAUROC(), BinaryAUROC()

@@ -76,7 +76,7 @@ from atskv.predictor.batches import GroupBatchSampler
 from atskv.predictor.capture import managed_layers
 from atskv.predictor.collect import TASK_SEED_BASE
 from atskv.predictor.distributed import all_sum, seeded
-from atskv.predictor.export import PredictorHeader, checkpoint_provenance, find_predictor, load_predictor, mlp_widths
+from atskv.predictor.export import PredictorHeader, checkpoint_provenance, find_predictor, load_predictor
 from atskv.predictor.features import SCALAR_FEATURES
 from atskv.predictor.model import FeatureSpec, RelevanceMLP
 from atskv.predictor.token_types import token_type_table
@@ -106,7 +106,7 @@ class StartingPoint:
             ModelGeometry.from_dict(c["geometry"]),
             tuple(c["managed_layers"]),
             FeatureSpec.from_dict(c["feature_spec"]),
-            mlp_widths(self.mlp),
+            self.mlp.arguments(),
         )
 
 
@@ -126,6 +126,8 @@ def starting_point(source: str | Path) -> StartingPoint:
         folder = path if path.exists() else find_predictor(str(source))
         loaded = load_predictor(folder)
         h = loaded.header
+        if not isinstance(loaded.mlp, RelevanceMLP):
+            raise ValueError(f"{folder} holds a {h.kind} scorer; fine-tuning starts from an MLP predictor")
         collection = {
             "model": h.base_model,
             "geometry": h.geometry.to_dict(),
@@ -246,7 +248,7 @@ class PolicyGradientModule(L.LightningModule):
         self.frozen = _Frozen(loaded.model.eval().requires_grad_(False), reference, types)
         self.tokenizer = loaded.tokenizer
         started_from = {"predictor": start.source, "training": start.training}  # for `atskv export`'s header
-        self.hparams.update(collection=start.collection, started_from=started_from, **mlp_widths(start.mlp))
+        self.hparams.update(collection=start.collection, started_from=started_from, **start.mlp.arguments())
         self.sample_seed = int(torch.randint(2**62, ()))  # the policy's draws; after seed_everything
 
     def train(self, mode: bool = True):

@@ -1,5 +1,6 @@
-"""The learned retention policy: an exported `RelevanceMLP` decides which tokens each managed
-layer and KV head keeps under the budget (query-agnostic and evicting, like H2O and SnapKV).
+"""The learned retention policy: an exported relevance scorer (`RelevanceMLP`, or another kind
+of `atskv.predictor.export.SCORERS`) decides which tokens each managed layer and KV head keeps
+under the budget (query-agnostic and evicting, like H2O and SnapKV).
 
 Scores are not recomputed for every token at every step. A token's fixed features (its projected
 hidden state, hidden-state norm and token type) are computed once, when it enters the cache, and
@@ -118,7 +119,7 @@ class LearnedSelector(Selector):
         hidden = view.hidden[:, -1]  # [B, d_model]
         with torch.no_grad():
             projected = mlp.project_hidden(hidden).to(_PROJECTED_DTYPE)  # [B, width]
-        store = _projected(layer, mlp.project.out_features)
+        store = _projected(layer, mlp.projected_width)
         store.scatter_(2, slot_index(slot, store), projected.view(b, 1, 1, -1).expand(b, h, 1, -1))
         layer.slot_tensor(_HIDDEN_NORM).scatter_(2, slot, hidden.float().norm(dim=-1).view(b, 1, 1).expand(b, h, 1))
         kind = self.predictor.token_types[view.token_ids[:, -1]].float().view(b, 1, 1).expand(b, h, 1)
@@ -132,7 +133,7 @@ class LearnedSelector(Selector):
         header = self.predictor.header
         made_for = f"the predictor trained for {header.base_model!r}"
         check_view_fits(view, header.geometry, header.managed_layers, made_for, "export one for this model")
-        if self.predictor.mlp.w1.weight.device != view.keys.device:  # loaded on the CPU, run beside the model
+        if self.predictor.mlp.device != view.keys.device:  # loaded on the CPU, run beside the model
             self.predictor.mlp.to(view.keys.device)
             self.predictor.token_types = self.predictor.token_types.to(view.keys.device)
 
@@ -180,7 +181,7 @@ class LearnedSelector(Selector):
         """Store the fixed features of the tokens written in this step (projected hidden state,
         its norm, token type); their score stays +inf until the next refresh."""
         layer, mlp = view.layer, self.predictor.mlp
-        width = mlp.project.out_features
+        width = mlp.projected_width
         kind = layer.slot_tensor(_TYPE, init=-1.0)
         fresh = (kind < 0) & (view.slot_pos >= 0)
         if view.hidden is None or not bool(fresh.any()):
@@ -207,7 +208,7 @@ class LearnedSelector(Selector):
         heads = torch.arange(h, device=scalars.device).view(1, h, 1).expand(b, h, s)
         with torch.no_grad():
             logits = mlp.score(
-                _projected(layer, mlp.project.out_features).reshape(b * h * s, -1).to(mlp.w1.weight.dtype),
+                _projected(layer, mlp.projected_width).reshape(b * h * s, -1).to(mlp.dtype),
                 scalars.reshape(b * h * s, -1),
                 layer.slot_tensor(_TYPE, init=-1.0).reshape(-1).clamp(min=0).long(),
                 torch.full((b * h * s,), self._layer_index[view.layer_idx], device=scalars.device),
