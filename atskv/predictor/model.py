@@ -151,7 +151,10 @@ class RelevanceMLP(RelevanceScorer):
         if unknown := set(self.without) - {*spec.scalar_features, "token_type"}:
             raise ValueError(f"without names {sorted(unknown)}; it takes scalar features {spec.scalar_features} "
                              "and token_type")
-        self.kept = [i for i, name in enumerate(spec.scalar_features) if name not in self.without]
+        kept = [i for i, name in enumerate(spec.scalar_features) if name not in self.without]
+        # a buffer, not a list: it moves with the module, so indexing never copies from the host (a
+        # CUDA graph capturing the fast path's refresh step refuses that copy)
+        self.register_buffer("kept", torch.tensor(kept, dtype=torch.long), persistent=False)
         self.types = "token_type" not in self.without
         self.project = nn.Linear(spec.d_model, reduced_width)
         self.scalar_norm = nn.BatchNorm1d(len(spec.scalar_features), affine=False)
