@@ -162,11 +162,11 @@ def _pick_kernel(
     FRACTION: tl.constexpr, SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_BEST: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """One (row, KV head). Scores become order-preserving int32 keys; a binary search over the
-    key range finds the n_best-th largest (32 counting passes over the row in registers: a
-    bitonic sort of thousands of pages took ~100 us); the pages above it, and the lowest-id ones
-    at it, are ranked among themselves by pairwise comparison, a chunk at a time; their slots are
-    then laid out. Scratch (`[3, rows, n_best]` int32: keys, ids, ranked ids) passes values
+    """One (row, KV head). Scores become order-preserving 32-bit keys; the n_best-th largest is
+    built bit by bit from the top (32 counting passes over the row in registers: a bitonic sort
+    of thousands of pages took ~100 us); the pages above it, and the lowest-id ones at it, are
+    ranked among themselves by pairwise comparison, a chunk of them against all at a time; their
+    slots are then laid out. Scratch (`[3, rows, n_best]` int32: keys, ids, ranked ids) passes values
     between the program's threads, after a barrier."""
     bh = tl.program_id(0).to(tl.int64)
     b = bh // n_kv_heads
@@ -177,35 +177,33 @@ def _pick_kernel(
     p = tl.arange(0, BLOCK_P)
     score = tl.load(score_ptr + bh * n_pages + p, mask=p < n_pages, other=float("-inf")) + 0.0  # -0.0 -> 0.0
     bits = score.to(tl.int32, bitcast=True)
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # int32 in the scores' order
     key = tl.where(p < n_pages, key, -2147483648)  # padding below every page, -inf ones included
-    low = tl.full([], -2147483648, tl.int64)
-    high = tl.full([], 2147483647, tl.int64)
-    for _ in range(32):  # the largest threshold that at least n_best keys reach
-        mid = (low + high + 1) >> 1
-        enough = tl.sum((key >= mid).to(tl.int32), 0) >= n_best
-        low = tl.where(enough, mid, low)
-        high = tl.where(enough, high, mid - 1)
-    tie = key == low
-    need = n_best - tl.sum((key > low).to(tl.int32), 0)
-    chosen = (key > low) | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= need))
+    unsigned = (key ^ -2147483648).to(tl.uint32, bitcast=True)  # the same order, unsigned
+    threshold = tl.full([], 0, tl.uint32)
+    one = tl.full([], 1, tl.uint32)
+    for bit in tl.static_range(32):  # the largest threshold at least n_best keys reach, bit by bit
+        trial = threshold | (one << (31 - bit))
+        threshold = tl.where(tl.sum((unsigned >= trial).to(tl.int32), 0) >= n_best, trial, threshold)
+    above = unsigned > threshold
+    tie = unsigned == threshold
+    need = n_best - tl.sum(above.to(tl.int32), 0)
+    chosen = above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= need))
     at = tl.cumsum(chosen.to(tl.int32), 0) - 1
-    tl.store(keys_at + at, key.to(tl.int32), mask=chosen)
+    tl.store(keys_at + at, key, mask=chosen)
     tl.store(ids_at + at, p, mask=chosen)
     tl.debug_barrier()
+    m = tl.arange(0, BLOCK_BEST)
+    m_ok = m < n_best
+    km = tl.load(keys_at + m, mask=m_ok, other=0)[None, :]  # every chosen page, read once
+    im = tl.load(ids_at + m, mask=m_ok, other=0)[None, :]
     c = tl.arange(0, CHUNK)
-    for js in range(0, n_best, CHUNK):  # rank: higher key first, lower page id among equals
+    for js in range(0, n_best, CHUNK):  # rank a chunk: higher key first, lower page id among equals
         j_ok = js + c < n_best
-        kj = tl.load(keys_at + js + c, mask=j_ok, other=0)
-        ij = tl.load(ids_at + js + c, mask=j_ok, other=0)
-        rank = tl.zeros([CHUNK], tl.int32)
-        for ms in range(0, n_best, CHUNK):
-            m_ok = ms + c < n_best
-            km = tl.load(keys_at + ms + c, mask=m_ok, other=0)[None, :]
-            im = tl.load(ids_at + ms + c, mask=m_ok, other=0)[None, :]
-            ahead = m_ok[None, :] & ((km > kj[:, None]) | ((km == kj[:, None]) & (im < ij[:, None])))
-            rank += tl.sum(ahead.to(tl.int32), 1)
-        tl.store(ranked_at + rank, ij, mask=j_ok)
+        kj = tl.load(keys_at + js + c, mask=j_ok, other=0)[:, None]
+        ij = tl.load(ids_at + js + c, mask=j_ok, other=0)[:, None]
+        ahead = m_ok[None, :] & ((km > kj) | ((km == kj) & (im < ij)))
+        tl.store(ranked_at + tl.sum(ahead.to(tl.int32), 1), tl.reshape(ij, [CHUNK]), mask=j_ok)
     tl.debug_barrier()
     j = tl.arange(0, BLOCK_BEST)
     page = tl.load(ranked_at + j, mask=j < n_best, other=0)
