@@ -139,8 +139,6 @@ def quest_pick(page_scores, valid, budget: int | float, context, n_pages: int, p
 
 
 def quest_pick_reference(page_scores, valid, budget: int | float, context, n_pages: int, page_size: int):
-    from atskv.selectors.base import resolve_budget
-
     slots = valid.shape[-1]
     # a stable descending sort ranks equal scores by page id, as the kernel's packed key does
     best = page_scores.sort(dim=-1, descending=True, stable=True).indices[..., :n_pages]
@@ -150,7 +148,12 @@ def quest_pick_reference(page_scores, valid, budget: int | float, context, n_pag
     candidates = candidates.clamp(max=slots - 1)
     usable = in_range & valid.gather(-1, candidates)
     order = (~usable).to(torch.int8).argsort(dim=-1, stable=True)  # usable slots first, rank kept
-    lengths = resolve_budget(budget, context.view(-1, 1)).minimum(usable.sum(-1))
+    context = context.view(-1, 1)  # the budget in tokens: `resolve_budget`'s rule (kernels import no selectors)
+    if isinstance(budget, float):
+        limit = torch.clamp(torch.ceil(context * budget).long(), min=1).minimum(context)
+    else:
+        limit = context.clamp(max=budget)
+    lengths = limit.minimum(usable.sum(-1))
     return candidates.gather(-1, order).int(), lengths.int()
 
 
