@@ -6,7 +6,7 @@ attention logits.
 A collection's `label` (`LABELS`) says which score ranks the tokens: `mass` (the future attention
 above) or `kvzip` (reconstruction scores from a repeat-the-context pass, `atskv.predictor.kvzip`,
 kept in a `kvzip` column beside the mass). It picks the top-k members, hence the sampled rows, and
-training learns to order tokens by it (`label_column`).
+training learns to order tokens by it (`atskv.predictor.shards.label_column`).
 
 - `LabelCapture` computes mass and top-k inside the capture (`atskv.predictor.capture`) and
   keeps only sampled rows: all top-k members and as many uniformly drawn non-members, so shards
@@ -33,12 +33,6 @@ from atskv.predictor.features import future_mass, topk_members
 from atskv.selectors.base import LayerView
 
 LABELS = ("mass", "kvzip")
-
-
-def label_column(meta: dict) -> str:
-    """The shard column that ranks a collection's tokens (its `label`); collections made before
-    the choice existed are `mass`."""
-    return meta.get("label", "mass")
 
 
 @dataclass

@@ -153,8 +153,7 @@ def fit_ridge(
     """Fit a `RidgeScorer` on the collection in `folder` for every penalty in `alphas` and keep the
     one with the best validation mass recall (windows split as `atskv fit` splits them with
     `data.seed` = `seed`)."""
-    from atskv.predictor.labels import label_column
-    from atskv.predictor.shards import ShardDataset
+    from atskv.predictor.shards import ShardDataset, label_column
     from atskv.predictor.training import mass_recall, training_columns
 
     if not alphas or min(alphas) <= 0:

@@ -337,3 +337,9 @@ class ShardDataset(Dataset):
 def stacked(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """DataLoader `collate_fn` for `ShardDataset.__getitems__`: the batch is already stacked."""
     return batch
+
+
+def label_column(meta: dict) -> str:
+    """The shard column that ranks a collection's tokens (its manifest's `label`); collections made
+    before the choice existed are `mass`."""
+    return meta.get("label", "mass")

@@ -49,9 +49,8 @@ from torchmetrics.utilities import dim_zero_cat
 from atskv.eval.figures import save_figure
 from atskv.predictor.batches import GroupBatchSampler
 from atskv.predictor.distributed import counter_hash, global_means, globalise_batch_norms
-from atskv.predictor.labels import label_column
 from atskv.predictor.model import FeatureSpec, RelevanceMLP
-from atskv.predictor.shards import ShardDataset, stacked
+from atskv.predictor.shards import ShardDataset, label_column, stacked
 
 FEATURES = ["hidden", "scalars", "token_type", "layer", "head"]
 MONITOR = "val/mass_recall"
