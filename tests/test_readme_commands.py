@@ -32,6 +32,7 @@ TOY = {
     "fit": ["--data.num_workers", "0", "--data.batch_size", "256", "--data.validation_fraction", "0.5",
             "--trainer.max_epochs", "1", "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false"],
     "export": [],
+    "ridge": ["--alphas", "[1.0]"],
     "finetune": ["--model.model", TINY, "--data.corpus", TOY_CORPUS, "--data.windows", "2",
                  "--data.context_tokens", "64", "--data.continuation_tokens", "4", "--data.tasks", "[]", "--data.task_examples", "0",
                  "--model.samples", "2", "--trainer.max_steps", "1", "--trainer.accelerator", "cpu",
