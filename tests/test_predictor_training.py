@@ -98,17 +98,23 @@ def test_ranking_loss_pairs_only_within_groups():
     assert pairwise_ranking_loss(-ordered, mass, group, pairs=16).mean().item() > 10
 
 
-def test_fit_learns_and_checkpoint_reloads(shards, tmp_path):
-    folder, rows = shards
+def fit_two_epochs(folder):
+    """The small module fitted for two epochs on the collection in `folder` (seeded, CPU, quiet)."""
     L.seed_everything(0)
     data = RelevanceData(str(folder), batch_size=128, validation_fraction=0.34)
-    assert data.feature_spec == SPEC
     model = RelevanceModule(data.collection, **SMALL)
     trainer = L.Trainer(
         max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     trainer.fit(model, data)
+    return data, model, trainer
+
+
+def test_fit_learns_and_checkpoint_reloads(shards, tmp_path):
+    folder, rows = shards
+    data, model, trainer = fit_two_epochs(folder)
+    assert data.feature_spec == SPEC
     assert not set(data.train_set.keys) & set(data.val_set.keys) and len(data.val_set.keys) == 2
     metrics = trainer.callback_metrics
     assert metrics["val/auroc"] > 0.85
@@ -127,15 +133,8 @@ def test_fit_learns_and_checkpoint_reloads(shards, tmp_path):
 
 def test_a_kvzip_collection_trains_and_validates_on_its_kvzip_column(tmp_path):
     rows = write_shards(tmp_path, label="kvzip")
-    L.seed_everything(0)
-    data = RelevanceData(str(tmp_path), batch_size=128, validation_fraction=0.34)
+    data, _, trainer = fit_two_epochs(tmp_path)
     assert "kvzip" in data.dataset.columns and "mass" not in data.dataset.columns
-    model = RelevanceModule(data.collection, **SMALL)
-    trainer = L.Trainer(
-        max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
-    trainer.fit(model, data)
     assert trainer.callback_metrics["val/mass_recall"] > random_ranking_recall({"mass": rows["kvzip"]}) + 0.15
 
 
