@@ -2,17 +2,18 @@
 
 The unfused step ran ~40 small torch kernels per layer (a page recompute by gather/scatter, the
 page scores, a mask of empty pages, `topk`, candidate slots, a stable `argsort`), 165 us at the
-Llama-3-8B shape, 32K, B=1 against 47 us for SDPA over the whole context. Here:
+Llama-3-8B shape, 32K, B=1 against ~52 us for SDPA over the whole context. Here:
 
 - `quest_step_scores`: the page the new token went to gets its bounds and held count recomputed
   from its slots, in place, by the program that scores it; every page is scored against the
   query (max over the GQA group of `sum_d max(q_d lo_d, q_d hi_d)`, float32); a page holding no
   token scores -inf.
-- `quest_pick`: per (row, KV head), the `n_pages` best pages in rank order, then their slots, newest first within a page, usable
-  ones (in range and held) first in that order, the rest after them; and how many count: the
-  row's budget, at most its usable slots. This is the index list the sparse decode kernel reads.
-  The best pages are found by a binary search for the n-th largest score and ranked among
-  themselves, not by sorting the row (Triton's bitonic sort of 2K pages took 100 us).
+- `quest_pick`: per (row, KV head), the `n_pages` best pages in rank order, then their slots,
+  newest first within a page, usable ones (in range and held) first in that order, the rest
+  after them; and how many count: the row's budget, at most its usable slots. This is the index
+  list the sparse decode kernel reads. The best pages are found by a search for the n-th largest
+  score and ranked among themselves, not by sorting the row (Triton's bitonic sort of 2K pages
+  took 100 us).
 
 Each has a plain-torch reference with the same contract; tests compare them on random inputs.
 """

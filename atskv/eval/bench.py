@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from transformers import LlamaConfig
 
 from atskv.eval.report import write_report
-from atskv.hook.decode import StaticSession
+from atskv.hook.decode import StaticSession, prompt_chunks
 from atskv.hook.sparse import SparseSession, SparsityConfig
 from atskv.selectors import check_selector_names, make_selector
 
@@ -119,12 +119,12 @@ def fast_step(name: str, shape: Shape, budget: float, room: int, folder: Path) -
     session = StaticSession(model, selector, SparsityConfig(budget, dense_layers=0), context, room, chunk, batch=b)
     cache = session.bind(session.new_cache())
     layer, module, scaling = cache.layers[0], SimpleNamespace(layer_idx=0), d**-0.5
-    first = context - (math.ceil(context / chunk) - 1) * chunk  # the last chunk is a full one, as `_prefill`'s
     with torch.no_grad():
-        for start in [0, *range(first, context, chunk)]:
-            n = min(start + (first if start == 0 else chunk), context) - start
+        for start, stop in prompt_chunks(context, chunk):
+            n = stop - start
             keys, values = layer.update(shape.randn(b, hkv, n, d), shape.randn(b, hkv, n, d))
-            session.hidden[0], session.token_ids = shape.randn(b, n, hq * d), torch.zeros(b, n, dtype=torch.long, device=shape.device)
+            session.hidden[0] = shape.randn(b, n, hq * d)
+            session.token_ids = torch.zeros(b, n, dtype=torch.long, device=shape.device)
             session.attend(module, shape.randn(b, hq, n, d), keys, values, None, scaling)
         session.finish_prompt(None)
     query, new = shape.randn(b, hq, 1, d), shape.randn(b, hkv, 1, d)

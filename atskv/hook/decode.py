@@ -395,6 +395,14 @@ def generate(
                          eos_token_id, streamer)  # fmt: skip
 
 
+def prompt_chunks(tokens: int, chunk: int) -> list[tuple[int, int]]:
+    """`(start, stop)` of each prompt chunk: a short first one, then full ones, so the last chunk
+    (whose queries SnapKV-style selectors read, `LAST_QUERIES`) is a full one."""
+    first = tokens - (math.ceil(tokens / chunk) - 1) * chunk
+    starts = [0, *range(first, tokens, chunk)]
+    return [(start, min(start + (first if start == 0 else chunk), tokens)) for start in starts]
+
+
 def _prefill(model, session: StaticSession, ids, positions, real, chunk: int,
              row: int = 0) -> tuple[StaticKVCache, torch.Tensor]:  # fmt: skip
     """The prompt in chunks of `chunk` tokens (the last one full) into a new cache, finished for
@@ -403,9 +411,7 @@ def _prefill(model, session: StaticSession, ids, positions, real, chunk: int,
     t = ids.shape[1]
     session.real, session.row = real, row
     cache = session.new_cache()
-    first = t - (math.ceil(t / chunk) - 1) * chunk
-    for start in [0, *range(first, t, chunk)]:
-        stop = min(start + (first if start == 0 else chunk), t)
+    for start, stop in prompt_chunks(t, chunk):
         logits = model(input_ids=ids[:, start:stop], position_ids=positions[:, start:stop], past_key_values=cache,
                        use_cache=True, logits_to_keep=1).logits  # fmt: skip
     session.finish_prompt(real)
