@@ -8,6 +8,13 @@ KV group share its indices, and K/V are never expanded to the query heads. Indic
 distinct within a row: a duplicate is attended twice (both here and in the reference), which is
 not attention over a set.
 
+`held` (a slot's position `[B, Hkv, S]`, -1 for a free slot) skips indices whose slot holds no
+token, so an evicting layer attends its whole buffer by an identity list without first building
+one of its held slots. `want_mass` also returns the probability each index received, summed over
+the group's query heads (`[B, Hkv, K]`, float32): what H2O-style selectors accumulate. The kernel
+then keeps each logit (float32, `[B * Hq, K]`) and a third small kernel turns them into
+probabilities once the splits' log-sum-exp is known.
+
 The Triton kernel gives each program one (batch row, KV head) and one contiguous share ("split")
 of its index list. The G queries are loaded once, padded to at least 16 rows so both products run
 through `tl.dot` on tensor cores. The padding wastes MMA work when G is small (4 on Llama-3-8B),
@@ -44,12 +51,18 @@ def sparse_decode_attention(
     indices: torch.Tensor,
     lengths: torch.Tensor | None = None,
     scaling: float | None = None,
-) -> torch.Tensor:
+    *,
+    held: torch.Tensor | None = None,
+    want_mass: bool = False,
+):
     """Attention of each decode query over its KV group's indexed slots, `[B, Hq, D]` in the query
-    dtype: the Triton kernel on CUDA, the torch reference elsewhere (see `kernels.backend`)."""
+    dtype (with `want_mass`, and the mass `[B, Hkv, K]`): the Triton kernel on CUDA, the torch
+    reference elsewhere (see `kernels.backend`)."""
     if use_triton(query):
-        return sparse_decode_attention_triton(query, keys, values, indices, lengths, scaling)
-    return sparse_decode_attention_reference(query, keys, values, indices, lengths, scaling)
+        return sparse_decode_attention_triton(query, keys, values, indices, lengths, scaling, held=held,
+                                              want_mass=want_mass)  # fmt: skip
+    return sparse_decode_attention_reference(query, keys, values, indices, lengths, scaling, held=held,
+                                             want_mass=want_mass)  # fmt: skip
 
 
 def sparse_decode_attention_reference(
@@ -59,19 +72,26 @@ def sparse_decode_attention_reference(
     indices: torch.Tensor,
     lengths: torch.Tensor | None = None,
     scaling: float | None = None,
-) -> torch.Tensor:
+    *,
+    held: torch.Tensor | None = None,
+    want_mass: bool = False,
+):
     """Plain torch: gather the indexed K/V rows (`[B, Hkv, K, D]`, the budget, not the cache), then
     float32 logits, softmax and weighted sum. The CPU path and the kernel's ground truth."""
-    scaling = _check(query, keys, values, indices, lengths, scaling)
+    scaling = _check(query, keys, values, indices, lengths, scaling, held)
     b, hq, d = query.shape
     rows = indices.long().unsqueeze(-1)
     picked_keys = keys.gather(2, rows.expand(-1, -1, -1, d)).float()
     picked_values = values.gather(2, rows.expand(-1, -1, -1, values.shape[-1])).float()
     valid = _valid_indices(indices, lengths)  # [B, Hkv, K]
+    if held is not None:
+        valid = valid & (held.gather(2, indices.long()) >= 0)
     probs = grouped_probs(query.unsqueeze(2).float(), picked_keys, valid.unsqueeze(2), scaling)
     probs = probs * valid.any(-1)[..., None, None, None]  # empty rows: zeros, not a uniform average
-    out = torch.matmul(probs, picked_values.unsqueeze(2))  # [B, Hkv, G, 1, D]
-    return out.reshape(b, hq, -1).to(query.dtype)
+    out = torch.matmul(probs, picked_values.unsqueeze(2)).reshape(b, hq, -1).to(query.dtype)  # from [B, Hkv, G, 1, D]
+    if want_mass:
+        return out, probs.sum(dim=(2, 3))
+    return out
 
 
 def sparse_decode_attention_triton(
@@ -82,13 +102,15 @@ def sparse_decode_attention_triton(
     lengths: torch.Tensor | None = None,
     scaling: float | None = None,
     *,
+    held: torch.Tensor | None = None,
+    want_mass: bool = False,
     split_size: int | None = None,
-) -> torch.Tensor:
+):
     """The Triton kernel. `split_size` (indices per split; whole tiles are fastest) overrides
     `choose_split_size`, to cover the split merge in tests or to tune on a GPU."""
     if triton is None:
         raise RuntimeError("the sparse decode kernel needs Triton (pip install 'atskv[gpu]' or 'atskv[test]')")
-    scaling = _check(query, keys, values, indices, lengths, scaling)
+    scaling = _check(query, keys, values, indices, lengths, scaling, held)
     b, hq, d = query.shape
     hkv, num_indices = keys.shape[1], indices.shape[-1]
     group = hq // hkv
@@ -104,14 +126,19 @@ def sparse_decode_attention_triton(
         partial = torch.empty(b * hkv, splits, group, d, dtype=torch.float32, device=query.device)
         max_logit = torch.empty(b * hkv, splits, group, dtype=torch.float32, device=query.device)
         total = torch.empty_like(max_logit)
-    has_lengths = lengths is not None
-    lengths = lengths if has_lengths else indices  # unused pointer when there are no lengths
+    has_lengths, has_held = lengths is not None, held is not None
+    lengths = lengths if has_lengths else indices  # unused pointers when absent
+    held = held if has_held else indices
+    logits = lse = out  # unused pointers without the mass
+    if want_mass:
+        logits = torch.empty(b * hq, num_indices, dtype=torch.float32, device=query.device)
+        lse = torch.empty(b * hq, dtype=torch.float32, device=query.device)
     _split_kernel[(b * hkv, splits)](
-        query, keys, values, indices, lengths, partial, max_logit, total,
+        query, keys, values, indices, lengths, held, partial, max_logit, total, logits, lse,
         *query.stride(), *keys.stride(), *values.stride(), *indices.stride(), lengths.stride(0), lengths.stride(1),
-        hkv, num_indices, split_size, splits, scaling * _LOG2E,
+        *held.stride()[:3], hkv, num_indices, split_size, splits, scaling * _LOG2E,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_N=_block_n(d),
-        HAS_LENGTHS=has_lengths, SINGLE_SPLIT=splits == 1,
+        HAS_LENGTHS=has_lengths, HAS_HELD=has_held, WANT_MASS=want_mass, SINGLE_SPLIT=splits == 1,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,  # fp32 stays fp32, not TF32
         # Triton's interpreter (the only way to run on CPU tensors) multiplies bf16 as raw integers
         UPCAST_DOT=query.dtype == torch.bfloat16 and not query.is_cuda,
@@ -119,10 +146,18 @@ def sparse_decode_attention_triton(
     )  # fmt: skip
     if splits > 1:
         _merge_kernel[(b * hq,)](
-            partial, max_logit, total, out, group, splits,
-            HEAD_DIM=d, BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+            partial, max_logit, total, out, lse, group, splits,
+            HEAD_DIM=d, BLOCK_S=triton.next_power_of_2(splits), WANT_LSE=want_mass, num_warps=4,
         )  # fmt: skip
-    return out
+    if not want_mass:
+        return out
+    mass = torch.empty(b, hkv, num_indices, dtype=torch.float32, device=query.device)
+    block_k = 256
+    _mass_kernel[(b * hkv, triton.cdiv(num_indices, block_k))](
+        logits, lse, lengths, mass, hkv, num_indices, lengths.stride(0), lengths.stride(1),
+        GROUP=group, BLOCK_G=triton.next_power_of_2(group), BLOCK_K=block_k, HAS_LENGTHS=has_lengths, num_warps=4,
+    )  # fmt: skip
+    return out, mass
 
 
 def choose_split_size(num_indices: int, programs: int, head_dim: int, device: torch.device) -> int:
@@ -157,7 +192,7 @@ def _valid_indices(indices: torch.Tensor, lengths: torch.Tensor | None) -> torch
     return torch.arange(indices.shape[-1], device=indices.device) < lengths.unsqueeze(-1)
 
 
-def _check(query, keys, values, indices, lengths, scaling) -> float:
+def _check(query, keys, values, indices, lengths, scaling, held=None) -> float:
     """Validates shapes and dtypes (not index ranges: that would need a device sync); returns the scale."""
     if query.dim() != 3 or keys.dim() != 4 or values.shape != keys.shape:
         raise ValueError(f"expected query [B, Hq, D], keys = values [B, Hkv, S, D]; got {query.shape}, "
@@ -176,23 +211,29 @@ def _check(query, keys, values, indices, lengths, scaling) -> float:
     if lengths is not None and (lengths.shape != (b, hkv) or lengths.is_floating_point()):
         raise ValueError(f"lengths must be an integer [B, Hkv] = [{b}, {hkv}], got {lengths.dtype} "
                          f"{tuple(lengths.shape)}")  # fmt: skip
+    if held is not None and held.shape != keys.shape[:3]:
+        raise ValueError(f"held must be the slot positions [B, Hkv, S] = {list(keys.shape[:3])}, "
+                         f"got {tuple(held.shape)}")  # fmt: skip
     return d**-0.5 if scaling is None else float(scaling)
 
 
 @jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, idx_ptr, len_ptr, out_ptr, max_ptr, sum_ptr,
+    q_ptr, k_ptr, v_ptr, idx_ptr, len_ptr, held_ptr, out_ptr, max_ptr, sum_ptr, logit_ptr, lse_ptr,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_ib, stride_ih, stride_ik,
     stride_lb, stride_lh,
+    stride_pb, stride_ph, stride_ps,
     num_kv_heads, num_indices, split_size, num_splits, qk_scale,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_LENGTHS: tl.constexpr, SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr, HAS_HELD: tl.constexpr, WANT_MASS: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):  # fmt: skip
     """One (batch row, KV head) and one split: online softmax over the split's share of the index
-    list, for the group's G query heads at once (rows past G are zero queries, never stored)."""
+    list, for the group's G query heads at once (rows past G are zero queries, never stored).
+    With `WANT_MASS` every logit (base 2, -inf where skipped) and each row's log-sum-exp are kept."""
     bh = tl.program_id(0).to(tl.int64)  # 64-bit: batch/head offsets into a large cache overflow int32
     split = tl.program_id(1)
     b = bh // num_kv_heads
@@ -215,27 +256,36 @@ def _split_kernel(
     idx_row = idx_ptr + b * stride_ib + h * stride_ih
     k_row = k_ptr + b * stride_kb + h * stride_kh
     v_row = v_ptr + b * stride_vb + h * stride_vh
+    row = bh * GROUP + g  # = b * Hq + query head
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     for n in range(start, stop, BLOCK_N):
         offs = n + tl.arange(0, BLOCK_N)
-        valid = offs < stop  # offs[0] always is, so every tile has a finite max
+        valid = offs < stop
         slot = tl.load(idx_row + offs * stride_ik, mask=valid, other=0).to(tl.int64)
+        if HAS_HELD:  # a free slot is skipped: a tile may then have no finite logit
+            valid &= tl.load(held_ptr + b * stride_pb + h * stride_ph + slot * stride_ps, mask=valid, other=-1) >= 0
         k = tl.load(k_row + slot[:, None] * stride_ks + d[None, :] * stride_kd, mask=valid[:, None], other=0.0)
         v = tl.load(v_row + slot[:, None] * stride_vs + d[None, :] * stride_vd, mask=valid[:, None], other=0.0)
         qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
         qk = tl.where(valid[None, :], qk, float("-inf"))
+        if WANT_MASS:
+            tl.store(logit_ptr + row[:, None] * num_indices + offs[None, :], qk,
+                     mask=in_group[:, None] & (offs < stop)[None, :])  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # no NaN from (-inf) - (-inf)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
         m_i = m_new
 
-    row = bh * GROUP + g  # = b * Hq + query head
     if SINGLE_SPLIT:
+        if WANT_MASS:
+            lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+            tl.store(lse_ptr + row, lse, mask=in_group)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty row has acc = 0: zeros
         out_rows = out_ptr + row[:, None] * HEAD_DIM + d[None, :]
         tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=in_group[:, None])
@@ -248,8 +298,8 @@ def _split_kernel(
 
 @jit
 def _merge_kernel(
-    acc_ptr, max_ptr, sum_ptr, out_ptr, group, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    acc_ptr, max_ptr, sum_ptr, out_ptr, lse_ptr, group, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, WANT_LSE: tl.constexpr,
 ):  # fmt: skip
     """One query head: merges its splits' (max, sum, accumulator) by log-sum-exp. Splits that saw
     no index have max -inf and weigh 0; if all did, the output is zeros."""
@@ -265,3 +315,29 @@ def _merge_kernel(
     acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=(s < num_splits)[:, None], other=0.0)
     out = tl.sum(weight[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
+    if WANT_LSE:
+        tl.store(lse_ptr + row, tl.where(total > 0, m_all + tl.log2(tl.maximum(total, 1e-30)), float("-inf")))
+
+
+@jit
+def _mass_kernel(
+    logit_ptr, lse_ptr, len_ptr, mass_ptr, num_kv_heads, num_indices, stride_lb, stride_lh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, HAS_LENGTHS: tl.constexpr,
+):  # fmt: skip
+    """One (batch row, KV head) and a block of index positions: each position's probability,
+    summed over the group's query heads; positions past the row's length get 0."""
+    bh = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    g = tl.arange(0, BLOCK_G)
+    length = num_indices
+    if HAS_LENGTHS:
+        b, h = bh // num_kv_heads, bh % num_kv_heads
+        length = tl.minimum(tl.load(len_ptr + b * stride_lb + h * stride_lh).to(tl.int32), num_indices)
+    counted = k < length
+    row = bh * GROUP + g
+    lse = tl.load(lse_ptr + row, mask=g < GROUP, other=float("-inf"))
+    logit = tl.load(logit_ptr + row[:, None] * num_indices + k[None, :],
+                    mask=(g < GROUP)[:, None] & counted[None, :], other=float("-inf"))  # fmt: skip
+    finite = (logit > float("-inf")) & (lse > float("-inf"))[:, None]
+    p = tl.where(finite, tl.exp2(logit - tl.where(finite, lse[:, None], 0.0)), 0.0)
+    tl.store(mass_ptr + bh * num_indices + k, tl.sum(p, 0), mask=k < num_indices)

@@ -74,6 +74,22 @@ def test_fast_generate_of_a_hybrid_gives_the_reference_tokens(family, selector, 
     assert torch.equal(fast, _reference(model, ids, make(), 8, 10, mask))
 
 
+@pytest.mark.parametrize("selector", ["h2o", "snapkv", "quest", "h2o+sparq"])
+def test_fast_generate_through_the_kernels_gives_the_reference_tokens(monkeypatch, selector):
+    """The fast path as it runs on a GPU (its Triton kernels: decode write, eviction, attention
+    with mass, Quest's pick; Triton's interpreter on the CPU), a left-padded batch, against the
+    reference session in torch. (Quest unpadded: the reference's first page mixes pad keys into its
+    bounds, the fast path's does not.)"""
+    model, ids, mask = _left_padded("llama", 100, 0 if selector == "quest" else 20, seed=3)
+    budget = 0.2 if "+" not in selector else 12
+    options = {"residency_budget": 24} if "+" in selector else {}
+    expected = _reference(model, ids, atskv.make_selector(selector, **options), budget, 6, mask)
+    monkeypatch.setenv("ATSKV_KERNELS", "triton")
+    fast = atskv.generate(model, ids, atskv.make_selector(selector, **options), budget, attention_mask=mask,
+                          max_new_tokens=6, dense_layers=1, prefill_chunk=64)  # fmt: skip
+    assert torch.equal(fast, expected)
+
+
 def _left_padded(family: str, tokens: int, padding: int, seed: int):
     """A tiny model that never stops at EOS, and two prompts, the second left-padded by `padding`."""
     model = tiny_model(family)

@@ -107,6 +107,43 @@ def test_triton_half_precision_within_tolerance(dtype):
     torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
 
 
+def counted_and_mass(query, keys, indices, lengths, held, scaling):
+    """Which index positions count (within the length, slot held) and the mass each should get:
+    float64 softmax over them, summed over the group's query heads."""
+    b, hkv = keys.shape[:2]
+    counted = (torch.arange(indices.shape[-1]) < lengths.unsqueeze(-1)) & (held.gather(2, indices.long()) >= 0)
+    picked = keys.double().gather(2, indices.long().unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1]))
+    logits = torch.einsum("bhgd,bhkd->bhgk", query.double().view(b, hkv, -1, query.shape[-1]), picked) * scaling
+    probs = logits.masked_fill(~counted.unsqueeze(2), float("-inf")).softmax(-1).nan_to_num(0.0)
+    return counted, probs.sum(2)
+
+
+@pytest.mark.parametrize("split_size", [None, 64])
+def test_held_slots_and_mass_match_reference(monkeypatch, split_size):
+    """`held` skips free slots (an identity list over a buffer with holes, as an evicting layer
+    attends), and `want_mass` gives each index's probability summed over the group: the reference
+    against float64, the kernel (one split and several, one tile wholly free) against the reference."""
+    query, keys, values, indices, lengths = make_inputs(2, 2, 4, 64, s=260, k=200, seed=11, spare=3)
+    g = torch.Generator().manual_seed(1)
+    held = torch.arange(260).expand(2, 2, 260).clone().masked_fill(torch.rand(2, 2, 260, generator=g) < 0.3, -1)
+    held[0, 1, indices[0, 1, :64]] = -1  # the first tile of a full-length row wholly free
+    counted, expected_mass = counted_and_mass(query, keys, indices, lengths, held, 0.25)
+    assert lengths[0, 1] > 64 and counted.any(-1).view(-1)[1:].all()
+    compact = torch.stack([torch.cat([i[c], i[~c]]) for i, c in zip(indices.view(4, -1), counted.view(4, -1))])
+    expected = masked_attention(query, keys, values, compact.view(indices.shape), counted.sum(-1), 0.25)
+    out, mass = sparse_decode_attention_reference(query, keys, values, indices, lengths, 0.25, held=held,
+                                                  want_mass=True)  # fmt: skip
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mass.double(), expected_mass, rtol=1e-5, atol=1e-6)
+    monkeypatch.setenv("ATSKV_KERNELS", "triton")
+    out_k, mass_k = sparse_decode_attention(query, keys, values, indices, lengths, 0.25, held=held, want_mass=True) \
+        if split_size is None else sparse_decode_attention_triton(query, keys, values, indices, lengths, 0.25,
+                                                                  held=held, want_mass=True, split_size=split_size)
+    torch.testing.assert_close(out_k, out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mass_k, mass, rtol=1e-5, atol=1e-6)
+    assert (mass_k[~counted] == 0).all() and (out_k.view(2, 2, 4, 64)[~counted.any(-1)] == 0).all()
+
+
 def test_split_size_heuristic(monkeypatch):
     monkeypatch.setattr(sparse_decode, "_sm_count", lambda device: 132)
     cuda = torch.device("cuda", 0)

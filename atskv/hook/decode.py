@@ -36,9 +36,10 @@ import torch
 
 from atskv.hook.gqa import group_matmul, grouped_attention, prefix_causal_attention, received_mass
 from atskv.hook.sparse import STATIC_ATTENTION_NAME, SparseSession, SparsityConfig, attach
+from atskv.kernels.evict import evict_lowest
 from atskv.kernels.sparse_decode import sparse_decode_attention
 from atskv.memory.host_pages import HostPages, HostRetrieval
-from atskv.memory.static_cache import StaticKVCache, StaticSlotLayer, first_free
+from atskv.memory.static_cache import StaticKVCache, StaticSlotLayer
 from atskv.memory.slot_cache import slot_index
 from atskv.selectors import make_selector
 from atskv.selectors.base import LayerView, Selector, resolve_budget, select_top_budget
@@ -238,49 +239,61 @@ class StaticSession(SparseSession):
 
     def _evicting_step(self, layer_idx: int, layer: StaticSlotLayer, query, scaling: float) -> torch.Tensor:
         """Keep the budget: when the row holds more than its budget, the lowest-scoring token
-        (the oldest among equals, as the reference's ranking) is not attended and its slot takes
-        the next token. A hybrid attends what its attention part picks among every held token and
-        evicts afterwards, by the residency scores that include this step's attention (as the
-        reference's `retained`)."""
+        (the oldest among equals, as the reference's ranking) is dropped before the attention, and
+        its slot takes the next token. A hybrid attends what its attention part picks among every
+        held token and evicts afterwards, by the residency scores that include this step's
+        attention (as the reference's `retained`)."""
         view = self.decode_view(layer_idx, layer, query, scaling)
         self.selector.static_write(view)
-        valid = view.valid[:, :, 0]
         host = self.hosts.get(layer_idx)  # with a host tier
         if host is not None:  # the new token's host copy
             new = layer.write_slot.unsqueeze(-1)
             host.append(*(t.gather(2, slot_index(new, t)) for t in (layer.keys, layer.values)))
         if self.chooser is None:
-            victim, over, drop = self._victim(view, layer, valid, host)
-            attend = valid & ~drop
+            self._evict(view, layer, host)
+        if host is None:
+            out, mass = self._attend_held(view, layer, query, scaling)
         else:
-            attend = self._chosen(view)
-        keys, values = layer.keys, layer.values
-        if host is not None:  # the parked tokens this query rates highest, read back from the host
-            fetched_keys, fetched_values, fetched = host.fetch(query[:, :, 0])
-            keys, values = torch.cat([keys, fetched_keys], 2), torch.cat([values, fetched_values], 2)
-            attend = torch.cat([attend, fetched], -1)
-        out, mass = grouped_attention(query, keys, values, attend.unsqueeze(2), scaling,
-                                      want_mass=self.selector.needs_attention)  # fmt: skip
+            out, mass = self._attend_with_host(view, layer, query, scaling, host)
         if mass is not None:
-            self.selector.observe(view, mass[..., : layer.capacity])
+            self.selector.observe(view, mass)
         if self.chooser is not None:
-            victim, over, drop = self._victim(view, layer, valid, host)
-        layer.evict(drop)
-        layer.write_slot.copy_(torch.where(over, victim, first_free(layer.slot_pos).unsqueeze(-1))[..., 0])
+            self._evict(view, layer, host)
         return out
 
-    def _victim(self, view: LayerView, layer: StaticSlotLayer, valid, host: HostPages | None):
-        """The slot `[B, Hkv, 1]` each row drops, whether it is over its budget (`[B, Hkv, 1]`) and
-        the slots to free (`[B, Hkv, S]`); with a host tier the dropped token is flagged parked."""
+    def _evict(self, view: LayerView, layer: StaticSlotLayer, host: HostPages | None) -> None:
+        """Each over-budget row drops its lowest-scoring token by the keeper's scores and the next
+        token takes that slot (`kernels.evict`); with a host tier the dropped token is flagged parked."""
         scores = self.keeper.scores(replace(view, budget=self.keep_budget))[:, :, 0]
-        scores = scores.float().masked_fill(~valid, torch.inf)
-        lowest = scores.amin(-1, keepdim=True)
-        oldest = layer.slot_pos.masked_fill(~(valid & (scores == lowest)), torch.iinfo(torch.long).max)
-        victim = oldest.argmin(-1, keepdim=True)
-        over = valid.sum(-1, keepdim=True) > resolve_budget(self.keep_budget, layer.context.view(-1, 1, 1))
+        freed = evict_lowest(scores, layer.slot_pos, layer.context, self.keep_budget, layer.write_slot)
         if host is not None:
-            host.release(layer.slot_pos.gather(2, victim), over)
-        return victim, over, torch.zeros_like(valid).scatter_(-1, victim, over)
+            host.release(freed.unsqueeze(-1), freed.unsqueeze(-1) >= 0)
+
+    def _attend_held(self, view: LayerView, layer: StaticSlotLayer, query, scaling: float):
+        """The sparse decode kernel over every held slot (an identity list skipping free slots) or
+        over a hybrid's pick, with the mass each slot received when the selector observes it."""
+        want = self.selector.needs_attention
+        if self.chooser is None:
+            indices, lengths = self._identity_indices(layer), None
+        else:
+            indices, lengths = self.chooser.decode_indices(view)
+        result = sparse_decode_attention(query[:, :, 0], layer.keys, layer.values, indices, lengths, scaling,
+                                         held=layer.slot_pos, want_mass=want)  # fmt: skip
+        out, mass = result if want else (result, None)
+        if mass is not None and self.chooser is not None:  # per index position -> per slot
+            mass = torch.zeros(layer.slot_pos.shape, device=mass.device).scatter_add_(-1, indices.long(), mass)
+        return out.unsqueeze(1), mass
+
+    def _attend_with_host(self, view: LayerView, layer: StaticSlotLayer, query, scaling: float, host: HostPages):
+        """Attention over the held slots (or a hybrid's pick) and the parked tokens this query
+        rates highest, read back from the host."""
+        attend = self._chosen(view) if self.chooser is not None else layer.slot_pos >= 0
+        fetched_keys, fetched_values, fetched = host.fetch(query[:, :, 0])
+        keys, values = torch.cat([layer.keys, fetched_keys], 2), torch.cat([layer.values, fetched_values], 2)
+        attend = torch.cat([attend, fetched], -1)
+        out, mass = grouped_attention(query, keys, values, attend.unsqueeze(2), scaling,
+                                      want_mass=self.selector.needs_attention)  # fmt: skip
+        return out, None if mass is None else mass[..., : layer.capacity]
 
     def _chosen(self, view: LayerView) -> torch.Tensor:
         """A hybrid's attention part: the slots `[B, Hkv, S]` it picks among the held ones."""

@@ -86,8 +86,7 @@ class StaticSlotLayer(SlotLayer):
         the slot's selector state restarts at its init. Advances `position` and `context`."""
         write_decode_token(self.keys, self.values, self.slot_pos, slots, keys, values, self.position)
         for tensor, init in self._slot_state.values():
-            index = slot_index(slots, tensor)
-            tensor.scatter_(2, index, torch.full(index.shape, init, dtype=tensor.dtype, device=self.device))
+            tensor.scatter_(2, slot_index(slots, tensor), init)  # a scalar: no filled source tensor per step
         self.position += 1
         self.context += 1
 

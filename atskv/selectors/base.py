@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from atskv.errors import InputError
+from atskv.kernels.budget import kept_tokens
 
 if TYPE_CHECKING:
     from atskv.memory.slot_cache import SlotLayer
@@ -149,10 +150,7 @@ def resolve_budget(budget: int | float, context: torch.Tensor) -> torch.Tensor:
     """Tokens to keep per row (`check_budget`'s rule): an int is a token count, a float in (0, 1)
     that fraction of each row's own context length, rounded up (so a left-padded row gets the
     same budget as when run alone); never more than the context."""
-    check_budget(budget)
-    if isinstance(budget, int):
-        return torch.clamp(context, max=budget)
-    return torch.clamp(torch.ceil(context * budget).long(), min=1).minimum(context)
+    return kept_tokens(check_budget(budget), context)
 
 
 def check_budget(budget: int | float) -> int | float:

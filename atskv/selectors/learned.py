@@ -121,7 +121,8 @@ class LearnedSelector(Selector):
             projected = mlp.project_hidden(hidden).to(_PROJECTED_DTYPE)  # [B, width]
         store = _projected(layer, mlp.projected_width)
         store.scatter_(2, slot_index(slot, store), projected.view(b, 1, 1, -1).expand(b, h, 1, -1))
-        layer.slot_tensor(_HIDDEN_NORM).scatter_(2, slot, hidden.float().norm(dim=-1).view(b, 1, 1).expand(b, h, 1))
+        norm = torch.linalg.vector_norm(hidden, dim=-1, dtype=torch.float32)
+        layer.slot_tensor(_HIDDEN_NORM).scatter_(2, slot, norm.view(b, 1, 1).expand(b, h, 1))
         kind = self.predictor.token_types[view.token_ids[:, -1]].float().view(b, 1, 1).expand(b, h, 1)
         layer.slot_tensor(_TYPE, init=-1.0).scatter_(2, slot, kind)
 

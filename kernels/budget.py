@@ -1,0 +1,26 @@
+"""The one rule turning a budget into tokens, for torch code and for kernels: an int is tokens,
+a float in (0, 1) that fraction of the row's context rounded up, at least 1, never more than the
+context. `atskv.selectors.base.resolve_budget` checks the budget and applies `kept_tokens`;
+kernels that decide per row inside the device (no host sync) call `budget_limit`."""
+
+from __future__ import annotations
+
+import torch
+from atskv.kernels.backend import jit, tl
+
+
+def kept_tokens(budget: int | float, context: torch.Tensor) -> torch.Tensor:
+    """Tokens each row keeps, the shape of `context` (long)."""
+    if isinstance(budget, float):
+        return torch.clamp(torch.ceil(context * budget).long(), min=1).minimum(context)
+    return torch.clamp(context, max=budget)
+
+
+@jit
+def budget_limit(context, budget, FRACTION: tl.constexpr):
+    """`kept_tokens` for one row's `context` inside a kernel (int64)."""
+    if FRACTION:
+        limit = tl.maximum(tl.ceil(context.to(tl.float32) * budget), 1.0).to(tl.int64)
+    else:
+        limit = tl.full([], budget, tl.int64)
+    return tl.minimum(limit, context.to(tl.int64))

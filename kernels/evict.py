@@ -1,0 +1,94 @@
+"""An evicting selector's decode eviction in one kernel, for the fast path's static cache.
+
+Each (row, KV head) holds at most its budget + 1 tokens after the decode write. When it holds
+more than its budget, its lowest-scoring held token goes (the oldest among equal scores, as the
+reference's stable ranking does), and the next token is written into that slot; otherwise the
+next token takes the first free slot. In torch this was ~12 kernels per layer (a masked minimum,
+an argmin over positions, a count, the budget, a scatter, `first_free`); here one program per
+(row, KV head) walks the slots once.
+"""
+
+from __future__ import annotations
+
+import torch
+from atskv.kernels.backend import jit, tl, triton, use_triton
+from atskv.kernels.budget import budget_limit, kept_tokens
+
+
+def evict_lowest(scores, slot_pos, context, budget: int | float, write_slot) -> torch.Tensor:
+    """In place: frees (slot position -1) each over-budget row's lowest-scoring held slot of
+    `slot_pos` `[B, Hkv, S]` (scores `[B, Hkv, S]`, any float dtype; ties to the oldest position)
+    and sets `write_slot` `[B, Hkv]` to the slot the next token takes. `budget` of `context` `[B]`
+    tokens by `resolve_budget`'s rule. Returns the freed token's position `[B, Hkv]` (-1: none),
+    what a host tier marks parked."""
+    if use_triton(slot_pos):
+        return evict_lowest_triton(scores, slot_pos, context, budget, write_slot)
+    return evict_lowest_reference(scores, slot_pos, context, budget, write_slot)
+
+
+def evict_lowest_reference(scores, slot_pos, context, budget: int | float, write_slot) -> torch.Tensor:
+    held = slot_pos >= 0
+    scores = scores.float().masked_fill(~held, torch.inf)
+    lowest = scores.amin(-1, keepdim=True)
+    oldest = slot_pos.masked_fill(~(held & (scores == lowest)), torch.iinfo(slot_pos.dtype).max)
+    victim = oldest.argmin(-1, keepdim=True)  # [B, Hkv, 1]
+    over = held.sum(-1, keepdim=True) > kept_tokens(budget, context.view(-1, 1, 1))
+    freed = slot_pos.gather(2, victim).masked_fill(~over, -1)
+    slot_pos.scatter_(2, victim, slot_pos.gather(2, victim).masked_fill(over, -1))
+    free = (slot_pos < 0).to(torch.int8).argmax(-1, keepdim=True)  # slot 0 where none is free
+    write_slot.copy_(torch.where(over, victim, free)[..., 0])
+    return freed[..., 0]
+
+
+@jit
+def _evict_kernel(
+    score_ptr, pos_ptr, ctx_ptr, write_ptr, freed_ptr, n_kv_heads, n_slots, budget,
+    ss_b, ss_h, ss_s, sp_b, sp_h, sp_s, sw_b, sw_h,
+    FRACTION: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One (row, KV head): a running lexicographic minimum of (score, position) over held slots,
+    the count of held slots and the first free one, in one walk."""
+    bh = tl.program_id(0)
+    b = (bh // n_kv_heads).to(tl.int64)
+    h = bh % n_kv_heads
+    best_score = tl.full([], float("inf"), tl.float32)
+    best_pos = tl.full([], 9223372036854775807, tl.int64)
+    victim = tl.full([], 0, tl.int64)
+    count = tl.full([], 0, tl.int64)
+    free = tl.full([], n_slots, tl.int64)
+    for start in range(0, n_slots, BLOCK):
+        s = start + tl.arange(0, BLOCK)
+        inside = s < n_slots
+        pos = tl.load(pos_ptr + b * sp_b + h * sp_h + s * sp_s, mask=inside, other=-1).to(tl.int64)
+        held = pos >= 0
+        score = tl.load(score_ptr + b * ss_b + h * ss_h + s * ss_s, mask=held, other=float("inf")).to(tl.float32)
+        score = tl.where(held, score, float("inf"))
+        low = tl.min(score, 0)
+        tied = held & (score == low)
+        low_pos = tl.min(tl.where(tied, pos, 9223372036854775807), 0)
+        at = tl.min(tl.where(tied & (pos == low_pos), s, n_slots), 0).to(tl.int64)
+        lower = (low < best_score) | ((low == best_score) & (low_pos < best_pos))
+        better = (tl.sum(tied.to(tl.int32), 0) > 0) & lower
+        best_score = tl.where(better, low, best_score)
+        best_pos = tl.where(better, low_pos, best_pos)
+        victim = tl.where(better, at, victim)
+        count += tl.sum(held.to(tl.int64), 0)
+        free = tl.minimum(free, tl.min(tl.where(inside & ~held, s, n_slots), 0).to(tl.int64))
+    over = count > budget_limit(tl.load(ctx_ptr + b), budget, FRACTION)
+    row = pos_ptr + b * sp_b + h * sp_h
+    tl.store(row + victim * sp_s, -1, mask=over)
+    tl.store(freed_ptr + bh, tl.where(over, best_pos, -1))
+    next_slot = tl.where(over, victim, tl.where(free < n_slots, free, 0))
+    tl.store(write_ptr + b * sw_b + h * sw_h, next_slot)
+
+
+def evict_lowest_triton(scores, slot_pos, context, budget: int | float, write_slot) -> torch.Tensor:
+    b, h, s = slot_pos.shape
+    context = context.reshape(-1)
+    freed = torch.empty(b, h, dtype=slot_pos.dtype, device=slot_pos.device)
+    _evict_kernel[(b * h,)](
+        scores, slot_pos, context, write_slot, freed, h, s, budget,
+        *scores.stride(), *slot_pos.stride(), *write_slot.stride(),
+        FRACTION=isinstance(budget, float), BLOCK=min(1024, triton.next_power_of_2(s)), num_warps=4,
+    )  # fmt: skip
+    return freed
