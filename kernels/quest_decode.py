@@ -1,4 +1,4 @@
-"""Quest's decode step in two kernels, for the fast path's static cache (`atskv.hook.decode`).
+"""Quest's decode step in three kernels, for the fast path's static cache (`atskv.hook.decode`).
 
 The unfused step ran ~40 small torch kernels per layer (a page recompute by gather/scatter, the
 page scores, a mask of empty pages, `topk`, candidate slots, a stable `argsort`), 165 us at the
@@ -12,8 +12,10 @@ Llama-3-8B shape, 32K, B=1 against ~52 us for SDPA over the whole context. Here:
   newest first within a page, usable ones (in range and held) first in that order, the rest
   after them; and how many count: the row's budget, at most its usable slots. This is the index
   list the sparse decode kernel reads. The best pages are found by a search for the n-th largest
-  score and ranked among themselves, not by sorting the row (Triton's bitonic sort of 2K pages
-  took 100 us).
+  score, not by sorting the row (Triton's bitonic sort of 2K pages took 100 us): one program per
+  row, since the search is a chain of reductions over the whole row; then many programs per row
+  rank the chosen pages among themselves and lay out their slots (H200, 8 KV heads, 5%: 10.6 us
+  at 2K pages and B=1, 22.7 us at 8K, against 15.4 and 61 us with one program doing all).
 
 Each has a plain-torch reference with the same contract; tests compare them on random inputs.
 """
@@ -159,91 +161,151 @@ def quest_pick_reference(page_scores, valid, budget: int | float, context, n_pag
 
 
 @jit
-def _pick_kernel(
-    score_ptr, valid_ptr, ctx_ptr, scratch_ptr, idx_ptr, len_ptr,
-    n_rows, n_kv_heads, n_pages, n_slots, n_best, budget,
-    sv_b, sv_h, sv_s,
-    FRACTION: tl.constexpr, SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_BEST: tl.constexpr, CHUNK: tl.constexpr,
+def _pick_best_kernel(
+    score_ptr, out_ptr, n_rows, n_pages, n_best,
+    BLOCK_P: tl.constexpr,
 ):  # fmt: skip
-    """One (row, KV head). Scores become order-preserving 32-bit keys; the n_best-th largest is
-    built bit by bit from the top (32 counting passes over the row in registers: a bitonic sort
-    of thousands of pages took ~100 us); the pages above it, and the lowest-id ones at it, are
-    ranked among themselves by pairwise comparison, a chunk of them against all at a time; their
-    slots are then laid out. Scratch (`[3, rows, n_best]` int32: keys, ids, ranked ids) passes values
-    between the program's threads, after a barrier."""
+    """One (row, KV head): the part that needs the whole row. Scores become order-preserving 32-bit
+    keys; the n_best-th largest is built bit by bit from the top, each bit one count over the row
+    (~150 ns of reduction latency at 2K pages, the search's whole cost), starting below the bits
+    that the lowest and highest non-empty page share (0.8 us less at 2K random pages; with fewer
+    non-empty pages than n_best, the answer is the empty pages' key). The pages above it, and the
+    lowest-id ones at it, go to `out` (`[2, rows, n_best]` int32: keys, ids) in page order."""
     bh = tl.program_id(0).to(tl.int64)
-    b = bh // n_kv_heads
-    h = bh % n_kv_heads
-    keys_at = scratch_ptr + bh * n_best
-    ids_at = keys_at + n_rows * n_best
-    ranked_at = ids_at + n_rows * n_best
+    keys_at = out_ptr + bh * n_best
     p = tl.arange(0, BLOCK_P)
     score = tl.load(score_ptr + bh * n_pages + p, mask=p < n_pages, other=float("-inf")) + 0.0  # -0.0 -> 0.0
     bits = score.to(tl.int32, bitcast=True)
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # int32 in the scores' order
     key = tl.where(p < n_pages, key, -2147483648)  # padding below every page, -inf ones included
     unsigned = (key ^ -2147483648).to(tl.uint32, bitcast=True)  # the same order, unsigned
-    threshold = tl.full([], 0, tl.uint32)
+    held = key > -2139095041  # above -inf's key: pages holding tokens
+    n_held = tl.sum(held.to(tl.int32), 0)
+    high = tl.max(key, 0)
+    differ = (tl.min(tl.where(held, key, high), 0) ^ high).to(tl.uint32, bitcast=True)
+    top = tl.full([], 0, tl.int32)  # the highest bit where the lowest and highest held keys differ
+    for width in tl.static_range(5):
+        shift = 16 >> width
+        top = tl.where((differ >> (top + shift).to(tl.uint32)) != 0, top + shift, top)
+    top = tl.where(differ != 0, top, -1)
     one = tl.full([], 1, tl.uint32)
-    for bit in tl.static_range(32):  # the largest threshold at least n_best keys reach, bit by bit
-        trial = threshold | (one << (31 - bit))
-        threshold = tl.where(tl.sum((unsigned >= trial).to(tl.int32), 0) >= n_best, trial, threshold)
-    above = unsigned > threshold
+    below = tl.where(top < 0, 0, (one << tl.maximum(top, 0).to(tl.uint32)) * 2 - 1)  # bits up to `top`
+    threshold = (high ^ -2147483648).to(tl.uint32, bitcast=True) & ~below
+    threshold = tl.where(n_held < n_best, tl.full([], 0x007FFFFF, tl.uint32), threshold)  # -inf's, unsigned
+    passes = tl.where(n_held < n_best, 0, top + 1)
+    at_least = tl.full([], BLOCK_P + 1, tl.int32)  # keys at or above the threshold (BLOCK_P + 1: unknown)
+    above = tl.where(n_held < n_best, n_held, 0)  # keys above it: at or above the last trial that failed
+    for i in range(0, passes):  # the largest threshold at least n_best keys reach
+        unit = one << (passes - 1 - i).to(tl.uint32)
+        count = tl.sum((unsigned >= threshold + unit).to(tl.int32), 0)
+        take = count >= n_best
+        threshold = tl.where(take, threshold + unit, threshold)
+        at_least = tl.where(take, count, at_least)
+        above = tl.where(take, above, count)
     tie = unsigned == threshold
-    need = n_best - tl.sum(above.to(tl.int32), 0)
-    chosen = above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= need))
+    need = n_best - above
+    if at_least - above > need:  # more pages tie at the threshold than are needed: the lowest ids
+        chosen = (unsigned > threshold) | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= need))
+    else:
+        chosen = unsigned >= threshold
     at = tl.cumsum(chosen.to(tl.int32), 0) - 1
     tl.store(keys_at + at, key, mask=chosen)
-    tl.store(ids_at + at, p, mask=chosen)
-    tl.debug_barrier()
-    m = tl.arange(0, BLOCK_BEST)
-    m_ok = m < n_best
-    km = tl.load(keys_at + m, mask=m_ok, other=0)[None, :]  # every chosen page, read once
-    im = tl.load(ids_at + m, mask=m_ok, other=0)[None, :]
-    c = tl.arange(0, CHUNK)
-    for js in range(0, n_best, CHUNK):  # rank a chunk: higher key first, lower page id among equals
-        j_ok = js + c < n_best
-        kj = tl.load(keys_at + js + c, mask=j_ok, other=0)[:, None]
-        ij = tl.load(ids_at + js + c, mask=j_ok, other=0)[:, None]
-        ahead = m_ok[None, :] & ((km > kj) | ((km == kj) & (im < ij)))
-        tl.store(ranked_at + tl.sum(ahead.to(tl.int32), 1), tl.reshape(ij, [CHUNK]), mask=j_ok)
-    tl.debug_barrier()
-    j = tl.arange(0, BLOCK_BEST)
-    page = tl.load(ranked_at + j, mask=j < n_best, other=0)
-    o = tl.arange(0, BLOCK_SIZE)
-    raw = page[:, None] * SIZE + (SIZE - 1 - o)[None, :]  # [BLOCK_BEST, BLOCK_SIZE], newest first
-    present = (j < n_best)[:, None] & (o < SIZE)[None, :]
+    tl.store(keys_at + n_rows * n_best + at, p, mask=chosen)
+
+
+@jit
+def _pick_layout_kernel(
+    chosen_ptr, valid_ptr, ctx_ptr, idx_ptr, len_ptr,
+    n_rows, n_kv_heads, n_slots, n_best, budget,
+    sv_b, sv_h, sv_s,
+    FRACTION: tl.constexpr, SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr,
+    CHUNK: tl.constexpr,
+):  # fmt: skip
+    """One (row, KV head) and CHUNK of its chosen pages, in parallel: a page's rank is how many
+    chosen pages go ahead of it (higher key, or equal key and lower id), and its usable slots go
+    after those of the pages ahead, its other slots after every usable slot and after the other
+    slots of the pages ahead. The chosen pages are read BLOCK_J at a time, their usable slots
+    counted here, each page's slots in one contiguous read (counting them in `_pick_best_kernel`,
+    a masked gather per slot over the whole row, cost it 4 us at 2K pages, 13 at 8K)."""
+    bh = tl.program_id(0).to(tl.int64)
+    b = bh // n_kv_heads
+    h = bh % n_kv_heads
+    keys_at = chosen_ptr + bh * n_best
+    ids_at = keys_at + n_rows * n_best
+    valid_at = valid_ptr + b * sv_b + h * sv_h
+    i = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    mine = i < n_best
+    ki = tl.load(keys_at + i, mask=mine, other=0)[:, None]
+    page = tl.load(ids_at + i, mask=mine, other=0)[:, None]
+    o = tl.arange(0, BLOCK_SIZE)[None, :]
+    raw = page * SIZE + (SIZE - 1 - o)  # [CHUNK, BLOCK_SIZE], newest first
+    present = mine[:, None] & (o < SIZE)
     in_range = present & (raw < n_slots)
     slot = tl.minimum(raw, n_slots - 1)
-    usable = in_range & (tl.load(valid_ptr + b * sv_b + h * sv_h + slot * sv_s, mask=in_range, other=0) != 0)
+    usable = in_range & (tl.load(valid_at + slot * sv_s, mask=in_range, other=0) != 0)
+    rank = tl.zeros([CHUNK, BLOCK_J], tl.int32)
+    usable_ahead = tl.zeros([CHUNK, BLOCK_J], tl.int32)
+    total = tl.zeros([BLOCK_J], tl.int32)
+    for js in range(0, n_best, BLOCK_J):
+        j = js + tl.arange(0, BLOCK_J)
+        kj = tl.load(keys_at + j, mask=j < n_best, other=0)[None, :]
+        pj = tl.load(ids_at + j, mask=j < n_best, other=0)
+        at = pj[:, None] * SIZE + o  # oldest first: contiguous
+        ok = (j < n_best)[:, None] & (o < SIZE) & (at < n_slots)
+        uj = tl.sum((tl.load(valid_at + at * sv_s, mask=ok, other=0) != 0).to(tl.int32), 1)
+        ahead = (j < n_best)[None, :] & ((kj > ki) | ((kj == ki) & (pj[None, :] < page)))
+        rank += ahead.to(tl.int32)
+        usable_ahead += tl.where(ahead, uj[None, :], 0)
+        total += uj
+    rank = tl.sum(rank, 1)[:, None]
+    usable_ahead = tl.sum(usable_ahead, 1)[:, None]
+    total = tl.sum(total, 0)
     spare = present & ~usable
     u, x = usable.to(tl.int32), spare.to(tl.int32)
-    u_page, x_page = tl.sum(u, 1), tl.sum(x, 1)
-    total = tl.sum(u_page, 0)
-    at_usable = (tl.cumsum(u_page, 0) - u_page)[:, None] + tl.cumsum(u, 1) - u
-    at_spare = total + (tl.cumsum(x_page, 0) - x_page)[:, None] + tl.cumsum(x, 1) - x
-    row = idx_ptr + bh * n_best * SIZE
-    tl.store(row + tl.where(usable, at_usable, at_spare), slot, mask=present)
-    context = tl.load(ctx_ptr + b)
-    if FRACTION:
-        limit = tl.maximum(tl.ceil(context.to(tl.float32) * budget), 1.0).to(tl.int64)
-    else:
-        limit = tl.full([], budget, tl.int64)
-    tl.store(len_ptr + bh, tl.minimum(tl.minimum(limit, context), total).to(tl.int32))
+    at_usable = usable_ahead + tl.cumsum(u, 1) - u
+    at_spare = total + rank * SIZE - usable_ahead + tl.cumsum(x, 1) - x
+    tl.store(idx_ptr + bh * n_best * SIZE + tl.where(usable, at_usable, at_spare), slot, mask=present)
+    if tl.program_id(1) == 0:
+        context = tl.load(ctx_ptr + b)
+        if FRACTION:
+            limit = tl.maximum(tl.ceil(context.to(tl.float32) * budget), 1.0).to(tl.int64)
+        else:
+            limit = tl.full([], budget, tl.int64)
+        tl.store(len_ptr + bh, tl.minimum(tl.minimum(limit, context), total).to(tl.int32))
 
 
-def quest_pick_triton(page_scores, valid, budget: int | float, context, n_pages: int, page_size: int):
+def quest_pick_triton(
+    page_scores, valid, budget: int | float, context, n_pages: int, page_size: int,
+    num_warps: int | None = None, chunk: int = 16, block_j: int = 64,
+):  # fmt: skip
+    """Two kernels: per row, the search for the chosen pages (sequential over the row: one program
+    each, `num_warps` of them, by row length if None); then their ranks and slots, `chunk` pages
+    per program reading `block_j` at a time (one program per row did it in 7 us at 2K pages, 45
+    at 8K). `benchmarks/quest_pick_timing.py` times the kernels and sweeps these knobs."""
+    chosen = pick_best(page_scores, n_pages, num_warps)
+    return pick_layout(chosen, valid, budget, context, page_size, chunk, block_j)
+
+
+def pick_best(page_scores, n_pages: int, num_warps: int | None = None) -> torch.Tensor:
+    """`quest_pick_triton`'s first kernel: the chosen pages' keys and ids `[2, B * Hkv, n_pages]`."""
     b, hkv, pages = page_scores.shape
-    scores, context = page_scores.contiguous(), context.reshape(-1).contiguous()
-    scratch = torch.empty(3, b * hkv, n_pages, dtype=torch.int32, device=scores.device)
-    indices = torch.empty(b, hkv, n_pages * page_size, dtype=torch.int32, device=scores.device)
-    lengths = torch.empty(b, hkv, dtype=torch.int32, device=scores.device)
+    out = torch.empty(2, b * hkv, n_pages, dtype=torch.int32, device=page_scores.device)
     block_p = triton.next_power_of_2(pages)
-    _pick_kernel[(b * hkv,)](
-        scores, valid.view(torch.uint8) if valid.dtype == torch.bool else valid, context, scratch, indices, lengths,
-        b * hkv, hkv, pages, valid.shape[-1], n_pages, budget, *valid.stride(),
+    _pick_best_kernel[(b * hkv,)](page_scores.contiguous(), out, b * hkv, pages, n_pages, BLOCK_P=block_p,
+                                  num_warps=num_warps or (4 if block_p <= 2048 else 8))  # fmt: skip
+    return out
+
+
+def pick_layout(chosen, valid, budget: int | float, context, page_size: int, chunk: int = 16, block_j: int = 64):
+    """`quest_pick_triton`'s second kernel: slot ids and lengths from `pick_best`'s chosen pages."""
+    b, hkv = valid.shape[:2]
+    n_pages = chosen.shape[-1]
+    indices = torch.empty(b, hkv, n_pages * page_size, dtype=torch.int32, device=chosen.device)
+    lengths = torch.empty(b, hkv, dtype=torch.int32, device=chosen.device)
+    _pick_layout_kernel[(b * hkv, triton.cdiv(n_pages, chunk))](
+        chosen, valid.view(torch.uint8) if valid.dtype == torch.bool else valid, context.reshape(-1).contiguous(),
+        indices, lengths, b * hkv, hkv, valid.shape[-1], n_pages, budget, *valid.stride(),
         FRACTION=isinstance(budget, float), SIZE=page_size, BLOCK_SIZE=triton.next_power_of_2(page_size),
-        BLOCK_P=block_p, BLOCK_BEST=triton.next_power_of_2(n_pages), CHUNK=64, num_warps=4 if block_p <= 2048 else 8,
+        BLOCK_J=min(block_j, triton.next_power_of_2(n_pages)), CHUNK=chunk,
     )  # fmt: skip
     return indices, lengths

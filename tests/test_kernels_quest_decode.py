@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from atskv.kernels.quest import masked_page_bounds, quest_page_scores_reference
-from atskv.kernels.quest_decode import quest_pick, quest_step_scores
+from atskv.kernels.quest_decode import quest_pick, quest_pick_reference, quest_pick_triton, quest_step_scores
 
 
 def both_paths(monkeypatch, fn, *args):
@@ -96,13 +96,41 @@ def test_pick_kernel_matches_reference_and_a_plain_loop(monkeypatch, budget):
 
 
 def test_pick_kernel_sorts_a_long_row(monkeypatch):
-    """Thousands of pages (a 32K context of 16-token pages) in one program's sort."""
+    """Thousands of pages (a 32K context of 16-token pages) in one program's search, the chosen
+    pages ranked by four programs."""
     g = torch.Generator().manual_seed(2)
     scores = torch.randn(1, 2, 2048, generator=g)
     valid = torch.ones(1, 2, 2048 * 16, dtype=torch.bool)
     (ref, _), (tri, _) = both_paths(monkeypatch, quest_pick, scores, valid, 0.05, torch.tensor([32768]), 105, 16)
     assert torch.equal(ref[0], tri[0]) and torch.equal(ref[1], tri[1])
     assert int(tri[1][0, 0]) == math.ceil(32768 * 0.05)
+
+
+@pytest.mark.parametrize("knobs", [dict(chunk=8, block_j=16), dict(chunk=64, block_j=8)])
+@pytest.mark.parametrize("kind", ["distinct", "ties", "mostly empty", "all equal", "infinite"])
+def test_pick_kernel_matches_reference_across_programs(knobs, kind):
+    """Several programs per row rank the chosen pages (`chunk` each), reading them in blocks
+    (`block_j`); the search's start from the bits the held pages share (none shared, all shared);
+    ties at the n-th score beyond the places left (lowest ids win), fewer pages holding tokens
+    than are picked, a partial last page and unusable slots."""
+    g = torch.Generator().manual_seed(4)
+    b, h, pages, size, n_pages = 2, 3, 150, 8, 45
+    scores = torch.randn(b, h, pages, generator=g)
+    if kind == "ties":
+        scores = scores.round()  # a handful of values: many pages tie at the n-th
+    elif kind == "mostly empty":
+        scores[:, :, 20:] = -math.inf  # the other picks tie at -inf
+    elif kind == "all equal":
+        scores[:] = 2.5
+    elif kind == "infinite":
+        scores[:, :, ::3] = math.inf
+        scores[:, :, 1::4] = -math.inf
+    slots = pages * size - 3
+    valid = torch.rand(b, h, slots, generator=g) > 0.2
+    case = (scores, valid, 0.05, torch.tensor([slots, 300]), n_pages, size)
+    want = quest_pick_reference(*case)
+    got = quest_pick_triton(*case, **knobs)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @pytest.mark.gpu
