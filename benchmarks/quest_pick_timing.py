@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atskv.kernels.budget import budget_limit
 from atskv.kernels.quest_decode import pick_best, pick_layout, quest_pick_reference, quest_pick_triton
 
 
@@ -112,12 +113,8 @@ def _single_kernel(
                 at_spare = total + (tl.cumsum(x_page, 0) - x_page)[:, None] + tl.cumsum(x, 1) - x
                 row = idx_ptr + bh * n_best * SIZE
                 tl.store(row + tl.where(usable, at_usable, at_spare), slot, mask=present)
-                context = tl.load(ctx_ptr + b)
-                if FRACTION:
-                    limit = tl.maximum(tl.ceil(context.to(tl.float32) * budget), 1.0).to(tl.int64)
-                else:
-                    limit = tl.full([], budget, tl.int64)
-                tl.store(len_ptr + bh, tl.minimum(tl.minimum(limit, context), total).to(tl.int32))
+                limit = budget_limit(tl.load(ctx_ptr + b), budget, FRACTION)
+                tl.store(len_ptr + bh, tl.minimum(limit, total).to(tl.int32))
 
 
 def single_pick(scores, valid, budget, context, n_pages, page_size, stages=4):

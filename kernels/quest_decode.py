@@ -26,6 +26,7 @@ import math
 
 import torch
 from atskv.kernels.backend import jit, tl, triton, use_triton
+from atskv.kernels.budget import budget_limit, kept_tokens
 
 from atskv.kernels.quest import masked_page_bounds, quest_page_scores_reference
 
@@ -151,12 +152,7 @@ def quest_pick_reference(page_scores, valid, budget: int | float, context, n_pag
     candidates = candidates.clamp(max=slots - 1)
     usable = in_range & valid.gather(-1, candidates)
     order = (~usable).to(torch.int8).argsort(dim=-1, stable=True)  # usable slots first, rank kept
-    context = context.view(-1, 1)  # the budget in tokens: `resolve_budget`'s rule (kernels import no selectors)
-    if isinstance(budget, float):
-        limit = torch.clamp(torch.ceil(context * budget).long(), min=1).minimum(context)
-    else:
-        limit = context.clamp(max=budget)
-    lengths = limit.minimum(usable.sum(-1))
+    lengths = kept_tokens(budget, context.view(-1, 1)).minimum(usable.sum(-1))
     return candidates.gather(-1, order).int(), lengths.int()
 
 
@@ -266,12 +262,8 @@ def _pick_layout_kernel(
     at_spare = total + rank * SIZE - usable_ahead + tl.cumsum(x, 1) - x
     tl.store(idx_ptr + bh * n_best * SIZE + tl.where(usable, at_usable, at_spare), slot, mask=present)
     if tl.program_id(1) == 0:
-        context = tl.load(ctx_ptr + b)
-        if FRACTION:
-            limit = tl.maximum(tl.ceil(context.to(tl.float32) * budget), 1.0).to(tl.int64)
-        else:
-            limit = tl.full([], budget, tl.int64)
-        tl.store(len_ptr + bh, tl.minimum(tl.minimum(limit, context), total).to(tl.int32))
+        limit = budget_limit(tl.load(ctx_ptr + b), budget, FRACTION)
+        tl.store(len_ptr + bh, tl.minimum(limit, total).to(tl.int32))
 
 
 def quest_pick_triton(
