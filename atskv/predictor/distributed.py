@@ -40,10 +40,15 @@ def barrier() -> None:
 
 
 def all_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` summed over the processes (a copy; no gradient)."""
+    """`tensor` summed over the processes (a copy on its own device; no gradient). NCCL reduces
+    only CUDA tensors: a host tensor (a count, host-side statistics) goes through this process's
+    GPU and comes back."""
     tensor = tensor.detach().clone()
     if world_size() > 1:
-        dist.all_reduce(tensor)
+        backend_device = "cuda" if dist.get_backend() == "nccl" else tensor.device
+        moved = tensor.to(backend_device)
+        dist.all_reduce(moved)
+        tensor = moved.to(tensor.device)
     return tensor
 
 
