@@ -33,11 +33,16 @@ def evict_lowest_reference(scores, slot_pos, context, budget: int | float, write
     oldest = slot_pos.masked_fill(~(held & (scores == lowest)), torch.iinfo(slot_pos.dtype).max)
     victim = oldest.argmin(-1, keepdim=True)  # [B, Hkv, 1]
     over = held.sum(-1, keepdim=True) > kept_tokens(budget, context.view(-1, 1, 1))
-    freed = slot_pos.gather(2, victim).masked_fill(~over, -1)
-    slot_pos.scatter_(2, victim, slot_pos.gather(2, victim).masked_fill(over, -1))
-    free = (slot_pos < 0).to(torch.int8).argmax(-1, keepdim=True)  # slot 0 where none is free
-    write_slot.copy_(torch.where(over, victim, free)[..., 0])
-    return freed[..., 0]
+    victim_pos = slot_pos.gather(2, victim)
+    slot_pos.scatter_(2, victim, victim_pos.masked_fill(over, -1))
+    write_slot.copy_(torch.where(over[..., 0], victim[..., 0], first_free(slot_pos)))
+    return victim_pos.masked_fill(~over, -1)[..., 0]
+
+
+def first_free(slot_pos: torch.Tensor) -> torch.Tensor:
+    """`[B, Hkv]`: the first free slot of every row (slot 0 where none is free): where the next
+    token goes when nothing was evicted."""
+    return (slot_pos < 0).to(torch.int8).argmax(-1)
 
 
 @jit

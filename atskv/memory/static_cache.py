@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 from transformers.cache_utils import Cache
 
+from atskv.kernels.evict import first_free
 from atskv.kernels.slot_write import write_decode_token
 from atskv.memory.slot_cache import SlotLayer, slot_index
 
@@ -141,11 +142,6 @@ class StaticSlotLayer(SlotLayer):
         self.filled = 0
         self.decoding = False
         self.write_slot = self.position = self.context = None
-
-
-def first_free(slot_pos: torch.Tensor) -> torch.Tensor:
-    """`[B, Hkv]`: the first free slot of every row (slot 0 where none is free)."""
-    return (slot_pos < 0).to(torch.int8).argmax(-1)
 
 
 class StaticKVCache(Cache):
