@@ -22,6 +22,7 @@ parser.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.5])
 parser.add_argument("--selectors", nargs="+", default=["learned", "quest", "h2o", "snapkv"])
 parser.add_argument("--device", default="cpu")
 parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="auto: bf16 on CUDA")
+parser.add_argument("--compile", action="store_true", help="the fast path through torch.compile'd decoder layers")
 parser.add_argument("--predictor", help="the learned selector's exported predictor (a GGUF path has no name)")
 args = parser.parse_args()
 
@@ -38,12 +39,13 @@ lm = load_model(args.model, device=args.device, dtype=dtype)
 lm.model.generation_config.eos_token_id = None  # both loops run the full number of steps
 text = (Path(__file__).resolve().parent.parent / "README.md").read_text() * 4  # any real text
 ids = lm.tokenizer(text, return_tensors="pt").input_ids[:, : args.context].to(args.device)
-print(f"{args.model}, {ids.shape[1]}-token prompt, {args.steps} greedy steps, {args.device} {dtype}\n")
+print(f"{args.model}, {ids.shape[1]}-token prompt, {args.steps} greedy steps, {args.device} {dtype}"
+      f"{', compiled layers' if args.compile else ''}\n")
 print("| selector | budget | same tokens | first difference |\n|---|---|---|---|")
 for budget in args.budgets:
     for name in args.selectors:
         fast = atskv.generate(lm.model, ids, selector(name), budget, max_new_tokens=args.steps,
-                              prefill_chunk=256)  # fmt: skip
+                              prefill_chunk=256, compile=args.compile)  # fmt: skip
         with torch.no_grad(), atskv.sparse(lm.model, selector(name), budget):
             reference = lm.model.generate(ids, max_new_tokens=args.steps, do_sample=False)
         same = fast[0, ids.shape[1] :] == reference[0, ids.shape[1] :]

@@ -290,3 +290,20 @@ def test_an_evicting_selector_prefills_a_batch_one_row_at_a_time(monkeypatch):
     atskv.generate(model, random_prompt(80, batch=3), "snapkv", 16, max_new_tokens=2, prefill_chunk=64)
     atskv.generate(model, random_prompt(80, batch=3), "quest", 16, max_new_tokens=2, prefill_chunk=64)
     assert rows == [1, 1, 1, 3]
+
+
+@pytest.mark.parametrize("family,selector", [("llama", "snapkv"), ("gemma3", "quest")])
+def test_compiled_layers_give_the_eager_tokens(family, selector):
+    """`compile=True` fuses the model's own per-layer work; atskv's attention and cache write stay
+    eager (graph breaks), and in float32 the tokens stay the eager ones."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model(family)
+    ids = random_prompt(130, seed=2)
+    eager = atskv.generate(model, ids, selector, 16, max_new_tokens=6, dense_layers=1, prefill_chunk=64)
+    counters.clear()
+    compiled = atskv.generate(model, ids, selector, 16, max_new_tokens=6, dense_layers=1, prefill_chunk=64,
+                              compile=True)  # fmt: skip
+    assert counters["stats"]["unique_graphs"] > 0  # something was compiled
+    assert torch.equal(compiled, eager)
+    assert all("forward" not in layer.__dict__ for layer in decode.decoder_layers(model))  # restored

@@ -76,6 +76,7 @@ def decode(
     out: Path = Path("results/speed"),
     predictor: Path | None = None,
     selector_options: dict | None = None,
+    compile: bool = False,
 ) -> None:
     """End-to-end decode speed against plain transformers, in one run on one GPU.
 
@@ -107,6 +108,8 @@ def decode(
         predictor: the learned selector's predictor (file or folder); default: a random one of the
             model's shape (its cost does not depend on what it learned).
         selector_options: options per selector name, e.g. '{quest: {page_size: 32}}'.
+        compile: atskv's fast path decodes through `torch.compile`d decoder layers
+            (`atskv.generate(compile=True)`); its one-time compile is not in ms/step.
     """
     import datetime
     import sys
@@ -115,8 +118,8 @@ def decode(
     from atskv.selectors import selector_options as options_for
 
     names = [m.split(":")[-1] for m in methods if m not in (speed.PLAIN, speed.PLAIN_STATIC)]
-    run = speed.DecodeRun(budget, new_tokens, prefill_chunk, dense_layers, retrieve,
-                          options_for(sorted(set(names)), selector_options, predictor), tier_cache)  # fmt: skip
+    options = options_for(sorted(set(names)), selector_options, predictor)
+    run = speed.DecodeRun(budget, new_tokens, prefill_chunk, dense_layers, retrieve, options, tier_cache, compile)
     if gpu_memory is not None and (gpu_memory <= 0 or max_batch < 1):
         raise ValueError(f"need gpu_memory > 0 GiB and max_batch >= 1, got {gpu_memory} and {max_batch}")
     if not torch.cuda.is_available():

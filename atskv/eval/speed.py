@@ -75,7 +75,7 @@ class DecodeRun:
     KV head), decode steps, prompt chunk, dense first layers, `retrieve` (tokens a `tiered:` method
     reads back per step, whole pages; `tier_cache`: the GPU page cache, in reads) and per-selector
     options (`{"learned": {"predictor": ...}}`; learned without a predictor gets a random one of
-    the model's shape)."""
+    the model's shape); `compile`: the fast path's decoder layers `torch.compile`d."""
 
     budget: int | float = 0.05
     new_tokens: int = 64
@@ -84,6 +84,7 @@ class DecodeRun:
     retrieve: int | float = 1024
     selector_options: dict = field(default_factory=dict)
     tier_cache: float = 2.0
+    compile: bool = False
 
     def __post_init__(self):  # bad settings fail here, before a model is built
         check_budget(self.budget)
@@ -175,7 +176,7 @@ def run_method(model, method: str, ids: torch.Tensor, run: DecodeRun) -> tuple[f
             tier = run.tier() if method.startswith(TIERED) else None
             atskv.generate(model, ids, _selector(model, method, run, Path(folder)), run.budget, max_new_tokens=new,
                            dense_layers=run.dense_layers, prefill_chunk=run.prefill_chunk, streamer=clock,
-                           tier=tier)  # fmt: skip
+                           tier=tier, compile=run.compile)  # fmt: skip
     return 1000 * statistics.median(clock.decode_gaps()), clock.times[1] - start
 
 

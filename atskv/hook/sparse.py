@@ -185,6 +185,7 @@ def _visible_slots(
     return valid, logical.sum(-1)
 
 
+@torch.compiler.disable  # a compiled decoder layer calls it eagerly: selectors keep Python state
 def atskv_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """The registered attention function: managed layers go through the session, others to SDPA."""
     session: SparseSession | None = getattr(module, _SESSION_ATTR, None)
@@ -256,6 +257,7 @@ def attach(model, session: SparseSession) -> Iterator[SparseSession]:
         kwargs[cache_arg] = session.bind(pop_cache(kwargs))
         return original_forward(*args, **kwargs)
 
+    @torch.compiler.disable
     def keep_hidden(module, args, kwargs):  # the attention module's input: what a learned selector reads
         session.hidden[module.layer_idx] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
 

@@ -47,6 +47,7 @@ class StaticSlotLayer(SlotLayer):
         self.length = self.capacity  # views cover the whole buffer: static shapes
         self.is_initialized = True
 
+    @torch.compiler.disable  # host-side counters and lazy buffers: eager inside a compiled layer
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)

@@ -92,3 +92,10 @@ def attention_modules(model) -> list:
     if not modules:
         raise ValueError(f"{type(model).__name__}: found no attention modules with a layer_idx to manage")
     return modules
+
+
+def decoder_layers(model) -> list:
+    """The modules that hold an attention module as a direct child (a model's decoder layers), in
+    module order: the units `atskv.generate(compile=True)` compiles around atskv's attention."""
+    attention = {id(m) for m in attention_modules(model)}
+    return [m for m in model.modules() if any(id(child) in attention for child in m.children())]
