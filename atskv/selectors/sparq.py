@@ -2,13 +2,20 @@
 approximate attention from the r largest query components, then exact top-k.
 
 Each query head picks its own r dimensions with the largest |q| (as the authors' code, which
-expands K to the query heads) and approximates its logits on them (`atskv.kernels.partial_scores`,
-gathered from the full keys each step, nothing stored). The softmax of the approximation is
-sharpened by SparQ's temperature correction: the logits are divided by `sqrt(D * a)` instead of
-`sqrt(D)`, with `a = sum_r |q_i| / sum_D |q_i|` the share of the query's L1 mass kept (here
-`scaling / sqrt(a)`, so a model's own attention scale is kept). Probabilities are summed over the
-query heads of a GQA group (post-softmax pooling, as the oracle); the hook then keeps the exact
-top-budget, SparQ's step 2.
+expands K to the query heads; equal magnitudes: the lower dimension first) and approximates its
+logits on them (`atskv.kernels.partial_scores`). The softmax of the approximation is sharpened by
+SparQ's temperature correction: the logits are divided by `sqrt(D * a)` instead of `sqrt(D)`, with
+`a = sum_r |q_i| / sum_D |q_i|` the share of the query's L1 mass kept (here `scaling / sqrt(a)`, so
+a model's own attention scale is kept). Probabilities are summed over the query heads of a GQA
+group (post-softmax pooling, as the oracle); the hook then keeps the exact top-budget, SparQ's
+step 2.
+
+On the fast path (`atskv.generate`) the selector keeps, as the paper does, a second, channel-major
+copy of the layer's keys `[B, Hkv, D, S]`, so the r chosen dimensions are r contiguous rows: a step
+reads r / D of K per query head instead of most of it (from row-major keys r scattered dimensions
+touch most 32-byte sectors). It costs one more K of memory per managed layer. The step is three
+kernels (`atskv.kernels.sparq_decode`: approximate logits, pooled probabilities, a radix select);
+elsewhere the reference gathers the dimensions from the keys and nothing is stored.
 
 r is a fraction of the head dimension (rounded, at least 1), default 1/8: the default of the
 authors' code (compression ratio 8 gives r = D / 8, 16 of D = 128). SparQ's mean-value
@@ -22,16 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
-from atskv.kernels.partial_scores import partial_scores
-from atskv.selectors.base import LayerView, Selector
+from atskv.kernels.sparq_decode import pooled_probs, sparq_decode, sparq_probs
+from atskv.selectors.base import LayerView, Selector, budget_tokens
 
-
-def pooled_probs(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Softmax of per-query-head logits `[B, Hq, Tq, S]` over the slots `valid` (`[B, Hkv, Tq, S]`)
-    allows, summed over each GQA group: `[B, Hkv, Tq, S]`."""
-    b, hkv, tq, s = valid.shape
-    grouped = logits.view(b, hkv, -1, tq, s).masked_fill(~valid.unsqueeze(2), torch.finfo(logits.dtype).min)
-    return torch.softmax(grouped, dim=-1).sum(dim=2)
+__all__ = ["SparQSelector", "pooled_probs"]
 
 
 @dataclass
@@ -40,14 +41,29 @@ class SparQSelector(Selector):
     query_aware = True
     rank_fraction: float = 1 / 8
 
+    def rank(self, head_dim: int) -> int:
+        return max(1, min(head_dim, round(head_dim * self.rank_fraction)))
+
     def scores(self, view: LayerView):
-        query = view.query
-        d = query.shape[-1]
-        rank = max(1, min(d, round(d * self.rank_fraction)))
-        magnitude = query.abs().float()
-        top = magnitude.topk(rank, dim=-1)
-        logits = partial_scores(query, view.keys, top.indices)  # [B, Hq, Tq, S]
-        tiny = torch.finfo(torch.float32).tiny
-        kept_share = top.values.sum(-1) / magnitude.sum(-1).clamp(min=tiny)
-        scale = view.scaling / kept_share.clamp(min=tiny).sqrt()
-        return pooled_probs(logits * scale.unsqueeze(-1), view.valid)
+        return sparq_probs(view.query, view.keys, view.valid, view.scaling, self.rank(view.query.shape[-1]))
+
+    def static_write(self, view: LayerView) -> None:
+        """Fast path: the channel-major key copy, built at the first decode step over the whole
+        static buffer (after the prompt's slots were reordered); `decode_indices` then writes each
+        decode token's key into it."""
+        if not view.layer.decoding:
+            view.layer.state.pop(self.name, None)
+        elif self.name not in view.layer.state:
+            view.layer.state[self.name] = view.keys.transpose(2, 3).contiguous()
+
+    def decode_indices(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
+        """On the fast path the fused step over the channel-major copy (`sparq_decode`: the same
+        slots as ranking `scores`, exactly equal probabilities going to the higher slot, listed in
+        no particular order); elsewhere the default ranking of `scores`."""
+        keys_t = view.layer.state.get(self.name) if view.longest is not None else None
+        if keys_t is None:
+            return super().decode_indices(view)
+        k = min(budget_tokens(view), view.keys.shape[2])
+        return sparq_decode(view.query[:, :, -1], view.keys, keys_t, view.slot_pos, view.layer.write_slot,
+                            view.context[:, 0, -1], view.scaling, self.rank(view.query.shape[-1]), view.budget,
+                            k)  # fmt: skip

@@ -1,0 +1,154 @@
+"""SparQ's fused decode step (`atskv.kernels.sparq_decode`): the Triton kernels (Triton's interpreter
+on CPU) against the torch reference, the reference against the selector's ranking, and the fast
+path through the kernels against the reference session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.conftest import tiny_model
+from tests.test_decode import _left_padded, _no_host_reads, _reference
+
+import atskv
+from atskv.hook import decode
+from atskv.kernels.sparq_decode import sparq_decode, sparq_decode_reference, sparq_decode_triton, sparq_probs
+from atskv.selectors.base import select_top_budget
+
+RANK = 4
+# small blocks, scan chunks and candidate steps: every loop of the kernels runs several times
+SMALL = dict(block_s=64, chunk=64, block_c=16)
+
+
+def static_layer(b=2, hkv=2, group=3, slots=300, d=16, dtype=torch.float32, seed=0):
+    """A static cache after some decode steps: free slots past the end and, in one row, scattered
+    (evicted) ones; `keys_t` is the channel-major copy, stale at the slot just written."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(b, hkv, slots, d, generator=g).to(dtype)
+    slot_pos = torch.arange(slots).expand(b, hkv, slots).clone()
+    slot_pos[:, :, 280:] = -1
+    slot_pos[1, 0, torch.randperm(280, generator=g)[:60]] = -1
+    write_slot = torch.tensor([[279, 100], [5, 279]])
+    keys_t = keys.transpose(2, 3).contiguous()
+    keys_t[0, 0, :, 279] = 0.0  # the decode token's column is not written yet
+    query = torch.randn(b, hkv * group, d, generator=g).to(dtype)
+    context = torch.tensor([280, 280])
+    return query, keys, keys_t, slot_pos, write_slot, context, d**-0.5
+
+
+def chosen(indices, lengths):
+    """The counted slots of every row, as sets."""
+    return [[set(row[: int(n)].tolist()) for row, n in zip(ri, li)] for ri, li in zip(indices, lengths)]
+
+
+def both(args, budget, k, **knobs):
+    """Reference and kernel on their own copies of the arguments (the step writes `keys_t`)."""
+    ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    tri_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    ref = sparq_decode_reference(*ref_args, RANK, budget, k)
+    tri = sparq_decode_triton(*tri_args, RANK, budget, k, **knobs)
+    return ref, tri, ref_args, tri_args
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("budget,k", [(40, 64), (0.1, 28), (500, 300)])
+@pytest.mark.parametrize("knobs", [SMALL, {}])
+def test_kernel_matches_reference_and_writes_the_new_key(dtype, group, budget, k, knobs):
+    args = static_layer(group=group, dtype=dtype)
+    (ref_idx, ref_len), (tri_idx, tri_len), ref_args, tri_args = both(args, budget, k, **knobs)
+    assert tri_idx.shape == (2, 2, k) and tri_idx.dtype == ref_idx.dtype == torch.int32
+    assert torch.equal(tri_len, ref_len)
+    assert chosen(tri_idx, tri_len) == chosen(ref_idx, ref_len)
+    assert int(tri_idx.min()) >= 0 and int(tri_idx.max()) < 300  # the filler too
+    keys, slot_pos = args[1], args[3]
+    for i in range(2):  # counted slots are distinct and held
+        for h in range(2):
+            counted = tri_idx[i, h, : int(tri_len[i, h])].long()
+            assert len(set(counted.tolist())) == len(counted) and bool((slot_pos[i, h, counted] >= 0).all())
+    kept = {40: 40, 0.1: 28, 500: 500}[budget]  # 10% of the 280 tokens seen; 500: more than any row holds
+    assert torch.equal(ref_len.long(), (slot_pos >= 0).sum(-1).clamp(max=kept))
+    for copy in (ref_args[2], tri_args[2]):  # the written token's column, and nothing else changed
+        assert torch.equal(copy, keys.transpose(2, 3))
+
+
+@pytest.mark.parametrize("budget", [12, 0.05])
+def test_reference_keeps_what_the_selector_ranking_keeps(budget):
+    """Slots in position order (as on the fast path for a layer that keeps everything): the reference's
+    counted slots are the mask path's top budget of `SparQSelector.scores`, ties going to recent tokens."""
+    query, keys, keys_t, slot_pos, write_slot, context, scaling = static_layer(group=4)
+    keys_t = keys.transpose(2, 3).contiguous()
+    indices, lengths = sparq_decode_reference(query, keys, keys_t, slot_pos, write_slot, context, scaling, RANK,
+                                              budget, 64)  # fmt: skip
+    valid = (slot_pos >= 0).unsqueeze(2)
+    scores = sparq_probs(query.unsqueeze(2), keys, valid, scaling, RANK)
+    keep = select_top_budget(scores, valid, budget, slot_pos, context.view(-1, 1, 1))[:, :, 0]
+    counted = torch.arange(64) < lengths.unsqueeze(-1)
+    picked = torch.zeros(keep.shape, dtype=torch.int).scatter_add_(-1, indices.long(), counted.int()) > 0
+    assert torch.equal(picked, keep)
+
+
+@pytest.mark.parametrize("knobs", [SMALL, {}])
+def test_equal_probabilities_go_to_the_higher_slot(knobs):
+    """Exact ties the same in both: every slot equal (a zero query), and a run of identical best keys
+    longer than the budget, which the budget cuts."""
+    query, keys, keys_t, slot_pos, write_slot, context, scaling = static_layer(group=4)
+    zero = (torch.zeros_like(query), keys, keys_t, slot_pos, write_slot, context, scaling)
+    ref, tri, _, _ = both(zero, 40, 64, **knobs)
+    assert chosen(*tri) == chosen(*ref)
+    assert chosen(*tri)[0][0] == set(range(240, 280))  # the 40 highest held slots
+    query, keys, keys_t, slot_pos, write_slot, context, scaling = static_layer(group=1)
+    keys[:, :, 150:210] = 3 * query.unsqueeze(2)  # 60 equal slots, the best ones (no GQA: one query per KV head)
+    keys_t = keys.transpose(2, 3).contiguous()
+    ref, tri, _, _ = both((query, keys, keys_t, slot_pos, write_slot, context, scaling), 40, 64, **knobs)
+    assert chosen(*tri) == chosen(*ref)
+    assert chosen(*tri)[0][1] == set(range(170, 210))
+
+
+def test_dispatch_picks_the_kernel_by_backend(monkeypatch):
+    args = static_layer()
+    monkeypatch.setenv("ATSKV_KERNELS", "reference")
+    ref = sparq_decode(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args], RANK, 40, 64)
+    monkeypatch.setenv("ATSKV_KERNELS", "triton")
+    tri = sparq_decode(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args], RANK, 40, 64)
+    assert chosen(*tri) == chosen(*ref)
+
+
+def test_fast_generate_through_the_kernel_gives_the_reference_tokens(monkeypatch):
+    """SparQ's fused step inside `atskv.generate` (left-padded batch, every step checked for host
+    reads) gives the reference session's tokens."""
+    model, ids, mask = _left_padded("llama", 100, 20, seed=3)
+    expected = _reference(model, ids, "sparq", 0.2, 6, mask)
+    calls = []
+    original = decode.GraphedStep.__call__
+
+    def guarded(self, variant=None):
+        with _no_host_reads():
+            calls.append(variant)
+            return original(self, variant)
+
+    monkeypatch.setattr(decode.GraphedStep, "__call__", guarded)
+    monkeypatch.setenv("ATSKV_KERNELS", "triton")
+    fast = atskv.generate(model, ids, "sparq", 0.2, attention_mask=mask, max_new_tokens=6, dense_layers=1,
+                          prefill_chunk=64)  # fmt: skip
+    assert torch.equal(fast, expected) and len(calls) == 5
+
+
+def test_fast_path_keeps_the_channel_major_copy_current(monkeypatch):
+    """After decoding, the selector's copy equals the layer's keys transposed at every held slot."""
+    from atskv.selectors.sparq import SparQSelector
+
+    copies = []
+
+    class Watched(SparQSelector):
+        def decode_indices(self, view):
+            out = super().decode_indices(view)
+            copies.append((view.layer.state[self.name], view.keys, view.slot_pos))
+            return out
+
+    model = tiny_model("llama")
+    monkeypatch.setenv("ATSKV_KERNELS", "triton")
+    atskv.generate(model, torch.randint(1, 90, (1, 70)), Watched(), 8, max_new_tokens=4, dense_layers=1)
+    assert copies
+    for keys_t, keys, slot_pos in copies:
+        held = (slot_pos >= 0).unsqueeze(2)
+        assert torch.equal(keys_t * held, keys.transpose(2, 3) * held)
