@@ -10,6 +10,7 @@ import torch
 
 import atskv
 from atskv.errors import InputError
+from atskv.kernels import learned_features
 from atskv.models import model_geometry
 from atskv.predictor.export import default_predictor_dir, export_predictor
 from atskv.predictor.features import SCALAR_FEATURES, attention_so_far, scalar_features
@@ -103,6 +104,30 @@ def test_scores_refresh_every_n_steps_and_new_tokens_wait_at_plus_inf(predictor_
     assert torch.equal(snapshots[0][..., prompt], snapshots[1][..., prompt]), "no refresh before 3 steps"
     assert not torch.equal(snapshots[1][..., prompt], snapshots[2][..., prompt]), "refresh at step 3"
     assert torch.isfinite(snapshots[2]).all()
+
+
+def test_the_fast_path_through_the_kernels_gives_the_reference_tokens(predictor_dir, monkeypatch):
+    """The fast path as it runs on a GPU (the selector's kernels, `atskv.kernels.learned_features`,
+    with the decode write, eviction and attention kernels; Triton's interpreter on the CPU), a
+    left-padded batch refreshing on decode steps 3 and 6, against the reference session in torch."""
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    ids = random_prompt(100, seed=3, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :20], ids[1, :20] = 0, 0
+    with torch.no_grad(), atskv.sparse(model, LearnedSelector(predictor=predictor_dir, refresh_every=3), 0.2,
+                                       dense_layers=2):  # fmt: skip
+        expected = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    launched = []
+    for name in ("write_token_features_triton", "refresh_scores_triton"):
+        kernel = getattr(learned_features, name)
+        monkeypatch.setattr(learned_features, name, lambda *a, kernel=kernel: launched.append(kernel) or kernel(*a))
+    monkeypatch.setenv("ATSKV_KERNELS", "triton")
+    fast = atskv.generate(model, ids, LearnedSelector(predictor=predictor_dir, refresh_every=3), 0.2,
+                          attention_mask=mask, max_new_tokens=8, dense_layers=2, prefill_chunk=64)  # fmt: skip
+    assert torch.equal(fast, expected)
+    # 7 decode steps (the first token comes from the prompt) x 2 managed layers, two of them refreshing
+    assert len(launched) == 7 * 2 + 2 * 2
 
 
 def test_a_predictor_for_another_model_or_layout_is_refused(predictor_dir):

@@ -4,7 +4,7 @@ under the budget (query-agnostic and evicting, like H2O and SnapKV).
 
 Scores are not recomputed for every token at every step. A token's fixed features (its projected
 hidden state, hidden-state norm and token type) are computed once, when it enters the cache, and
-kept in slot tensors; all scores are refreshed from the current features every `refresh_every`
+kept in a slot tensor; all scores are refreshed from the current features every `refresh_every`
 steps and at the end of the prompt. Between refreshes a newly written token scores +inf, so the
 last few tokens are always kept (a short recent window of at most `refresh_every` tokens).
 
@@ -25,22 +25,38 @@ from pathlib import Path
 import torch
 
 from atskv.errors import InputError
-from atskv.memory.slot_cache import slot_index
+from atskv.kernels.learned_features import (
+    attention_by_position,
+    refresh_scores,
+    scatter_token_features,
+    score_slots,
+    slot_scalars,
+    write_token_features,
+)
 from atskv.predictor.export import LoadedPredictor, load_predictor
-from atskv.predictor.features import SCALAR_FEATURES, feature_columns
+from atskv.predictor.features import SCALAR_FEATURES
+from atskv.predictor.model import RelevanceMLP
 from atskv.selectors.base import LayerView, Selector, check_view_fits
 
-_PROJECTED, _HIDDEN_NORM, _TYPE, _RECEIVED, _SCORE = (
-    "learned_projected",
-    "learned_hidden_norm",
-    "learned_type",
-    "learned_received",
-    "learned_score",
-)
+# Per-slot state in two slot tensors, not five: the cache resets every slot tensor of a slot it
+# writes, one kernel per tensor and decode step. `_STATE` (float32, 0 when a token enters) holds
+# the projected hidden state as bfloat16 pairs, then the hidden-state norm, 1 + the token type (0:
+# not entered yet) and the attention received; `_SCORE` waits at +inf.
+_STATE, _SCORE = "learned_state", "learned_score"
 # the projected hidden state is as wide per token and KV head as a head's K+V in bf16 (64 floats):
 # kept in bfloat16 it costs half of that, not as much GPU memory as the KV it serves
 _PROJECTED_DTYPE = torch.bfloat16
 logger = logging.getLogger("atskv")
+
+
+@dataclass(frozen=True)
+class _Slots:
+    """Views `[B, Hkv, S(, width)]` of one layer's `_STATE`."""
+
+    projected: torch.Tensor
+    hidden_norm: torch.Tensor
+    kind: torch.Tensor
+    received: torch.Tensor
 
 
 @dataclass
@@ -56,6 +72,7 @@ class LearnedSelector(Selector):
     # predictor's calibration, which is what policy-gradient fine-tuning learns (docs/results.md).
     # None: fill the budget, the same amount in every layer and KV head.
     threshold: float | None = None
+    # the last managed layer refreshed and its `attention_by_position`, for the next one
     _previous: tuple[int, torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -86,7 +103,7 @@ class LearnedSelector(Selector):
         view.layer.state[self.name]["prompt_end"] = view.layer.seen
 
     def observe(self, view: LayerView, attention_mass: torch.Tensor) -> None:
-        view.layer.slot_tensor(_RECEIVED).add_(attention_mass)
+        self._slots(view.layer).received.add_(attention_mass)
 
     def unwanted(self, view: LayerView) -> torch.Tensor | None:
         if self.threshold is None:
@@ -108,23 +125,21 @@ class LearnedSelector(Selector):
 
     def static_write(self, view: LayerView) -> None:
         """Fast path: a prompt chunk's tokens enter as on the reference path; a decode token's
-        fixed features go to the slot it was written to, by scatter (no host sync)."""
-        layer = view.layer
+        fixed features go to the slot it was written to (one kernel for a float32 MLP; no host sync)."""
+        layer, mlp = view.layer, self.predictor.mlp
         if not layer.decoding:
             self._check(view)  # before the first features: the predictor moves to the model's device
             self._enter(view)
             return
-        mlp, slot = self.predictor.mlp, layer.write_slot.unsqueeze(-1)  # [B, Hkv, 1]
-        b, h, _ = slot.shape
-        hidden = view.hidden[:, -1]  # [B, d_model]
+        slots, hidden, ids = self._slots(layer), view.hidden[:, -1], view.token_ids[:, -1]
+        state = (layer.write_slot, slots.projected, slots.hidden_norm, slots.kind)
+        if _fused(mlp):
+            write_token_features(mlp.project.weight, mlp.project.bias, hidden, self.predictor.token_types, ids, *state)
+            return
         with torch.no_grad():
-            projected = mlp.project_hidden(hidden).to(_PROJECTED_DTYPE)  # [B, width]
-        store = _projected(layer, mlp.projected_width)
-        store.scatter_(2, slot_index(slot, store), projected.view(b, 1, 1, -1).expand(b, h, 1, -1))
+            projected = mlp.project_hidden(hidden)
         norm = torch.linalg.vector_norm(hidden, dim=-1, dtype=torch.float32)
-        layer.slot_tensor(_HIDDEN_NORM).scatter_(2, slot, norm.view(b, 1, 1).expand(b, h, 1))
-        kind = self.predictor.token_types[view.token_ids[:, -1]].float().view(b, 1, 1).expand(b, h, 1)
-        layer.slot_tensor(_TYPE, init=-1.0).scatter_(2, slot, kind)
+        scatter_token_features(projected, norm, self.predictor.token_types[ids].float() + 1, *state)
 
     def check_model(self, model) -> None:
         """Refuse a base model other than the predictor's (`PredictorHeader.check_model`)."""
@@ -141,83 +156,70 @@ class LearnedSelector(Selector):
     # --- features ------------------------------------------------------------------------------
     def features(self, view: LayerView) -> torch.Tensor:
         """`[B, Hkv, S, F]` scalar features of every slot, in `SCALAR_FEATURES` order."""
-        layer = view.layer
-        # positions within each row's own text: left padding shifts a row's slots, not its features
-        padding = (_seen(view) - view.context[:, 0, -1]).view(-1, 1, 1)
-        pos = (view.slot_pos - padding).clamp(min=0).float()
-        newest = (view.context[:, 0, -1] - 1).float().view(-1, 1, 1)
-        seen_by = (newest - pos + 1).clamp(min=1)  # queries that could attend to the token so far
-        attention = layer.slot_tensor(_RECEIVED) / view.group_size / seen_by
-        previous = self._previous_attention(view)
-        self._previous = (view.layer_idx, self._head_mean_by_position(view, attention))
-        return feature_columns(
-            attention, pos, newest, layer.slot_tensor(_HIDDEN_NORM), view.keys.float().norm(dim=-1), previous
-        )
+        slots = self._slots(view.layer)
+        scalars = slot_scalars(slots.received, slots.hidden_norm, view.keys, view.slot_pos, view.context[:, 0, -1],
+                               _seen(view), view.group_size, self._previous_sums(view))  # fmt: skip
+        self._previous = (view.layer_idx, attention_by_position(scalars[..., 0], view.slot_pos, _positions(view)))
+        return scalars
 
-    def _previous_attention(self, view: LayerView) -> torch.Tensor:
-        """The previous managed layer's mean attention per token, read at this layer's slots."""
+    def _previous_sums(self, view: LayerView) -> torch.Tensor | None:
+        """The previous managed layer's `attention_by_position` when it is this step's (None in the
+        first managed layer: `prev_attention` is 0 there)."""
         index = self._layer_index.get(view.layer_idx)
         if self._previous is None or index in (None, 0) or self._previous[0] >= view.layer_idx:
-            return torch.zeros(view.slot_pos.shape, device=view.keys.device)
-        by_position = self._previous[1]  # [B, seen]
-        if by_position.shape[-1] != _positions(view):
-            return torch.zeros(view.slot_pos.shape, device=view.keys.device)
-        b, h, s = view.slot_pos.shape
-        mean = by_position.gather(-1, view.slot_pos.clamp(min=0).reshape(b, h * s)).view(b, h, s)
-        return mean.masked_fill(view.slot_pos < 0, 0.0)
+            return None
+        sums = self._previous[1]
+        return sums if sums.shape[-1] == _positions(view) + 1 else None
 
-    @staticmethod
-    def _head_mean_by_position(view: LayerView, per_slot: torch.Tensor) -> torch.Tensor:
-        """Per-slot values `[B, Hkv, S]` averaged over the KV heads that hold each token, laid out
-        by position `[B, seen]` (each head has its own slot layout once it has evicted)."""
-        b, h, _ = per_slot.shape
-        seen = _positions(view)
-        pos = view.slot_pos.masked_fill(view.slot_pos < 0, seen)  # free slots land in a spare column
-        total = torch.zeros(b, h, seen + 1, device=per_slot.device).scatter_(-1, pos, per_slot.float())
-        held = torch.zeros(b, h, seen + 1, device=per_slot.device).scatter_(-1, pos, torch.ones_like(per_slot))
-        return (total.sum(1) / held.sum(1).clamp(min=1))[:, :seen]
+    def _slots(self, layer) -> _Slots:
+        width = self.predictor.mlp.projected_width
+        pairs = (width + 1) // 2
+        state = layer.slot_tensor(_STATE, width=pairs + 3)
+        projected = state[..., :pairs].view(_PROJECTED_DTYPE)[..., :width]
+        return _Slots(projected, state[..., pairs], state[..., pairs + 1], state[..., pairs + 2])
 
     # --- state ---------------------------------------------------------------------------------
     def _enter(self, view: LayerView) -> None:
         """Store the fixed features of the tokens written in this step (projected hidden state,
         its norm, token type); their score stays +inf until the next refresh."""
-        layer, mlp = view.layer, self.predictor.mlp
-        width = mlp.projected_width
-        kind = layer.slot_tensor(_TYPE, init=-1.0)
-        fresh = (kind < 0) & (view.slot_pos >= 0)
+        layer, mlp, slots = view.layer, self.predictor.mlp, self._slots(view.layer)
+        fresh = (slots.kind == 0) & (view.slot_pos >= 0)
         if view.hidden is None or not bool(fresh.any()):
             return
         tq = view.hidden.shape[1]
         offset = (view.slot_pos - (layer.seen - tq)).clamp(min=0, max=tq - 1)  # [B, Hkv, S]: row of view.hidden
-        b, h, s = offset.shape
         rows = fresh.nonzero(as_tuple=True)
         hidden = view.hidden[rows[0], offset[rows]]  # [n, d_model]
         with torch.no_grad():
-            _projected(layer, width)[rows] = mlp.project_hidden(hidden).to(_PROJECTED_DTYPE)
-        layer.slot_tensor(_HIDDEN_NORM)[rows] = hidden.float().norm(dim=-1)
+            slots.projected[rows] = mlp.project_hidden(hidden).to(_PROJECTED_DTYPE)
+        slots.hidden_norm[rows] = hidden.float().norm(dim=-1)
         ids = view.token_ids[rows[0], offset[rows]] if view.token_ids is not None else None
         types = self.predictor.token_types.to(view.keys.device)
         other = float(len(self.predictor.header.feature_spec.token_types) - 1)  # no ids: inputs_embeds
-        kind[rows] = types[ids].float() if ids is not None else other
+        slots.kind[rows] = (types[ids].float() if ids is not None else other) + 1
 
     def _refresh(self, view: LayerView) -> None:
-        """Recompute every held token's score from its current features: the MLP runs on every
-        slot (free ones masked to -inf after), so the shapes are fixed and nothing is read back."""
-        layer, mlp = view.layer, self.predictor.mlp
-        scalars = self.features(view)
-        b, h, s = view.slot_pos.shape
-        heads = torch.arange(h, device=scalars.device).view(1, h, 1).expand(b, h, s)
-        with torch.no_grad():
-            logits = mlp.score(
-                _projected(layer, mlp.projected_width).reshape(b * h * s, -1).to(mlp.dtype),
-                scalars.reshape(b * h * s, -1),
-                layer.slot_tensor(_TYPE, init=-1.0).reshape(-1).clamp(min=0).long(),
-                torch.full((b * h * s,), self._layer_index[view.layer_idx], device=scalars.device),
-                heads.reshape(-1),
-            )
-        score = layer.slot_tensor(_SCORE, init=torch.inf)
-        score.copy_(logits.float().view(b, h, s).masked_fill(view.slot_pos < 0, -torch.inf))
+        """Recompute every held token's score from its current features. The fast path with a
+        float32 MLP does it in one kernel (`refresh_scores`), its features read from the same
+        state as `features` reads."""
+        layer, mlp, slots = view.layer, self.predictor.mlp, self._slots(view.layer)
+        score, index = layer.slot_tensor(_SCORE, init=torch.inf), self._layer_index[view.layer_idx]
+        if view.longest is not None and _fused(mlp):
+            previous = self._previous_sums(view)
+            sums = torch.zeros(view.slot_pos.shape[0], 2, view.longest + 1, device=score.device)
+            refresh_scores(mlp, index, slots.projected, slots.hidden_norm, slots.kind, slots.received, view.keys,
+                           view.slot_pos, view.context[:, 0, -1], _seen(view), view.group_size, previous, sums,
+                           score)  # fmt: skip
+            self._previous = (view.layer_idx, sums)
+        else:
+            score_slots(mlp, index, self.features(view), slots.projected, slots.kind, view.slot_pos, score)
         layer.state.setdefault(self.name, {})["refreshed_at"] = layer.seen
+
+
+def _fused(mlp) -> bool:
+    """Whether the fast path's kernels compute this scorer: a float32 `RelevanceMLP` in eval mode
+    (other kinds and dtypes keep the torch steps, which are what they were trained with)."""
+    return isinstance(mlp, RelevanceMLP) and mlp.dtype == torch.float32 and not mlp.training
 
 
 def _training_data(training: dict) -> str:
@@ -230,11 +232,6 @@ def _training_data(training: dict) -> str:
         before = _training_data(started.get("training", {}))
         return f"{said or 'data not recorded'}, fine-tuned from a predictor trained on {before}"
     return str(said) if said else "data not recorded"
-
-
-def _projected(layer, width: int) -> torch.Tensor:
-    """The per-slot projected hidden states `[B, Hkv, S, width]`, stored in `_PROJECTED_DTYPE`."""
-    return layer.slot_tensor(_PROJECTED, dtype=_PROJECTED_DTYPE, width=width)
 
 
 def _seen(view: LayerView):
