@@ -9,11 +9,15 @@ runs it. Lines:
   `--stages`, `single<=N` is that program cut after stage N (0 loads the row, 1 finds the n-th
   best key, 2 gathers the chosen pages, 3 ranks them; 4 is the whole): time-only copies that say
   which stage costs.
-- `pick`: the package's pick, its two kernels alone (`best`, `layout`) and, with `--sweep`, its
-  tuning knobs.
+- `pick`: the package's pick (one kernel: each program repeats the row's search, a few bits per
+  pass, then lays out its share of the chosen pages), with the two-kernel pick's figure from the
+  table below (`was`, same shape) and, with `--sweep`, its tuning knobs (`radix`: bits per
+  search pass, `chunk`: chosen pages per program, `block_j`, `warps`).
 
 Every full variant is checked against the torch reference first, and the pick on tie-heavy rows.
-One H200, torch 2.11, Triton 3.6, 2026-11-24 (us; a graph node alone: 0.75 us):
+One H200, torch 2.11, Triton 3.6, 2026-11-24 (us; a graph node alone: 0.75 us); `pick` and its
+kernels here are the two-kernel pick (one program per row searched one bit per pass, ~26 passes;
+then a kernel ranked the chosen pages and laid out their slots), since replaced:
 
 | | P=2048 B=1 | B=16 | P=8192 B=1 | B=16 |
 |---|---|---|---|---|
@@ -37,7 +41,9 @@ import triton
 import triton.language as tl
 
 from atskv.kernels.budget import budget_limit
-from atskv.kernels.quest_decode import pick_best, pick_layout, quest_pick_reference, quest_pick_triton
+from atskv.kernels.quest_decode import quest_pick_reference, quest_pick_triton
+
+TWO_KERNEL_PICK_US = {(2048, 1): 10.6, (2048, 16): 13.7, (8192, 1): 22.7, (8192, 16): 43.8}  # the table's `pick`
 
 
 @triton.jit
@@ -151,7 +157,7 @@ def check_ties():
         valid = torch.rand(3, 8, slots, device="cuda", generator=g) > 0.2
         case = (scores, valid, 0.05, torch.tensor([slots, 100, 7], device="cuda"), n_pages, size)
         want = quest_pick_reference(*case)
-        for knobs in ({}, dict(chunk=32, block_j=128)):
+        for knobs in ({}, dict(chunk=32, block_j=128), dict(radix=1), dict(radix=3, chunk=16)):
             got = quest_pick_triton(*case, **knobs)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (pages, knobs)
     print("ties: the pick matches the reference", flush=True)
@@ -210,14 +216,15 @@ def main():
     one = torch.zeros(1, dtype=torch.int32, device="cuda")
     print(f"floor: one tiny kernel {graph_us(lambda: _one_store_kernel[(1,)](one)):.2f} us", flush=True)
 
-    def line(name, batch, pages, fn, check=None):
+    def line(name, batch, pages, fn, check=None, was=None):
         if check is not None:
             want = quest_pick_reference(*case)
             got = check()
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), name
         us = graph_us(fn)
         rows.append(dict(variant=name, batch=batch, pages=pages, us=round(us, 2)))
-        print(f"{name:<36} B={batch:<3} P={pages:<5} {us:8.2f} us", flush=True)
+        then = f"  (was {was} us: {was / us:.2f}x)" if was else ""
+        print(f"{name:<36} B={batch:<3} P={pages:<5} {us:8.2f} us{then}", flush=True)
         if args.out:  # after every line: a run cut short keeps what it measured
             with open(args.out, "w") as f:
                 json.dump(rows, f, indent=1)
@@ -225,21 +232,19 @@ def main():
     for pages in args.pages:
         for batch in args.batch:
             case = inputs(batch, pages)
-            scores, valid, budget, context, n_pages, size = case
             line("single", batch, pages, lambda: single_pick(*case), check=lambda: single_pick(*case))
             if args.stages:
                 line("torch reference", batch, pages, lambda: quest_pick_reference(*case))
                 for stages in range(4):
                     line(f"single<={stages}", batch, pages, lambda s=stages: single_pick(*case, stages=s))
-            line("pick", batch, pages, lambda: quest_pick_triton(*case), check=lambda: quest_pick_triton(*case))
-            chosen = pick_best(scores, n_pages)
-            line("pick: best alone", batch, pages, lambda: pick_best(scores, n_pages))
-            line("pick: layout alone", batch, pages, lambda: pick_layout(chosen, valid, budget, context, size))
+            fn = lambda: quest_pick_triton(*case)  # noqa: E731
+            line("pick", batch, pages, fn, check=fn, was=TWO_KERNEL_PICK_US.get((pages, batch)))
             if not args.sweep:
                 continue
-            for warps in (2, 4, 8) if pages <= 2048 else (4, 8, 16):
-                line(f"pick: best w={warps}", batch, pages, lambda w=warps: pick_best(scores, n_pages, w))
-            for knobs in (dict(chunk=8), dict(chunk=32), dict(block_j=32), dict(block_j=128)):
+            sweep = [dict(num_warps=w) for w in ((2, 4, 8) if pages <= 2048 else (4, 8, 16))]
+            sweep += [dict(radix=r) for r in (1, 2, 3, 4)]
+            sweep += [dict(chunk=c) for c in (16, 32, 64, 128)] + [dict(block_j=j) for j in (32, 64, 128, 256)]
+            for knobs in sweep:
                 fn = lambda k=knobs: quest_pick_triton(*case, **k)  # noqa: E731
                 line("pick " + " ".join(f"{k}={v}" for k, v in knobs.items()), batch, pages, fn, check=fn)
 

@@ -1,4 +1,4 @@
-"""Quest's decode step in three kernels, for the fast path's static cache (`atskv.hook.decode`).
+"""Quest's decode step in two kernels, for the fast path's static cache (`atskv.hook.decode`).
 
 The unfused step ran ~40 small torch kernels per layer (a page recompute by gather/scatter, the
 page scores, a mask of empty pages, `topk`, candidate slots, a stable `argsort`), 165 us at the
@@ -12,10 +12,11 @@ Llama-3-8B shape, 32K, B=1 against ~52 us for SDPA over the whole context. Here:
   newest first within a page, usable ones (in range and held) first in that order, the rest
   after them; and how many count: the row's budget, at most its usable slots. This is the index
   list the sparse decode kernel reads. The best pages are found by a search for the n-th largest
-  score, not by sorting the row (Triton's bitonic sort of 2K pages took 100 us): one program per
-  row, since the search is a chain of reductions over the whole row; then many programs per row
-  rank the chosen pages among themselves and lay out their slots (H200, 8 KV heads, 5%: 10.6 us
-  at 2K pages and B=1, 22.7 us at 8K, against 15.4 and 61 us with one program doing all).
+  score, not by sorting the row (Triton's bitonic sort of 2K pages took 100 us), a few bits per
+  pass, repeated by each of several programs per row, which then rank their share of the chosen
+  pages among them and lay out their slots. It was one program per row for the search (one bit
+  per pass, ~26 passes) and a second kernel for the rest: 10.6 us at 2K pages and B=1, 22.7 at 8K
+  (H200, 8 KV heads, 5%).
 
 Each has a plain-torch reference with the same contract; tests compare them on random inputs.
 """
@@ -157,77 +158,85 @@ def quest_pick_reference(page_scores, valid, budget: int | float, context, n_pag
 
 
 @jit
-def _pick_best_kernel(
-    score_ptr, out_ptr, n_rows, n_pages, n_best,
-    BLOCK_P: tl.constexpr,
-):  # fmt: skip
-    """One (row, KV head): the part that needs the whole row. Scores become order-preserving 32-bit
-    keys; the n_best-th largest is built bit by bit from the top, each bit one count over the row
-    (~150 ns of reduction latency at 2K pages, the search's whole cost), starting below the bits
-    that the lowest and highest non-empty page share (0.8 us less at 2K random pages; with fewer
-    non-empty pages than n_best, the answer is the empty pages' key). The pages above it, and the
-    lowest-id ones at it, go to `out` (`[2, rows, n_best]` int32: keys, ids) in page order."""
-    bh = tl.program_id(0).to(tl.int64)
-    keys_at = out_ptr + bh * n_best
-    p = tl.arange(0, BLOCK_P)
-    score = tl.load(score_ptr + bh * n_pages + p, mask=p < n_pages, other=float("-inf")) + 0.0  # -0.0 -> 0.0
-    bits = score.to(tl.int32, bitcast=True)
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # int32 in the scores' order
-    key = tl.where(p < n_pages, key, -2147483648)  # padding below every page, -inf ones included
-    unsigned = (key ^ -2147483648).to(tl.uint32, bitcast=True)  # the same order, unsigned
-    held = key > -2139095041  # above -inf's key: pages holding tokens
-    n_held = tl.sum(held.to(tl.int32), 0)
-    high = tl.max(key, 0)
-    differ = (tl.min(tl.where(held, key, high), 0) ^ high).to(tl.uint32, bitcast=True)
-    top = tl.full([], 0, tl.int32)  # the highest bit where the lowest and highest held keys differ
-    for width in tl.static_range(5):
-        shift = 16 >> width
-        top = tl.where((differ >> (top + shift).to(tl.uint32)) != 0, top + shift, top)
-    top = tl.where(differ != 0, top, -1)
-    one = tl.full([], 1, tl.uint32)
-    below = tl.where(top < 0, 0, (one << tl.maximum(top, 0).to(tl.uint32)) * 2 - 1)  # bits up to `top`
-    threshold = (high ^ -2147483648).to(tl.uint32, bitcast=True) & ~below
-    threshold = tl.where(n_held < n_best, tl.full([], 0x007FFFFF, tl.uint32), threshold)  # -inf's, unsigned
-    passes = tl.where(n_held < n_best, 0, top + 1)
-    at_least = tl.full([], BLOCK_P + 1, tl.int32)  # keys at or above the threshold (BLOCK_P + 1: unknown)
-    above = tl.where(n_held < n_best, n_held, 0)  # keys above it: at or above the last trial that failed
-    for i in range(0, passes):  # the largest threshold at least n_best keys reach
-        unit = one << (passes - 1 - i).to(tl.uint32)
-        count = tl.sum((unsigned >= threshold + unit).to(tl.int32), 0)
-        take = count >= n_best
-        threshold = tl.where(take, threshold + unit, threshold)
-        at_least = tl.where(take, count, at_least)
-        above = tl.where(take, above, count)
-    tie = unsigned == threshold
-    need = n_best - above
-    if at_least - above > need:  # more pages tie at the threshold than are needed: the lowest ids
-        chosen = (unsigned > threshold) | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= need))
-    else:
-        chosen = unsigned >= threshold
-    at = tl.cumsum(chosen.to(tl.int32), 0) - 1
-    tl.store(keys_at + at, key, mask=chosen)
-    tl.store(keys_at + n_rows * n_best + at, p, mask=chosen)
+def _held_stats(n_a, high_a, low_a, n_b, high_b, low_b):
+    return n_a + n_b, tl.maximum(high_a, high_b), tl.minimum(low_a, low_b)
 
 
 @jit
-def _pick_layout_kernel(
-    chosen_ptr, valid_ptr, ctx_ptr, idx_ptr, len_ptr,
-    n_rows, n_kv_heads, n_slots, n_best, budget,
+def _digit_pick(j_a, least_a, fail_a, j_b, least_b, fail_b):
+    return tl.maximum(j_a, j_b), tl.minimum(least_a, least_b), tl.maximum(fail_a, fail_b)
+
+
+@jit
+def _pick_kernel(
+    score_ptr, valid_ptr, ctx_ptr, scratch_ptr, idx_ptr, len_ptr,
+    n_kv_heads, n_pages, n_slots, n_best, budget,
     sv_b, sv_h, sv_s,
-    FRACTION: tl.constexpr, SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr,
-    CHUNK: tl.constexpr,
+    FRACTION: tl.constexpr, SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_J: tl.constexpr, CHUNK: tl.constexpr, RADIX: tl.constexpr,
 ):  # fmt: skip
-    """One (row, KV head) and CHUNK of its chosen pages, in parallel: a page's rank is how many
-    chosen pages go ahead of it (higher key, or equal key and lower id), and its usable slots go
-    after those of the pages ahead, its other slots after every usable slot and after the other
-    slots of the pages ahead. The chosen pages are read BLOCK_J at a time, their usable slots
-    counted here, each page's slots in one contiguous read (counting them in `_pick_best_kernel`,
-    a masked gather per slot over the whole row, cost it 4 us at 2K pages, 13 at 8K)."""
+    """One (row, KV head) and CHUNK of its chosen pages. Every program of a row finds the chosen
+    pages itself (the search needs the whole row, and the programs run side by side: no second
+    launch, no wait on one program per row), keeps them in its own scratch, then ranks its CHUNK
+    among them and lays out their slots.
+
+    The search: scores become order-preserving 32-bit keys, offset from the lowest held key; the
+    n_best-th largest is narrowed RADIX bits per pass (one count of the row at 2**RADIX - 1
+    thresholds: ~150 ns of reduction latency per pass at 2K pages, which the bit-by-bit search
+    paid per bit) and stops as soon as the keys at or above the interval's floor are exactly
+    n_best. A page's rank among the chosen is how many go ahead of it (higher key, or equal key
+    and lower id); its usable slots go after those of the pages ahead, its other slots after every
+    usable slot and after the other slots of the pages ahead."""
     bh = tl.program_id(0).to(tl.int64)
     b = bh // n_kv_heads
     h = bh % n_kv_heads
-    keys_at = chosen_ptr + bh * n_best
-    ids_at = keys_at + n_rows * n_best
+    p = tl.arange(0, BLOCK_P)
+    real = p < n_pages
+    score = tl.load(score_ptr + bh * n_pages + p, mask=real, other=float("-inf")) + 0.0  # -0.0 -> 0.0
+    bits = score.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # int32 in the scores' order
+    held = real & (key > -2139095041)  # above -inf's key: pages holding tokens
+    n_held, high, low = tl.reduce(
+        (held.to(tl.int32), tl.where(held, key, -2147483648), tl.where(held, key, 2147483647)), 0, _held_stats
+    )  # fmt: skip
+    rel = tl.where(held, key - low, 0).to(tl.uint32, bitcast=True)  # from the lowest held key; 0 off the row
+    span = (high - low).to(tl.uint32, bitcast=True)
+    s = tl.full([], 0, tl.int32)  # bits that held keys span: the search's interval is [lo, lo + 2**s)
+    for width in tl.static_range(5):
+        half = 16 >> width
+        s = tl.where((span >> (s + half).to(tl.uint32)) != 0, s + half, s)
+    s = tl.where(span != 0, s + 1, 0)
+    jj = tl.arange(0, 2**RADIX)
+    lo = tl.full([], 0, tl.uint32)
+    at_least = n_held  # keys at or above lo (only held ones count)
+    above = tl.full([], 0, tl.int32)  # keys at or above lo + 2**s
+    while (s > 0) & (at_least > n_best):  # n_held <= n_best: no search
+        shift = tl.maximum(s - RADIX, 0)
+        trial = lo + (jj.to(tl.uint32) << shift.to(tl.uint32))
+        count = tl.sum((rel[:, None] >= trial[None, :]).to(tl.int32), 0)
+        digit = (jj > 0) & (jj < (1 << (s - shift)))  # trials inside the interval (0: lo itself, known)
+        take = digit & (count >= n_best)
+        best, least, fail = tl.reduce(
+            (tl.where(take, jj, 0), tl.where(take, count, at_least), tl.where(digit & ~take, count, above)), 0,
+            _digit_pick,
+        )  # fmt: skip
+        lo = lo + (best.to(tl.uint32) << shift.to(tl.uint32))
+        at_least, above, s = least, fail, shift
+    fallback = n_held < n_best  # every held page, then the lowest-id empty ones
+    if fallback | (at_least > n_best):  # more keys tie at the n_best-th than places are left: lowest ids
+        tie = tl.where(fallback, real & ~held, held & (rel == lo))
+        over = tl.where(fallback, held, held & (rel > lo))
+        need = tl.where(fallback, n_best - n_held, n_best - above)
+        chosen = over | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= need))
+    else:
+        chosen = held & (rel >= lo)
+    keys_at = scratch_ptr + (bh * tl.num_programs(1) + tl.program_id(1)) * 2 * n_best
+    ids_at = keys_at + n_best
+    place = tl.cumsum(chosen.to(tl.int32), 0) - 1
+    tl.store(keys_at + place, key, mask=chosen)
+    tl.store(ids_at + place, p, mask=chosen)
+    tl.debug_barrier()  # this program's stores, read back by its other threads
+
     valid_at = valid_ptr + b * sv_b + h * sv_h
     i = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
     mine = i < n_best
@@ -239,8 +248,8 @@ def _pick_layout_kernel(
     in_range = present & (raw < n_slots)
     slot = tl.minimum(raw, n_slots - 1)
     usable = in_range & (tl.load(valid_at + slot * sv_s, mask=in_range, other=0) != 0)
-    rank = tl.zeros([CHUNK, BLOCK_J], tl.int32)
-    usable_ahead = tl.zeros([CHUNK, BLOCK_J], tl.int32)
+    rank = tl.zeros([CHUNK], tl.int32)
+    usable_ahead = tl.zeros([CHUNK], tl.int32)
     total = tl.zeros([BLOCK_J], tl.int32)
     for js in range(0, n_best, BLOCK_J):
         j = js + tl.arange(0, BLOCK_J)
@@ -250,11 +259,11 @@ def _pick_layout_kernel(
         ok = (j < n_best)[:, None] & (o < SIZE) & (at < n_slots)
         uj = tl.sum((tl.load(valid_at + at * sv_s, mask=ok, other=0) != 0).to(tl.int32), 1)
         ahead = (j < n_best)[None, :] & ((kj > ki) | ((kj == ki) & (pj[None, :] < page)))
-        rank += ahead.to(tl.int32)
-        usable_ahead += tl.where(ahead, uj[None, :], 0)
+        rank += tl.sum(ahead.to(tl.int32), 1)
+        usable_ahead += tl.sum(tl.where(ahead, uj[None, :], 0), 1)
         total += uj
-    rank = tl.sum(rank, 1)[:, None]
-    usable_ahead = tl.sum(usable_ahead, 1)[:, None]
+    rank = rank[:, None]
+    usable_ahead = usable_ahead[:, None]
     total = tl.sum(total, 0)
     spare = present & ~usable
     u, x = usable.to(tl.int32), spare.to(tl.int32)
@@ -268,36 +277,32 @@ def _pick_layout_kernel(
 
 def quest_pick_triton(
     page_scores, valid, budget: int | float, context, n_pages: int, page_size: int,
-    num_warps: int | None = None, chunk: int = 16, block_j: int = 64,
+    num_warps: int | None = None, chunk: int | None = None, block_j: int | None = None, radix: int | None = None,
 ):  # fmt: skip
-    """Two kernels: per row, the search for the chosen pages (sequential over the row: one program
-    each, `num_warps` of them, by row length if None); then their ranks and slots, `chunk` pages
-    per program reading `block_j` at a time (one program per row did it in 7 us at 2K pages, 45
-    at 8K). `benchmarks/quest_pick_timing.py` times the kernels and sweeps these knobs."""
-    chosen = pick_best(page_scores, n_pages, num_warps)
-    return pick_layout(chosen, valid, budget, context, page_size, chunk, block_j)
-
-
-def pick_best(page_scores, n_pages: int, num_warps: int | None = None) -> torch.Tensor:
-    """`quest_pick_triton`'s first kernel: the chosen pages' keys and ids `[2, B * Hkv, n_pages]`."""
+    """One kernel, `chunk` chosen pages per program (None: the smallest from 16 to 128 that keeps
+    the programs about one per SM, since each repeats the row's search), reading the chosen pages
+    `block_j` at a time (None: all, up to 8K pairs per block), `radix` bits per search pass (None:
+    3 up to 2K pages, 2 above), `num_warps` by row length if None. `benchmarks/quest_pick_timing.py`
+    times it and sweeps these knobs."""
     b, hkv, pages = page_scores.shape
-    out = torch.empty(2, b * hkv, n_pages, dtype=torch.int32, device=page_scores.device)
+    rows = b * hkv
     block_p = triton.next_power_of_2(pages)
-    _pick_best_kernel[(b * hkv,)](page_scores.contiguous(), out, b * hkv, pages, n_pages, BLOCK_P=block_p,
-                                  num_warps=num_warps or (4 if block_p <= 2048 else 8))  # fmt: skip
-    return out
-
-
-def pick_layout(chosen, valid, budget: int | float, context, page_size: int, chunk: int = 16, block_j: int = 64):
-    """`quest_pick_triton`'s second kernel: slot ids and lengths from `pick_best`'s chosen pages."""
-    b, hkv = valid.shape[:2]
-    n_pages = chosen.shape[-1]
-    indices = torch.empty(b, hkv, n_pages * page_size, dtype=torch.int32, device=chosen.device)
-    lengths = torch.empty(b, hkv, dtype=torch.int32, device=chosen.device)
-    _pick_layout_kernel[(b * hkv, triton.cdiv(n_pages, chunk))](
-        chosen, valid.view(torch.uint8) if valid.dtype == torch.bool else valid, context.reshape(-1).contiguous(),
-        indices, lengths, b * hkv, hkv, valid.shape[-1], n_pages, budget, *valid.stride(),
+    if chunk is None:
+        sms = torch.cuda.get_device_properties(page_scores.device).multi_processor_count if page_scores.is_cuda else 128
+        chunk = 16
+        while chunk < min(128, n_pages) and rows * triton.cdiv(n_pages, chunk) > sms:
+            chunk *= 2
+    block_j = block_j or min(triton.next_power_of_2(n_pages), max(16, 8192 // chunk))
+    programs = triton.cdiv(n_pages, chunk)
+    scratch = torch.empty(rows, programs, 2, n_pages, dtype=torch.int32, device=page_scores.device)
+    indices = torch.empty(b, hkv, n_pages * page_size, dtype=torch.int32, device=page_scores.device)
+    lengths = torch.empty(b, hkv, dtype=torch.int32, device=page_scores.device)
+    _pick_kernel[(rows, programs)](
+        page_scores.contiguous(), valid.view(torch.uint8) if valid.dtype == torch.bool else valid,
+        context.reshape(-1).contiguous(), scratch, indices, lengths, hkv, pages, valid.shape[-1], n_pages, budget,
+        *valid.stride(),
         FRACTION=isinstance(budget, float), SIZE=page_size, BLOCK_SIZE=triton.next_power_of_2(page_size),
-        BLOCK_J=min(block_j, triton.next_power_of_2(n_pages)), CHUNK=chunk,
+        BLOCK_P=block_p, BLOCK_J=block_j, CHUNK=chunk, RADIX=radix or (3 if block_p <= 2048 else 2),
+        num_warps=num_warps or (4 if block_p <= 2048 else 8),
     )  # fmt: skip
     return indices, lengths

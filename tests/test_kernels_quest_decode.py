@@ -96,8 +96,8 @@ def test_pick_kernel_matches_reference_and_a_plain_loop(monkeypatch, budget):
 
 
 def test_pick_kernel_sorts_a_long_row(monkeypatch):
-    """Thousands of pages (a 32K context of 16-token pages) in one program's search, the chosen
-    pages ranked by four programs."""
+    """Thousands of pages (a 32K context of 16-token pages), the search repeated by each of the
+    row's programs."""
     g = torch.Generator().manual_seed(2)
     scores = torch.randn(1, 2, 2048, generator=g)
     valid = torch.ones(1, 2, 2048 * 16, dtype=torch.bool)
@@ -106,13 +106,18 @@ def test_pick_kernel_sorts_a_long_row(monkeypatch):
     assert int(tri[1][0, 0]) == math.ceil(32768 * 0.05)
 
 
-@pytest.mark.parametrize("knobs", [dict(chunk=8, block_j=16), dict(chunk=64, block_j=8)])
-@pytest.mark.parametrize("kind", ["distinct", "ties", "mostly empty", "all equal", "infinite"])
+@pytest.mark.parametrize(
+    "knobs", [dict(), dict(chunk=8, block_j=16, radix=1), dict(chunk=64, block_j=8, radix=3), dict(radix=2)]
+)
+@pytest.mark.parametrize(
+    "kind", ["distinct", "ties", "mostly empty", "exactly held", "all equal", "infinite", "wide", "ulps apart"]
+)
 def test_pick_kernel_matches_reference_across_programs(knobs, kind):
-    """Several programs per row rank the chosen pages (`chunk` each), reading them in blocks
-    (`block_j`); the search's start from the bits the held pages share (none shared, all shared);
-    ties at the n-th score beyond the places left (lowest ids win), fewer pages holding tokens
-    than are picked, a partial last page and unusable slots."""
+    """Several programs per row, each repeating the search, rank the chosen pages (`chunk` each),
+    reading them in blocks (`block_j`); the search `radix` bits per pass over spans from none
+    (all equal) to all 32 bits (wide), stopping early or resolving every bit (ulps apart); ties
+    at the n-th score beyond the places left (lowest ids win), fewer pages holding tokens than
+    are picked or exactly as many, a partial last page and unusable slots."""
     g = torch.Generator().manual_seed(4)
     b, h, pages, size, n_pages = 2, 3, 150, 8, 45
     scores = torch.randn(b, h, pages, generator=g)
@@ -120,11 +125,21 @@ def test_pick_kernel_matches_reference_across_programs(knobs, kind):
         scores = scores.round()  # a handful of values: many pages tie at the n-th
     elif kind == "mostly empty":
         scores[:, :, 20:] = -math.inf  # the other picks tie at -inf
+    elif kind == "exactly held":
+        scores[:, :, n_pages:] = -math.inf
     elif kind == "all equal":
         scores[:] = 2.5
     elif kind == "infinite":
         scores[:, :, ::3] = math.inf
         scores[:, :, 1::4] = -math.inf
+    elif kind == "wide":
+        scores = scores * torch.logspace(-30, 30, pages)[torch.randperm(pages, generator=g)]
+        scores[0, 0, 5] = -3e38
+        scores[0, 1, 7] = math.inf
+    elif kind == "ulps apart":  # keys 0-3 apart around the n-th: every bit resolved, some ties
+        ulps = torch.randint(0, 4, (b, h, pages), generator=g, dtype=torch.int32)
+        scores = (torch.full((b, h, pages), 7.0).view(torch.int32) + ulps).view(torch.float32)
+        scores[..., :10] += 1.0
     slots = pages * size - 3
     valid = torch.rand(b, h, slots, generator=g) > 0.2
     case = (scores, valid, 0.05, torch.tensor([slots, 300]), n_pages, size)
