@@ -68,7 +68,7 @@ def _bfloat16_bits(x):
 
 
 @jit
-def _write_kernel(
+def _token_features_kernel(
     hidden_ptr, w_ptr, bias_ptr, types_ptr, ids_ptr, slot_ptr, proj_ptr, norm_ptr, kind_ptr,
     n_kv_heads, d_model, width, d_float, eps,
     sx_b, sx_d, sw_o, sw_i, si_b, ss_b, ss_h, sp_b, sp_h, sp_s, sp_w, sn_b, sn_h, sn_s, sk_b, sk_h, sk_s,
@@ -111,7 +111,7 @@ def write_token_features_triton(weight, bias, hidden, token_types, ids, slots, p
     width, d_model = weight.shape
     block_w = 4  # 16 programs per row at width 64: the weight's 1 MB (8B shape) is read by many SMs
     bits = projected.view(torch.int16)
-    _write_kernel[(b, triton.cdiv(width, block_w))](
+    _token_features_kernel[(b, triton.cdiv(width, block_w))](
         hidden, weight, bias if bias is not None else weight, token_types, ids, slots, bits, hidden_norm, kind,
         h, d_model, width, float(d_model), torch.finfo(weight.dtype).eps,
         *hidden.stride(), *weight.stride(), ids.stride(0), *slots.stride(), *bits.stride(), *hidden_norm.stride(),
@@ -204,7 +204,7 @@ def _tf32_split(w):
 
 
 @jit
-def _score_kernel(
+def _refresh_kernel(
     proj_ptr, norm_ptr, kind_ptr, recv_ptr, key_ptr, pos_ptr, ctx_ptr, seen_ptr, prev_ptr, sums_ptr, score_ptr,
     w1_ptr, b1_ptr, w2_ptr, b2_ptr, mean_ptr, var_ptr, layer_emb_ptr, head_emb_ptr,
     n_kv_heads, n_slots, head_dim, width, hidden, group_size, bn_eps, layer_index,
@@ -327,7 +327,7 @@ def refresh_scores_triton(mlp, layer_index, projected, hidden_norm, kind, receiv
     norm = mlp.scalar_norm
     prev = previous if previous is not None else sums
     block_s = 64
-    _score_kernel[(b * h, triton.cdiv(s, block_s))](
+    _refresh_kernel[(b * h, triton.cdiv(s, block_s))](
         projected, hidden_norm, kind, received, keys, slot_pos, context, seen, prev, sums, score,
         w1, mlp.w1.bias, w2.view(-1), mlp.w2.bias, norm.running_mean, norm.running_var, layers, heads,
         h, s, keys.shape[-1], width, w1.shape[0], float(group_size), norm.eps, layer_index,

@@ -172,6 +172,7 @@ class LearnedSelector(Selector):
         return sums if sums.shape[-1] == _positions(view) + 1 else None
 
     def _slots(self, layer) -> _Slots:
+        """The views of `layer`'s `_STATE` (created on first use, zeros)."""
         width = self.predictor.mlp.projected_width
         pairs = (width + 1) // 2
         state = layer.slot_tensor(_STATE, width=pairs + 3)
@@ -217,8 +218,9 @@ class LearnedSelector(Selector):
 
 
 def _fused(mlp) -> bool:
-    """Whether the fast path's kernels compute this scorer: a float32 `RelevanceMLP` in eval mode
-    (other kinds and dtypes keep the torch steps, which are what they were trained with)."""
+    """Whether the fast path's kernels compute this scorer: a float32 `RelevanceMLP` in eval mode.
+    The ridge scorer has no kernel, and a bfloat16 MLP's torch steps round where the kernels,
+    computing in float32, do not: the fast path must pick the reference path's tokens."""
     return isinstance(mlp, RelevanceMLP) and mlp.dtype == torch.float32 and not mlp.training
 
 
