@@ -10,7 +10,8 @@ from atskv.kernels.backend import jit, tl, triton, use_triton
 
 def write_decode_token(keys, values, slot_pos, slots, new_keys, new_values, position) -> None:
     """`keys`/`values` `[B, Hkv, S, D]` get `new_keys`/`new_values` `[B, Hkv, 1, D]` at `slots`
-    `[B, Hkv, 1]`, and `slot_pos` `[B, Hkv, S]` gets `position` `[1]` there; in place."""
+    `[B, Hkv, 1]`, and `slot_pos` `[B, Hkv, S]` gets `position - 1` there (`position` `[1]`: the
+    tokens written, this one already counted); in place."""
     if use_triton(keys) and values.shape[-1] == keys.shape[-1]:  # one kernel, one head dim
         write_decode_token_triton(keys, values, slot_pos, slots, new_keys, new_values, position)
     else:
@@ -21,7 +22,7 @@ def write_decode_token_reference(keys, values, slot_pos, slots, new_keys, new_va
     rows = slots.unsqueeze(-1)
     keys.scatter_(2, rows.expand(-1, -1, -1, keys.shape[-1]), new_keys)
     values.scatter_(2, rows.expand(-1, -1, -1, values.shape[-1]), new_values)
-    slot_pos.scatter_(2, slots, position.expand(slots.shape))
+    slot_pos.scatter_(2, slots, (position - 1).expand(slots.shape))
 
 
 @jit
@@ -42,7 +43,7 @@ def _write_kernel(
     value = tl.load(nv_ptr + b * snv_b + h * snv_h + d * snv_d, mask=ok)
     tl.store(k_ptr + b * sk_b + h * sk_h + slot * sk_s + d * sk_d, key, mask=ok)
     tl.store(v_ptr + b * sv_b + h * sv_h + slot * sv_s + d * sv_d, value, mask=ok)
-    tl.store(pos_ptr + b * sp_b + h * sp_h + slot * sp_s, tl.load(position_ptr))
+    tl.store(pos_ptr + b * sp_b + h * sp_h + slot * sp_s, tl.load(position_ptr) - 1)
 
 
 def write_decode_token_triton(keys, values, slot_pos, slots, new_keys, new_values, position) -> None:

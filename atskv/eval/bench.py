@@ -129,12 +129,16 @@ def fast_step(name: str, shape: Shape, budget: float, room: int, folder: Path) -
         session.finish_prompt(None)
     query, new = shape.randn(b, hq, 1, d), shape.randn(b, hkv, 1, d)
     hidden, ids = shape.randn(b, 1, hq * d), torch.zeros(b, 1, dtype=torch.long, device=shape.device)
+    counted = session.step_counters(cache)
 
-    def step() -> torch.Tensor:
-        layer.seen += 1
+    def attend() -> torch.Tensor:
         session.hidden[0], session.token_ids = hidden, ids
         keys, values = layer.update(new, new)
         return session.attend(module, query, keys, values, None, scaling)
+
+    def step() -> torch.Tensor:
+        layer.seen += 1
+        return counted(attend)
 
     step.layer = layer  # what the step holds, for checks
     return step

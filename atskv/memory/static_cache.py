@@ -35,8 +35,10 @@ class StaticSlotLayer(SlotLayer):
         self.filled = 0  # prompt slots written (host-side; the prompt is appended contiguously)
         self.decoding = False  # set by `finish_prompt`: updates go to `write_slot`
         self.write_slot: torch.Tensor | None = None  # [B, Hkv] long
-        self.position: torch.Tensor | None = None  # [1] long: logical position of the next token
-        self.context: torch.Tensor | None = None  # [B] long: real tokens each row has seen
+        # device counters, one pair shared by every layer of a cache: tokens written ([1] long: the
+        # next token's logical position) and real tokens each row has seen ([B] long)
+        self.position: torch.Tensor | None = None
+        self.context: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
@@ -84,13 +86,12 @@ class StaticSlotLayer(SlotLayer):
             raise ValueError(f"a prompt chunk of {incoming} tokens does not fit a window cache of {self.capacity}")
 
     def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Decode write of one token per (row, KV head) into `slots` `[B, Hkv, 1]`, at `position`;
-        the slot's selector state restarts at its init. Advances `position` and `context`."""
+        """Decode write of one token per (row, KV head) into `slots` `[B, Hkv, 1]`, at position
+        `position - 1` (the step's counters already count it: `StaticKVCache.start_step`); the
+        slot's selector state restarts at its init."""
         write_decode_token(self.keys, self.values, self.slot_pos, slots, keys, values, self.position)
         for tensor, init in self._slot_state.values():
             tensor.scatter_(2, slot_index(slots, tensor), init)  # a scalar: no filled source tensor per step
-        self.position += 1
-        self.context += 1
 
     def finish_prompt(self, real: torch.Tensor | None) -> None:
         """End of the prompt: each row's real tokens (`real` `[B, seen]` bool, None: all) move to
@@ -164,6 +165,19 @@ class StaticKVCache(Cache):
     def finish_prompt(self, real: torch.Tensor | None) -> None:
         for layer in self.layers:
             layer.finish_prompt(real)
+        self._share_counters()
+
+    def start_step(self) -> None:
+        """Before a decode step's layers write: the shared counters count the new token, in one
+        launch for the whole model (each layer adding its own was two kernels per layer)."""
+        first = self.layers[0]
+        torch._foreach_add_([first.position, first.context], 1)
+
+    def _share_counters(self) -> None:
+        """Every layer reads the first layer's `position` and `context` (they are equal)."""
+        first = self.layers[0]
+        for layer in self.layers[1:]:
+            layer.position, layer.context = first.position, first.context
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].seen
@@ -174,4 +188,5 @@ class StaticKVCache(Cache):
         merged = caches[0]
         for i, layer in enumerate(merged.layers):
             layer.stack_rows([cache.layers[i] for cache in caches])
+        merged._share_counters()
         return merged
