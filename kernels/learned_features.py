@@ -5,13 +5,14 @@
   token type. In torch that was ~10 small kernels per layer and step (~25 us at the Llama-3-8B
   shape, B=1), for a GEMV of 64 outputs.
 - `refresh_scores`: every slot's scalar features (`atskv.predictor.features.SCALAR_FEATURES`)
-  and the `RelevanceMLP` over them, every `refresh_every` steps. In torch that was ~100 kernels
-  and a float32 GEMM whose `[slots, hidden]` activations went through memory twice (~200 us at
-  that shape, 32K context, 5%); here each program holds a block of slots' activations in
-  registers, one chunk of hidden units at a time. The type one-hot, layer and head embeddings
-  enter as columns of W1 read directly (a gather and a bias), only the projected hidden state
-  goes through `tl.dot`, with W1 split into a TF32 part and its remainder so the products stay
-  float32-accurate (the scores decide evictions, which must match the reference path's).
+  and the `RelevanceMLP` over them, every `refresh_every` steps. In torch that was ~50 kernels
+  per layer, among them a float32 GEMM of ~60 us (32K context, 5%) whose `[slots, hidden]`
+  activations then went through memory twice more (ReLU, W2); here each program holds a block of
+  slots' activations in registers, one chunk of hidden units at a time. The type one-hot, layer
+  and head embeddings enter as columns of W1 read directly (a gather and a bias); only the
+  projected hidden state goes through `tl.dot`, with W1 split into a TF32 part and its remainder
+  so the products stay float32-accurate (the scores decide evictions, which must match the
+  reference path's).
 
 Per-slot state is passed as `[B, Hkv, S]` views (any strides): `kind` holds 1 + the token's type,
 0 for a slot no token has entered yet. The previous managed layer's attention reaches the next by
@@ -326,7 +327,7 @@ def refresh_scores_triton(mlp, layer_index, projected, hidden_norm, kind, receiv
     col_head = col_layer + layers.shape[1]
     norm = mlp.scalar_norm
     prev = previous if previous is not None else sums
-    block_s = 64
+    block_s = 64  # with 32 hidden units a chunk and 8 warps: ~190 registers, no spills (ptxas, sm_90)
     _refresh_kernel[(b * h, triton.cdiv(s, block_s))](
         projected, hidden_norm, kind, received, keys, slot_pos, context, seen, prev, sums, score,
         w1, mlp.w1.bias, w2.view(-1), mlp.w2.bias, norm.running_mean, norm.running_var, layers, heads,
@@ -337,7 +338,7 @@ def refresh_scores_triton(mlp, layer_index, projected, hidden_norm, kind, receiv
         *score.stride(), w1.stride(0), w1.stride(1), *layers.stride(), *heads.stride(),
         HAS_PREVIOUS=previous is not None, TYPES=mlp.types, LAYER_DIM=layers.shape[1], HEAD_DIM_E=heads.shape[1],
         BLOCK_S=block_s, BLOCK_W=max(16, triton.next_power_of_2(width)),
-        BLOCK_D=triton.next_power_of_2(keys.shape[-1]), BLOCK_N=64,
+        BLOCK_D=triton.next_power_of_2(keys.shape[-1]), BLOCK_N=32,
         BLOCK_L=max(2, triton.next_power_of_2(layers.shape[1])), BLOCK_E=max(2, triton.next_power_of_2(heads.shape[1])),
-        num_warps=4,
+        num_warps=8,
     )  # fmt: skip

@@ -5,7 +5,8 @@ under the budget (query-agnostic and evicting, like H2O and SnapKV).
 Scores are not recomputed for every token at every step. A token's fixed features (its projected
 hidden state, hidden-state norm and token type) are computed once, when it enters the cache, and
 kept in a slot tensor; all scores are refreshed from the current features every `refresh_every`
-steps and at the end of the prompt. Between refreshes a newly written token scores +inf, so the
+steps and at the end of the prompt (the fast path's decode steps do both with the kernels of
+`atskv.kernels.learned_features` for a float32 MLP). Between refreshes a newly written token scores +inf, so the
 last few tokens are always kept (a short recent window of at most `refresh_every` tokens).
 
 The features are the collection's (`atskv.predictor.features`), computed from run-time state:
