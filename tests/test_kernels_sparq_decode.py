@@ -16,7 +16,7 @@ from atskv.selectors.base import select_top_budget
 
 RANK = 4
 # small blocks, scan chunks and candidate steps: every loop of the kernels runs several times
-SMALL = dict(block_s=64, chunk=64, block_c=16)
+SMALL = dict(block_s=16, parts=3, probs_block=64, chunk=64, block_c=16)
 
 
 def static_layer(b=2, hkv=2, group=3, slots=300, d=16, dtype=torch.float32, seed=0):
@@ -40,12 +40,12 @@ def chosen(indices, lengths):
     return [[set(row[: int(n)].tolist()) for row, n in zip(ri, li)] for ri, li in zip(indices, lengths)]
 
 
-def both(args, budget, k, **knobs):
+def both(args, budget, k, rank=RANK, **knobs):
     """Reference and kernel on their own copies of the arguments (the step writes `keys_t`)."""
     ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     tri_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-    ref = sparq_decode_reference(*ref_args, RANK, budget, k)
-    tri = sparq_decode_triton(*tri_args, RANK, budget, k, **knobs)
+    ref = sparq_decode_reference(*ref_args, rank, budget, k)
+    tri = sparq_decode_triton(*tri_args, rank, budget, k, **knobs)
     return ref, tri, ref_args, tri_args
 
 
@@ -69,6 +69,15 @@ def test_kernel_matches_reference_and_writes_the_new_key(dtype, group, budget, k
     assert torch.equal(ref_len.long(), (slot_pos >= 0).sum(-1).clamp(max=kept))
     for copy in (ref_args[2], tri_args[2]):  # the written token's column, and nothing else changed
         assert torch.equal(copy, keys.transpose(2, 3))
+
+
+def test_kernel_matches_reference_at_the_llama_8b_head_shape():
+    """Head dim 128, r = 16, groups of 4, bf16: the channel ranking runs over several steps."""
+    args = static_layer(group=4, d=128, slots=600, dtype=torch.bfloat16, seed=1)
+    args[3][:, :, 280:] = torch.arange(280, 600)  # held up to the end
+    ref, tri, ref_args, tri_args = both(args, 0.05, 40, rank=16, block_s=64)
+    assert chosen(*tri) == chosen(*ref) and tri[1].tolist() == [[14, 14], [14, 14]]
+    assert torch.equal(tri_args[2], ref_args[2])
 
 
 @pytest.mark.parametrize("budget", [12, 0.05])

@@ -227,3 +227,14 @@ def test_quest_page_ranking_on_the_index_path_matches_the_token_mask_path(budget
     with atskv.sparse(model, Checked(), budget=budget, dense_layers=0), torch.no_grad():
         model.generate(ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
     assert len(checked) == 4 * model.config.num_hidden_layers
+
+
+def test_sparq_breaks_equal_query_magnitudes_towards_the_lower_dimension():
+    """The rank-r dimensions of SparQ (and of its fused decode kernel) do not depend on how a
+    device's topk orders ties: equal |q| go to the lower dimension."""
+    from atskv.kernels.sparq_decode import top_channels
+
+    query = torch.tensor([[0.5, -2.0, 1.0, -1.0, 2.0, 1.0]])
+    dims, share = top_channels(query, 3)
+    assert dims.tolist() == [[1, 4, 2]]
+    assert share.item() == pytest.approx(5.0 / 7.5)
