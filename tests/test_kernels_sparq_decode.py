@@ -161,3 +161,33 @@ def test_fast_path_keeps_the_channel_major_copy_current(monkeypatch):
     for keys_t, keys, slot_pos in copies:
         held = (slot_pos >= 0).unsqueeze(2)
         assert torch.equal(keys_t * held, keys.transpose(2, 3) * held)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("budget", [0.05, 1000])
+def test_kernel_on_cuda_at_the_llama_8b_shape(budget):
+    """32K slots, 32 / 8 heads, D = 128, bf16, B = 2 with free slots: the same slots as the reference,
+    except between slots whose probabilities agree to rounding (the GPU's exp is not torch's)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(0)
+    b, hkv, group, d, slots = 2, 8, 4, 128, 33_160
+    keys = torch.randn(b, hkv, slots, d, device="cuda", dtype=torch.bfloat16)
+    query = torch.randn(b, hkv * group, d, device="cuda", dtype=torch.bfloat16)
+    slot_pos = torch.arange(slots, device="cuda").expand(b, hkv, slots).clone()
+    slot_pos[:, :, 32_800:] = -1
+    slot_pos[1, 3, ::5] = -1
+    write_slot = torch.full((b, hkv), 32_799, device="cuda")
+    context, scaling = torch.tensor([32_800, 32_800], device="cuda"), d**-0.5
+    args = (query, keys, keys.transpose(2, 3).contiguous(), slot_pos, write_slot, context, scaling)
+    k = 1640 if budget == 0.05 else 1000
+    ref, tri, _, _ = both(args, budget, k, rank=16)
+    assert torch.equal(tri[1], ref[1])
+    held = (slot_pos >= 0).unsqueeze(2)
+    probs = sparq_probs(query.unsqueeze(2), keys, held, scaling, 16)[:, :, 0].masked_fill(~held[:, :, 0], -1.0)
+    for i in range(b):
+        for h in range(hkv):
+            n = int(ref[1][i, h])
+            boundary = probs[i, h].topk(n).values[-1]
+            differ = torch.tensor(sorted(chosen(*tri)[i][h] ^ chosen(*ref)[i][h]), dtype=torch.long, device="cuda")
+            assert torch.allclose(probs[i, h, differ], boundary.expand(len(differ)), rtol=1e-5, atol=0)
