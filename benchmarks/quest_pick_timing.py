@@ -9,15 +9,17 @@ runs it. Lines:
   `--stages`, `single<=N` is that program cut after stage N (0 loads the row, 1 finds the n-th
   best key, 2 gathers the chosen pages, 3 ranks them; 4 is the whole): time-only copies that say
   which stage costs.
-- `pick`: the package's pick (one kernel: each program repeats the row's search, a few bits per
-  pass, then lays out its share of the chosen pages), with the two-kernel pick's figure from the
-  table below (`was`, same shape) and, with `--sweep`, its tuning knobs (`radix`: bits per
-  search pass, `chunk`: chosen pages per program, `block_j`, `warps`).
+- `pick`: the package's pick (one program per row searches for the chosen pages, a few bits per
+  pass; then many programs per row rank them and lay out their slots), beside the earlier
+  picks' figures from the table below (same shape): the two kernels with a bit-by-bit search
+  and af1aaf1's one kernel; its kernels alone (`search`, `layout`) and, with `--sweep`, its
+  tuning knobs (`num_warps` and `radix`, bits per pass, for the search; `chunk`, chosen pages
+  per program, and `block_j` for the layout).
 
 Every full variant is checked against the torch reference first, and the pick on tie-heavy rows.
 One H200, torch 2.11, Triton 3.6, 2026-11-24 (us; a graph node alone: 0.75 us); `pick` and its
-kernels here are the two-kernel pick (one program per row searched one bit per pass, ~26 passes;
-then a kernel ranked the chosen pages and laid out their slots), since replaced:
+kernels here are the two-kernel pick with one bit per pass (~26 passes), `pick, one kernel` is
+af1aaf1's (each program repeated the search, a few bits per pass, then laid out its chunk):
 
 | | P=2048 B=1 | B=16 | P=8192 B=1 | B=16 |
 |---|---|---|---|---|
@@ -25,6 +27,7 @@ then a kernel ranked the chosen pages and laid out their slots), since replaced:
 | its stages: load, search, gather, rank, layout | 1.4, 5.1, 1.8, 4.3, 3.0 | | 1.7, 10.0, 4.5, 26, 19 | |
 | pick | 10.6 | 13.7 | 22.7 | 43.8 |
 | pick: best alone | 7.4 | 8.6 | 16.4 | 16.7 |
+| pick, one kernel | 8.6 | 15.5 | 22.7 | 125.8 |
 
     PYTHONPATH=. python3 benchmarks/quest_pick_timing.py [--sweep] [--stages] [--out results.json]
 """
@@ -41,9 +44,12 @@ import triton
 import triton.language as tl
 
 from atskv.kernels.budget import budget_limit
-from atskv.kernels.quest_decode import quest_pick_reference, quest_pick_triton
+from atskv.kernels.quest_decode import pick_best, pick_layout, quest_pick_reference, quest_pick_triton
 
-TWO_KERNEL_PICK_US = {(2048, 1): 10.6, (2048, 16): 13.7, (8192, 1): 22.7, (8192, 16): 43.8}  # the table's `pick`
+EARLIER_PICKS_US = {  # the table's `pick` and `pick, one kernel`, by (pages, batch)
+    "two kernels, 1 bit/pass": {(2048, 1): 10.6, (2048, 16): 13.7, (8192, 1): 22.7, (8192, 16): 43.8},
+    "one kernel": {(2048, 1): 8.6, (2048, 16): 15.5, (8192, 1): 22.7, (8192, 16): 125.8},
+}
 
 
 @triton.jit
@@ -216,15 +222,16 @@ def main():
     one = torch.zeros(1, dtype=torch.int32, device="cuda")
     print(f"floor: one tiny kernel {graph_us(lambda: _one_store_kernel[(1,)](one)):.2f} us", flush=True)
 
-    def line(name, batch, pages, fn, check=None, was=None):
+    def line(name, batch, pages, fn, check=None, earlier=False):
         if check is not None:
             want = quest_pick_reference(*case)
             got = check()
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), name
         us = graph_us(fn)
         rows.append(dict(variant=name, batch=batch, pages=pages, us=round(us, 2)))
-        then = f"  (was {was} us: {was / us:.2f}x)" if was else ""
-        print(f"{name:<36} B={batch:<3} P={pages:<5} {us:8.2f} us{then}", flush=True)
+        was = [(label, figures.get((pages, batch))) for label, figures in EARLIER_PICKS_US.items()] if earlier else []
+        then = "; ".join(f"{label} {t} us: {t / us:.2f}x" for label, t in was if t)
+        print(f"{name:<36} B={batch:<3} P={pages:<5} {us:8.2f} us" + (f"  (was: {then})" if then else ""), flush=True)
         if args.out:  # after every line: a run cut short keeps what it measured
             with open(args.out, "w") as f:
                 json.dump(rows, f, indent=1)
@@ -238,15 +245,23 @@ def main():
                 for stages in range(4):
                     line(f"single<={stages}", batch, pages, lambda s=stages: single_pick(*case, stages=s))
             fn = lambda: quest_pick_triton(*case)  # noqa: E731
-            line("pick", batch, pages, fn, check=fn, was=TWO_KERNEL_PICK_US.get((pages, batch)))
+            line("pick", batch, pages, fn, check=fn, earlier=True)
+            scores, valid, budget, context, n_pages, size = case
+            default = quest_pick_triton.__kwdefaults__
+            search = lambda: pick_best(scores, n_pages, default["num_warps"], default["radix"])  # noqa: E731
+            chosen = search()
+            line("pick: search alone", batch, pages, search)
+            layout_knobs = default["chunk"], default["block_j"]
+            layout = lambda: pick_layout(chosen, valid, budget, context, size, *layout_knobs)  # noqa: E731
+            line("pick: layout alone", batch, pages, layout)
             if not args.sweep:
                 continue
-            sweep = [dict(num_warps=w) for w in ((2, 4, 8) if pages <= 2048 else (4, 8, 16))]
-            sweep += [dict(radix=r) for r in (1, 2, 3, 4)]
-            sweep += [dict(chunk=c) for c in (16, 32, 64, 128)] + [dict(block_j=j) for j in (32, 64, 128, 256)]
+            sweep = [dict(num_warps=w) for w in (4, 8, 16)] + [dict(radix=r) for r in (1, 2, 3, 4)]
+            sweep += [dict(chunk=c) for c in (8, 16, 32, 64)] + [dict(block_j=j) for j in (32, 64, 128, 256)]
             for knobs in sweep:
                 fn = lambda k=knobs: quest_pick_triton(*case, **k)  # noqa: E731
                 line("pick " + " ".join(f"{k}={v}" for k, v in knobs.items()), batch, pages, fn, check=fn)
+
 
 if __name__ == "__main__":
     main()

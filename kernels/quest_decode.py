@@ -1,4 +1,4 @@
-"""Quest's decode step in two kernels, for the fast path's static cache (`atskv.hook.decode`).
+"""Quest's decode step in three kernels, for the fast path's static cache (`atskv.hook.decode`).
 
 The unfused step ran ~40 small torch kernels per layer (a page recompute by gather/scatter, the
 page scores, a mask of empty pages, `topk`, candidate slots, a stable `argsort`), 165 us at the
@@ -13,10 +13,10 @@ Llama-3-8B shape, 32K, B=1 against ~52 us for SDPA over the whole context. Here:
   after them; and how many count: the row's budget, at most its usable slots. This is the index
   list the sparse decode kernel reads. The best pages are found by a search for the n-th largest
   score, not by sorting the row (Triton's bitonic sort of 2K pages took 100 us), a few bits per
-  pass, repeated by each of several programs per row, which then rank their share of the chosen
-  pages among them and lay out their slots. It was one program per row for the search (one bit
-  per pass, ~26 passes) and a second kernel for the rest: 10.6 us at 2K pages and B=1, 22.7 at 8K
-  (H200, 8 KV heads, 5%).
+  pass, by one program per row; a second kernel's many programs per row rank their share of the
+  chosen pages among them and lay out their slots. Before: one bit per pass (~26 passes), 10.6 us
+  at 2K pages and B=1, 43.8 at 8K and B=16; then (af1aaf1) one kernel whose every program
+  repeated the search: 8.6 and 125.8 (H200, 8 KV heads, 5%).
 
 Each has a plain-torch reference with the same contract; tests compare them on random inputs.
 """
@@ -168,28 +168,19 @@ def _digit_pick(j_a, least_a, fail_a, j_b, least_b, fail_b):
 
 
 @jit
-def _pick_kernel(
-    score_ptr, valid_ptr, ctx_ptr, scratch_ptr, idx_ptr, len_ptr,
-    n_kv_heads, n_pages, n_slots, n_best, budget,
-    sv_b, sv_h, sv_s,
-    FRACTION: tl.constexpr, SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_J: tl.constexpr, CHUNK: tl.constexpr, RADIX: tl.constexpr,
+def _pick_best_kernel(
+    score_ptr, out_ptr, n_rows, n_pages, n_best,
+    BLOCK_P: tl.constexpr, RADIX: tl.constexpr,
 ):  # fmt: skip
-    """One (row, KV head) and CHUNK of its chosen pages. Every program of a row finds the chosen
-    pages itself (the search needs the whole row, and the programs run side by side: no second
-    launch, no wait on one program per row), keeps them in its own scratch, then ranks its CHUNK
-    among them and lays out their slots.
-
-    The search: scores become order-preserving 32-bit keys, offset from the lowest held key; the
-    n_best-th largest is narrowed RADIX bits per pass (one count of the row at 2**RADIX - 1
-    thresholds: ~150 ns of reduction latency per pass at 2K pages, which the bit-by-bit search
-    paid per bit) and stops as soon as the keys at or above the interval's floor are exactly
-    n_best. A page's rank among the chosen is how many go ahead of it (higher key, or equal key
-    and lower id); its usable slots go after those of the pages ahead, its other slots after every
-    usable slot and after the other slots of the pages ahead."""
+    """One (row, KV head): the part that needs the whole row, once per row (repeated by every
+    layout program, af1aaf1, it cost 126 us at 8K pages and B=16 against 44). Scores become
+    order-preserving 32-bit keys, offset from the lowest held key; the n_best-th largest is
+    narrowed RADIX bits per pass (one count of the row at 2**RADIX - 1 thresholds: ~150 ns of
+    reduction latency per pass at 2K pages, which a bit-by-bit search paid per bit, ~26 passes)
+    and stops as soon as the keys at or above the interval's floor are exactly n_best. The chosen
+    pages go to `out` (`[2, rows, n_best]` int32: keys, ids) in page order."""
     bh = tl.program_id(0).to(tl.int64)
-    b = bh // n_kv_heads
-    h = bh % n_kv_heads
+    keys_at = out_ptr + bh * n_best
     p = tl.arange(0, BLOCK_P)
     real = p < n_pages
     score = tl.load(score_ptr + bh * n_pages + p, mask=real, other=float("-inf")) + 0.0  # -0.0 -> 0.0
@@ -230,13 +221,30 @@ def _pick_kernel(
         chosen = over | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= need))
     else:
         chosen = held & (rel >= lo)
-    keys_at = scratch_ptr + (bh * tl.num_programs(1) + tl.program_id(1)) * 2 * n_best
-    ids_at = keys_at + n_best
-    place = tl.cumsum(chosen.to(tl.int32), 0) - 1
-    tl.store(keys_at + place, key, mask=chosen)
-    tl.store(ids_at + place, p, mask=chosen)
-    tl.debug_barrier()  # this program's stores, read back by its other threads
+    at = tl.cumsum(chosen.to(tl.int32), 0) - 1
+    tl.store(keys_at + at, key, mask=chosen)
+    tl.store(keys_at + n_rows * n_best + at, p, mask=chosen)
 
+
+@jit
+def _pick_layout_kernel(
+    chosen_ptr, valid_ptr, ctx_ptr, idx_ptr, len_ptr,
+    n_rows, n_kv_heads, n_slots, n_best, budget,
+    sv_b, sv_h, sv_s,
+    FRACTION: tl.constexpr, SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr,
+    CHUNK: tl.constexpr,
+):  # fmt: skip
+    """One (row, KV head) and CHUNK of its chosen pages, in parallel: a page's rank is how many
+    chosen pages go ahead of it (higher key, or equal key and lower id), and its usable slots go
+    after those of the pages ahead, its other slots after every usable slot and after the other
+    slots of the pages ahead. The chosen pages are read BLOCK_J at a time, their usable slots
+    counted here, each page's slots in one contiguous read (counting them in `_pick_best_kernel`,
+    a masked gather per slot over the whole row, cost it 4 us at 2K pages, 13 at 8K)."""
+    bh = tl.program_id(0).to(tl.int64)
+    b = bh // n_kv_heads
+    h = bh % n_kv_heads
+    keys_at = chosen_ptr + bh * n_best
+    ids_at = keys_at + n_rows * n_best
     valid_at = valid_ptr + b * sv_b + h * sv_h
     i = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
     mine = i < n_best
@@ -248,8 +256,8 @@ def _pick_kernel(
     in_range = present & (raw < n_slots)
     slot = tl.minimum(raw, n_slots - 1)
     usable = in_range & (tl.load(valid_at + slot * sv_s, mask=in_range, other=0) != 0)
-    rank = tl.zeros([CHUNK], tl.int32)
-    usable_ahead = tl.zeros([CHUNK], tl.int32)
+    rank = tl.zeros([CHUNK, BLOCK_J], tl.int32)
+    usable_ahead = tl.zeros([CHUNK, BLOCK_J], tl.int32)
     total = tl.zeros([BLOCK_J], tl.int32)
     for js in range(0, n_best, BLOCK_J):
         j = js + tl.arange(0, BLOCK_J)
@@ -259,11 +267,11 @@ def _pick_kernel(
         ok = (j < n_best)[:, None] & (o < SIZE) & (at < n_slots)
         uj = tl.sum((tl.load(valid_at + at * sv_s, mask=ok, other=0) != 0).to(tl.int32), 1)
         ahead = (j < n_best)[None, :] & ((kj > ki) | ((kj == ki) & (pj[None, :] < page)))
-        rank += tl.sum(ahead.to(tl.int32), 1)
-        usable_ahead += tl.sum(tl.where(ahead, uj[None, :], 0), 1)
+        rank += ahead.to(tl.int32)
+        usable_ahead += tl.where(ahead, uj[None, :], 0)
         total += uj
-    rank = rank[:, None]
-    usable_ahead = usable_ahead[:, None]
+    rank = tl.sum(rank, 1)[:, None]
+    usable_ahead = tl.sum(usable_ahead, 1)[:, None]
     total = tl.sum(total, 0)
     spare = present & ~usable
     u, x = usable.to(tl.int32), spare.to(tl.int32)
@@ -277,32 +285,38 @@ def _pick_kernel(
 
 def quest_pick_triton(
     page_scores, valid, budget: int | float, context, n_pages: int, page_size: int,
-    num_warps: int | None = None, chunk: int | None = None, block_j: int | None = None, radix: int | None = None,
+    *, num_warps: int = 8, radix: int = 2, chunk: int = 16, block_j: int = 64,
 ):  # fmt: skip
-    """One kernel, `chunk` chosen pages per program (None: the smallest from 16 to 128 that keeps
-    the programs about one per SM, since each repeats the row's search), reading the chosen pages
-    `block_j` at a time (None: all, up to 8K pairs per block), `radix` bits per search pass (None:
-    3 up to 2K pages, 2 above), `num_warps` by row length if None. `benchmarks/quest_pick_timing.py`
-    times it and sweeps these knobs."""
+    """Two kernels: per row, the search for the chosen pages (one program each, `num_warps` of
+    them, `radix` bits per pass); then their ranks and slots, `chunk` pages per program reading
+    `block_j` at a time. Defaults from the H200 sweeps of `benchmarks/quest_pick_timing.py`: 8
+    warps and 2 bits beat 4 and 3 at 2K pages in af1aaf1's one-kernel pick (B=1: 7.9 and 8.05 us
+    against 8.6; 8K pages already ran 8 and 2); chunk 16 and block_j 64 are the layout of the
+    two-kernel pick's 43.8 us at 8K pages and B=16 (one search per row makes many small layout
+    programs cheap, where af1aaf1 needed chunk 128)."""
+    chosen = pick_best(page_scores, n_pages, num_warps, radix)
+    return pick_layout(chosen, valid, budget, context, page_size, chunk, block_j)
+
+
+def pick_best(page_scores, n_pages: int, num_warps: int, radix: int) -> torch.Tensor:
+    """`quest_pick_triton`'s first kernel: the chosen pages' keys and ids `[2, B * Hkv, n_pages]`."""
     b, hkv, pages = page_scores.shape
-    rows = b * hkv
-    block_p = triton.next_power_of_2(pages)
-    if chunk is None:
-        sms = torch.cuda.get_device_properties(page_scores.device).multi_processor_count if page_scores.is_cuda else 128
-        chunk = 16
-        while chunk < min(128, n_pages) and rows * triton.cdiv(n_pages, chunk) > sms:
-            chunk *= 2
-    block_j = block_j or min(triton.next_power_of_2(n_pages), max(16, 8192 // chunk))
-    programs = triton.cdiv(n_pages, chunk)
-    scratch = torch.empty(rows, programs, 2, n_pages, dtype=torch.int32, device=page_scores.device)
-    indices = torch.empty(b, hkv, n_pages * page_size, dtype=torch.int32, device=page_scores.device)
-    lengths = torch.empty(b, hkv, dtype=torch.int32, device=page_scores.device)
-    _pick_kernel[(rows, programs)](
-        page_scores.contiguous(), valid.view(torch.uint8) if valid.dtype == torch.bool else valid,
-        context.reshape(-1).contiguous(), scratch, indices, lengths, hkv, pages, valid.shape[-1], n_pages, budget,
-        *valid.stride(),
+    out = torch.empty(2, b * hkv, n_pages, dtype=torch.int32, device=page_scores.device)
+    _pick_best_kernel[(b * hkv,)](page_scores.contiguous(), out, b * hkv, pages, n_pages,
+                                  BLOCK_P=triton.next_power_of_2(pages), RADIX=radix, num_warps=num_warps)  # fmt: skip
+    return out
+
+
+def pick_layout(chosen, valid, budget: int | float, context, page_size: int, chunk: int, block_j: int):
+    """`quest_pick_triton`'s second kernel: slot ids and lengths from `pick_best`'s chosen pages."""
+    b, hkv = valid.shape[:2]
+    n_pages = chosen.shape[-1]
+    indices = torch.empty(b, hkv, n_pages * page_size, dtype=torch.int32, device=chosen.device)
+    lengths = torch.empty(b, hkv, dtype=torch.int32, device=chosen.device)
+    _pick_layout_kernel[(b * hkv, triton.cdiv(n_pages, chunk))](
+        chosen, valid.view(torch.uint8) if valid.dtype == torch.bool else valid, context.reshape(-1).contiguous(),
+        indices, lengths, b * hkv, hkv, valid.shape[-1], n_pages, budget, *valid.stride(),
         FRACTION=isinstance(budget, float), SIZE=page_size, BLOCK_SIZE=triton.next_power_of_2(page_size),
-        BLOCK_P=block_p, BLOCK_J=block_j, CHUNK=chunk, RADIX=radix or (3 if block_p <= 2048 else 2),
-        num_warps=num_warps or (4 if block_p <= 2048 else 8),
+        BLOCK_J=min(block_j, triton.next_power_of_2(n_pages)), CHUNK=chunk,
     )  # fmt: skip
     return indices, lengths

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from atskv.kernels.quest import masked_page_bounds, quest_page_scores_reference
-from atskv.kernels.quest_decode import quest_pick, quest_pick_reference, quest_pick_triton, quest_step_scores
+from atskv.kernels.quest_decode import (
+    pick_best,
+    quest_pick,
+    quest_pick_reference,
+    quest_pick_triton,
+    quest_step_scores,
+)
 
 
 def both_paths(monkeypatch, fn, *args):
@@ -96,8 +102,8 @@ def test_pick_kernel_matches_reference_and_a_plain_loop(monkeypatch, budget):
 
 
 def test_pick_kernel_sorts_a_long_row(monkeypatch):
-    """Thousands of pages (a 32K context of 16-token pages), the search repeated by each of the
-    row's programs."""
+    """Thousands of pages (a 32K context of 16-token pages) in one program's search, the chosen
+    pages ranked by seven programs."""
     g = torch.Generator().manual_seed(2)
     scores = torch.randn(1, 2, 2048, generator=g)
     valid = torch.ones(1, 2, 2048 * 16, dtype=torch.bool)
@@ -113,11 +119,12 @@ def test_pick_kernel_sorts_a_long_row(monkeypatch):
     "kind", ["distinct", "ties", "mostly empty", "exactly held", "all equal", "infinite", "wide", "ulps apart"]
 )
 def test_pick_kernel_matches_reference_across_programs(knobs, kind):
-    """Several programs per row, each repeating the search, rank the chosen pages (`chunk` each),
-    reading them in blocks (`block_j`); the search `radix` bits per pass over spans from none
-    (all equal) to all 32 bits (wide), stopping early or resolving every bit (ulps apart); ties
-    at the n-th score beyond the places left (lowest ids win), fewer pages holding tokens than
-    are picked or exactly as many, a partial last page and unusable slots."""
+    """The search (one program per row, `radix` bits per pass) over spans from none (all equal) to
+    all 32 bits (wide), stopping early or resolving every bit (ulps apart); ties at the n-th score
+    beyond the places left (lowest ids win), fewer pages holding tokens than are picked or exactly
+    as many: its chosen pages alone, then the whole pick, whose second kernel ranks them over
+    several programs per row (`chunk` each) reading them in blocks (`block_j`), with a partial
+    last page and unusable slots."""
     g = torch.Generator().manual_seed(4)
     b, h, pages, size, n_pages = 2, 3, 150, 8, 45
     scores = torch.randn(b, h, pages, generator=g)
@@ -143,6 +150,11 @@ def test_pick_kernel_matches_reference_across_programs(knobs, kind):
     slots = pages * size - 3
     valid = torch.rand(b, h, slots, generator=g) > 0.2
     case = (scores, valid, 0.05, torch.tensor([slots, 300]), n_pages, size)
+    best = scores.sort(dim=-1, descending=True, stable=True).indices[..., :n_pages].sort(-1).values
+    bits = (scores + 0.0).view(torch.int32)
+    keys = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).gather(-1, best)  # the kernel's order-preserving keys
+    chosen = pick_best(scores, n_pages, 4, knobs.get("radix", 2)).view(2, b, h, n_pages)
+    assert torch.equal(chosen[0], keys) and torch.equal(chosen[1], best.int())  # in page order
     want = quest_pick_reference(*case)
     got = quest_pick_triton(*case, **knobs)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
