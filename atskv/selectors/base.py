@@ -79,9 +79,10 @@ class Selector:
         """Called after a dense prefill step, to build per-token state from the prompt."""
 
     def decode_indices(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slot ids `[B, Hkv, k]` (best first) and how many count per row `[B, Hkv]`, for a decode
-        step on the hook's index path. The default ranks `scores`; a selector with a coarser
-        structure (Quest's pages) ranks its units instead, which is cheaper."""
+        """Slot ids `[B, Hkv, k]` and how many count per row `[B, Hkv]` (the first that many, in
+        any order: attention reads a set), for a decode step on the hook's index path. The default
+        ranks `scores`; a selector with a coarser structure (Quest's pages) ranks its units
+        instead, which is cheaper, and SparQ's fast path selects by a threshold."""
         return select_top_indices(self.scores(view)[:, :, 0], view.valid[:, :, 0], view)
 
     def decode_variant(self, layer) -> object:
