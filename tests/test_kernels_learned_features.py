@@ -118,3 +118,25 @@ def test_the_refresh_reference_is_the_predictors_score_of_the_features():
     torch.testing.assert_close(score[b, h, s : s + 1], expected)
     pos = slot_pos[b, h, s] - (seen - context[b])  # its position within row b's own text
     assert scalars[b, h, s, SCALAR_FEATURES.index("position")] == pos / (context[b] - 1)
+
+
+def test_the_refresh_follows_the_weights_when_they_change(monkeypatch):
+    """The kernel reads W1 packed once per set of weights (`_pack`): an in-place update repacks."""
+    monkeypatch.setenv("ATSKV_KERNELS", "triton")
+    g = torch.Generator().manual_seed(4)
+    mlp = _mlp(g, 8)
+    _, views = _state(g, 8)
+    keys = torch.randn(B, H, S, D, generator=g)
+    slot_pos, context, seen = _slots(g)
+    scores = []
+    for _ in range(2):
+        score = torch.empty(B, H, S)
+        refresh_scores(mlp, 0, *views, keys, slot_pos, context, seen, 4, None, torch.zeros(B, 2, POSITIONS + 1), score)
+        scores.append(score)
+        with torch.no_grad():
+            mlp.w1.weight.mul_(-1)
+    monkeypatch.setenv("ATSKV_KERNELS", "reference")
+    expected = torch.empty(B, H, S)
+    refresh_scores(mlp, 0, *views, keys, slot_pos, context, seen, 4, None, torch.zeros(B, 2, POSITIONS + 1), expected)
+    torch.testing.assert_close(scores[0], expected, rtol=1e-5, atol=1e-5)  # weights negated twice: as at first
+    assert not torch.allclose(scores[1], scores[0])
