@@ -25,9 +25,9 @@ import torch
 
 from atskv.hook.gqa import grouped_queries
 from atskv.kernels.partial_scores import partial_scores
+from atskv.kernels.sparq_decode import pooled_probs
 from atskv.selectors.base import LayerView, Selector
 from atskv.selectors.buffers import with_room
-from atskv.selectors.sparq import pooled_probs
 
 
 @dataclass

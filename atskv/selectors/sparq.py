@@ -29,10 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from atskv.kernels.sparq_decode import pooled_probs, sparq_decode, sparq_probs
+from atskv.kernels.sparq_decode import sparq_decode, sparq_probs
 from atskv.selectors.base import LayerView, Selector, budget_tokens
-
-__all__ = ["SparQSelector", "pooled_probs"]
 
 
 @dataclass
