@@ -2,8 +2,10 @@
 
 - `write_token_features`: a decode token's fixed features into the slot each KV head wrote it
   to: its hidden state's projection (RMS norm, then a linear map), the hidden state's norm and its
-  token type. In torch that was ~10 small kernels per layer and step (~25 us at the Llama-3-8B
-  shape, B=1), for a GEMV of 64 outputs.
+  token type; the slot's received attention and score restart there too (the cache leaves them to
+  this write: `StaticSlotLayer.reset_by_selector`). In torch that was ~10 small kernels per layer
+  and step (~25 us at the Llama-3-8B shape, B=1), for a GEMV of 64 outputs, and the cache's
+  reset of the slot two more.
 - `refresh_scores`: every slot's scalar features (`atskv.predictor.features.SCALAR_FEATURES`)
   and the `RelevanceMLP` over them, every `refresh_every` steps. In torch that was ~50 kernels
   per layer, among them a float32 GEMM of ~60 us (32K context, 5%) whose `[slots, hidden]`
@@ -36,32 +38,40 @@ from atskv.predictor.features import SCALAR_FEATURES, feature_columns
 
 
 # --- a decode token's fixed features ----------------------------------------------------------
-def write_token_features(weight, bias, hidden, token_types, ids, slots, projected, hidden_norm, kind) -> None:
+def write_token_features(weight, bias, hidden, token_types, ids, slots, projected, hidden_norm, kind, received,
+                         score) -> None:  # fmt: skip
     """In place, for every row b and KV head h, at slot `slots[b, h]`: `projected` `[B, Hkv, S, W]`
     gets `weight @ rms_norm(hidden[b]) + bias` (`weight` `[W, d_model]` float32, `bias` `[W]` or
-    None; `hidden` `[B, d_model]`), `hidden_norm` `[B, Hkv, S]` gets `||hidden[b]||` and `kind`
-    `[B, Hkv, S]` gets `1 + token_types[ids[b]]` (`token_types` `[vocab]` int8, `ids` `[B]`)."""
+    None; `hidden` `[B, d_model]`), `hidden_norm` `[B, Hkv, S]` gets `||hidden[b]||`, `kind`
+    `[B, Hkv, S]` gets `1 + token_types[ids[b]]` (`token_types` `[vocab]` int8, `ids` `[B]`), and
+    `received` and `score` `[B, Hkv, S]` restart at 0 and +inf (a new token's, until a refresh)."""
+    state = (slots, projected, hidden_norm, kind, received, score)
     if use_triton(hidden) and projected.dtype == torch.bfloat16:
-        write_token_features_triton(weight, bias, hidden, token_types, ids, slots, projected, hidden_norm, kind)
+        write_token_features_triton(weight, bias, hidden, token_types, ids, *state)
     else:
-        write_token_features_reference(weight, bias, hidden, token_types, ids, slots, projected, hidden_norm, kind)
+        write_token_features_reference(weight, bias, hidden, token_types, ids, *state)
 
 
-def write_token_features_reference(weight, bias, hidden, token_types, ids, slots, projected, hidden_norm, kind):
+def write_token_features_reference(weight, bias, hidden, token_types, ids, slots, projected, hidden_norm, kind,
+                                   received, score):  # fmt: skip
     rows = F.linear(F.rms_norm(hidden.to(weight.dtype), (hidden.shape[-1],)), weight, bias)
     norm = torch.linalg.vector_norm(hidden, dim=-1, dtype=torch.float32)
-    scatter_token_features(rows, norm, token_types[ids].float() + 1, slots, projected, hidden_norm, kind)
+    scatter_token_features(rows, norm, token_types[ids].float() + 1, slots, projected, hidden_norm, kind, received,
+                           score)  # fmt: skip
 
 
-def scatter_token_features(rows, norm, kinds, slots, projected, hidden_norm, kind) -> None:
+def scatter_token_features(rows, norm, kinds, slots, projected, hidden_norm, kind, received, score) -> None:
     """Each row's projection `rows` `[B, W]`, norm `[B]` and kind `[B]` into slot `slots[b, h]` of
-    every KV head h (the torch step, also for scorers the kernel does not compute)."""
+    every KV head h, whose `received` and `score` restart (the torch step, also for scorers the
+    kernel does not compute)."""
     b, h = slots.shape
     index = slots.view(b, h, 1)
     projected.scatter_(2, index.unsqueeze(-1).expand(b, h, 1, projected.shape[-1]),
                        rows.to(projected.dtype).view(b, 1, 1, -1).expand(b, h, 1, -1))  # fmt: skip
     hidden_norm.scatter_(2, index, norm.view(b, 1, 1).expand(b, h, 1).to(hidden_norm.dtype))
     kind.scatter_(2, index, kinds.view(b, 1, 1).expand(b, h, 1).to(kind.dtype))
+    received.scatter_(2, index, 0.0)
+    score.scatter_(2, index, torch.inf)
 
 
 @jit
@@ -74,13 +84,15 @@ def _bfloat16_bits(x):
 
 @jit
 def _token_features_kernel(
-    hidden_ptr, w_ptr, bias_ptr, types_ptr, ids_ptr, slot_ptr, proj_ptr, norm_ptr, kind_ptr,
+    hidden_ptr, w_ptr, bias_ptr, types_ptr, ids_ptr, slot_ptr, proj_ptr, norm_ptr, kind_ptr, recv_ptr, score_ptr,
     n_kv_heads, d_model, width, d_float, eps,
     sx_b, sx_d, sw_o, sw_i, si_b, ss_b, ss_h, sp_b, sp_h, sp_s, sp_w, sn_b, sn_h, sn_s, sk_b, sk_h, sk_s,
+    sr_b, sr_h, sr_s, sz_b, sz_h, sz_s,
     HAS_BIAS: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     """One (row, block of projected columns): one walk over the hidden state gives its sum of
-    squares and the raw products, scaled by the RMS norm at the end."""
+    squares and the raw products, scaled by the RMS norm at the end. The first block also writes
+    the slot's scalars."""
     b = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     j = part * BLOCK_W + tl.arange(0, BLOCK_W)
@@ -109,13 +121,17 @@ def _token_features_kernel(
         norm = tl.broadcast_to(tl.sqrt_rn(total), (BLOCK_H,))
         tl.store(norm_ptr + b * sn_b + heads * sn_h + slot * sn_s, norm, mask=h_ok)
         tl.store(kind_ptr + b * sk_b + heads * sk_h + slot * sk_s, tl.broadcast_to(kind, (BLOCK_H,)), mask=h_ok)
+        tl.store(recv_ptr + b * sr_b + heads * sr_h + slot * sr_s, tl.zeros([BLOCK_H], tl.float32), mask=h_ok)
+        tl.store(score_ptr + b * sz_b + heads * sz_h + slot * sz_s, tl.full([BLOCK_H], float("inf"), tl.float32),
+                 mask=h_ok)  # fmt: skip
 
 
 # the token kernel's tiles (H200, 8B shape): 32 programs a row (were 16), two weight rows each
 _TOKEN_CONFIG = {"BLOCK_W": 2, "BLOCK_D": 1024, "num_warps": 4}
 
 
-def write_token_features_triton(weight, bias, hidden, token_types, ids, slots, projected, hidden_norm, kind):
+def write_token_features_triton(weight, bias, hidden, token_types, ids, slots, projected, hidden_norm, kind, received,
+                                score):  # fmt: skip
     b, h = slots.shape
     width, d_model = weight.shape
     config = dict(_TOKEN_CONFIG)
@@ -123,9 +139,9 @@ def write_token_features_triton(weight, bias, hidden, token_types, ids, slots, p
     bits = projected.view(torch.int16)
     _token_features_kernel[(b, triton.cdiv(width, block_w))](
         hidden, weight, bias if bias is not None else weight, token_types, ids, slots, bits, hidden_norm, kind,
-        h, d_model, width, float(d_model), torch.finfo(weight.dtype).eps,
+        received, score, h, d_model, width, float(d_model), torch.finfo(weight.dtype).eps,
         *hidden.stride(), *weight.stride(), ids.stride(0), *slots.stride(), *bits.stride(), *hidden_norm.stride(),
-        *kind.stride(),
+        *kind.stride(), *received.stride(), *score.stride(),
         HAS_BIAS=bias is not None, BLOCK_W=block_w, BLOCK_D=block_d, BLOCK_H=triton.next_power_of_2(h), **config,
     )  # fmt: skip
 

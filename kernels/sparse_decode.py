@@ -11,9 +11,11 @@ not attention over a set.
 `held` (a slot's position `[B, Hkv, S]`, -1 for a free slot) skips indices whose slot holds no
 token, so an evicting layer attends its whole buffer by an identity list without first building
 one of its held slots. `want_mass` also returns the probability each index received, summed over
-the group's query heads (`[B, Hkv, K]`, float32): what H2O-style selectors accumulate. The kernel
-then keeps each logit (float32, `[B * Hq, K]`) and a third small kernel turns them into
-probabilities once the splits' log-sum-exp is known.
+the group's query heads (`[B, Hkv, K]`, float32): what H2O-style selectors accumulate; `add_mass_to`
+(such a selector's per-slot accumulator `[B, Hkv, S]`) adds it there in place instead, at each
+counted index's slot, which saves the add kernel of every step. The kernel then keeps each logit
+(float32, `[B * Hq, K]`) and a third small kernel turns them into probabilities once the splits'
+log-sum-exp is known.
 
 The Triton kernel gives each program one (batch row, KV head) and one contiguous share ("split")
 of its index list. The G queries are loaded once, padded to at least 16 rows so both products run
@@ -54,15 +56,15 @@ def sparse_decode_attention(
     *,
     held: torch.Tensor | None = None,
     want_mass: bool = False,
+    add_mass_to: torch.Tensor | None = None,
 ):
     """Attention of each decode query over its KV group's indexed slots, `[B, Hq, D]` in the query
-    dtype (with `want_mass`, and the mass `[B, Hkv, K]`): the Triton kernel on CUDA, the torch
-    reference elsewhere (see `kernels.backend`)."""
+    dtype (with `want_mass`, and the mass `[B, Hkv, K]`; with `add_mass_to`, the mass added there
+    by slot): the Triton kernel on CUDA, the torch reference elsewhere (see `kernels.backend`)."""
+    options = {"held": held, "want_mass": want_mass, "add_mass_to": add_mass_to}
     if use_triton(query):
-        return sparse_decode_attention_triton(query, keys, values, indices, lengths, scaling, held=held,
-                                              want_mass=want_mass)  # fmt: skip
-    return sparse_decode_attention_reference(query, keys, values, indices, lengths, scaling, held=held,
-                                             want_mass=want_mass)  # fmt: skip
+        return sparse_decode_attention_triton(query, keys, values, indices, lengths, scaling, **options)
+    return sparse_decode_attention_reference(query, keys, values, indices, lengths, scaling, **options)
 
 
 def sparse_decode_attention_reference(
@@ -75,10 +77,11 @@ def sparse_decode_attention_reference(
     *,
     held: torch.Tensor | None = None,
     want_mass: bool = False,
+    add_mass_to: torch.Tensor | None = None,
 ):
     """Plain torch: gather the indexed K/V rows (`[B, Hkv, K, D]`, the budget, not the cache), then
     float32 logits, softmax and weighted sum. The CPU path and the kernel's ground truth."""
-    scaling = _check(query, keys, values, indices, lengths, scaling, held)
+    scaling = _check(query, keys, values, indices, lengths, scaling, held, want_mass, add_mass_to)
     b, hq, d = query.shape
     rows = indices.long().unsqueeze(-1)
     picked_keys = keys.gather(2, rows.expand(-1, -1, -1, d)).float()
@@ -91,6 +94,8 @@ def sparse_decode_attention_reference(
     out = torch.matmul(probs, picked_values.unsqueeze(2)).reshape(b, hq, -1).to(query.dtype)  # from [B, Hkv, G, 1, D]
     if want_mass:
         return out, probs.sum(dim=(2, 3))
+    if add_mass_to is not None:  # uncounted positions add zeros
+        add_mass_to.scatter_add_(2, indices.long(), probs.sum(dim=(2, 3)))
     return out
 
 
@@ -104,13 +109,14 @@ def sparse_decode_attention_triton(
     *,
     held: torch.Tensor | None = None,
     want_mass: bool = False,
+    add_mass_to: torch.Tensor | None = None,
     split_size: int | None = None,
 ):
     """The Triton kernel. `split_size` (indices per split; whole tiles are fastest) overrides
     `choose_split_size`, to cover the split merge in tests or to tune on a GPU."""
     if triton is None:
         raise RuntimeError("the sparse decode kernel needs Triton (pip install 'atskv[gpu]' or 'atskv[test]')")
-    scaling = _check(query, keys, values, indices, lengths, scaling, held)
+    scaling = _check(query, keys, values, indices, lengths, scaling, held, want_mass, add_mass_to)
     b, hq, d = query.shape
     hkv, num_indices = keys.shape[1], indices.shape[-1]
     group = hq // hkv
@@ -130,7 +136,8 @@ def sparse_decode_attention_triton(
     lengths = lengths if has_lengths else indices  # unused pointers when absent
     held = held if has_held else indices
     logits = lse = out  # unused pointers without the mass
-    if want_mass:
+    with_mass = want_mass or add_mass_to is not None
+    if with_mass:
         logits = torch.empty(b * hq, num_indices, dtype=torch.float32, device=query.device)
         lse = torch.empty(b * hq, dtype=torch.float32, device=query.device)
     _split_kernel[(b * hkv, splits)](
@@ -138,7 +145,7 @@ def sparse_decode_attention_triton(
         *query.stride(), *keys.stride(), *values.stride(), *indices.stride(), lengths.stride(0), lengths.stride(1),
         *held.stride()[:3], hkv, num_indices, split_size, splits, scaling * _LOG2E,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_N=_block_n(d),
-        HAS_LENGTHS=has_lengths, HAS_HELD=has_held, WANT_MASS=want_mass, SINGLE_SPLIT=splits == 1,
+        HAS_LENGTHS=has_lengths, HAS_HELD=has_held, WANT_MASS=with_mass, SINGLE_SPLIT=splits == 1,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,  # fp32 stays fp32, not TF32
         # Triton's interpreter (the only way to run on CPU tensors) multiplies bf16 as raw integers
         UPCAST_DOT=query.dtype == torch.bfloat16 and not query.is_cuda,
@@ -147,17 +154,20 @@ def sparse_decode_attention_triton(
     if splits > 1:
         _merge_kernel[(b * hq,)](
             partial, max_logit, total, out, lse, group, splits,
-            HEAD_DIM=d, BLOCK_S=triton.next_power_of_2(splits), WANT_LSE=want_mass, num_warps=4,
+            HEAD_DIM=d, BLOCK_S=triton.next_power_of_2(splits), WANT_LSE=with_mass, num_warps=4,
         )  # fmt: skip
-    if not want_mass:
+    if not with_mass:
         return out
-    mass = torch.empty(b, hkv, num_indices, dtype=torch.float32, device=query.device)
+    at_slots = add_mass_to is not None
+    mass = add_mass_to if at_slots else torch.empty(b, hkv, num_indices, dtype=torch.float32, device=query.device)
     block_k = 256
     _mass_kernel[(b * hkv, triton.cdiv(num_indices, block_k))](
-        logits, lse, lengths, mass, hkv, num_indices, lengths.stride(0), lengths.stride(1),
-        GROUP=group, BLOCK_G=triton.next_power_of_2(group), BLOCK_K=block_k, HAS_LENGTHS=has_lengths, num_warps=4,
+        logits, lse, lengths, indices, mass, hkv, num_indices, lengths.stride(0), lengths.stride(1),
+        *indices.stride(), *mass.stride(),
+        GROUP=group, BLOCK_G=triton.next_power_of_2(group), BLOCK_K=block_k, HAS_LENGTHS=has_lengths,
+        AT_SLOTS=at_slots, num_warps=4,
     )  # fmt: skip
-    return out, mass
+    return out if at_slots else (out, mass)
 
 
 def choose_split_size(num_indices: int, programs: int, head_dim: int, device: torch.device) -> int:
@@ -192,7 +202,7 @@ def _valid_indices(indices: torch.Tensor, lengths: torch.Tensor | None) -> torch
     return torch.arange(indices.shape[-1], device=indices.device) < lengths.unsqueeze(-1)
 
 
-def _check(query, keys, values, indices, lengths, scaling, held=None) -> float:
+def _check(query, keys, values, indices, lengths, scaling, held=None, want_mass=False, add_mass_to=None) -> float:
     """Validates shapes and dtypes (not index ranges: that would need a device sync); returns the scale."""
     if query.dim() != 3 or keys.dim() != 4 or values.shape != keys.shape:
         raise ValueError(f"expected query [B, Hq, D], keys = values [B, Hkv, S, D]; got {query.shape}, "
@@ -214,6 +224,10 @@ def _check(query, keys, values, indices, lengths, scaling, held=None) -> float:
     if held is not None and held.shape != keys.shape[:3]:
         raise ValueError(f"held must be the slot positions [B, Hkv, S] = {list(keys.shape[:3])}, "
                          f"got {tuple(held.shape)}")  # fmt: skip
+    if add_mass_to is not None and (want_mass or add_mass_to.shape != keys.shape[:3]
+                                    or add_mass_to.dtype != torch.float32):  # fmt: skip
+        raise ValueError(f"add_mass_to must be float32 [B, Hkv, S] = {list(keys.shape[:3])}, without want_mass; "
+                         f"got {add_mass_to.dtype} {tuple(add_mass_to.shape)}")  # fmt: skip
     return d**-0.5 if scaling is None else float(scaling)
 
 
@@ -321,17 +335,21 @@ def _merge_kernel(
 
 @jit
 def _mass_kernel(
-    logit_ptr, lse_ptr, len_ptr, mass_ptr, num_kv_heads, num_indices, stride_lb, stride_lh,
+    logit_ptr, lse_ptr, len_ptr, idx_ptr, mass_ptr, num_kv_heads, num_indices, stride_lb, stride_lh,
+    stride_ib, stride_ih, stride_ik, stride_mb, stride_mh, stride_mk,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, HAS_LENGTHS: tl.constexpr,
+    AT_SLOTS: tl.constexpr,
 ):  # fmt: skip
     """One (batch row, KV head) and a block of index positions: each position's probability,
-    summed over the group's query heads; positions past the row's length get 0."""
+    summed over the group's query heads; positions past the row's length get 0. `AT_SLOTS`: added
+    to the mass at each counted position's slot instead (slots are distinct within a row, so no
+    two programs read and write the same one)."""
     bh = tl.program_id(0).to(tl.int64)
+    b, h = bh // num_kv_heads, bh % num_kv_heads
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     g = tl.arange(0, BLOCK_G)
     length = num_indices
     if HAS_LENGTHS:
-        b, h = bh // num_kv_heads, bh % num_kv_heads
         length = tl.minimum(tl.load(len_ptr + b * stride_lb + h * stride_lh).to(tl.int32), num_indices)
     counted = k < length
     row = bh * GROUP + g
@@ -340,4 +358,10 @@ def _mass_kernel(
                     mask=(g < GROUP)[:, None] & counted[None, :], other=float("-inf"))  # fmt: skip
     finite = (logit > float("-inf")) & (lse > float("-inf"))[:, None]
     p = tl.where(finite, tl.exp2(logit - tl.where(finite, lse[:, None], 0.0)), 0.0)
-    tl.store(mass_ptr + bh * num_indices + k, tl.sum(p, 0), mask=k < num_indices)
+    mass = tl.sum(p, 0)
+    sink = mass_ptr + b * stride_mb + h * stride_mh
+    if AT_SLOTS:
+        slot = tl.load(idx_ptr + b * stride_ib + h * stride_ih + k * stride_ik, mask=counted, other=0).to(tl.int64)
+        tl.store(sink + slot * stride_mk, tl.load(sink + slot * stride_mk, mask=counted) + mass, mask=counted)
+    else:
+        tl.store(sink + k * stride_mk, mass, mask=k < num_indices)

@@ -34,16 +34,20 @@ def test_the_token_write_matches_its_reference(monkeypatch, bias):
     types = torch.randint(0, 8, (100,), generator=g, dtype=torch.int8)
     ids = torch.tensor([[5, 17], [3, 99]])[:, -1]
     slots = torch.tensor([[4, 0, 39], [12, 12, 7]])
-    results = {}
+    results, scores = {}, {}
     for choice in ("reference", "triton"):
         monkeypatch.setenv("ATSKV_KERNELS", choice)
         state, views = _state(torch.Generator().manual_seed(1), width)
-        write_token_features(weight, b, hidden, types, ids, slots, *views[:3])
+        scores[choice] = torch.randn(B, H, S, generator=torch.Generator().manual_seed(2))
+        write_token_features(weight, b, hidden, types, ids, slots, *views, scores[choice])
         results[choice] = state
-    assert torch.equal(results["triton"], results["reference"])
+    assert torch.equal(results["triton"], results["reference"]) and torch.equal(scores["triton"], scores["reference"])
     state, _ = _state(torch.Generator().manual_seed(1), width)
     written = (results["reference"] != state).any(-1)
     assert written.sum() == B * H and written[1, 0, 12] and written[1, 1, 12]  # one slot per (row, KV head)
+    at = (torch.arange(B).view(B, 1), torch.arange(H), slots)
+    assert (results["reference"][..., -1][at] == 0).all(), "the slot's received attention restarts at 0"
+    assert (scores["reference"][at] == torch.inf).all() and torch.isfinite(scores["reference"]).sum() == B * H * (S - 1)
     _, (projected, norm, kind, _) = _state(torch.Generator().manual_seed(1), width)
     projected.copy_(results["reference"][..., : (width + 1) // 2].view(torch.bfloat16)[..., :width])
     norm.copy_(results["reference"][..., (width + 1) // 2])

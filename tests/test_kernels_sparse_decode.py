@@ -2,6 +2,7 @@
 the Triton kernel (Triton's interpreter on CPU) against the reference."""
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -142,6 +143,29 @@ def test_held_slots_and_mass_match_reference(monkeypatch, split_size):
     torch.testing.assert_close(out_k, out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(mass_k, mass, rtol=1e-5, atol=1e-6)
     assert (mass_k[~counted] == 0).all() and (out_k.view(2, 2, 4, 64)[~counted.any(-1)] == 0).all()
+
+
+@pytest.mark.parametrize("split_size", [None, 64])
+def test_mass_added_in_place_at_the_slots(split_size):
+    """`add_mass_to` adds each counted index's mass to its slot of a per-slot accumulator (a strided
+    view, as a selector's state is), bit for bit what adding the returned mass by slot gives;
+    nothing else changes, and the output is the same."""
+    query, keys, values, indices, lengths = make_inputs(2, 2, 4, 64, s=260, k=200, seed=12, spare=3)
+    g = torch.Generator().manual_seed(3)
+    held = torch.arange(260).expand(2, 2, 260).clone().masked_fill(torch.rand(2, 2, 260, generator=g) < 0.3, -1)
+    start = torch.rand(2, 2, 260, generator=g)
+    counted = torch.arange(200) < lengths.unsqueeze(-1)
+    for call in (sparse_decode_attention_reference, partial(sparse_decode_attention_triton, split_size=split_size)):
+        out, mass = call(query, keys, values, indices, lengths, 0.25, held=held, want_mass=True)
+        expected = start.clone().scatter_add_(2, indices, mass.masked_fill(~counted, 0.0))
+        accumulator = torch.zeros(2, 2, 260, 3)[..., 1]
+        accumulator.copy_(start)
+        out_added = call(query, keys, values, indices, lengths, 0.25, held=held, add_mass_to=accumulator)
+        assert torch.equal(accumulator, expected) and torch.equal(out_added, out)
+        assert not torch.equal(accumulator, start)
+    with pytest.raises(ValueError, match="add_mass_to"):
+        sparse_decode_attention(query, keys, values, indices, lengths, held=held, want_mass=True,
+                                add_mass_to=accumulator)  # fmt: skip
 
 
 def test_split_size_heuristic(monkeypatch):

@@ -10,6 +10,7 @@ import torch
 
 import atskv
 from atskv.errors import InputError
+from atskv.hook import decode
 from atskv.kernels import learned_features
 from atskv.models import model_geometry
 from atskv.predictor.export import default_predictor_dir, export_predictor
@@ -106,28 +107,49 @@ def test_scores_refresh_every_n_steps_and_new_tokens_wait_at_plus_inf(predictor_
     assert torch.isfinite(snapshots[2]).all()
 
 
-def test_the_fast_path_through_the_kernels_gives_the_reference_tokens(predictor_dir, monkeypatch):
+def _state_by_position(layer, positions: int) -> torch.Tensor:
+    """`[B, Hkv, positions, 4]`: each held token's hidden-state norm, kind, received attention and
+    score, by position (NaN where not held): the two paths' slot layouts differ."""
+    state = torch.cat([layer.slot_tensor("learned_state")[..., -3:], layer.slot_tensor("learned_score")[..., None]], -1)
+    b, h, s = (layer.slot_pos[..., : state.shape[2]] >= 0).nonzero(as_tuple=True)
+    out = torch.full((*state.shape[:2], positions, 4), float("nan"))
+    out[b, h, layer.slot_pos[b, h, s]] = state[b, h, s]
+    return out
+
+
+@pytest.mark.parametrize("kernels", ["triton", "reference"])
+def test_the_fast_path_gives_the_reference_tokens_and_state(predictor_dir, monkeypatch, kernels):
     """The fast path as it runs on a GPU (the selector's kernels, `atskv.kernels.learned_features`,
-    with the decode write, eviction and attention kernels; Triton's interpreter on the CPU), a
-    left-padded batch refreshing on decode steps 3 and 6, against the reference session in torch."""
+    with the decode write, eviction and attention kernels; Triton's interpreter on the CPU), and
+    with their torch references, a left-padded batch refreshing on decode steps 3 and 6, against
+    the reference session in torch: the same tokens, and each held token the same state after the
+    last step (the fast path's features write restarts a reused slot's received attention and
+    score, and the attention kernel adds the mass to them in place)."""
     model = tiny_model("llama")
     model.generation_config.eos_token_id = None
     ids = random_prompt(100, seed=3, batch=2)
     mask = torch.ones_like(ids)
     mask[1, :20], ids[1, :20] = 0, 0
     with torch.no_grad(), atskv.sparse(model, LearnedSelector(predictor=predictor_dir, refresh_every=3), 0.2,
-                                       dense_layers=2):  # fmt: skip
+                                       dense_layers=2) as reference:  # fmt: skip
         expected = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
-    launched = []
+    launched, sessions = [], []
     for name in ("write_token_features_triton", "refresh_scores_triton"):
         kernel = getattr(learned_features, name)
         monkeypatch.setattr(learned_features, name, lambda *a, kernel=kernel: launched.append(kernel) or kernel(*a))
-    monkeypatch.setenv("ATSKV_KERNELS", "triton")
+    plain_generate = decode._generate
+    monkeypatch.setattr(decode, "_generate", lambda model, session, *a: sessions.append(session) or
+                        plain_generate(model, session, *a))  # fmt: skip
+    monkeypatch.setenv("ATSKV_KERNELS", kernels)
     fast = atskv.generate(model, ids, LearnedSelector(predictor=predictor_dir, refresh_every=3), 0.2,
                           attention_mask=mask, max_new_tokens=8, dense_layers=2, prefill_chunk=64)  # fmt: skip
     assert torch.equal(fast, expected)
     # 7 decode steps (the first token comes from the prompt) x 2 managed layers, two of them refreshing
-    assert len(launched) == 7 * 2 + 2 * 2
+    assert len(launched) == (7 * 2 + 2 * 2 if kernels == "triton" else 0)
+    for i in MANAGED:
+        got, want = (_state_by_position(c.layers[i], fast.shape[1]) for c in (sessions[0].cache, reference.cache))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, equal_nan=True)
+        assert torch.isinf(want[..., -1]).any() and (want[..., 2] > 0).any()  # new tokens wait; mass was added
 
 
 def test_a_predictor_for_another_model_or_layout_is_refused(predictor_dir):

@@ -288,14 +288,17 @@ class StaticSession(SparseSession):
 
     def _attend_held(self, view: LayerView, layer: StaticSlotLayer, query, scaling: float):
         """The sparse decode kernel over every held slot (an identity list skipping free slots) or
-        over a hybrid's pick, with the mass each slot received when the selector observes it."""
-        want = self.selector.needs_attention
+        over a hybrid's pick. When the selector observes the mass each slot received, the kernel
+        adds it to the keeper's accumulator (`Selector.mass_accumulator`), or without one returns
+        it for `observe`."""
+        accumulator = self.keeper.mass_accumulator(view) if self.selector.needs_attention else None
+        want = self.selector.needs_attention and accumulator is None
         if self.chooser is None:
             indices, lengths = self._identity_indices(layer), None
         else:
             indices, lengths = self.chooser.decode_indices(view)
         result = sparse_decode_attention(query[:, :, 0], layer.keys, layer.values, indices, lengths, scaling,
-                                         held=layer.slot_pos, want_mass=want)  # fmt: skip
+                                         held=layer.slot_pos, want_mass=want, add_mass_to=accumulator)  # fmt: skip
         out, mass = result if want else (result, None)
         if mass is not None and self.chooser is not None:  # per index position -> per slot
             mass = torch.zeros(layer.slot_pos.shape, device=mass.device).scatter_add_(-1, indices.long(), mass)

@@ -39,6 +39,9 @@ class StaticSlotLayer(SlotLayer):
         # next token's logical position) and real tokens each row has seen ([B] long)
         self.position: torch.Tensor | None = None
         self.context: torch.Tensor | None = None
+        # slot tensors whose slot a selector's own decode write restarts, in the kernel that writes
+        # the token's state anyway (the learned selector's): `write` does not scatter their inits
+        self.reset_by_selector: set[str] = set()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
@@ -88,10 +91,11 @@ class StaticSlotLayer(SlotLayer):
     def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Decode write of one token per (row, KV head) into `slots` `[B, Hkv, 1]`, at position
         `position - 1` (the step's counters already count it: `StaticKVCache.start_step`); the
-        slot's selector state restarts at its init."""
+        slot's selector state restarts at its init (but for `reset_by_selector`)."""
         write_decode_token(self.keys, self.values, self.slot_pos, slots, keys, values, self.position)
-        for tensor, init in self._slot_state.values():
-            tensor.scatter_(2, slot_index(slots, tensor), init)  # a scalar: no filled source tensor per step
+        for name, (tensor, init) in self._slot_state.items():
+            if name not in self.reset_by_selector:
+                tensor.scatter_(2, slot_index(slots, tensor), init)  # a scalar: no filled source tensor per step
 
     def finish_prompt(self, real: torch.Tensor | None) -> None:
         """End of the prompt: each row's real tokens (`real` `[B, seen]` bool, None: all) move to
@@ -144,6 +148,7 @@ class StaticSlotLayer(SlotLayer):
         self.filled = 0
         self.decoding = False
         self.write_slot = self.position = self.context = None
+        self.reset_by_selector.clear()
 
 
 class StaticKVCache(Cache):

@@ -124,6 +124,12 @@ class Selector:
         """Called after every attention with the mass each slot received, `[B, Hkv, S]` (summed over
         the query heads of the group and the queries); only for selectors that set `needs_attention`."""
 
+    def mass_accumulator(self, view: LayerView) -> torch.Tensor | None:
+        """Fast path: the float32 slot tensor `[B, Hkv, S]` that `observe` adds the mass into, if
+        that is all it does; the decode attention kernel then adds it there in place (one kernel
+        fewer per step) and `observe` is not called. None: the hook calls `observe`."""
+        return None
+
 
 def check_view_fits(view: LayerView, geometry, layers, made_for: str, remedy: str) -> None:
     """Refuse to run per-model state (a Kascade profile, a predictor: `made_for` a model whose

@@ -39,10 +39,11 @@ from atskv.predictor.features import SCALAR_FEATURES
 from atskv.predictor.model import RelevanceMLP
 from atskv.selectors.base import LayerView, Selector, check_view_fits
 
-# Per-slot state in two slot tensors, not five: the cache resets every slot tensor of a slot it
-# writes, one kernel per tensor and decode step. `_STATE` (float32, 0 when a token enters) holds
-# the projected hidden state as bfloat16 pairs, then the hidden-state norm, 1 + the token type (0:
-# not entered yet) and the attention received; `_SCORE` waits at +inf.
+# Per-slot state in two slot tensors, not five: the reference cache resets every slot tensor of a
+# slot it writes, one kernel per tensor (on the fast path the features kernel of `static_write`
+# does it instead). `_STATE` (float32, 0 when a token enters) holds the projected hidden state as
+# bfloat16 pairs, then the hidden-state norm, 1 + the token type (0: not entered yet) and the
+# attention received; `_SCORE` waits at +inf.
 _STATE, _SCORE = "learned_state", "learned_score"
 # the projected hidden state is as wide per token and KV head as a head's K+V in bf16 (64 floats):
 # kept in bfloat16 it costs half of that, not as much GPU memory as the KV it serves
@@ -104,7 +105,10 @@ class LearnedSelector(Selector):
         view.layer.state[self.name]["prompt_end"] = view.layer.seen
 
     def observe(self, view: LayerView, attention_mass: torch.Tensor) -> None:
-        self._slots(view.layer).received.add_(attention_mass)
+        self.mass_accumulator(view).add_(attention_mass)
+
+    def mass_accumulator(self, view: LayerView) -> torch.Tensor:
+        return self._slots(view.layer).received
 
     def unwanted(self, view: LayerView) -> torch.Tensor | None:
         if self.threshold is None:
@@ -126,14 +130,18 @@ class LearnedSelector(Selector):
 
     def static_write(self, view: LayerView) -> None:
         """Fast path: a prompt chunk's tokens enter as on the reference path; a decode token's
-        fixed features go to the slot it was written to (one kernel for a float32 MLP; no host sync)."""
+        fixed features go to the slot it was written to, whose received attention and score
+        restart there too rather than in the cache's write (one kernel for a float32 MLP; no
+        host sync)."""
         layer, mlp = view.layer, self.predictor.mlp
         if not layer.decoding:
             self._check(view)  # before the first features: the predictor moves to the model's device
             self._enter(view)
+            layer.reset_by_selector.update((_STATE, _SCORE))  # the decode writes below restart a slot's state
             return
         slots, hidden, ids = self._slots(layer), view.hidden[:, -1], view.token_ids[:, -1]
-        state = (layer.write_slot, slots.projected, slots.hidden_norm, slots.kind)
+        state = (layer.write_slot, slots.projected, slots.hidden_norm, slots.kind, slots.received,
+                 layer.slot_tensor(_SCORE, init=torch.inf))  # fmt: skip
         if _fused(mlp):
             write_token_features(mlp.project.weight, mlp.project.bias, hidden, self.predictor.token_types, ids, *state)
             return
