@@ -1,10 +1,9 @@
-"""Where Quest's page pick (`atskv.kernels.quest_decode`) spends its time, on a GPU.
+"""Where Quest's page pick (`atskv.kernels.quest_decode.quest_pick`) spends its time, on a GPU.
 
 Random page scores at the Llama-3-8B shape (8 KV heads), 2,048 and 8,192 pages of 16 tokens (32K
-and 128K contexts), a 5% budget (the selector's page count: ceil(k / 16) + 2), B = 1 and 16; for
-the decode step's pick, random bf16 keys of that shape (32 query heads, D = 128), their pages'
-bounds and a query. Each line is one call's time from a CUDA graph of 16 calls (median of 5
-replays), as the decode step runs it. Lines:
+and 128K contexts), a 5% budget (the selector's page count: ceil(k / 16) + 2), B = 1 and 16. Each
+line is one call's time from a CUDA graph of 16 calls (median of 5 replays), as the decode step
+runs it. Lines:
 
 - `single`: the pick before this benchmark (one program per row does everything); with
   `--stages`, `single<=N` is that program cut after stage N (0 loads the row, 1 finds the n-th
@@ -16,16 +15,8 @@ replays), as the decode step runs it. Lines:
   and af1aaf1's one kernel; its kernels alone (`search`, `layout`) and, with `--sweep`, its
   tuning knobs (`num_warps` and `radix`, bits per pass, for the search; `chunk`, chosen pages
   per program, and `block_j` for the layout).
-- `step`: the decode step's pick (`quest_step_pick`: the written page's bounds, every page's
-  score and, in the row's last scoring program to finish, the search; then the layout kernel);
-  `step: scores + search` is its first kernel alone, to set beside `pick: search alone` (the
-  scores alone were one launch more). With `--sweep`, its knobs: `num_warps` (the whole first
-  kernel runs at the search's), `radix`, `block_p` (pages per scoring program), `chunk`,
-  `block_j`; and the search alone at 4, 8 and 16 warps (8K pages: 255 registers at 8 warps).
 
-Every full variant is checked against the torch reference first, and the pick on tie-heavy rows;
-the step's pick against the reference's pick from the step's own scores, before and after its
-timing (whose graph replays it, so a counter not reset by the step would show).
+Every full variant is checked against the torch reference first, and the pick on tie-heavy rows.
 One H200, torch 2.11, Triton 3.6, 2026-11-24 (us; a graph node alone: 0.75 us); `pick` and its
 kernels here are the two-kernel pick with one bit per pass (~26 passes), `pick, one kernel` is
 af1aaf1's (each program repeated the search, a few bits per pass, then laid out its chunk):
@@ -53,15 +44,7 @@ import triton
 import triton.language as tl
 
 from atskv.kernels.budget import budget_limit
-from atskv.kernels.quest import masked_page_bounds
-from atskv.kernels.quest_decode import (
-    pick_best,
-    pick_layout,
-    quest_pick_reference,
-    quest_pick_triton,
-    quest_step_pick_triton,
-    step_best,
-)
+from atskv.kernels.quest_decode import pick_best, pick_layout, quest_pick_reference, quest_pick_triton
 
 EARLIER_PICKS_US = {  # the table's `pick` and `pick, one kernel`, by (pages, batch)
     "two kernels, 1 bit/pass": {(2048, 1): 10.6, (2048, 16): 13.7, (8192, 1): 22.7, (8192, 16): 43.8},
@@ -223,35 +206,6 @@ def inputs(batch, pages, size=16, hkv=8, budget=0.05, seed=0):
     return scores, valid, budget, context, n_pages, size
 
 
-def step_inputs(batch, pages, size=16, hkv=8, group=4, head_dim=128, budget=0.05, seed=0):
-    """`quest_step_pick`'s arguments as the decode step passes them: bf16 keys and their pages'
-    bounds, the last 3 pages free, a token just written to the last held slot, a zero counter."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    slots = pages * size
-    context = slots - 3 * size
-    keys = torch.randn(batch, hkv, slots, head_dim, device="cuda", generator=g, dtype=torch.bfloat16)
-    slot_pos = torch.arange(slots, device="cuda").expand(batch, hkv, slots).clone()
-    slot_pos[:, :, context:] = -1
-    held = slot_pos >= 0
-    low, high = masked_page_bounds(keys, held, size)
-    counts = held.unflatten(-1, (-1, size)).sum(-1, dtype=torch.int32)
-    query = torch.randn(batch, hkv * group, head_dim, device="cuda", generator=g, dtype=torch.bfloat16)
-    write_slot = torch.full((batch, hkv), context - 1, device="cuda")
-    arrivals = torch.zeros(batch * hkv, dtype=torch.int32, device="cuda")
-    n_pages = min(math.ceil(math.ceil(budget * context) / size) + 2, pages)
-    contexts = torch.full((batch,), context, device="cuda")
-    return query, low, high, counts, keys, slot_pos, write_slot, arrivals, held, budget, contexts, n_pages, size
-
-
-def check_step(case, **knobs):
-    """The step's pick is the reference's pick from the step's own scores, its counter left at zero."""
-    indices, lengths, scores = quest_step_pick_triton(*case, **knobs)
-    want = quest_pick_reference(scores, *case[8:])
-    assert torch.equal(indices, want[0]) and torch.equal(lengths, want[1]), knobs
-    assert not case[7].any(), knobs
-    return indices, lengths
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="JSON file for the table's rows")
@@ -284,23 +238,6 @@ def main():
 
     for pages in args.pages:
         for batch in args.batch:
-            step = step_inputs(batch, pages)
-            fn = lambda: quest_step_pick_triton(*step)  # noqa: E731
-            check_step(step)
-            line("step", batch, pages, fn)
-            check_step(step)
-            default = quest_step_pick_triton.__kwdefaults__
-            first = [default[k] for k in ("num_warps", "radix", "block_p")]
-            line("step: scores + search", batch, pages, lambda: step_best(*step[:8], *step[-2:], *first))
-            if args.sweep:
-                sweep = [dict(num_warps=w) for w in (4, 8, 16)] + [dict(radix=r) for r in (1, 2, 3, 4)]
-                sweep += [dict(block_p=p) for p in (16, 32, 64, 128)] + [dict(num_warps=16, block_p=64)]
-                sweep += [dict(chunk=c) for c in (8, 16, 32, 64)] + [dict(block_j=j) for j in (32, 64, 128, 256)]
-                for knobs in sweep:
-                    check_step(step, **knobs)
-                    fn = lambda k=knobs: quest_step_pick_triton(*step, **k)  # noqa: E731
-                    line("step " + " ".join(f"{k}={v}" for k, v in knobs.items()), batch, pages, fn)
-                    check_step(step, **knobs)
             case = inputs(batch, pages)
             line("single", batch, pages, lambda: single_pick(*case), check=lambda: single_pick(*case))
             if args.stages:
@@ -317,10 +254,13 @@ def main():
             layout_knobs = default["chunk"], default["block_j"]
             layout = lambda: pick_layout(chosen, valid, budget, context, size, *layout_knobs)  # noqa: E731
             line("pick: layout alone", batch, pages, layout)
-            if args.sweep:
-                for warps in (4, 8, 16):
-                    fn = lambda w=warps: pick_best(scores, n_pages, w, default["radix"])  # noqa: E731
-                    line(f"pick: search alone num_warps={warps}", batch, pages, fn)
+            if not args.sweep:
+                continue
+            sweep = [dict(num_warps=w) for w in (4, 8, 16)] + [dict(radix=r) for r in (1, 2, 3, 4)]
+            sweep += [dict(chunk=c) for c in (8, 16, 32, 64)] + [dict(block_j=j) for j in (32, 64, 128, 256)]
+            for knobs in sweep:
+                fn = lambda k=knobs: quest_pick_triton(*case, **k)  # noqa: E731
+                line("pick " + " ".join(f"{k}={v}" for k, v in knobs.items()), batch, pages, fn, check=fn)
 
 
 if __name__ == "__main__":

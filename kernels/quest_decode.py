@@ -1,14 +1,13 @@
-"""Quest's decode step in two kernels, for the fast path's static cache (`atskv.hook.decode`).
+"""Quest's decode step in three kernels, for the fast path's static cache (`atskv.hook.decode`).
 
 The unfused step ran ~40 small torch kernels per layer (a page recompute by gather/scatter, the
 page scores, a mask of empty pages, `topk`, candidate slots, a stable `argsort`), 165 us at the
 Llama-3-8B shape, 32K, B=1 against ~52 us for SDPA over the whole context. Here:
 
-- `quest_step_pick`: the page the new token went to gets its bounds and held count recomputed
+- `quest_step_scores`: the page the new token went to gets its bounds and held count recomputed
   from its slots, in place, by the program that scores it; every page is scored against the
   query (max over the GQA group of `sum_d max(q_d lo_d, q_d hi_d)`, float32); a page holding no
-  token scores -inf. The row's last scoring program to finish searches the row for its best
-  pages (below); then `quest_pick`'s second kernel lays out their slots.
+  token scores -inf.
 - `quest_pick`: per (row, KV head), the `n_pages` best pages in rank order, then their slots,
   newest first within a page, usable ones (in range and held) first in that order, the rest
   after them; and how many count: the row's budget, at most its usable slots. This is the index
@@ -17,8 +16,7 @@ Llama-3-8B shape, 32K, B=1 against ~52 us for SDPA over the whole context. Here:
   pass, by one program per row; a second kernel's many programs per row rank their share of the
   chosen pages among them and lay out their slots. Before: one bit per pass (~26 passes), 10.6 us
   at 2K pages and B=1, 43.8 at 8K and B=16; then (af1aaf1) one kernel whose every program
-  repeated the search: 8.6 and 125.8 (H200, 8 KV heads, 5%). On the fast path the search runs
-  in the scoring kernel; `quest_pick` (both kernels) picks from scores computed elsewhere.
+  repeated the search: 8.6 and 125.8 (H200, 8 KV heads, 5%).
 
 Each has a plain-torch reference with the same contract; tests compare them on random inputs.
 """
@@ -34,24 +32,17 @@ from atskv.kernels.budget import budget_limit, kept_tokens
 from atskv.kernels.quest import masked_page_bounds, quest_page_scores_reference
 
 
-def quest_step_pick(query, low, high, held, keys, slot_pos, write_slot, arrivals, valid, budget: int | float,
-                    context, n_pages: int, page_size: int):  # fmt: skip
-    """Quest's decode step up to the sparse kernel's index list: `quest_pick`'s slot ids and lengths,
-    and the page scores `[B, Hkv, P]` (float32, -inf for pages holding nothing) they were picked
-    from, after updating, in place, the bounds `low`/`high` `[B, Hkv, P, D]` and held counts `held`
-    `[B, Hkv, P]` (int32) of the page holding `write_slot` `[B, Hkv]` (the slot a decode token was
-    just written to). `query` `[B, Hq, D]`, `keys` `[B, Hkv, S, D]`, `slot_pos` `[B, Hkv, S]` (-1:
-    free). An empty page's bounds are zeros. `arrivals` `[B * Hkv]` int32, zeros, is the kernel's
-    per-row counter; every call leaves it zeros (the caller keeps it, e.g. across graph replays)."""
+def quest_step_scores(query, low, high, held, keys, slot_pos, write_slot, page_size: int) -> torch.Tensor:
+    """Page scores `[B, Hkv, P]` (float32, -inf for pages holding nothing) after updating, in place,
+    the bounds `low`/`high` `[B, Hkv, P, D]` and held counts `held` `[B, Hkv, P]` (int32) of the page
+    holding `write_slot` `[B, Hkv]` (the slot a decode token was just written to). `query` `[B, Hq, D]`,
+    `keys` `[B, Hkv, S, D]`, `slot_pos` `[B, Hkv, S]` (-1: free). An empty page's bounds are zeros."""
     if use_triton(query):
-        return quest_step_pick_triton(query, low, high, held, keys, slot_pos, write_slot, arrivals, valid, budget,
-                                      context, n_pages, page_size)  # fmt: skip
-    return quest_step_pick_reference(query, low, high, held, keys, slot_pos, write_slot, arrivals, valid, budget,
-                                     context, n_pages, page_size)  # fmt: skip
+        return quest_step_scores_triton(query, low, high, held, keys, slot_pos, write_slot, page_size)
+    return quest_step_scores_reference(query, low, high, held, keys, slot_pos, write_slot, page_size)
 
 
-def quest_step_pick_reference(query, low, high, held, keys, slot_pos, write_slot, arrivals, valid,
-                              budget: int | float, context, n_pages: int, page_size: int):  # fmt: skip
+def quest_step_scores_reference(query, low, high, held, keys, slot_pos, write_slot, page_size: int) -> torch.Tensor:
     slots = keys.shape[2]
     page = (write_slot // page_size).unsqueeze(-1)  # [B, Hkv, 1]
     members = page * page_size + torch.arange(page_size, device=page.device)  # [B, Hkv, size]
@@ -64,14 +55,14 @@ def quest_step_pick_reference(query, low, high, held, keys, slot_pos, write_slot
     low.scatter_(2, index, lo)
     high.scatter_(2, index, hi)
     held.scatter_(2, page, ok.sum(-1, keepdim=True, dtype=held.dtype))
-    scores = quest_page_scores_reference(query, low, high).masked_fill(held == 0, -math.inf)
-    return *quest_pick_reference(scores, valid, budget, context, n_pages, page_size), scores
+    scores = quest_page_scores_reference(query, low, high)
+    return scores.masked_fill(held == 0, -math.inf)
 
 
 @jit
-def _step_best_kernel(
-    q_ptr, lo_ptr, hi_ptr, held_ptr, k_ptr, pos_ptr, w_ptr, score_ptr, chosen_ptr, arrivals_ptr,
-    n_rows, n_kv_heads, n_pages, n_slots, head_dim, n_best,
+def _step_scores_kernel(
+    q_ptr, lo_ptr, hi_ptr, held_ptr, k_ptr, pos_ptr, w_ptr, out_ptr,
+    n_kv_heads, n_pages, n_slots, head_dim,
     sq_b, sq_h, sq_d,
     sl_b, sl_h, sl_p, sl_d,
     sh_b, sh_h, sh_p, sh_d,
@@ -80,13 +71,10 @@ def _step_best_kernel(
     sp_b, sp_h, sp_s,
     sw_b, sw_h,
     GROUP: tl.constexpr, SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_D: tl.constexpr, ROW_P: tl.constexpr, RADIX: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """One (row, KV head) and BLOCK_P pages: the program whose pages include the written one
-    recomputes it first (no other program reads it); its pages' scores go to `score`. The row's
-    last program to finish (counted in `arrivals`, which it resets for the next step) then
-    searches the whole row for the chosen pages (`_search_best`): one launch fewer per layer and
-    step than a kernel of its own (~2-3 us of a graph node's latency at the 8B shape)."""
+    """One (row, KV head) and BLOCK_P pages; the program whose pages include the written one
+    recomputes it first (no other program reads it)."""
     bh = tl.program_id(0)
     b = (bh // n_kv_heads).to(tl.int64)
     h = bh % n_kv_heads
@@ -125,52 +113,23 @@ def _step_best_kernel(
         q = tl.load(q_ptr + b * sq_b + (h * GROUP + g) * sq_h + d * sq_d, mask=d_ok, other=0.0).to(tl.float32)
         best = tl.maximum(best, tl.sum(tl.maximum(q[None, :] * lo, q[None, :] * hi), axis=1))
     best = tl.where(count > 0, best, float("-inf"))
-    row = bh.to(tl.int64)
-    tl.store(score_ptr + row * n_pages + p, best, mask=p < n_pages)
-    # every thread's scores stored before the count (one thread's atomic) releases them; its
-    # acquire (and the barrier that hands its result to the other threads) orders the last
-    # program's reads of the others' scores after their stores
-    tl.debug_barrier()
-    if tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel") == tl.num_programs(1) - 1:
-        tl.store(arrivals_ptr + row, 0)
-        _search_best(score_ptr + row * n_pages, chosen_ptr + row * n_best, chosen_ptr + (n_rows + row) * n_best,
-                     n_pages, n_best, ROW_P, RADIX)  # fmt: skip
+    tl.store(out_ptr + bh.to(tl.int64) * n_pages + p, best, mask=p < n_pages)
 
 
-def quest_step_pick_triton(
-    query, low, high, held, keys, slot_pos, write_slot, arrivals, valid, budget: int | float, context,
-    n_pages: int, page_size: int, *, num_warps: int = 8, radix: int = 2, block_p: int | None = None,
-    chunk: int = 16, block_j: int = 64,
-):  # fmt: skip
-    """Two kernels: the step's scores and the search (`step_best`), then `pick_layout`. Knobs as
-    `quest_pick_triton`'s, and `block_p`, pages per scoring program (None: a 4K-element tile of
-    bounds, 32 pages at D=128, as the scoring kernel had alone): the whole kernel runs at the
-    search's `num_warps` and registers (Triton 3.9, sm_90, 2K pages: 127 at 8 warps; 8K: 255
-    and spills at 8 warps, 128 at 16), which bounds how many scoring programs an SM holds."""
-    scores, chosen = step_best(query, low, high, held, keys, slot_pos, write_slot, arrivals, n_pages, page_size,
-                               num_warps, radix, block_p)  # fmt: skip
-    return *pick_layout(chosen, valid, budget, context, page_size, chunk, block_j), scores
-
-
-def step_best(query, low, high, held, keys, slot_pos, write_slot, arrivals, n_pages: int, page_size: int,
-              num_warps: int, radix: int, block_p: int | None):  # fmt: skip
-    """`quest_step_pick_triton`'s first kernel: the page scores `[B, Hkv, P]` and the chosen pages'
-    keys and ids `[2, B * Hkv, n_pages]` (as `pick_best`'s)."""
+def quest_step_scores_triton(query, low, high, held, keys, slot_pos, write_slot, page_size: int) -> torch.Tensor:
     b, hq, d = query.shape
     hkv, pages = low.shape[1], low.shape[2]
-    scores = torch.empty(b, hkv, pages, dtype=torch.float32, device=query.device)
-    chosen = torch.empty(2, b * hkv, n_pages, dtype=torch.int32, device=query.device)
+    out = torch.empty(b, hkv, pages, dtype=torch.float32, device=query.device)
     block_d = triton.next_power_of_2(d)
-    block_p = block_p or max(16, min(128, 4096 // block_d))
-    _step_best_kernel[(b * hkv, triton.cdiv(pages, block_p))](
-        query, low, high, held, keys, slot_pos, write_slot, scores, chosen, arrivals,
-        b * hkv, hkv, pages, keys.shape[2], d, n_pages,
+    block_p = max(16, min(128, 4096 // block_d))
+    _step_scores_kernel[(b * hkv, triton.cdiv(pages, block_p))](
+        query, low, high, held, keys, slot_pos, write_slot, out, hkv, pages, keys.shape[2], d,
         *query.stride(), *low.stride(), *high.stride(), *held.stride(), *keys.stride(), *slot_pos.stride(),
         *write_slot.stride(),
         GROUP=hq // hkv, SIZE=page_size, BLOCK_SIZE=triton.next_power_of_2(page_size), BLOCK_P=block_p,
-        BLOCK_D=block_d, ROW_P=triton.next_power_of_2(pages), RADIX=radix, num_warps=num_warps,
+        BLOCK_D=block_d,
     )  # fmt: skip
-    return scores, chosen
+    return out
 
 
 def quest_pick(page_scores, valid, budget: int | float, context, n_pages: int, page_size: int):
@@ -209,25 +168,22 @@ def _digit_pick(j_a, least_a, fail_a, j_b, least_b, fail_b):
 
 
 @jit
-def _pick_best_kernel(score_ptr, out_ptr, n_rows, n_pages, n_best, BLOCK_P: tl.constexpr, RADIX: tl.constexpr):
-    """One (row, KV head) of scores from elsewhere (`quest_pick`): the part that needs the whole
-    row, once per row (repeated by every layout program, af1aaf1, it cost 126 us at 8K pages and
-    B=16 against 44). The chosen pages go to `out` (`[2, rows, n_best]` int32: keys, ids)."""
-    bh = tl.program_id(0).to(tl.int64)
-    _search_best(score_ptr + bh * n_pages, out_ptr + bh * n_best, out_ptr + (n_rows + bh) * n_best, n_pages, n_best,
-                 BLOCK_P, RADIX)  # fmt: skip
-
-
-@jit
-def _search_best(score_at, keys_at, ids_at, n_pages, n_best, BLOCK_P: tl.constexpr, RADIX: tl.constexpr):
-    """The n_best best pages of one row's scores, in page order, to `keys_at` and `ids_at`. Scores
-    become order-preserving 32-bit keys, offset from the lowest held key; the n_best-th largest is
+def _pick_best_kernel(
+    score_ptr, out_ptr, n_rows, n_pages, n_best,
+    BLOCK_P: tl.constexpr, RADIX: tl.constexpr,
+):  # fmt: skip
+    """One (row, KV head): the part that needs the whole row, once per row (repeated by every
+    layout program, af1aaf1, it cost 126 us at 8K pages and B=16 against 44). Scores become
+    order-preserving 32-bit keys, offset from the lowest held key; the n_best-th largest is
     narrowed RADIX bits per pass (one count of the row at 2**RADIX - 1 thresholds: ~150 ns of
     reduction latency per pass at 2K pages, which a bit-by-bit search paid per bit, ~26 passes)
-    and stops as soon as the keys at or above the interval's floor are exactly n_best."""
+    and stops as soon as the keys at or above the interval's floor are exactly n_best. The chosen
+    pages go to `out` (`[2, rows, n_best]` int32: keys, ids) in page order."""
+    bh = tl.program_id(0).to(tl.int64)
+    keys_at = out_ptr + bh * n_best
     p = tl.arange(0, BLOCK_P)
     real = p < n_pages
-    score = tl.load(score_at + p, mask=real, other=float("-inf")) + 0.0  # -0.0 -> 0.0
+    score = tl.load(score_ptr + bh * n_pages + p, mask=real, other=float("-inf")) + 0.0  # -0.0 -> 0.0
     bits = score.to(tl.int32, bitcast=True)
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # int32 in the scores' order
     held = real & (key > -2139095041)  # above -inf's key: pages holding tokens
@@ -267,7 +223,7 @@ def _search_best(score_at, keys_at, ids_at, n_pages, n_best, BLOCK_P: tl.constex
         chosen = held & (rel >= lo)
     at = tl.cumsum(chosen.to(tl.int32), 0) - 1
     tl.store(keys_at + at, key, mask=chosen)
-    tl.store(ids_at + at, p, mask=chosen)
+    tl.store(keys_at + n_rows * n_best + at, p, mask=chosen)
 
 
 @jit
@@ -282,8 +238,8 @@ def _pick_layout_kernel(
     chosen pages go ahead of it (higher key, or equal key and lower id), and its usable slots go
     after those of the pages ahead, its other slots after every usable slot and after the other
     slots of the pages ahead. The chosen pages are read BLOCK_J at a time, their usable slots
-    counted here, each page's slots in one contiguous read (counting them in the search, a
-    masked gather per slot over the whole row, cost it 4 us at 2K pages, 13 at 8K)."""
+    counted here, each page's slots in one contiguous read (counting them in `_pick_best_kernel`,
+    a masked gather per slot over the whole row, cost it 4 us at 2K pages, 13 at 8K)."""
     bh = tl.program_id(0).to(tl.int64)
     b = bh // n_kv_heads
     h = bh % n_kv_heads

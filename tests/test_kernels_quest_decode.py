@@ -14,9 +14,7 @@ from atskv.kernels.quest_decode import (
     quest_pick,
     quest_pick_reference,
     quest_pick_triton,
-    quest_step_pick,
-    quest_step_pick_reference,
-    quest_step_pick_triton,
+    quest_step_scores,
 )
 
 
@@ -50,76 +48,21 @@ def static_layer(b=2, hkv=2, group=3, slots=45, d=16, size=8, dtype=torch.float3
     return query, low, high, counts, keys, slot_pos, write_slot, size
 
 
-def step_case(layer, budget=0.3, n_pages=3):
-    """`quest_step_pick`'s arguments for a `static_layer`: a zero counter, the held slots usable."""
-    query, low, high, held, keys, slot_pos, write_slot, size = layer
-    b, hkv = write_slot.shape
-    arrivals = torch.zeros(b * hkv, dtype=torch.int32)
-    context = (slot_pos >= 0).sum(-1).amax(-1)
-    return query, low, high, held, keys, slot_pos, write_slot, arrivals, slot_pos >= 0, budget, context, n_pages, size
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_step_kernel_matches_reference_and_updates_the_written_page(monkeypatch, dtype):
-    args = step_case(static_layer(dtype=dtype))
-    (ref, ref_args), (tri, tri_args) = both_paths(monkeypatch, quest_step_pick, *args)
-    ref_scores, tri_scores = ref[2], tri[2]
-    assert torch.equal(ref_scores == -math.inf, tri_scores == -math.inf)
-    finite = ref_scores > -math.inf
-    torch.testing.assert_close(tri_scores[finite], ref_scores[finite], rtol=1e-5, atol=1e-4)
+def test_step_scores_kernel_matches_reference_and_updates_the_written_page(monkeypatch, dtype):
+    args = static_layer(dtype=dtype)
+    (ref, ref_args), (tri, tri_args) = both_paths(monkeypatch, quest_step_scores, *args)
+    assert torch.equal(ref == -math.inf, tri == -math.inf)
+    finite = ref > -math.inf
+    torch.testing.assert_close(tri[finite], ref[finite], rtol=1e-5, atol=1e-4)
     for r, t in zip(ref_args[1:4], tri_args[1:4]):  # low, high, held: updated the same way
         torch.testing.assert_close(t, r)
-    assert not tri_args[7].any()  # the counter is left at zero for the next step
-    want = quest_pick_reference(tri_scores, *args[8:])  # the kernel's pick from its own scores
-    assert torch.equal(tri[0], want[0]) and torch.equal(tri[1], want[1])
-    query, low, high, held, keys, slot_pos, _, _, _, _, _, _, size = ref_args
+    query, low, high, held, keys, slot_pos, _, size = ref_args
     truth_low, truth_high = masked_page_bounds(keys, slot_pos >= 0, size)
     assert torch.equal(low[0, 0, 4], truth_low[0, 0, 4]) and int(held[0, 0, 4]) == 8  # recomputed
     expected = quest_page_scores_reference(query, low, high).masked_fill(held == 0, -math.inf)
-    assert torch.equal(ref_scores, expected)
-    assert (ref_scores[0, 1, 1] == -math.inf) and (ref_scores[:, :, 5] == -math.inf).all()  # empty pages
-
-
-@pytest.mark.parametrize("knobs", [dict(block_p=4), dict(block_p=16, radix=1), dict(block_p=32)])
-def test_step_kernel_picks_as_the_reference_over_consecutive_steps(knobs):
-    """Decode steps in a row, each writing a token and asking a new query, the rows' scoring spread
-    over several programs (`block_p` pages each): the row's last program to finish searches it and
-    resets the counter, or the next step's search would never run (and its pick would be the
-    stale one of the step before). Small integer keys and queries make the scores exact (the
-    kernel's sums equal the reference's) and tie often, so the picks must be equal."""
-    g = torch.Generator().manual_seed(5)
-    b, hkv, group, slots, d, size, n_pages = 2, 2, 2, 120, 8, 4, 9
-    keys = torch.randint(-3, 4, (b, hkv, slots, d), generator=g).float()
-    slot_pos = torch.arange(slots).expand(b, hkv, slots).clone()
-    slot_pos[:, :, 80:] = -1
-    slot_pos[1, 1, torch.randperm(80, generator=g)[:30]] = -1  # evicted
-    held = slot_pos >= 0
-    low, high = masked_page_bounds(keys, held, size)
-    counts = held.unflatten(-1, (-1, size)).sum(-1, dtype=torch.int32)
-    state = {path: [t.clone() for t in (low, high, counts, keys, slot_pos)] for path in ("triton", "reference")}
-    arrivals = torch.zeros(b * hkv, dtype=torch.int32)
-    before = None
-    for step in range(5):
-        query = torch.randint(-3, 4, (b, hkv * group, d), generator=g).float()
-        new_key = torch.randint(-3, 4, (b, hkv, d), generator=g).float()
-        write_slot = torch.full((b, hkv), 80 + step)
-        args = {}
-        for path, (low, high, counts, keys, slot_pos) in state.items():
-            keys[:, :, 80 + step] = new_key
-            slot_pos[:, :, 80 + step] = 80 + step
-            args[path] = (query, low, high, counts, keys, slot_pos, write_slot, arrivals, slot_pos >= 0, 0.2,
-                          torch.tensor([81 + step, 51 + step]), n_pages, size)  # fmt: skip
-        # the kernel first: the reference's freed buffers could hold the very scores that a search
-        # run before the others' scores were stored would read from uninitialised memory
-        out = {"triton": quest_step_pick_triton(*args["triton"], **knobs)}
-        out["reference"] = quest_step_pick_reference(*args["reference"])
-        assert not arrivals.any()
-        for want, got in zip(out["reference"], out["triton"]):
-            assert torch.equal(got, want), step
-        for want, got in zip(state["reference"][:3], state["triton"][:3]):
-            assert torch.equal(got, want), step
-        assert before is None or not torch.equal(before, out["reference"][0])  # a stale pick would show
-        before = out["reference"][0]
+    assert torch.equal(ref, expected)
+    assert (ref[0, 1, 1] == -math.inf) and (ref[:, :, 5] == -math.inf).all()  # empty pages
 
 
 def reference_pick(scores, valid, limit, n_pages, size):
@@ -220,8 +163,7 @@ def test_pick_kernel_matches_reference_across_programs(knobs, kind):
 @pytest.mark.gpu
 def test_both_kernels_match_their_references_on_the_gpu_at_a_32k_shape(monkeypatch):
     """Llama-3-8B attention shape, bf16, 32K slots, a 5% budget: the compiled kernels (not the
-    interpreter) against the references, with the written page stale as after a decode write; the
-    fused step's search on the GPU's own ordering of its programs, and `quest_pick` alone."""
+    interpreter) against the references, with the written page stale as after a decode write."""
     torch.manual_seed(3)
     b, hkv, group, slots, d, size = 2, 8, 4, 32768, 128, 16
     keys = torch.randn(b, hkv, slots, d, device="cuda", dtype=torch.bfloat16)
@@ -233,13 +175,9 @@ def test_both_kernels_match_their_references_on_the_gpu_at_a_32k_shape(monkeypat
     write_slot = torch.full((b, hkv), 29999, device="cuda")
     counts[:, :, 29999 // size] -= 1
     query = torch.randn(b, hkv * group, d, device="cuda", dtype=torch.bfloat16)
+    args = (query, low, high, counts, keys, slot_pos, write_slot, size)
+    (ref, _), (tri, _) = both_paths(monkeypatch, quest_step_scores, *args)
+    torch.testing.assert_close(tri, ref, rtol=1e-4, atol=1e-3)
     context = torch.full((b,), 30000, device="cuda")
-    arrivals = torch.zeros(b * hkv, dtype=torch.int32, device="cuda")
-    args = (query, low, high, counts, keys, slot_pos, write_slot, arrivals, held, 0.05, context, 96, size)
-    (ref, _), (tri, tri_args) = both_paths(monkeypatch, quest_step_pick, *args)
-    torch.testing.assert_close(tri[2], ref[2], rtol=1e-4, atol=1e-3)
-    assert not tri_args[7].any()
-    want = quest_pick_reference(tri[2], held, 0.05, context, 96, size)  # the kernel's pick from its own scores
-    assert torch.equal(tri[0], want[0]) and torch.equal(tri[1], want[1])
-    (ref, _), (tri, _) = both_paths(monkeypatch, quest_pick, tri[2], held, 0.05, context, 96, size)
+    (ref, _), (tri, _) = both_paths(monkeypatch, quest_pick, ref, held, 0.05, context, 96, size)
     assert torch.equal(ref[0], tri[0]) and torch.equal(ref[1], tri[1])

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from atskv.kernels.quest import masked_page_bounds, page_bounds, quest_page_scores
-from atskv.kernels.quest_decode import quest_pick, quest_step_pick
+from atskv.kernels.quest_decode import quest_pick, quest_step_scores
 from atskv.selectors.base import LayerView, Selector, budget_tokens
 from atskv.selectors.buffers import with_room
 
@@ -33,7 +33,6 @@ class _PageBounds:
     high: torch.Tensor
     slots: int  # slots covered so far
     held: torch.Tensor | None = None  # [B, Hkv, P] int32 tokens per page: the fast path's static cache
-    arrivals: torch.Tensor | None = None  # [B * Hkv] int32 zeros: `quest_step_pick`'s counter
 
 
 @dataclass
@@ -57,19 +56,18 @@ class QuestSelector(Selector):
         Two pages beyond ceil(k / 16) cover a partial last page and a padded first one. Same
         choice as ranking the token scores with ties broken towards recent tokens, except between
         pages of exactly equal bound. On the fast path the new token's page is updated and every
-        page scored and the best pages found in one kernel (`quest_step_pick`)."""
-        valid, size, context = view.valid[:, :, -1], self.page_size, view.context[:, 0, -1]
+        page scored in one kernel (`quest_step_scores`)."""
+        valid, size = view.valid[:, :, -1], self.page_size
         state = view.layer.state.get(self.name)
-        n_pages = min(math.ceil(budget_tokens(view) / size) + 2, math.ceil(view.keys.shape[2] / size))
         if state is not None and state.held is not None:
-            indices, lengths, _ = quest_step_pick(view.query[:, :, -1], state.low, state.high, state.held, view.keys,
-                                                  view.slot_pos, view.layer.write_slot, state.arrivals, valid,
-                                                  view.budget, context, n_pages, size)  # fmt: skip
-            return indices, lengths
-        low, high = self._bounds(view)
-        pages = quest_page_scores(view.query[:, :, -1], low, high)  # [B, Hkv, P]
-        pages = pages.masked_fill(_page_counts(valid, size) == 0, -math.inf)  # a page of free slots only
-        return quest_pick(pages, valid, view.budget, context, n_pages, size)
+            pages = quest_step_scores(view.query[:, :, -1], state.low, state.high, state.held, view.keys,
+                                      view.slot_pos, view.layer.write_slot, size)  # fmt: skip
+        else:
+            low, high = self._bounds(view)
+            pages = quest_page_scores(view.query[:, :, -1], low, high)  # [B, Hkv, P]
+            pages = pages.masked_fill(_page_counts(valid, size) == 0, -math.inf)  # a page of free slots only
+        n_pages = min(math.ceil(budget_tokens(view) / size) + 2, pages.shape[-1])
+        return quest_pick(pages, valid, view.budget, view.context[:, 0, -1], n_pages, size)
 
     def static_write(self, view: LayerView) -> None:
         """Fast path: at the first decode step, bounds and token counts of every page over the held
@@ -82,8 +80,7 @@ class QuestSelector(Selector):
             held = view.slot_pos >= 0
             low, high = masked_page_bounds(view.keys, held, self.page_size)
             counts = _page_counts(held, self.page_size)
-            arrivals = torch.zeros(counts.shape[0] * counts.shape[1], dtype=torch.int32, device=counts.device)
-            view.layer.state[self.name] = _PageBounds(low, high, view.keys.shape[2], counts, arrivals)
+            view.layer.state[self.name] = _PageBounds(low, high, view.keys.shape[2], counts)
 
     def _bounds(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
         """Page bounds of every slot in `view`, recomputing only the pages new slots fall into."""
