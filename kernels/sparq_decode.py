@@ -1,27 +1,28 @@
-"""SparQ's decode step in three kernels, for the fast path's static cache (`atskv.hook.decode`).
+"""SparQ's decode step in four kernels, for the fast path's static cache (`atskv.hook.decode`).
 
 The unfused step ran ~15 torch kernels per layer: |q| top-r, `partial_scores` gathering r channels
 per query head from row-major keys `[B, Hkv, S, D]` (16 random channels of 128 touch ~7 of every 8
 32-byte sectors: most of K crosses the bus), softmax, and `torch.topk` over every slot (~20 us per
 call at 32K on an H200). Here the selector keeps a channel-major copy of the keys, `keys_t`
-`[B, Hkv, D, S]`, as the paper does: a chosen channel is one contiguous row, so a query head reads
-r / D of its KV head's keys (a KV head at most the union of its group's channels).
+`[B, Hkv, D, S]` (`channel_major`), as the paper does: a chosen channel is one contiguous row, so a
+query head reads r / D of its KV head's keys (a KV head at most the union of its group's channels).
 
-- `_logits_kernel` (row x span of slots, ~2 programs per SM): the group's r largest |q| channels
-  per query head, chosen once per program; then, BLOCK_S slots at a time, their rows of `keys_t`
-  and one `tl.dot` with a block-diagonal matrix of the chosen q components give every head's
-  approximate logits (SparQ's temperature-corrected scale), and a running max and sum of exps.
-  The program whose span holds `write_slot` first copies the new token's key into `keys_t` (the
-  copy costs no kernel of its own).
-- `_probs_kernel` (row x block): each head's log-sum-exp from the spans' partials, then each
-  slot's probability summed over the GQA group as an order-preserving int32 key (-1: free slot),
-  and a per-row histogram of the keys' top 12 bits (atomics).
-- `_select_kernel` (one program per row): the histogram names the bin holding the budget's last
-  slot; one scan of the row lists the slots of higher bins and collects those of that bin; two
-  more histogram levels over the collected ones (a few hundred at 32K) give the exact threshold.
-  A radix select: three passes whatever the scores, where a bit-by-bit search takes ~30
-  dependent reductions over the row and Triton's sort of 32K slots is far slower.
+- `_channels_kernel` (one program per query head): its r largest |q| channels and their scaled
+  q components, once; a row's head 0 also writes the new token's key into `keys_t` and zeroes
+  the row's histogram and counters.
+- `_logits_kernel` (query head x span of slots, ~4 programs per SM): those channels' rows of
+  `keys_t`, a tile at a time, give the head's approximate logits and a running max and sum of
+  exps per span.
+- `_probs_kernel` (row x block): each head's log-sum-exp from the spans' partials, each slot's
+  probability summed over the GQA group as an order-preserving int32 key (-1: free slot), and
+  a per-row histogram of the keys' top 12 bits; the row's last program finds the bin holding
+  the budget's last slot.
+- `_collect_kernel` (row x block): slots above that bin go to the list, those in it to the
+  candidates, at places reserved by atomics; the row's last program picks the candidates the
+  budget still needs by a radix search over (key, slot) in registers.
 
+Every stage runs many programs per row (the earlier three-kernel step selected in one program
+per row and counted all 4096 bins with `tl.histogram`: 185 us per layer at 32K, B=1, now ~50).
 Per step at the Llama-3-8B shape (32 query / 8 KV heads, D = 128, r = 16, 32K slots, B = 1) this
 reads 32 x 16 channel rows of 64 KB (34 MB requested; the union of a group's channels, ~27 MB for
 random queries, from DRAM), writes and rereads 4 MB of logits and 1 MB of keys.
@@ -46,10 +47,10 @@ from atskv.kernels.partial_scores import partial_scores, partial_scores_referenc
 
 _TINY = torch.finfo(torch.float32).tiny
 _MIN = torch.finfo(torch.float32).min
-# the select's radix: 12 bits from the histogram the probabilities kernel builds (a bin spans 1/16
-# of an octave of probability), then 10 and 9 bits over the slots of the chosen bin
-_BINS_BITS, _MID_BITS, _LOW_BITS = 12, 10, 9
-LOGITS_WAVES = 2  # programs per SM the logits kernel aims at: sm_90 fits two (120 registers, 8 warps)
+# the top bits of a probability counted by the probabilities kernel: a bin spans 1/16 of an octave
+_BINS_BITS = 12
+_ALIGN = 64  # slots: the row stride of the channel-major copy and of the step's buffers is a multiple
+LOGITS_WAVES = 4  # programs per SM the logits kernel aims at
 
 
 def top_channels(query: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,6 +61,14 @@ def top_channels(query: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Te
     top = magnitude.sort(dim=-1, descending=True, stable=True)
     kept = top.values[..., :rank].sum(-1) / magnitude.sum(-1).clamp(min=_TINY)
     return top.indices[..., :rank], kept.clamp(min=_TINY)
+
+
+def channel_major(keys: torch.Tensor) -> torch.Tensor:
+    """The channel-major copy `[B, Hkv, D, S]` of `keys` `[B, Hkv, S, D]` that `sparq_decode` reads,
+    its rows `_ALIGN`-slot aligned (with an odd slot count the kernels' loads do not vectorise)."""
+    b, h, s, d = keys.shape
+    copy = keys.new_zeros(b, h, d, -(-s // _ALIGN) * _ALIGN)[..., :s]  # zeros: finite logits past the slots
+    return copy.copy_(keys.transpose(2, 3))
 
 
 def pooled_probs(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -106,129 +115,93 @@ def sparq_decode_reference(query, keys, keys_t, slot_pos, write_slot, context, s
 
 
 @jit
-def _logits_kernel(
-    q_ptr, k_ptr, kt_ptr, pos_ptr, w_ptr, logit_ptr, stat_ptr, hist_ptr,
-    n_kv_heads, n_slots, span, head_dim, scaling,
+def _channels_kernel(
+    q_ptr, k_ptr, kt_ptr, w_ptr, dims_ptr, coef_ptr, hist_ptr, count_ptr, n_kv_heads, head_dim, scaling,
     sq_b, sq_h, sq_d,
     sk_b, sk_h, sk_s, sk_d,
     st_b, st_h, st_d, st_s,
-    sp_b, sp_h, sp_s,
     sw_b, sw_h,
-    GROUP: tl.constexpr, RANK: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, N_BINS: tl.constexpr,
-    PLACE_STEP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    GROUP: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    N_BINS: tl.constexpr,
 ):  # fmt: skip
-    """One (row, KV head) and `span` slots, BLOCK_S at a time. The group's channels are chosen once;
-    each step reads their rows of `keys_t` (BLOCK_G x BLOCK_R rows, head-major, unused ones masked)
-    and one product with a block-diagonal matrix of the chosen q components (BLOCK_M rows, row g
-    for head g) gives every head's logits: a loop whose only load feeds `tl.dot`, which Triton
-    pipelines. Logits go to `[rows, GROUP, S]` (-inf: free slot), each head's max and sum of exp
-    over the span to `[rows, GROUP, parts, 2]`; part 0 zeroes the row's histogram."""
-    row = tl.program_id(0)
-    part = tl.program_id(1)
-    n_parts = tl.num_programs(1)
+    """One query head: its r channels of largest |q| (`dims` `[heads, BLOCK_R]`) and their q
+    components times SparQ's temperature-corrected scale (`coef`). A row's head 0 also copies the
+    new token's key into `keys_t` and zeroes the row's histogram and counters for the kernels after
+    it. Done once per head here, so the logits kernel's many programs only stream keys."""
+    head = tl.program_id(0)
+    row = head // GROUP
+    g = head % GROUP
     b = (row // n_kv_heads).to(tl.int64)
     h = row % n_kv_heads
-    new = tl.load(w_ptr + b * sw_b + h * sw_h)  # the slot the decode token was written to
-    k_new = k_ptr + b * sk_b + h * sk_h + new * sk_s
-    kt_head = kt_ptr + b * st_b + h * st_h
-    first = part * span
-    last = tl.minimum(first + span, n_slots)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
-    if (new >= first) & (new < last):
-        tl.store(kt_head + d * st_d + new * st_s, tl.load(k_new + d * sk_d, mask=d_ok), mask=d_ok)
-    if part == 0:
+    if g == 0:
+        new = tl.load(w_ptr + b * sw_b + h * sw_h)  # the slot the decode token was written to
+        k_new = tl.load(k_ptr + b * sk_b + h * sk_h + new * sk_s + d * sk_d, mask=d_ok)
+        tl.store(kt_ptr + b * st_b + h * st_h + d * st_d + new * st_s, k_new, mask=d_ok)
         tl.store(hist_ptr + row.to(tl.int64) * N_BINS + tl.arange(0, N_BINS), tl.zeros([N_BINS], tl.int32))
-    gi = tl.arange(0, BLOCK_G)
+        tl.store(count_ptr + row * 8 + tl.arange(0, 8), tl.zeros([8], tl.int64))
+    q_at = q_ptr + b * sq_b + (h * GROUP + g) * sq_h
+    q = tl.load(q_at + d * sq_d, mask=d_ok, other=0.0).to(tl.float32)
+    mag = tl.where(d_ok, tl.abs(q), -1.0)
+    # a channel's place in |q| order, larger first, the lower channel first among equals: one [D, D]
+    # comparison (in steps of 16 columns it took ~5 us of dependent loads and sums)
+    other = mag[None, :]
+    ahead = (other > mag[:, None]) | ((other == mag[:, None]) & (d[None, :] < d[:, None]))
+    place = tl.sum(ahead.to(tl.int32), 1)
+    kept = tl.sum(tl.where(place < RANK, mag, 0.0), 0)
+    total = tl.maximum(tl.sum(tl.where(d_ok, mag, 0.0), 0), 1.1754943508222875e-38)  # float32's tiny
+    share = tl.maximum(tl.div_rn(kept, total), 1.1754943508222875e-38)
     i = tl.arange(0, BLOCK_R)
-    m = tl.arange(0, BLOCK_M)
-    dims = tl.zeros([BLOCK_G, BLOCK_R], tl.int32)
-    q_sel = tl.zeros([BLOCK_G, BLOCK_R], tl.float32)
-    scale = tl.zeros([BLOCK_M], tl.float32)
-    for g in tl.static_range(GROUP):
-        q_at = q_ptr + b * sq_b + (h * GROUP + g) * sq_h
-        q = tl.load(q_at + d * sq_d, mask=d_ok, other=0.0).to(tl.float32)
-        mag = tl.where(d_ok, tl.abs(q), -1.0)
-        # a channel's place in |q| order, larger first, the lower channel first among equals
-        place = tl.zeros([BLOCK_D], tl.int32)
-        for lo in tl.static_range(0, BLOCK_D, PLACE_STEP):
-            e = lo + tl.arange(0, PLACE_STEP)
-            other = tl.load(q_at + e * sq_d, mask=e < head_dim, other=0.0).to(tl.float32)
-            other = tl.where(e < head_dim, tl.abs(other), -1.0)[None, :]
-            ahead = (other > mag[:, None]) | ((other == mag[:, None]) & (e[None, :] < d[:, None]))
-            place += tl.sum(ahead.to(tl.int32), 1)
-        kept = tl.sum(tl.where(place < RANK, mag, 0.0), 0)
-        total = tl.maximum(tl.sum(tl.where(d_ok, mag, 0.0), 0), 1.1754943508222875e-38)  # float32's tiny
-        share = tl.maximum(tl.div_rn(kept, total), 1.1754943508222875e-38)
-        scale = tl.where(m == g, tl.div_rn(scaling, tl.sqrt_rn(share)), scale)
-        pick = (place[None, :] == i[:, None]) & (i < RANK)[:, None]  # [BLOCK_R, BLOCK_D]: row i, the i-th channel
-        mine = (gi == g)[:, None]
-        dims = tl.where(mine, tl.sum(tl.where(pick, d[None, :], 0), 1)[None, :], dims)
-        q_sel = tl.where(mine, tl.sum(tl.where(pick, q[None, :], 0.0), 1)[None, :], q_sel)
-    # tile row j: head j // BLOCK_R, its (j % BLOCK_R)-th channel
-    head_of, nth = tl.arange(0, BLOCK_G * BLOCK_R) // BLOCK_R, tl.arange(0, BLOCK_G * BLOCK_R) % BLOCK_R
-    used = (head_of < GROUP) & (nth < RANK)
-    dims = tl.reshape(dims, [BLOCK_G * BLOCK_R])
-    q_sel = tl.reshape(q_sel, [BLOCK_G * BLOCK_R])
-    mix = tl.where(head_of[None, :] == m[:, None], q_sel[None, :], 0.0)  # [BLOCK_M, rows], block-diagonal
-    # the new token's logits from the row-major keys: its column of `keys_t` is written above, and
-    # that store is not ordered before this program's reads
-    at_new = tl.sum(mix * tl.load(k_new + dims * sk_d, mask=used, other=0.0).to(tl.float32)[None, :], 1)
-    mix = mix.to(kt_ptr.dtype.element_ty)  # exact: the components of q, in its dtype
-    if UPCAST_DOT:
-        mix = mix.to(tl.float32)
-    top = tl.full([BLOCK_M], -3.4028234663852886e38, tl.float32)  # float32's min, as the reference's mask
-    exps = tl.zeros([BLOCK_M], tl.float32)
-    out_at = logit_ptr + (row.to(tl.int64) * GROUP + m)[:, None] * n_slots
-    for start in range(first, last, BLOCK_S):
-        s = start + tl.arange(0, BLOCK_S)
-        ok = s < last
-        tile = tl.load(kt_head + dims[:, None] * st_d + s[None, :] * st_s, mask=used[:, None] & ok[None, :], other=0.0)
-        if UPCAST_DOT:
-            tile = tile.to(tl.float32)
-        logit = tl.dot(mix, tile, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_S]
-        logit = tl.where(s[None, :] == new, at_new[:, None], logit) * scale[:, None]
-        held = (tl.load(pos_ptr + b * sp_b + h * sp_h + s * sp_s, mask=ok, other=-1) >= 0)[None, :]
-        step_top = tl.maximum(top, tl.max(tl.where(held, logit, -3.4028234663852886e38), 1))
-        exps = exps * tl.exp(top - step_top) + tl.sum(tl.where(held, tl.exp(logit - step_top[:, None]), 0.0), 1)
-        top = step_top
-        tl.store(out_at + s[None, :], tl.where(held, logit, float("-inf")), mask=(m < GROUP)[:, None] & ok[None, :])
-    at = (row.to(tl.int64) * GROUP + m) * n_parts + part
-    tl.store(stat_ptr + at * 2, top, mask=m < GROUP)
-    tl.store(stat_ptr + at * 2 + 1, exps, mask=m < GROUP)
+    pick = (place[None, :] == i[:, None]) & (i < RANK)[:, None]  # [BLOCK_R, BLOCK_D]: row i, the i-th channel
+    tl.store(dims_ptr + head * BLOCK_R + i, tl.sum(tl.where(pick, d[None, :], 0), 1))
+    tl.store(coef_ptr + head * (BLOCK_R + 1) + i, tl.sum(tl.where(pick, q[None, :], 0.0), 1))
+    tl.store(coef_ptr + head * (BLOCK_R + 1) + BLOCK_R, tl.div_rn(scaling, tl.sqrt_rn(share)))
 
 
 @jit
-def _probs_kernel(
-    logit_ptr, stat_ptr, key_ptr, hist_ptr, n_slots, n_parts,
-    GROUP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr, N_BINS: tl.constexpr, SHIFT: tl.constexpr,
+def _logits_kernel(
+    kt_ptr, pos_ptr, dims_ptr, coef_ptr, logit_ptr, stat_ptr, n_kv_heads, n_slots, width, kt_cols, span,
+    st_b, st_h, st_d, st_s,
+    sp_b, sp_h, sp_s,
+    GROUP: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
-    """One (row, KV head) and BLOCK_S slots (`n_parts`: the logits kernel's spans, whose partials
-    give each head's log-sum-exp): pooled probabilities as int32 keys (a non-negative
-    float's bits keep its order; free slots -1, below all) and their top bits' histogram."""
-    row = tl.program_id(0).to(tl.int64)
-    s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
-    in_range = s < n_slots
-    j = tl.arange(0, BLOCK_B)
-    prob = tl.zeros([BLOCK_S], tl.float32)
-    held = in_range
-    for g in tl.static_range(GROUP):
-        at = row * GROUP + g
-        part = stat_ptr + (at * n_parts + j) * 2
-        peak = tl.load(part, mask=j < n_parts, other=-3.4028234663852886e38)
-        top = tl.max(peak, 0)
-        norm = tl.sum(tl.load(part + 1, mask=j < n_parts, other=0.0) * tl.exp(peak - top), 0)
-        logit = tl.load(logit_ptr + at * n_slots + s, mask=in_range, other=float("-inf"))
-        held = held & (logit > float("-inf"))
-        prob += tl.div_rn(tl.exp(logit - top), norm)
-    key = tl.where(held, prob.to(tl.int32, bitcast=True), -1)
-    tl.store(key_ptr + row * n_slots + s, key, mask=in_range)
-    bins = tl.where(held, key >> SHIFT, 0)
-    count = tl.histogram(bins, N_BINS)
-    count -= tl.where(tl.arange(0, N_BINS) == 0, tl.sum((~held).to(tl.int32), 0), 0)  # the free slots put in bin 0
-    hist = hist_ptr + row * N_BINS + tl.arange(0, N_BINS)
-    tl.atomic_add(hist, count, mask=count > 0, sem="relaxed")
+    """One query head and `span` slots, BLOCK_S at a time: each step reads the head's r rows of
+    `keys_t` (a [BLOCK_R, BLOCK_S] tile whose channel sum stays inside each thread) and keeps a
+    running max and sum of exps. Logits go to `[rows, GROUP, width]` (-inf: free slot or past the
+    slots), the max and sum over the span to `[rows, GROUP, parts, 2]`. Loops and masks run to
+    `width` and `kt_cols` (multiples of 64 when `keys_t` is `channel_major`'s), so that a mask is the
+    same over each vector of a load: bounded by an odd slot count, this step took 17.6 us instead
+    of 7.5 (32K slots, B=1, H200)."""
+    head = tl.program_id(0)
+    part = tl.program_id(1)
+    n_parts = tl.num_programs(1)
+    row = head // GROUP
+    b = (row // n_kv_heads).to(tl.int64)
+    h = row % n_kv_heads
+    first = part * span
+    last = tl.minimum(first + span, width)
+    i = tl.arange(0, BLOCK_R)
+    used = i < RANK
+    q_sel = tl.load(coef_ptr + head * (BLOCK_R + 1) + i)
+    scale = tl.load(coef_ptr + head * (BLOCK_R + 1) + BLOCK_R)
+    rows_at = kt_ptr + b * st_b + h * st_h + tl.load(dims_ptr + head * BLOCK_R + i)[:, None] * st_d
+    top = tl.full([], -3.4028234663852886e38, tl.float32)  # float32's min, as the reference's mask
+    exps = tl.zeros([], tl.float32)
+    out_at = logit_ptr + head.to(tl.int64) * width
+    for start in range(first, last, BLOCK_S):
+        s = start + tl.arange(0, BLOCK_S)
+        ok = s < last
+        tile = tl.load(rows_at + s[None, :] * st_s, mask=used[:, None] & (s < kt_cols)[None, :], other=0.0)
+        logit = tl.sum(tile.to(tl.float32) * q_sel[:, None], 0) * scale
+        held = tl.load(pos_ptr + b * sp_b + h * sp_h + s * sp_s, mask=s < n_slots, other=-1) >= 0
+        step_top = tl.maximum(top, tl.max(tl.where(held, logit, -3.4028234663852886e38), 0))
+        exps = exps * tl.exp(top - step_top) + tl.sum(tl.where(held, tl.exp(logit - step_top), 0.0), 0)
+        top = step_top
+        tl.store(out_at + s, tl.where(held, logit, float("-inf")), mask=ok)
+    at = head.to(tl.int64) * n_parts + part
+    tl.store(stat_ptr + at * 2, top)
+    tl.store(stat_ptr + at * 2 + 1, exps)
 
 
 @jit
@@ -242,128 +215,185 @@ def _cut(count, need, N: tl.constexpr):
 
 
 @jit
-def _candidate_histogram(key_row, cand_row, n_cand, prefix, PREFIX_SHIFT: tl.constexpr, SHIFT: tl.constexpr,
-                         N: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
-    """Histogram of key bits [SHIFT, SHIFT + log2 N) over the collected slots whose key >> PREFIX_SHIFT is `prefix`."""
-    count = tl.zeros([N], tl.int32)
-    for start in range(0, n_cand, BLOCK_C):
-        c = start + tl.arange(0, BLOCK_C)
-        ok = c < n_cand
-        key = tl.load(key_row + tl.load(cand_row + c, mask=ok, other=0), mask=ok, other=0)
-        ok = ok & ((key >> PREFIX_SHIFT) == prefix)
-        count += tl.histogram(tl.where(ok, (key >> SHIFT) & (N - 1), 0), N)
-        count -= tl.where(tl.arange(0, N) == 0, tl.sum((~ok).to(tl.int32), 0), 0)
-    return count
+def _probs_kernel(
+    logit_ptr, stat_ptr, key_ptr, hist_ptr, count_ptr, ctx_ptr, len_ptr, n_kv_heads, width, n_out, budget, n_parts,
+    FRACTION: tl.constexpr, GROUP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr,
+    N_BINS: tl.constexpr, SHIFT: tl.constexpr, WINDOW: tl.constexpr,
+):  # fmt: skip
+    """One (row, KV head) and BLOCK_S slots (`n_parts`: the logits kernel's spans, whose partials
+    give each head's log-sum-exp): pooled probabilities as int32 keys (a non-negative float's bits
+    keep its order; free slots -1, below all) and their top bits counted into the row's histogram.
+    The bins within WINDOW of the block's highest are counted here (`tl.histogram`, whose cost
+    grows with its bins: over all 4096 it took 32 us at 32K slots) and added by one atomic per
+    bin; the slots below them, a tail, by one atomic each (per-slot atomics on the crowded bins
+    alone took 12 us). The row's last program to finish (a counter with release / acquire order)
+    reads the histogram: the row's length (its budget, at most its held slots and `n_out`), the
+    bin holding its last slot and how many lie above that bin, for the collection."""
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    in_range = s < width
+    j = tl.arange(0, BLOCK_B)
+    prob = tl.zeros([BLOCK_S], tl.float32)
+    held = in_range
+    for g in tl.static_range(GROUP):
+        at = row * GROUP + g
+        part = stat_ptr + (at * n_parts + j) * 2
+        peak = tl.load(part, mask=j < n_parts, other=-3.4028234663852886e38)
+        top = tl.max(peak, 0)
+        norm = tl.sum(tl.load(part + 1, mask=j < n_parts, other=0.0) * tl.exp(peak - top), 0)
+        logit = tl.load(logit_ptr + at * width + s, mask=in_range, other=float("-inf"))
+        held = held & (logit > float("-inf"))
+        prob += tl.div_rn(tl.exp(logit - top), norm)
+    key = tl.where(held, prob.to(tl.int32, bitcast=True), -1)
+    tl.store(key_ptr + row * width + s, key, mask=in_range)
+    bins = key >> SHIFT
+    low = tl.max(tl.where(held, bins, 0), 0) - (WINDOW - 1)
+    inside = held & (bins >= low)
+    count = tl.histogram(tl.where(inside, bins - low, 0), WINDOW)
+    w = tl.arange(0, WINDOW)
+    count -= tl.where(w == 0, tl.sum((~inside).to(tl.int32), 0), 0)  # the others were put in bin 0
+    hist = hist_ptr + row * N_BINS
+    tl.atomic_add(hist + low + w, count, mask=count > 0, sem="relaxed")
+    tl.atomic_add(hist + bins, tl.full([BLOCK_S], 1, tl.int32), mask=held & ~inside, sem="relaxed")
+    tl.debug_barrier()
+    counters = count_ptr + row * 8
+    if tl.atomic_add(counters + 2, 1, sem="acq_rel") == tl.num_programs(1) - 1:
+        row_count = tl.load(hist + tl.arange(0, N_BINS), cache_modifier=".cg")
+        length = tl.minimum(budget_limit(tl.load(ctx_ptr + row // n_kv_heads), budget, FRACTION), tl.sum(row_count, 0))
+        length = tl.minimum(length, n_out)
+        cut, above = _cut(row_count, length, N_BINS)
+        tl.store(counters + 3, length)
+        tl.store(counters + 4, cut)
+        tl.store(counters + 5, above)
+        tl.store(len_ptr + row, length.to(tl.int32))
 
 
 @jit
-def _select_kernel(
-    key_ptr, hist_ptr, cand_ptr, ctx_ptr, idx_ptr, len_ptr, n_kv_heads, n_slots, n_out, budget,
-    FRACTION: tl.constexpr, N_BINS: tl.constexpr, SHIFT: tl.constexpr, MID: tl.constexpr, LOW: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
+def _relative(key_row, cand_row, c, n_cand, SHIFT: tl.constexpr, slot_bits):
+    """Candidates c's slots and their order inside the cut bin as unique int64s: the key's bits
+    below the bin's, then the slot (equal probabilities: the higher slot first); -1 past n_cand."""
+    ok = c < n_cand
+    slot = tl.load(cand_row + c, mask=ok, other=0, cache_modifier=".cg")
+    key = tl.load(key_row + slot, mask=ok, other=0)
+    rel = ((key & ((1 << SHIFT) - 1)).to(tl.int64) << slot_bits) | slot.to(tl.int64)
+    return slot, tl.where(ok, rel, -1)
+
+
+@jit
+def _collect_kernel(
+    key_ptr, count_ptr, cand_ptr, idx_ptr, width, n_out, slot_bits,
+    SHIFT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, RADIX: tl.constexpr,
 ):  # fmt: skip
-    """One (row, KV head): the index list and its length (see the module docstring)."""
+    """One (row, KV head) and BLOCK slots: this block's slots of bins above the cut (from the
+    probabilities kernel) go to the index list, those of the cut bin to the row's candidates, both
+    at places reserved by one packed atomic add per program (the list is unordered), and the
+    places after the row's length get in-range filler. The row's last program to finish (a
+    counter with release / acquire order) picks the candidates the budget still needs: the n-th
+    largest of their unique `_relative` keys, RADIX bits per pass, in registers (a few hundred
+    candidates at 32K slots; more are read again each pass)."""
     row = tl.program_id(0).to(tl.int64)
-    b = row // n_kv_heads
-    key_row = key_ptr + row * n_slots
-    cand_row = cand_ptr + row * n_slots
+    key_row = key_ptr + row * width
+    cand_row = cand_ptr + row * width
     out_row = idx_ptr + row * n_out
-    count = tl.load(hist_ptr + row * N_BINS + tl.arange(0, N_BINS))
-    length = tl.minimum(budget_limit(tl.load(ctx_ptr + b), budget, FRACTION), tl.sum(count, 0))
-    length = tl.minimum(length, n_out).to(tl.int32)
-    cut, above = _cut(count, length, N_BINS)
-    # one scan: slots of higher bins to the list, those of bin `cut` to the candidates; the next
-    # chunk is loaded before this one is placed, and one scan of packed flags places both kinds
-    n_hi = tl.zeros([], tl.int32)
-    n_tie = tl.zeros([], tl.int32)
-    c = tl.arange(0, CHUNK)
-    key = tl.load(key_row + c, mask=c < n_slots, other=-1)
-    for start in range(0, n_slots, CHUNK):
-        s = start + c
-        following = tl.load(key_row + s + CHUNK, mask=s + CHUNK < n_slots, other=-1)
-        hi = (key >> SHIFT) > cut
-        tie = ((key >> SHIFT) == cut) & (key >= 0)
-        flags = hi.to(tl.int32) + (tie.to(tl.int32) << 16)
-        placed = tl.cumsum(flags, 0) - flags
-        tl.store(out_row + n_hi + (placed & 0xFFFF), s, mask=hi)
-        tl.store(cand_row + n_tie + (placed >> 16), s, mask=tie)
-        both = tl.sum(flags, 0)
-        n_hi += both & 0xFFFF
-        n_tie += both >> 16
-        key = following
-    # the exact threshold among the candidates: two more radix levels
-    need = length - above
-    mid = _candidate_histogram(key_row, cand_row, n_tie, cut, SHIFT, LOW, 1 << MID, BLOCK_C)
-    cut_mid, above_mid = _cut(mid, need, 1 << MID)
-    need -= above_mid
-    low = _candidate_histogram(key_row, cand_row, n_tie, (cut << MID) | cut_mid, LOW, 0, 1 << LOW, BLOCK_C)
-    cut_low, above_low = _cut(low, need, 1 << LOW)
-    need -= above_low
-    threshold = (cut << SHIFT) | (cut_mid << LOW) | cut_low
-    skipped = tl.sum(tl.where(tl.arange(0, 1 << LOW) == cut_low, low, 0), 0) - need  # equals not taken: the lower slots
-    taken = above
-    equals = tl.zeros([], tl.int32)
-    for start in range(0, n_tie, BLOCK_C):
-        j = start + tl.arange(0, BLOCK_C)
-        ok = j < n_tie
-        slot = tl.load(cand_row + j, mask=ok, other=0)
-        cand_key = tl.load(key_row + slot, mask=ok, other=-1)
-        equal = ok & (cand_key == threshold)
-        take = ok & ((cand_key > threshold) | (equal & (equals + tl.cumsum(equal.to(tl.int32), 0) > skipped)))
-        tl.store(out_row + taken + tl.cumsum(take.to(tl.int32), 0) - 1, slot, mask=take)
-        taken += tl.sum(take.to(tl.int32), 0)
-        equals += tl.sum(equal.to(tl.int32), 0)
-    for start in range(0, n_out, CHUNK):  # in-range filler after the counted slots
-        i = start + c
-        tl.store(out_row + i, i, mask=(i >= length) & (i < n_out))
-    tl.store(len_ptr + row, length)
+    # (candidates << 32) + slots listed, programs done, probabilities' programs done, length, cut, above
+    counters = count_ptr + row * 8
+    length = tl.load(counters + 3).to(tl.int32)
+    cut = tl.load(counters + 4).to(tl.int32)
+    above = tl.load(counters + 5).to(tl.int32)
+    s = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    key = tl.load(key_row + s, mask=s < width, other=-1)
+    hi = (key >> SHIFT) > cut
+    tie = ((key >> SHIFT) == cut) & (key >= 0)
+    packed = (tl.sum(tie.to(tl.int64), 0) << 32) + tl.sum(hi.to(tl.int64), 0)
+    packed = tl.atomic_add(counters, packed, sem="relaxed")
+    n_hi = (packed & 0xFFFFFFFF).to(tl.int32)
+    n_tie = (packed >> 32).to(tl.int32)
+    tl.store(out_row + n_hi + tl.cumsum(hi.to(tl.int32), 0) - 1, s, mask=hi)
+    tl.store(cand_row + n_tie + tl.cumsum(tie.to(tl.int32), 0) - 1, s, mask=tie)
+    tl.store(out_row + s, s, mask=(s >= length) & (s < n_out))
+    tl.debug_barrier()
+    if tl.atomic_add(counters + 1, 1, sem="acq_rel") == tl.num_programs(1) - 1:
+        n_cand = (tl.load(counters, volatile=True) >> 32).to(tl.int32)
+        need = length - above
+        c = tl.arange(0, BLOCK_C)
+        slot, rel = _relative(key_row, cand_row, c, n_cand, SHIFT, slot_bits)  # the first BLOCK_C stay
+        jj = tl.arange(0, 1 << RADIX).to(tl.int64)
+        lo = tl.zeros([], tl.int64)
+        at_lo = n_cand  # candidates at or above lo
+        shift = (SHIFT + slot_bits).to(tl.int64)
+        while (shift > 0) & (at_lo > need):  # stops once exactly `need` are at or above lo
+            shift = tl.maximum(shift - RADIX, 0)
+            trial = lo + (jj << shift)
+            at_least = tl.sum((rel[:, None] >= trial[None, :]).to(tl.int32), 0)
+            for more in range(BLOCK_C, n_cand, BLOCK_C):
+                _, rel_more = _relative(key_row, cand_row, more + c, n_cand, SHIFT, slot_bits)
+                at_least += tl.sum((rel_more[:, None] >= trial[None, :]).to(tl.int32), 0)
+            # counts fall with the trial; trials past the interval count fewer than `need`
+            best = tl.sum((at_least >= need).to(tl.int32), 0) - 1
+            lo += best.to(tl.int64) << shift
+            at_lo = tl.sum(tl.where(jj == best, at_least, 0), 0)
+        lo = tl.where(need > 0, lo, 9223372036854775807)  # none needed: none taken
+        take = rel >= lo
+        tl.store(out_row + above + tl.cumsum(take.to(tl.int32), 0) - 1, slot, mask=take)
+        taken = above + tl.sum(take.to(tl.int32), 0)
+        for more in range(BLOCK_C, n_cand, BLOCK_C):
+            slot_more, rel_more = _relative(key_row, cand_row, more + c, n_cand, SHIFT, slot_bits)
+            take = rel_more >= lo
+            tl.store(out_row + taken + tl.cumsum(take.to(tl.int32), 0) - 1, slot_more, mask=take)
+            taken += tl.sum(take.to(tl.int32), 0)
 
 
 def sparq_decode_triton(query, keys, keys_t, slot_pos, write_slot, context, scaling: float, rank: int,
-                        budget: int | float, k: int, block_s: int = 256, parts: int | None = None,
-                        probs_block: int = 2048, chunk: int = 4096, block_c: int = 1024,
+                        budget: int | float, k: int, block_s: int = 2048, parts: int | None = None,
+                        probs_block: int = 1024, window: int = 128, collect_block: int = 2048, block_c: int = 256,
+                        radix: int = 3, warps: tuple[int, int, int, int] = (8, 4, 8, 8),
                         ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The three kernels. `block_s`: slots per step of the logits kernel; `parts`: its programs per
-    KV head (None: about LOGITS_WAVES per SM over the grid, each at least two steps long; two off
-    CUDA); `probs_block`: slots per program of the probabilities (each adds its histogram to the
-    row's by atomics); `chunk`: slots per step of the select's scan; `block_c`: candidates per step
-    of its refinement. Smaller values cover the loops in tests."""
-    if chunk >= 1 << 15:
-        raise ValueError(f"chunk must be below 32768 (two counts share one int32 in the scan), got {chunk}")
+    """The four kernels. `block_s`: slots per step of the logits kernel; `parts`: its programs per
+    query head (None: about LOGITS_WAVES per SM over the grid; two off CUDA); `probs_block`: slots
+    per program of the probabilities, `window` the bins each counts before adding them; `collect_block`:
+    slots per program of the collection; `block_c`: candidates held in registers by its last one,
+    `radix` bits per pass of its search; `warps`: each kernel's warps, in launch order.
+    Smaller values cover the loops in tests."""
     b, hq, d = query.shape
     hkv, slots = keys_t.shape[1], keys_t.shape[3]
-    rows, group, block_g = b * hkv, hq // hkv, triton.next_power_of_2(hq // hkv)
-    steps = triton.cdiv(slots, block_s)
+    rows, group, block_r = b * hkv, hq // hkv, triton.next_power_of_2(rank)
+    width = triton.cdiv(slots, _ALIGN) * _ALIGN  # rows start aligned: the kernels' loads vectorise
+    kt_cols = width if keys_t.stride(3) == 1 and keys_t.stride(2) >= width else slots  # readable columns
+    steps = triton.cdiv(width, block_s)
     if parts is None:
         sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 0
-        wanted = math.ceil(LOGITS_WAVES * sms / rows) if query.is_cuda else 2
-        parts = max(1, min(wanted, steps // 2))
+        parts = min(math.ceil(LOGITS_WAVES * sms / (rows * group)), steps) if query.is_cuda else 2
     span = triton.cdiv(steps, parts) * block_s
-    parts = triton.cdiv(slots, span)
+    parts = triton.cdiv(width, span)
     device = query.device
-    logits = torch.empty(rows, group, slots, dtype=torch.float32, device=device)
+    dims = torch.empty(rows * group, block_r, dtype=torch.int32, device=device)
+    coef = torch.empty(rows * group, block_r + 1, dtype=torch.float32, device=device)
+    logits = torch.empty(rows, group, width, dtype=torch.float32, device=device)
     stats = torch.empty(rows, group, parts, 2, dtype=torch.float32, device=device)
     hist = torch.empty(rows, 1 << _BINS_BITS, dtype=torch.int32, device=device)
-    keys32 = torch.empty(rows, slots, dtype=torch.int32, device=device)
-    candidates = torch.empty(rows, slots, dtype=torch.int32, device=device)
+    counters = torch.empty(rows, 8, dtype=torch.int64, device=device)
+    keys32 = torch.empty(rows, width, dtype=torch.int32, device=device)
+    candidates = torch.empty(rows, width, dtype=torch.int32, device=device)
     indices = torch.empty(b, hkv, k, dtype=torch.int32, device=device)
     lengths = torch.empty(b, hkv, dtype=torch.int32, device=device)
-    _logits_kernel[(rows, parts)](
-        query, keys, keys_t, slot_pos, write_slot, logits, stats, hist, hkv, slots, span, d, scaling,
-        *query.stride(), *keys.stride(), *keys_t.stride(), *slot_pos.stride(), *write_slot.stride(),
-        GROUP=group, RANK=rank, BLOCK_G=block_g, BLOCK_R=max(triton.next_power_of_2(rank), 16 // block_g),
-        BLOCK_M=max(16, block_g), BLOCK_D=triton.next_power_of_2(d), BLOCK_S=block_s, N_BINS=1 << _BINS_BITS,
-        PLACE_STEP=min(16, triton.next_power_of_2(d)), DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
-        UPCAST_DOT=not query.is_cuda, num_warps=8,
+    _channels_kernel[(rows * group,)](
+        query, keys, keys_t, write_slot, dims, coef, hist, counters, hkv, d, scaling,
+        *query.stride(), *keys.stride(), *keys_t.stride(), *write_slot.stride(),
+        GROUP=group, RANK=rank, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(d), N_BINS=1 << _BINS_BITS,
+        num_warps=warps[0],
+    )  # fmt: skip
+    _logits_kernel[(rows * group, parts)](
+        keys_t, slot_pos, dims, coef, logits, stats, hkv, slots, width, kt_cols, span, *keys_t.stride(),
+        *slot_pos.stride(), GROUP=group, RANK=rank, BLOCK_R=block_r, BLOCK_S=block_s, num_warps=warps[1],
     )  # fmt: skip
     shift = 31 - _BINS_BITS
-    _probs_kernel[(rows, triton.cdiv(slots, probs_block))](
-        logits, stats, keys32, hist, slots, parts, GROUP=group, BLOCK_S=probs_block,
-        BLOCK_B=triton.next_power_of_2(parts), N_BINS=1 << _BINS_BITS, SHIFT=shift, num_warps=8,
+    _probs_kernel[(rows, triton.cdiv(width, probs_block))](
+        logits, stats, keys32, hist, counters, context.reshape(-1).contiguous(), lengths, hkv, width, k, budget, parts,
+        FRACTION=isinstance(budget, float), GROUP=group, BLOCK_S=probs_block, BLOCK_B=triton.next_power_of_2(parts),
+        N_BINS=1 << _BINS_BITS, SHIFT=shift, WINDOW=window, num_warps=warps[2],
     )  # fmt: skip
-    _select_kernel[(rows,)](
-        keys32, hist, candidates, context.reshape(-1).contiguous(), indices, lengths, hkv, slots, k, budget,
-        FRACTION=isinstance(budget, float), N_BINS=1 << _BINS_BITS, SHIFT=shift, MID=_MID_BITS, LOW=_LOW_BITS,
-        CHUNK=chunk, BLOCK_C=block_c, num_warps=8,
+    _collect_kernel[(rows, triton.cdiv(width, collect_block))](
+        keys32, counters, candidates, indices, width, k, max(1, (slots - 1).bit_length()), SHIFT=shift,
+        BLOCK=collect_block, BLOCK_C=block_c, RADIX=radix, num_warps=warps[3],
     )  # fmt: skip
     return indices, lengths

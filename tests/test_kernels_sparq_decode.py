@@ -15,8 +15,8 @@ from atskv.kernels.sparq_decode import sparq_decode, sparq_decode_reference, spa
 from atskv.selectors.base import select_top_budget
 
 RANK = 4
-# small blocks, scan chunks and candidate steps: every loop of the kernels runs several times
-SMALL = dict(block_s=16, parts=3, probs_block=64, chunk=64, block_c=16)
+# small blocks and candidate steps: every loop of the kernels runs several times
+SMALL = dict(block_s=16, parts=3, probs_block=64, window=8, collect_block=64, block_c=16, radix=2)
 
 
 def static_layer(b=2, hkv=2, group=3, slots=300, d=16, dtype=torch.float32, seed=0):

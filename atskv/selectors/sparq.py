@@ -13,9 +13,9 @@ step 2.
 On the fast path (`atskv.generate`) the selector keeps, as the paper does, a second, channel-major
 copy of the layer's keys `[B, Hkv, D, S]`, so the r chosen dimensions are r contiguous rows: a step
 reads r / D of K per query head instead of most of it (from row-major keys r scattered dimensions
-touch most 32-byte sectors). It costs one more K of memory per managed layer. The step is three
-kernels (`atskv.kernels.sparq_decode`: approximate logits, pooled probabilities, a radix select);
-elsewhere the reference gathers the dimensions from the keys and nothing is stored.
+touch most 32-byte sectors). It costs one more K of memory per managed layer. The step is four
+kernels (`atskv.kernels.sparq_decode`: channels, approximate logits, pooled probabilities, the
+chosen slots); elsewhere the reference gathers the dimensions from the keys and nothing is stored.
 
 r is a fraction of the head dimension (rounded, at least 1), default 1/8: the default of the
 authors' code (compression ratio 8 gives r = D / 8, 16 of D = 128). SparQ's mean-value
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from atskv.kernels.sparq_decode import sparq_decode, sparq_probs
+from atskv.kernels.sparq_decode import channel_major, sparq_decode, sparq_probs
 from atskv.selectors.base import LayerView, Selector, budget_tokens
 
 
@@ -52,7 +52,7 @@ class SparQSelector(Selector):
         if not view.layer.decoding:
             view.layer.state.pop(self.name, None)
         elif self.name not in view.layer.state:
-            view.layer.state[self.name] = view.keys.transpose(2, 3).contiguous()
+            view.layer.state[self.name] = channel_major(view.keys)
 
     def decode_indices(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
         """On the fast path the fused step over the channel-major copy (`sparq_decode`: the same
