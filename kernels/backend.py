@@ -18,6 +18,16 @@ except ImportError:  # CPU-only installs without the `test` extra: use_triton() 
     triton = tl = None
 
 
+# per-slot rows (`[..., S]` tensors) whose stride is a whole number of these slots start aligned,
+# so Triton vectorises their loads: at an odd slot count SparQ's logits took 18.8 us, not 7.6
+SLOT_ALIGN = 64
+
+
+def aligned_slots(slots: int) -> int:
+    """`slots` rounded up to a whole number of `SLOT_ALIGN`."""
+    return -(-slots // SLOT_ALIGN) * SLOT_ALIGN
+
+
 def jit(fn):
     """`triton.jit` where Triton imports; otherwise the plain function (never launched)."""
     return triton.jit(fn) if triton is not None else fn

@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 
 import torch
-from atskv.kernels.backend import jit, tl, triton, use_triton
+from atskv.kernels.backend import aligned_slots, jit, tl, triton, use_triton
 from atskv.kernels.budget import budget_limit, kept_tokens
 
 from atskv.kernels.partial_scores import partial_scores, partial_scores_reference
@@ -49,7 +49,6 @@ _TINY = torch.finfo(torch.float32).tiny
 _MIN = torch.finfo(torch.float32).min
 # the top bits of a probability counted by the probabilities kernel: a bin spans 1/16 of an octave
 _BINS_BITS = 12
-_ALIGN = 64  # slots: the row stride of the channel-major copy and of the step's buffers is a multiple
 LOGITS_WAVES = 4  # programs per SM the logits kernel aims at
 
 
@@ -65,9 +64,9 @@ def top_channels(query: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Te
 
 def channel_major(keys: torch.Tensor) -> torch.Tensor:
     """The channel-major copy `[B, Hkv, D, S]` of `keys` `[B, Hkv, S, D]` that `sparq_decode` reads,
-    its rows `_ALIGN`-slot aligned (with an odd slot count the kernels' loads do not vectorise)."""
+    its rows `aligned_slots` apart (with an odd slot count the kernels' loads do not vectorise)."""
     b, h, s, d = keys.shape
-    copy = keys.new_zeros(b, h, d, -(-s // _ALIGN) * _ALIGN)[..., :s]  # zeros: finite logits past the slots
+    copy = keys.new_zeros(b, h, d, aligned_slots(s))[..., :s]  # zeros: finite logits past the slots
     return copy.copy_(keys.transpose(2, 3))
 
 
@@ -357,7 +356,7 @@ def sparq_decode_triton(query, keys, keys_t, slot_pos, write_slot, context, scal
     b, hq, d = query.shape
     hkv, slots = keys_t.shape[1], keys_t.shape[3]
     rows, group, block_r = b * hkv, hq // hkv, triton.next_power_of_2(rank)
-    width = triton.cdiv(slots, _ALIGN) * _ALIGN  # rows start aligned: the kernels' loads vectorise
+    width = aligned_slots(slots)  # rows start aligned: the kernels' loads vectorise
     kt_cols = width if keys_t.stride(3) == 1 and keys_t.stride(2) >= width else slots  # readable columns
     steps = triton.cdiv(width, block_s)
     if parts is None:

@@ -37,6 +37,7 @@ import torch
 
 from atskv.hook.gqa import group_matmul, grouped_attention, prefix_causal_attention, received_mass
 from atskv.hook.sparse import STATIC_ATTENTION_NAME, SparseSession, SparsityConfig, attach
+from atskv.kernels.backend import aligned_slots
 from atskv.kernels.evict import evict_lowest
 from atskv.kernels.sparse_decode import sparse_decode_attention
 from atskv.memory.host_pages import HostPages, HostRetrieval
@@ -46,8 +47,6 @@ from atskv.models.geometry import decoder_layers
 from atskv.selectors import make_selector
 from atskv.selectors.base import LayerView, Selector, resolve_budget, select_top_budget
 from atskv.selectors.hybrid import HybridSelector
-
-SLOT_ALIGN = 64  # an appending layer holds a whole number of these many slots (`new_cache`)
 
 # queries a selector's `prefill` sees at the end of the prompt (SnapKV's window is 32)
 LAST_QUERIES = 64
@@ -112,10 +111,9 @@ class StaticSession(SparseSession):
                 return min(self.longest, window - 1 + self.prefill_chunk)
             if self.evicting(layer_idx):
                 return self.prompt_tokens
-            # a whole number of SLOT_ALIGN slots: per-slot rows (`slot_pos`, selector state) start
-            # 16-byte aligned, so kernels' loads of them vectorise (SparQ's logits at 32,801 slots
-            # took 18.8 us against 7.6 at 32,768); the slots past `longest` stay free
-            return -(-self.longest // SLOT_ALIGN) * SLOT_ALIGN
+            # per-slot rows (`slot_pos`, selector state) aligned for the kernels; the slots past
+            # `longest` stay free
+            return aligned_slots(self.longest)
 
         return StaticKVCache(self.model.config, capacity)
 
