@@ -134,8 +134,9 @@ def quest_step_scores_triton(query, low, high, held, keys, slot_pos, write_slot,
 
 def quest_pick(page_scores, valid, budget: int | float, context, n_pages: int, page_size: int):
     """Slot ids `[B, Hkv, n_pages * page_size]` (int32) of the `n_pages` best pages of `page_scores`
-    `[B, Hkv, P]` (float32), newest first within a page, usable slots (in range, `valid` `[B, Hkv, S]`)
-    first in that order and the others after them (clamped into range), and how many count per
+    `[B, Hkv, P]` (float32), newest first within a page, usable slots (in range, `valid` `[B, Hkv, S]`:
+    bools, or the slot positions, usable where >= 0, which spares the fast path a `slot_pos >= 0`
+    kernel) first in that order and the others after them (clamped into range), and how many count per
     row `[B, Hkv]`: the row's budget (`budget` of `context` `[B]` tokens, `resolve_budget`'s rule), at
     most its usable slots. Pages of equal score rank lower page ids first."""
     if use_triton(page_scores):
@@ -144,6 +145,7 @@ def quest_pick(page_scores, valid, budget: int | float, context, n_pages: int, p
 
 
 def quest_pick_reference(page_scores, valid, budget: int | float, context, n_pages: int, page_size: int):
+    valid = valid if valid.dtype == torch.bool else valid >= 0
     slots = valid.shape[-1]
     # a stable descending sort ranks equal scores by page id, as the kernel's packed key does
     best = page_scores.sort(dim=-1, descending=True, stable=True).indices[..., :n_pages]
@@ -227,19 +229,25 @@ def _pick_best_kernel(
 
 
 @jit
+def _usable(value, POSITIONS: tl.constexpr):
+    return value >= 0 if POSITIONS else value != 0
+
+
+@jit
 def _pick_layout_kernel(
     chosen_ptr, valid_ptr, ctx_ptr, idx_ptr, len_ptr,
     n_rows, n_kv_heads, n_slots, n_best, budget,
     sv_b, sv_h, sv_s,
     FRACTION: tl.constexpr, SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, POSITIONS: tl.constexpr,
 ):  # fmt: skip
     """One (row, KV head) and CHUNK of its chosen pages, in parallel: a page's rank is how many
     chosen pages go ahead of it (higher key, or equal key and lower id), and its usable slots go
     after those of the pages ahead, its other slots after every usable slot and after the other
     slots of the pages ahead. The chosen pages are read BLOCK_J at a time, their usable slots
     counted here, each page's slots in one contiguous read (counting them in `_pick_best_kernel`,
-    a masked gather per slot over the whole row, cost it 4 us at 2K pages, 13 at 8K)."""
+    a masked gather per slot over the whole row, cost it 4 us at 2K pages, 13 at 8K). POSITIONS:
+    `valid` holds slot positions (usable where >= 0), else bools as bytes."""
     bh = tl.program_id(0).to(tl.int64)
     b = bh // n_kv_heads
     h = bh % n_kv_heads
@@ -255,7 +263,7 @@ def _pick_layout_kernel(
     present = mine[:, None] & (o < SIZE)
     in_range = present & (raw < n_slots)
     slot = tl.minimum(raw, n_slots - 1)
-    usable = in_range & (tl.load(valid_at + slot * sv_s, mask=in_range, other=0) != 0)
+    usable = in_range & _usable(tl.load(valid_at + slot * sv_s, mask=in_range, other=-1), POSITIONS)
     rank = tl.zeros([CHUNK, BLOCK_J], tl.int32)
     usable_ahead = tl.zeros([CHUNK, BLOCK_J], tl.int32)
     total = tl.zeros([BLOCK_J], tl.int32)
@@ -265,7 +273,7 @@ def _pick_layout_kernel(
         pj = tl.load(ids_at + j, mask=j < n_best, other=0)
         at = pj[:, None] * SIZE + o  # oldest first: contiguous
         ok = (j < n_best)[:, None] & (o < SIZE) & (at < n_slots)
-        uj = tl.sum((tl.load(valid_at + at * sv_s, mask=ok, other=0) != 0).to(tl.int32), 1)
+        uj = tl.sum((ok & _usable(tl.load(valid_at + at * sv_s, mask=ok, other=-1), POSITIONS)).to(tl.int32), 1)
         ahead = (j < n_best)[None, :] & ((kj > ki) | ((kj == ki) & (pj[None, :] < page)))
         rank += ahead.to(tl.int32)
         usable_ahead += tl.where(ahead, uj[None, :], 0)
@@ -317,6 +325,6 @@ def pick_layout(chosen, valid, budget: int | float, context, page_size: int, chu
         chosen, valid.view(torch.uint8) if valid.dtype == torch.bool else valid, context.reshape(-1).contiguous(),
         indices, lengths, b * hkv, hkv, valid.shape[-1], n_pages, budget, *valid.stride(),
         FRACTION=isinstance(budget, float), SIZE=page_size, BLOCK_SIZE=triton.next_power_of_2(page_size),
-        BLOCK_J=min(block_j, triton.next_power_of_2(n_pages)), CHUNK=chunk,
+        BLOCK_J=min(block_j, triton.next_power_of_2(n_pages)), CHUNK=chunk, POSITIONS=valid.dtype != torch.bool,
     )  # fmt: skip
     return indices, lengths

@@ -81,8 +81,10 @@ def reference_pick(scores, valid, limit, n_pages, size):
     return torch.tensor(out).view(b, h, -1), lengths
 
 
+@pytest.mark.parametrize("positions", [False, True])
 @pytest.mark.parametrize("budget", [10, 0.3])
-def test_pick_kernel_matches_reference_and_a_plain_loop(monkeypatch, budget):
+def test_pick_kernel_matches_reference_and_a_plain_loop(monkeypatch, budget, positions):
+    """`valid` as bools, or as the fast path passes it: slot positions, usable where >= 0."""
     g = torch.Generator().manual_seed(1)
     b, h, slots, size = 2, 3, 45, 8
     scores = torch.randn(b, h, 6, generator=g)
@@ -93,7 +95,8 @@ def test_pick_kernel_matches_reference_and_a_plain_loop(monkeypatch, budget):
     valid = torch.rand(b, h, slots, generator=g) > 0.3
     context = torch.tensor([40, 31])
     n_pages = 4
-    (ref, _), (tri, _) = both_paths(monkeypatch, quest_pick, scores, valid, budget, context, n_pages, size)
+    usable = torch.randint(0, 99, valid.shape, generator=g).masked_fill(~valid, -1) if positions else valid
+    (ref, _), (tri, _) = both_paths(monkeypatch, quest_pick, scores, usable, budget, context, n_pages, size)
     limit = [min(c, budget) if isinstance(budget, int) else max(1, math.ceil(c * budget)) for c in context.tolist()]
     expected, lengths = reference_pick(scores, valid, limit, n_pages, size)
     for indices, counted in (ref, tri):

@@ -81,7 +81,7 @@ class RecallProbe(SparseSession):
         layer = self.cache.layers[module.layer_idx]
         full = self.view(module.layer_idx, layer, query, keys, attention_mask, scaling)
         selectable = layer.slot_tensor("recall_selectable", init=1.0) > 0  # what the real run would still hold
-        view = dataclasses.replace(full, valid=full.valid & selectable.unsqueeze(2))
+        view = dataclasses.replace(full, visible=full.valid & selectable.unsqueeze(2))
         sparse = self.is_sparse_step(query)
         keep = self.keep(view, sparse)
         if self.selector.needs_attention:  # the selector observes the attention it would have had

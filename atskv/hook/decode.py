@@ -220,9 +220,8 @@ class StaticSession(SparseSession):
 
     # --- one decode step: static shapes, no host sync -------------------------------------------
     def decode_view(self, layer_idx: int, layer: StaticSlotLayer, query, scaling: float) -> LayerView:
-        valid = layer.slot_pos >= 0
         return LayerView(
-            layer_idx, query, layer.keys, valid.unsqueeze(2), layer.slot_pos, layer.context.view(-1, 1, 1), scaling,
+            layer_idx, query, layer.keys, None, layer.slot_pos, layer.context.view(-1, 1, 1), scaling,
             self.config.budget, layer, self.hidden.get(layer_idx), self.token_ids, longest=self.longest,
         )  # fmt: skip
 

@@ -218,7 +218,7 @@ class TieredSession(SparseSession):
         """Demote by the selector's scores (manager.decide), promote fetched candidates by mass:
         candidates that clear the promotion threshold get room under the cap first, so a needed
         parked token displaces the least relevant active one even when the tier is full."""
-        last = replace(view, query=view.query[:, :, -1:], valid=view.valid[:, :, -1:], context=view.context[:, :, -1:])
+        last = replace(view, query=view.query[:, :, -1:], visible=view.valid[:, :, -1:], context=view.context[:, :, -1:])
         active = layer.occupied
         scores = self.selector.scores(last)[:, :, 0].float()
         scores = torch.nan_to_num(scores, posinf=torch.finfo(scores.dtype).max).masked_fill(~active, -math.inf)

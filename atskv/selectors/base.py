@@ -28,7 +28,8 @@ class LayerView:
 
     `keys` are the physical cache slots (post-RoPE, never expanded to the query heads);
     `slot_pos` holds the logical position of the token in each slot (-1 for a free slot);
-    `valid[b, h, q, s]` says whether query q may attend slot s at all (causality, padding, free);
+    `valid[b, h, q, s]` says whether query q may attend slot s at all (causality, padding, free;
+    built from `visible`, or on first read from `slot_pos` where the caller left it None);
     `context` counts the tokens each query may see in the sequence, evicted ones included: a
     fractional budget is a fraction of that, not of what happens to be left in the cache.
     """
@@ -36,7 +37,7 @@ class LayerView:
     layer_idx: int
     query: torch.Tensor  # [B, Hq, Tq, D]
     keys: torch.Tensor  # [B, Hkv, S, D]
-    valid: torch.Tensor  # [B, Hkv, Tq, S] bool
+    visible: torch.Tensor | None  # [B, Hkv, Tq, S] bool, or None: the held slots, computed if read (`valid`)
     slot_pos: torch.Tensor  # [B, Hkv, S] long
     context: torch.Tensor  # [B, 1, Tq] long: tokens each query may see, evicted ones included
     scaling: float
@@ -47,6 +48,14 @@ class LayerView:
     # the longest context this step can have, when the caller fixes shapes ahead (a captured decode
     # step is replayed for every token: its top-k size must be the largest any step needs)
     longest: int | None = None
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """`[B, Hkv, Tq, S]` bool. The fast path's decode views leave it to this property: most of
+        its kernels read `slot_pos` themselves, and `slot_pos >= 0` cost every layer a kernel."""
+        if self.visible is None:
+            self.visible = (self.slot_pos >= 0).unsqueeze(2)
+        return self.visible
 
     @property
     def group_size(self) -> int:

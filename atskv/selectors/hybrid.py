@@ -145,7 +145,7 @@ def resident_view(view: LayerView) -> tuple[LayerView, torch.Tensor]:
     packed = replace(
         view,
         keys=view.keys.gather(2, slot_index(slots, view.keys)),
-        valid=view.valid.gather(-1, slots.unsqueeze(2).expand(*view.valid.shape[:3], width)),
+        visible=view.valid.gather(-1, slots.unsqueeze(2).expand(*view.valid.shape[:3], width)),
         slot_pos=view.slot_pos.gather(-1, slots).masked_fill(~held, -1),
     )
     return packed, slots

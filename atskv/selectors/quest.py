@@ -57,12 +57,14 @@ class QuestSelector(Selector):
         choice as ranking the token scores with ties broken towards recent tokens, except between
         pages of exactly equal bound. On the fast path the new token's page is updated and every
         page scored in one kernel (`quest_step_scores`)."""
-        valid, size = view.valid[:, :, -1], self.page_size
+        size = self.page_size
         state = view.layer.state.get(self.name)
-        if state is not None and state.held is not None:
+        if state is not None and state.held is not None:  # the fast path: usable = held
             pages = quest_step_scores(view.query[:, :, -1], state.low, state.high, state.held, view.keys,
                                       view.slot_pos, view.layer.write_slot, size)  # fmt: skip
+            valid = view.slot_pos
         else:
+            valid = view.valid[:, :, -1]
             low, high = self._bounds(view)
             pages = quest_page_scores(view.query[:, :, -1], low, high)  # [B, Hkv, P]
             pages = pages.masked_fill(_page_counts(valid, size) == 0, -math.inf)  # a page of free slots only
