@@ -1,0 +1,206 @@
+"""Attention mass every key slot receives from a causal prompt chunk, without the `[Tq, S]`
+probabilities: what H2O-style selectors (H2O, the learned selector) accumulate during the
+chunked prefill of `atskv.generate`.
+
+A chunk of `Tq` queries `[B, Hq, Tq, D]` at absolute positions `offset .. offset + Tq - 1` over a
+slot buffer `keys` `[B, Hkv, S, D]` that holds the prompt so far in slots `0 .. offset + Tq - 1`
+in position order: query `i` sees slots `0 .. offset + i`. Given each query's natural-log
+log-sum-exp over what it saw (`lse` `[B, Hq, Tq]` float32, as `prefix_causal_attention` returns
+it), the mass of slot `j` is `sum over the group's G = Hq / Hkv heads and the queries that see j
+of exp(q . k_j * scaling - lse)`, `[B, Hkv, S]` float32. Slots past `offset + Tq` (the static
+buffer's free ones) get 0, and a query whose `lse` is -inf (it saw nothing) gives nothing, as in
+`atskv.hook.gqa.received_mass`. The GQA group shares its KV head's keys, which are never expanded.
+
+Why a kernel: the torch path (`received_mass`, a block of queries at a time) writes and reads a
+`[B, Hkv, G, block, S]` float32 logits buffer, then its exp, mask and sum. At the Llama-3.1-8B
+shape that made the prefill of H2O / learned take 151-155 s at 128K against 17 s for the other
+selectors, whose prefill is flash attention alone.
+
+The kernel is flash attention's backward dK loop without the gradients: each program holds one
+(batch row, KV head) and a block of `BLOCK_N` keys (loaded once), and walks the blocks of
+`BLOCK_M` queries of every head of the group that can see those keys (causal skip: the queries
+before the block's first slot never load). Per step one `tl.dot` gives the `[BLOCK_N, BLOCK_M]`
+logits, `exp2` (log2(e) folded into the scale and the lse) their probabilities, summed over the
+queries into the block's running mass. Only the few query blocks that cross the diagonal apply the
+causal mask; queries past `Tq` load an lse of +inf and contribute 0. Programs of one KV head run
+side by side (the key block is the grid's fastest axis), so the group's queries are read from L2.
+
+The torch reference is `received_mass` with a causal `allowed`, exactly what the chunked prefill
+computed before. Its logits are the matmul's output in the input dtype (bf16 rounds them), the
+kernel's the float32 accumulator: in bf16 the two differ by that rounding, and the kernel is the
+one consistent with the float32 log-sum-exp of the flash kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+from atskv.kernels.backend import jit, tl, triton, use_triton
+
+from atskv.hook.gqa import received_mass
+
+_LOG2E = 1.4426950408889634
+MAX_HEAD_DIM = 256  # larger head dims take the reference (no model the package supports has one)
+
+
+def prefix_received_mass(
+    query: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, offset: int, scaling: float
+) -> torch.Tensor:
+    """Mass `[B, Hkv, S]` (float32) each slot receives from a causal prompt chunk at `offset` (see
+    the module docstring): the Triton kernel on CUDA, the torch reference elsewhere (see
+    `kernels.backend`) and for head dims over `MAX_HEAD_DIM`."""
+    if use_triton(query) and query.shape[-1] <= MAX_HEAD_DIM:
+        return prefix_received_mass_triton(query, keys, lse, offset, scaling)
+    return prefix_received_mass_reference(query, keys, lse, offset, scaling)
+
+
+def prefix_received_mass_reference(
+    query: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, offset: int, scaling: float,
+    max_elements: int = 1 << 27,
+) -> torch.Tensor:  # fmt: skip
+    """Plain torch: `received_mass` over the chunk's visible slots `0 .. offset + Tq - 1` with a
+    causal `allowed`, padded with zeros to the buffer's `S` slots (what `StaticSession.prompt_chunk`
+    did before the kernel). The CPU path and the kernel's ground truth."""
+    _check(query, keys, lse, offset)
+    tq, slots = query.shape[2], keys.shape[2]
+    stop = offset + tq
+    slot = torch.arange(stop, device=keys.device)
+
+    def allowed(start: int, end: int) -> torch.Tensor:  # [1, 1, end - start, stop]
+        position = offset + torch.arange(start, end, device=keys.device)
+        return (slot <= position[:, None]).view(1, 1, end - start, stop)
+
+    mass = received_mass(query, keys[:, :, :stop], lse, allowed, scaling, max_elements)
+    return torch.nn.functional.pad(mass, (0, slots - stop))
+
+
+def prefix_received_mass_triton(
+    query: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, offset: int, scaling: float, *,
+    block_n: int | None = None, block_m: int | None = None, num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """The Triton kernel. `block_n` (keys per program), `block_m` (queries per step), `num_warps`
+    and `num_stages` override `choose_config`, to cover several blocks in tests or to tune on a GPU."""
+    if triton is None:
+        raise RuntimeError("the received-mass kernel needs Triton (pip install 'atskv[gpu]' or 'atskv[test]')")
+    _check(query, keys, lse, offset)
+    b, hq, tq, d = query.shape
+    hkv, slots = keys.shape[1], keys.shape[2]
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"the kernel takes head dims up to {MAX_HEAD_DIM}, got {d}")
+    config = choose_config(d, query.dtype)
+    overrides = {"block_n": block_n, "block_m": block_m, "num_warps": num_warps, "num_stages": num_stages}
+    config.update({key: value for key, value in overrides.items() if value is not None})
+    lse = lse.float()
+    mass = torch.empty(b, hkv, slots, dtype=torch.float32, device=keys.device)
+    if slots == 0:
+        return mass
+    block_d = max(16, triton.next_power_of_2(d))
+    grid = (triton.cdiv(slots, config["block_n"]), b * hkv)  # key blocks fastest: a KV head's programs run together
+    _mass_kernel[grid](
+        query, keys, lse, mass,
+        *query.stride(), *keys.stride(), *lse.stride(), *mass.stride(),
+        hkv, tq, slots, int(offset), float(scaling) * _LOG2E,
+        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=config["block_n"], BLOCK_M=config["block_m"],
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,  # fp32 stays fp32, not TF32
+        # Triton's interpreter (the only way to run on CPU tensors) multiplies bf16 as raw integers
+        UPCAST_DOT=query.dtype == torch.bfloat16 and not query.is_cuda,
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )  # fmt: skip
+    return mass
+
+
+def choose_config(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
+    """Block sizes and launch options. 16-bit inputs: 128 keys per program (their tile, 32 KB at
+    D = 128, stays on chip for the whole walk) against 64 queries per step, 8 warps; half the keys
+    at D > 128. float32 (tests, not a GPU target) uses smaller tiles. Not yet tuned on a GPU:
+    `benchmarks/received_mass_timing.py --sweep` times the alternatives."""
+    if dtype == torch.float32:
+        return {"block_n": 64 if head_dim <= 128 else 32, "block_m": 32, "num_warps": 4, "num_stages": 2}
+    return {"block_n": 128 if head_dim <= 128 else 64, "block_m": 64, "num_warps": 8, "num_stages": 3}
+
+
+def _check(query: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, offset: int) -> None:
+    """Validates shapes and dtypes."""
+    if query.dim() != 4 or keys.dim() != 4:
+        raise ValueError(f"expected query [B, Hq, Tq, D] and keys [B, Hkv, S, D], got {tuple(query.shape)}, "
+                         f"{tuple(keys.shape)}")  # fmt: skip
+    b, hq, tq, d = query.shape
+    hkv, slots = keys.shape[1], keys.shape[2]
+    if keys.shape[0] != b or keys.shape[3] != d or hq % hkv:
+        raise ValueError(f"query {tuple(query.shape)} does not fit keys {tuple(keys.shape)} (GQA needs Hq % Hkv == 0)")
+    if keys.dtype != query.dtype:
+        raise TypeError(f"query and keys must share a dtype, got {query.dtype}, {keys.dtype}")
+    if lse.shape != (b, hq, tq) or not lse.is_floating_point():
+        raise ValueError(f"lse must be a float [B, Hq, Tq] = [{b}, {hq}, {tq}], got {lse.dtype} {tuple(lse.shape)}")
+    if not 0 <= offset <= slots - tq:
+        raise ValueError(f"the chunk's {tq} queries at offset {offset} need offset + Tq <= S = {slots} slots")
+
+
+@jit
+def _mass_kernel(
+    q_ptr, k_ptr, lse_ptr, out_ptr,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_lb, stride_lh, stride_lt,
+    stride_ob, stride_oh, stride_os,
+    num_kv_heads, num_queries, num_slots, offset, qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):  # fmt: skip
+    """One block of keys of one (batch row, KV head): the mass its slots receive from the group's
+    queries. Query `i` sees slot `j` iff `j <= offset + i`; query blocks wholly before the key
+    block are skipped, those crossing the diagonal masked, the rest summed without a mask."""
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit: batch/head offsets into a large cache overflow int32
+    b = bh // num_kv_heads
+    h = bh % num_kv_heads
+    start = tl.program_id(0) * BLOCK_N
+    j = start + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    k_mask = (j < num_slots)[:, None]
+    if BLOCK_D != HEAD_DIM:
+        k_mask = k_mask & (d < HEAD_DIM)[None, :]
+    k = tl.load(k_ptr + b * stride_kb + h * stride_kh + j[:, None] * stride_ks + d[None, :] * stride_kd,
+                mask=k_mask, other=0.0)  # fmt: skip
+    if UPCAST_DOT:
+        k = k.to(tl.float32)
+    q_row = q_ptr + b * stride_qb + h * GROUP * stride_qh
+    lse_row = lse_ptr + b * stride_lb + h * GROUP * stride_lh
+
+    # query blocks: [first, full) cross the diagonal (some query misses some slot), [full, blocks) see it all
+    blocks = tl.cdiv(num_queries, BLOCK_M)
+    first = tl.minimum(tl.maximum(start - offset, 0) // BLOCK_M, blocks)
+    full = tl.cdiv(tl.maximum(start + BLOCK_N - 1 - offset, 0), BLOCK_M)
+    full = tl.minimum(tl.maximum(full, first), blocks)
+    mass = tl.zeros([BLOCK_N], tl.float32)
+    for g in range(GROUP):
+        for m in range(first, full):
+            i = m * BLOCK_M + tl.arange(0, BLOCK_M)
+            p = _probs(q_row + g * stride_qh, lse_row + g * stride_lh, k, i, d, stride_qt, stride_qd, stride_lt,
+                       num_queries, qk_scale, HEAD_DIM, BLOCK_D, DOT_PRECISION, UPCAST_DOT)  # fmt: skip
+            mass += tl.sum(tl.where(j[:, None] <= offset + i[None, :], p, 0.0), 1)
+        for m in range(full, blocks):
+            i = m * BLOCK_M + tl.arange(0, BLOCK_M)
+            p = _probs(q_row + g * stride_qh, lse_row + g * stride_lh, k, i, d, stride_qt, stride_qd, stride_lt,
+                       num_queries, qk_scale, HEAD_DIM, BLOCK_D, DOT_PRECISION, UPCAST_DOT)  # fmt: skip
+            mass += tl.sum(p, 1)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + j * stride_os, mass, mask=j < num_slots)
+
+
+@jit
+def _probs(
+    q_head, lse_head, k, i, d, stride_qt, stride_qd, stride_lt, num_queries, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):  # fmt: skip
+    """`[BLOCK_N, BLOCK_M]` probabilities `exp(q . k * scale - lse)` of one head's queries `i` (by
+    base 2); queries past the chunk and those with lse -inf give 0."""
+    rows = i < num_queries
+    q_mask = rows[None, :]
+    if BLOCK_D != HEAD_DIM:
+        q_mask = q_mask & (d < HEAD_DIM)[:, None]
+    q_t = tl.load(q_head + d[:, None] * stride_qd + i[None, :] * stride_qt, mask=q_mask, other=0.0)
+    lse = tl.load(lse_head + i * stride_lt, mask=rows, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # saw nothing: gives nothing
+    if UPCAST_DOT:
+        q_t = q_t.to(tl.float32)
+    logits = tl.dot(k, q_t, input_precision=DOT_PRECISION)
+    return tl.exp2(logits * qk_scale - lse[None, :])

@@ -1,0 +1,170 @@
+"""Mass each slot receives from a causal prompt chunk: the torch reference against float64
+probabilities and the hook's `received_mass` with the prefill's own causal `allowed`, the Triton
+kernel (Triton's interpreter on CPU) against the reference."""
+
+import pytest
+import torch
+from atskv.kernels.received_mass import (
+    prefix_received_mass,
+    prefix_received_mass_reference,
+    prefix_received_mass_triton,
+)
+
+from atskv.hook.gqa import grouped_attention, prefix_causal_attention, received_mass
+
+SMALL_BLOCKS = {"block_n": 32, "block_m": 16}  # several key and query blocks at test sizes
+
+
+def make_chunk(b, hkv, group, d, tq, offset, spare, dtype=torch.float32, seed=0, device="cpu"):
+    """A prompt chunk as `StaticSession.prompt_chunk` has it: keys a slot buffer of `offset + tq`
+    held slots and `spare` free ones, the query a `[B, T, Hq, D]` tensor seen as `[B, Hq, T, D]`
+    (strided, as the model passes it), and the natural-log log-sum-exp `prefix_causal_attention`
+    returns for it."""
+    g = torch.Generator().manual_seed(seed)
+    slots = offset + tq + spare
+    query = torch.randn(b, tq, hkv * group, d, generator=g).to(device, dtype).transpose(1, 2)
+    keys = torch.randn(b, hkv, slots, d, generator=g).to(device, dtype)
+    values = torch.randn(b, hkv, slots, d, generator=g).to(device, dtype)
+    scaling = d**-0.5
+    stop = offset + tq
+    _, lse = prefix_causal_attention(query, keys[:, :, :stop], values[:, :, :stop], offset, scaling)
+    return query, keys, lse, scaling
+
+
+def float64_mass(query, keys, offset, scaling):
+    """Softmax of every query head over the slots it sees (float64), summed over each KV head's
+    group and the queries; `[B, Hkv, S]` with zeros past the chunk."""
+    b, hq, tq, d = query.shape
+    hkv, slots = keys.shape[1], keys.shape[2]
+    k = keys.double().repeat_interleave(hq // hkv, 1)
+    logits = torch.einsum("bhtd,bhsd->bhts", query.double(), k) * scaling
+    sees = torch.arange(slots) <= offset + torch.arange(tq)[:, None]
+    probs = logits.masked_fill(~sees, float("-inf")).softmax(-1)
+    return probs.view(b, hkv, -1, tq, slots).sum(dim=(2, 3))
+
+
+def slot_allowed(keys, offset, tq):
+    """The `allowed` of `StaticSession.prompt_chunk` without a window or padding, from the slots'
+    positions (slots `0 .. offset + tq - 1` hold positions in order)."""
+    stop = offset + tq
+    slot_pos = torch.arange(stop, device=keys.device).expand(keys.shape[0], keys.shape[1], stop)
+    q_pos = torch.arange(offset, stop, device=keys.device)
+
+    def allowed(start, end):
+        qp = q_pos[start:end].view(1, 1, -1, 1)
+        return (slot_pos[:, :1].unsqueeze(2) <= qp) & (slot_pos[:, :1].unsqueeze(2) >= 0)
+
+    return allowed
+
+
+@pytest.mark.parametrize(("group", "offset"), [(1, 0), (4, 0), (4, 37)])
+def test_reference_is_the_prefills_received_mass(group, offset):
+    query, keys, lse, scaling = make_chunk(2, 2, group, 64, tq=45, offset=offset, spare=19, seed=group + offset)
+    out = prefix_received_mass_reference(query, keys, lse, offset, scaling)
+    assert out.shape == keys.shape[:3] and out.dtype == torch.float32
+    stop = offset + 45
+    hook = received_mass(query, keys[:, :, :stop], lse, slot_allowed(keys, offset, 45), scaling)
+    torch.testing.assert_close(out[..., :stop], hook, rtol=0, atol=0)
+    assert (out[..., stop:] == 0).all()
+    torch.testing.assert_close(out.double(), float64_mass(query, keys, offset, scaling), rtol=1e-5, atol=1e-5)
+    # every query's probabilities sum to one: the mass of a KV head is its group's query count
+    torch.testing.assert_close(out.sum(-1), torch.full(out.shape[:2], 45.0 * group), rtol=1e-5, atol=0)
+    # as the whole chunk's attention over the mask gives it (offset 0: the chunk is the whole prompt)
+    if offset == 0:
+        mask = (torch.arange(keys.shape[2]) <= torch.arange(45)[:, None]).expand(2, 2, -1, -1)
+        _, dense = grouped_attention(query, keys, keys, mask, scaling, want_mass=True)
+        torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("offset", [0, 37])
+def test_triton_matches_reference_fp32(group, d, offset):
+    # 45 queries: not a whole number of 16-query blocks; 19 free slots past the chunk
+    query, keys, lse, scaling = make_chunk(2, 2, group, d, tq=45, offset=offset, spare=19, seed=d + offset)
+    expected = prefix_received_mass_reference(query, keys, lse, offset, scaling)
+    out = prefix_received_mass_triton(query, keys, lse, offset, scaling, **SMALL_BLOCKS)
+    assert out.shape == keys.shape[:3] and out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert (out[..., offset + 45 :] == 0).all()
+
+
+@pytest.mark.parametrize(("block_n", "block_m"), [(16, 16), (32, 16), (16, 32)])
+def test_triton_every_alignment_of_offset_and_blocks(block_n, block_m):
+    """Every offset modulo the blocks: which query blocks the kernel skips, masks on the diagonal
+    and sums without a mask depends on where the chunk starts against the key and query blocks."""
+    for offset in range(34):
+        query, keys, lse, scaling = make_chunk(1, 1, 2, 16, tq=21, offset=offset, spare=3, seed=offset)
+        expected = prefix_received_mass_reference(query, keys, lse, offset, scaling)
+        out = prefix_received_mass_triton(query, keys, lse, offset, scaling, block_n=block_n, block_m=block_m)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"offset {offset}: {m}")
+
+
+@pytest.mark.parametrize(("d", "offset", "spare"), [(80, 21, 3), (256, 50, 40)])
+def test_triton_other_head_dims(d, offset, spare):
+    """A head dim that is not a power of two (padded in the kernel) and Gemma 3's 256."""
+    query, keys, lse, scaling = make_chunk(2, 1, 4, d, tq=29, offset=offset, spare=spare, seed=d)
+    expected = prefix_received_mass_reference(query, keys, lse, offset, scaling)
+    torch.testing.assert_close(prefix_received_mass_triton(query, keys, lse, offset, scaling, **SMALL_BLOCKS),
+                               expected, rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+def test_dispatch_and_default_blocks(monkeypatch):
+    """The public entry point runs the kernel when asked to (`ATSKV_KERNELS=triton`), with its
+    default blocks (128 keys, 64 queries in bf16: several query blocks and a partial key block)."""
+    monkeypatch.setenv("ATSKV_KERNELS", "triton")
+    query, keys, lse, scaling = make_chunk(2, 2, 4, 128, tq=150, offset=70, spare=36, dtype=torch.bfloat16, seed=3)
+    expected = prefix_received_mass_reference(query.float(), keys.float(), lse, 70, scaling)
+    torch.testing.assert_close(prefix_received_mass(query, keys, lse, 70, scaling), expected, rtol=1e-4, atol=1e-4)
+    monkeypatch.setenv("ATSKV_KERNELS", "reference")
+    assert torch.equal(prefix_received_mass(query, keys, lse, 70, scaling),
+                       prefix_received_mass_reference(query, keys, lse, 70, scaling))  # fmt: skip
+
+
+@pytest.mark.parametrize("offset", [0, 37])
+def test_triton_bf16(offset):
+    """bf16 inputs: the kernel's logits are float32 accumulations of exact bf16 products, so it
+    matches the reference on the same values in float32; the reference in bf16 rounds its logits
+    to bf16 before the exp, a few percent per probability."""
+    query, keys, lse, scaling = make_chunk(2, 2, 4, 64, tq=45, offset=offset, spare=19, dtype=torch.bfloat16)
+    out = prefix_received_mass_triton(query, keys, lse, offset, scaling, **SMALL_BLOCKS)
+    expected = prefix_received_mass_reference(query.float(), keys.float(), lse, offset, scaling)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    rounded = prefix_received_mass_reference(query, keys, lse, offset, scaling)
+    torch.testing.assert_close(out, rounded, rtol=0.1, atol=0.05)
+
+
+def test_queries_that_saw_nothing_give_nothing():
+    """A query whose log-sum-exp is -inf contributes no mass (as in `received_mass`), and the
+    query and lse may be any strides."""
+    query, keys, lse, scaling = make_chunk(2, 2, 2, 64, tq=40, offset=10, spare=5)
+    lse = lse.transpose(1, 2).contiguous().transpose(1, 2)  # strides (.., 1, Hq), as CPU flash returns it
+    lse[0, 1, 3:30] = -torch.inf
+    lse[1, :, :] = -torch.inf
+    expected = prefix_received_mass_reference(query, keys, lse, 10, scaling)
+    out = prefix_received_mass_triton(query, keys, lse, 10, scaling, **SMALL_BLOCKS)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert (out[1] == 0).all() and out[0].sum() > 0
+
+
+def test_rejects_bad_shapes():
+    query, keys, lse, scaling = make_chunk(1, 2, 2, 64, tq=20, offset=10, spare=0)
+    for fn in (prefix_received_mass_reference, prefix_received_mass_triton):
+        with pytest.raises(ValueError, match="offset"):
+            fn(query, keys, lse, 11, scaling)
+        with pytest.raises(ValueError, match="lse"):
+            fn(query, keys, lse[:, :, 1:], 10, scaling)
+        with pytest.raises(ValueError, match="Hq % Hkv"):
+            fn(query[:, :3], keys, lse[:, :3], 10, scaling)
+        with pytest.raises(TypeError, match="dtype"):
+            fn(query, keys.half(), lse, 10, scaling)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offset", [0, 12288])
+def test_triton_on_gpu_at_realistic_sizes(offset):
+    """The 8B shape's heads (32 on 8, D = 128, bf16) on a 2K chunk."""
+    query, keys, lse, scaling = make_chunk(1, 8, 4, 128, tq=2048, offset=offset, spare=64, dtype=torch.bfloat16,
+                                           seed=offset, device="cuda")  # fmt: skip
+    expected = prefix_received_mass_reference(query.float(), keys.float(), lse, offset, scaling)
+    torch.testing.assert_close(prefix_received_mass(query, keys, lse, offset, scaling), expected, rtol=1e-3, atol=1e-3)
