@@ -178,8 +178,10 @@ def test_split_size_heuristic(monkeypatch):
     tile = sparse_decode._block_n(128)
     assert splits(tile, 8) == 1  # short list: one split
     assert splits(1638, 8 * 64) == 1  # the batch fills the GPU already
-    # long list, few programs: shares of MIN_SPLIT_TILES tiles
-    assert splits(1638, 8) == math.ceil(1638 / (sparse_decode.MIN_SPLIT_TILES * tile))
+    # a list of a few tiles, one program: shares of MIN_SPLIT_TILES tiles
+    assert splits(4 * tile, 1) == 4 // sparse_decode.MIN_SPLIT_TILES
+    # long list, few programs: about WAVES programs per SM, in whole tiles
+    assert sparse_decode.WAVES * 132 / 8 / 2 < splits(1638, 8) <= sparse_decode.WAVES * 132 / 8
     assert 1 < splits(1638, 128) <= math.ceil(sparse_decode.WAVES * 132 / 128)
     assert splits(200_000, 1) == sparse_decode.MAX_SPLITS
     for d in (64, 128, 256):  # whole tiles

@@ -39,6 +39,7 @@ from atskv.hook.gqa import group_matmul, grouped_attention, prefix_causal_attent
 from atskv.hook.sparse import STATIC_ATTENTION_NAME, SparseSession, SparsityConfig, attach
 from atskv.kernels.backend import aligned_slots
 from atskv.kernels.evict import evict_lowest
+from atskv.kernels.received_mass import prefix_received_mass
 from atskv.kernels.sparse_decode import sparse_decode_attention
 from atskv.memory.host_pages import HostPages, HostRetrieval
 from atskv.memory.static_cache import StaticKVCache, StaticSlotLayer
@@ -155,7 +156,10 @@ class StaticSession(SparseSession):
             view = self._prompt_view(layer_idx, layer, query, scaling)
             self.selector.static_write(view)
             if self.selector.needs_attention:
-                mass = received_mass(query, keys, lse, allowed, scaling)
+                if layer.window is None and self.real is None:  # causal: slots 0 .. stop - 1 in position order
+                    mass = prefix_received_mass(query, keys, lse, stop - c, scaling)
+                else:
+                    mass = received_mass(query, keys, lse, allowed, scaling)
                 self.selector.observe(view, torch.nn.functional.pad(mass, (0, layer.capacity - stop)))
             if layer.seen == self.prompt_tokens:
                 self.selector.prefill(self._last_queries_view(view, allowed))
