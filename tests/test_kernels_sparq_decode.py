@@ -80,6 +80,17 @@ def test_kernel_matches_reference_at_the_llama_8b_head_shape():
     assert torch.equal(tri_args[2], ref_args[2])
 
 
+def test_equal_query_magnitudes_choose_the_lower_channels():
+    """Query channels of equal |q| across the rank cut: both take the lower channels first (the
+    other choice changes the approximate logits, hence the slots)."""
+    args = static_layer(group=1, d=32, dtype=torch.float32, seed=3)
+    query = args[0]
+    query.mul_(0.01)
+    query[..., 8:32:3] = torch.tensor([2.0, -2.0] * 4)[: len(range(8, 32, 3))]  # 8 tied channels for RANK = 4
+    ref, tri, _, _ = both(args, 40, 64)
+    assert chosen(*tri) == chosen(*ref)  # with the higher channels first the slots differ (checked)
+
+
 @pytest.mark.parametrize("budget", [12, 0.05])
 def test_reference_keeps_what_the_selector_ranking_keeps(budget):
     """Slots in position order (as on the fast path for a layer that keeps everything): the reference's
