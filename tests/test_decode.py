@@ -16,12 +16,20 @@ from atskv.hook.gqa import grouped_attention, prefix_causal_attention, received_
 from atskv.hook.sparse import attach
 from atskv.memory.host_pages import HostRetrieval
 from atskv.memory.static_cache import StaticSlotLayer
+from atskv.selectors.hybrid import HybridSelector
 from atskv.selectors.learned import LearnedSelector
+from atskv.selectors.sparcas import SparCasSelector
 
 CASES = [
-    ("dense", 0.5), ("oracle", 8), ("quest", 16), ("sparq", 0.1),
-    ("streaming_llm", 12), ("snapkv", 12), ("h2o", 0.1),
+    ("dense", 0.5), ("oracle", 8), ("quest", 16), ("sparq", 0.1), ("sparcas", 12),
+    ("streaming_llm", 12), ("snapkv", 12), ("h2o", 0.1), ("spark", 12),
 ]  # fmt: skip
+# SparCas on 4 of the 16 dimensions, refreshed on decode steps 4 and 8 of a 10-token run
+OPTIONS = {"sparcas": {"dims": 4, "refresh_every": 4}}
+
+
+def _selector(name: str):
+    return atskv.make_selector(name, **OPTIONS.get(name, {}))
 
 
 def _reference(model, ids, selector, budget, new, mask=None):
@@ -40,17 +48,40 @@ def test_fast_generate_gives_the_reference_tokens(family, selector, budget):
     model = tiny_model(family)
     model.generation_config.eos_token_id = None  # the reference would stop at EOS, the fast loop runs on
     ids = random_prompt(130, seed=1)  # three prompt chunks of 64 (the first a short one)
-    fast = atskv.generate(model, ids, selector, budget, max_new_tokens=10, dense_layers=1, prefill_chunk=64)
-    assert torch.equal(fast, _reference(model, ids, selector, budget, 10))
+    fast = atskv.generate(model, ids, _selector(selector), budget, max_new_tokens=10, dense_layers=1,
+                          prefill_chunk=64)  # fmt: skip
+    assert torch.equal(fast, _reference(model, ids, _selector(selector), budget, 10))
 
 
-@pytest.mark.parametrize("selector,budget", [c for c in CASES if c[0] in ("dense", "sparq", "snapkv", "h2o")])
+@pytest.mark.parametrize(
+    "selector,budget", [c for c in CASES if c[0] in ("dense", "sparq", "sparcas", "snapkv", "h2o", "spark")]
+)
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_fast_generate_of_a_left_padded_batch(family, selector, budget):
     model, ids, mask = _left_padded(family, 150, 30, seed=2)
-    fast = atskv.generate(model, ids, selector, budget, attention_mask=mask, max_new_tokens=10, dense_layers=1,
-                          prefill_chunk=64)  # fmt: skip
-    assert torch.equal(fast, _reference(model, ids, selector, budget, 10, mask))
+    fast = atskv.generate(model, ids, _selector(selector), budget, attention_mask=mask, max_new_tokens=10,
+                          dense_layers=1, prefill_chunk=64)  # fmt: skip
+    assert torch.equal(fast, _reference(model, ids, _selector(selector), budget, 10, mask))
+
+
+@pytest.mark.parametrize("base", ["oracle", "quest", "sparq", "sparcas", "streaming_llm", "h2o", "learned"])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_spark_over_each_fast_base_gives_the_reference_tokens(family, base, tmp_path):
+    """SparK's pruned prompt keys, recovered into the cache after the prompt, under every base the
+    fast path runs (SnapKV, its default, is in `CASES`): the base's own fast step, on those keys."""
+    model = tiny_model(family)
+    model.generation_config.eos_token_id = None
+    ids = random_prompt(130, seed=6)
+    options = OPTIONS.get(base, {})
+    if base == "learned":  # refreshing on steps 4 and 8
+        managed = [2, 5] if family == "gemma3" else [1, 2, 3]
+        options = {"predictor": _random_predictor(model, tmp_path, managed), "refresh_every": 4}
+
+    def make():
+        return atskv.make_selector("spark", base=base, base_options=options)
+
+    fast = atskv.generate(model, ids, make(), 16, max_new_tokens=10, dense_layers=1, prefill_chunk=64)
+    assert torch.equal(fast, _reference(model, ids, make(), 16, 10))
 
 
 @pytest.mark.parametrize(
@@ -74,15 +105,15 @@ def test_fast_generate_of_a_hybrid_gives_the_reference_tokens(family, selector, 
     assert torch.equal(fast, _reference(model, ids, make(), 8, 10, mask))
 
 
-@pytest.mark.parametrize("selector", ["h2o", "snapkv", "quest", "h2o+sparq"])
+@pytest.mark.parametrize("selector", ["h2o", "snapkv", "quest", "sparcas", "h2o+sparq"])
 def test_fast_generate_through_the_kernels_gives_the_reference_tokens(monkeypatch, selector):
     """The fast path as it runs on a GPU (its Triton kernels: decode write, eviction, attention
-    with mass, Quest's pick; Triton's interpreter on the CPU), a left-padded batch, against the
-    reference session in torch. (Quest unpadded: the reference's first page mixes pad keys into its
-    bounds, the fast path's does not.)"""
+    with mass, Quest's pick, SparCas's partial logits; Triton's interpreter on the CPU), a
+    left-padded batch, against the reference session in torch. (Quest unpadded: the reference's
+    first page mixes pad keys into its bounds, the fast path's does not.)"""
     model, ids, mask = _left_padded("llama", 100, 0 if selector == "quest" else 20, seed=3)
     budget = 0.2 if "+" not in selector else 12
-    options = {"residency_budget": 24} if "+" in selector else {}
+    options = {"residency_budget": 24} if "+" in selector else OPTIONS.get(selector, {})
     expected = _reference(model, ids, atskv.make_selector(selector, **options), budget, 6, mask)
     monkeypatch.setenv("ATSKV_KERNELS", "triton")
     fast = atskv.generate(model, ids, atskv.make_selector(selector, **options), budget, attention_mask=mask,
@@ -124,7 +155,7 @@ def _no_host_reads():
             setattr(torch.Tensor, name, method)
 
 
-@pytest.mark.parametrize("selector", ["quest", "h2o", "learned", "snapkv with a host tier"])
+@pytest.mark.parametrize("selector", ["quest", "h2o", "learned", "sparcas", "spark", "snapkv with a host tier"])
 def test_a_decode_step_reads_nothing_back_to_the_host(monkeypatch, tmp_path, selector):
     steps = []
     plain_call = decode.GraphedStep.__call__
@@ -141,6 +172,8 @@ def test_a_decode_step_reads_nothing_back_to_the_host(monkeypatch, tmp_path, sel
     selector = selector.split()[0]
     if selector == "learned":  # refreshing on step 2 and 4 of the 4
         selector = LearnedSelector(predictor=_random_predictor(model, tmp_path, [2, 5]), refresh_every=2)
+    if selector == "sparcas":  # refreshing on step 2 and 4 of the 4
+        selector = SparCasSelector(dims=4, refresh_every=2)
     atskv.generate(model, random_prompt(100, seed=3), selector, 16, max_new_tokens=5, dense_layers=1,
                    prefill_chunk=64, tier=tier)  # fmt: skip
     assert len(steps) == 4
@@ -214,23 +247,28 @@ def test_masked_attention_and_received_mass_match_the_dense_reference():
 def test_unsupported_selectors_and_chunks_are_refused():
     model = tiny_model("llama")
     ids = random_prompt(80)
-    with pytest.raises(ValueError, match="no fast decode path"):
-        atskv.generate(model, ids, "sparcas", 16)
-    with pytest.raises(ValueError, match="no fast decode path"):  # Quest's pages assume position-ordered slots
-        atskv.generate(model, ids, "snapkv+quest", 16)
+    with pytest.raises(ValueError, match="no fast decode path"):  # the reference prunes at every (dense) step
+        atskv.generate(model, ids, atskv.make_selector("spark", base="dense"), 16)
+    # not as a composition's part (`decode.ALONE_ONLY`)
+    spark_sparq = HybridSelector(atskv.make_selector("snapkv"), atskv.make_selector("spark", base="sparq"))
+    for composed in ("snapkv+quest", "snapkv+sparcas", spark_sparq):
+        with pytest.raises(ValueError, match="no fast decode path"):
+            atskv.generate(model, ids, composed, 16)
     with pytest.raises(ValueError, match="prefill_chunk"):
         atskv.generate(model, ids, "dense", 16, prefill_chunk=8)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("selector", ["dense", "quest", "snapkv", "h2o", "learned"])
+@pytest.mark.parametrize("selector", ["dense", "quest", "snapkv", "h2o", "learned", "sparcas", "spark"])
 def test_graph_replay_gives_the_eager_tokens(tmp_path, selector):
     """Capture fails on any host sync, so a replayed graph is also the no-sync proof on a GPU;
-    the learned selector's refresh steps are a second graph."""
+    the learned selector's and SparCas's refresh steps are a second graph."""
     model = tiny_model("gemma3").cuda().to(torch.bfloat16)
     ids = random_prompt(300, seed=4).cuda()
 
     def make():
+        if selector == "sparcas":
+            return SparCasSelector(dims=4, refresh_every=4)
         if selector != "learned":
             return selector
         return LearnedSelector(predictor=_random_predictor(model, tmp_path, [2, 5]), refresh_every=4)

@@ -11,28 +11,47 @@ import atskv
 from atskv.hook.gqa import grouped_probs
 from atskv.selectors import make_selector
 from atskv.selectors.base import Selector
+from atskv.selectors.oracle import OracleSelector
 from atskv.selectors.spark import SparKSelector
+from atskv.selectors.sparq import SparQSelector
 from tests.conftest import EVERY_TOKEN, random_prompt, tiny_model
 
 WINDOW = 4
 
 
 class RecordingSparK(SparKSelector):
-    """Records the prompt's queries and keys at prefill, and what attention would use at decode."""
+    """Records the prompt's queries and keys at prefill, and at decode what attention would use
+    (the hook asks an evicting base for `scores`, a query-aware one for `decode_indices`)."""
 
     def prefill(self, view):
         self.prompt[view.layer_idx] = (view.query.clone(), view.keys.clone(), view.slot_pos.clone())
         super().prefill(view)
 
     def scores(self, view):
+        self._record(view)
+        return super().scores(view)
+
+    def decode_indices(self, view):
+        self._record(view)
+        return super().decode_indices(view)
+
+    def _record(self, view):
         self.decode[view.layer_idx] = (self.attention_keys(view), view.keys.clone(), view.slot_pos.clone())
+
+
+class RecordingOracle(OracleSelector):
+    """Records its scores and the view it ranked."""
+
+    scored: dict
+
+    def scores(self, view):
         out = super().scores(view)
         self.scored[view.layer_idx] = (out, view)
         return out
 
 
 def record(model, selector: RecordingSparK, ids, budget=EVERY_TOKEN):
-    selector.prompt, selector.decode, selector.scored = {}, {}, {}
+    selector.prompt, selector.decode = {}, {}
     with atskv.sparse(model, selector, budget=budget, dense_layers=0), torch.no_grad():
         cache = model(ids).past_key_values
         model(ids[:, :1], past_key_values=cache)  # one decode step
@@ -112,15 +131,58 @@ def test_a_query_aware_base_scores_the_recovered_keys():
     """The base ranks tokens on the keys attention will use (the full keys are not stored)."""
     model = tiny_model("llama")
     ids = random_prompt(24, seed=4)
-    selector = record(model, RecordingSparK(base=make_selector("oracle"), prune_ratio=0.8, window=WINDOW), ids, budget=4)
+    base = RecordingOracle()
+    base.scored = {}
+    selector = record(model, RecordingSparK(base=base, prune_ratio=0.8, window=WINDOW), ids, budget=4)
     differs = 0
-    for layer, (spark_scores, view) in selector.scored.items():
-        used = selector.decode[layer][0]
+    for layer, (base_scores, view) in base.scored.items():
+        used, full, _ = selector.decode[layer]
         on_recovered = grouped_probs(view.query, used, view.valid, view.scaling).sum(2)
-        on_full = grouped_probs(view.query, view.keys, view.valid, view.scaling).sum(2)
-        torch.testing.assert_close(spark_scores, on_recovered)
-        differs += not torch.allclose(spark_scores, on_full)
-    assert differs == len(selector.scored) > 0
+        on_full = grouped_probs(view.query, full, view.valid, view.scaling).sum(2)
+        torch.testing.assert_close(base_scores, on_recovered)
+        differs += not torch.allclose(base_scores, on_full)
+    assert differs == len(base.scored) > 0
+
+
+@pytest.mark.parametrize("base,rows", [("oracle", 2), ("snapkv", 1)])
+def test_the_fast_path_holds_the_recovered_keys_in_its_cache(base, rows):
+    """`atskv.generate` attends on its cache's keys: after the prompt each held prompt token's
+    cached key is its recovered one, computed directly (the oracle: a left-padded batch, whose
+    padding the fast path drops; SnapKV: what its eviction kept)."""
+    model = tiny_model("llama")
+    ids = random_prompt(100, seed=6, batch=rows)
+    mask = torch.ones_like(ids)
+    mask[1:, :10] = 0
+    selector = RecordingSparK(base=make_selector(base), window=WINDOW)
+    selector.prompt, selector.decode = {}, {}
+    atskv.generate(model, ids, selector, 8, attention_mask=mask, max_new_tokens=2, dense_layers=0, prefill_chunk=64)
+    assert set(selector.decode) == set(selector.prompt) == set(range(4))
+    for layer, (query, keys, _) in selector.prompt.items():
+        expected, _ = direct_recovery(query, keys[:, :, :100], 0.5)
+        cached, full, pos = selector.decode[layer]
+        assert torch.equal(cached, full), "the fast path recovers nothing at decode: its cache holds the result"
+        prompt = (pos >= 0) & (pos < 100)
+        assert (prompt.sum(-1) == (100 if base == "oracle" else 8) - 10 * torch.arange(rows).view(-1, 1)).all()
+        gathered = expected.gather(2, pos.clamp(min=0, max=99).unsqueeze(-1).expand_as(cached))
+        torch.testing.assert_close(cached[prompt], gathered[prompt], rtol=1e-6, atol=1e-6)
+        raw = keys.gather(2, pos.clamp(min=0, max=99).unsqueeze(-1).expand_as(cached))
+        assert not torch.equal(cached[prompt], raw[prompt])
+
+
+def test_the_base_runs_its_own_fast_step():
+    """On the fast path SparK hands the step to its base: SparQ's channel-major copy is built
+    (`static_write`) and its fused pick runs (`decode_indices`), not a ranking of its scores."""
+    picks = []
+
+    class CountingSparQ(SparQSelector):
+        def decode_indices(self, view):
+            picks.append(self.name in view.layer.state)
+            return super().decode_indices(view)
+
+    model = tiny_model("llama")
+    atskv.generate(model, random_prompt(80, seed=7), SparKSelector(base=CountingSparQ()), 8, max_new_tokens=3,
+                   dense_layers=1, prefill_chunk=64)  # fmt: skip
+    assert picks == [True] * 2 * 3  # two decode steps, three managed layers
 
 
 @pytest.mark.parametrize("bad", [dict(prune_ratio=1.0), dict(prune_ratio=-0.1), dict(base="spark")])

@@ -48,12 +48,34 @@ from atskv.models.geometry import decoder_layers
 from atskv.selectors import make_selector
 from atskv.selectors.base import LayerView, Selector, resolve_budget, select_top_budget
 from atskv.selectors.hybrid import HybridSelector
+from atskv.selectors.spark import SparKSelector
 
 # queries a selector's `prefill` sees at the end of the prompt (SnapKV's window is 32)
 LAST_QUERIES = 64
 # selectors whose decode state is written by the hook alone (slot tensors, in place) or by a
 # `static_write`; the others still need host-side bookkeeping per step
-FAST_SELECTORS = ("dense", "oracle", "quest", "sparq", "streaming_llm", "snapkv", "h2o", "learned")
+FAST_SELECTORS = ("dense", "oracle", "quest", "sparq", "sparcas", "streaming_llm", "snapkv", "h2o", "learned", "spark")
+# ... but not as a composition's part: Quest's pages need position-ordered slots, the reference's
+# composition makes SparCas choose new dimensions after each eviction, and it attends on the cached
+# keys, not on SparK's recovered ones
+ALONE_ONLY = ("quest", "sparcas", "spark")
+
+
+def has_fast_path(selector: Selector) -> bool:
+    """Whether `StaticSession` makes the reference's choices for `selector`: its parts (a
+    composition's two, SparK and its base) in `FAST_SELECTORS`, none with a threshold. SparK over a
+    base that keeps every token is refused: on the reference path every step is then a dense one,
+    which prunes every token again."""
+    parts = [selector]
+    if isinstance(selector, HybridSelector):
+        parts = [selector.residency, selector.attention]
+        if any(p.name in ALONE_ONLY for p in parts):
+            return False
+    elif isinstance(selector, SparKSelector):
+        if selector.keeps_all:
+            return False
+        parts.append(selector.base)
+    return all(p.name in FAST_SELECTORS and getattr(p, "threshold", None) is None for p in parts)
 
 
 class StaticSession(SparseSession):
@@ -65,10 +87,7 @@ class StaticSession(SparseSession):
         self, model, selector: Selector, config: SparsityConfig, prompt_tokens: int, max_new_tokens: int,
         prefill_chunk: int, tier: HostRetrieval | None = None, batch: int = 1,
     ):  # fmt: skip
-        parts = [selector.residency, selector.attention] if isinstance(selector, HybridSelector) else [selector]
-        if any(p.name not in FAST_SELECTORS or p.name == "quest" and len(parts) > 1 for p in parts) or any(
-            getattr(p, "threshold", None) is not None for p in parts
-        ):
+        if not has_fast_path(selector):
             raise ValueError(
                 f"selector {selector.name!r} has no fast decode path yet; use one of {', '.join(FAST_SELECTORS)}, "
                 "or `atskv.sparse` with `model.generate` (the reference path)"

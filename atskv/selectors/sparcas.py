@@ -15,6 +15,11 @@ Token scores: each query head's partial logits, scaled by the model's attention 
 paper's `A_Db = Q_sel K_sel^T / sqrt(D)`, softmaxed over the slots and summed over the group
 (post-softmax pooling: the paper does not say how the group's heads combine; this is the mass the
 group would put on each token under the approximation, as for the oracle and SparQ).
+
+On the fast path (`atskv.generate`) the compact keys are a slot tensor over the whole static
+buffer (so they follow the prompt's tokens when the padding is dropped) updated in place by
+`static_write`: the new token's dimensions go to its slot, and every U-th step (a step variant,
+decided from host counts alone) chooses new dimensions and rebuilds the copy.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import torch
 from atskv.hook.gqa import grouped_queries
 from atskv.kernels.partial_scores import partial_scores
 from atskv.kernels.sparq_decode import pooled_probs
+from atskv.memory.slot_cache import slot_index
+from atskv.memory.static_cache import StaticSlotLayer
 from atskv.selectors.base import LayerView, Selector
 from atskv.selectors.buffers import with_room
 
@@ -33,9 +40,10 @@ from atskv.selectors.buffers import with_room
 @dataclass
 class _CompactKeys:
     dims: torch.Tensor  # [B, Hkv, D_b] long, ascending
-    keys: torch.Tensor  # [B, Hkv, room, D_b]: column i holds key dimension dims[..., i]
+    keys: torch.Tensor  # [B, Hkv, room, D_b]: column i holds key dimension dims[..., i] (fast path: a slot tensor)
     slots: int  # slots copied so far
     refreshed_at: int  # tokens the layer had seen when `dims` were chosen
+    prompt_end: int = 0  # tokens it had seen at the prefill: the fast path counts its steps from there
 
 
 @dataclass
@@ -46,27 +54,58 @@ class SparCasSelector(Selector):
     refresh_every: int = 64
 
     def prefill(self, view: LayerView) -> None:
-        self._refresh(view)
+        state = self._refresh(view)
+        state.prompt_end = view.layer.seen
+        if isinstance(view.layer, StaticSlotLayer):  # the fast path (module docstring)
+            compact = view.layer.slot_tensor(self.name, dtype=state.keys.dtype, width=state.keys.shape[-1])
+            state.keys = compact.copy_(state.keys)
+            view.layer.reset_by_selector.add(self.name)  # `static_write` writes a decode token's entry
 
     def scores(self, view: LayerView):
         state = view.layer.state.get(self.name)
-        if state is None or view.layer.seen - state.refreshed_at >= self.refresh_every:
-            state = self._refresh(view)
-        else:
-            self._extend(state, view.keys)
+        if view.longest is None:  # on the fast path `static_write` keeps the copy up to date
+            if state is None or view.layer.seen - state.refreshed_at >= self.refresh_every:
+                state = self._refresh(view)
+            else:
+                self._extend(state, view.keys)
         dims = state.dims.repeat_interleave(view.group_size, dim=1).unsqueeze(2)  # [B, Hq, 1, D_b]
         logits = partial_scores(view.query, state.keys[:, :, : state.slots], dims, compact=True)
         return pooled_probs(logits * view.scaling, view.valid)
 
+    def decode_variant(self, layer) -> bool:
+        """Whether the next decode step refreshes the dimensions: every `refresh_every` tokens after
+        the prompt, `scores`' rule (one token a step), from host counts."""
+        return (layer.seen - layer.state[self.name].prompt_end) % self.refresh_every == 0
+
+    def static_write(self, view: LayerView) -> None:
+        """Fast path: the decode token just written at `write_slot` enters the compact copy, or on
+        a refresh step new dimensions come from its query and the copy is rebuilt; in place."""
+        layer = view.layer
+        if not layer.decoding:  # a prompt chunk: `prefill` builds the state after the last one
+            return
+        state = layer.state[self.name]
+        state.keys = layer.slot_tensor(self.name)  # where the prompt's end left it
+        if self.decode_variant(layer):
+            state.dims.copy_(self._choose_dims(view.query, layer.keys.shape[1]))
+            state.keys.copy_(_compact(layer.keys, state.dims))
+            return
+        slot = layer.write_slot.unsqueeze(-1)  # [B, Hkv, 1]
+        new = _compact(layer.keys.gather(2, slot_index(slot, layer.keys)), state.dims)
+        state.keys.scatter_(2, slot_index(slot, state.keys), new)
+
     def _refresh(self, view: LayerView) -> _CompactKeys:
         """New dimensions from the newest query's |q| summed over each group; compact keys rebuilt."""
         keys = view.keys
-        importance = grouped_queries(view.query[:, :, -1:], keys.shape[1]).abs().float().sum(dim=(2, 3))
-        dims = importance.topk(min(self.dims, keys.shape[-1]), dim=-1).indices.sort(dim=-1).values
+        dims = self._choose_dims(view.query, keys.shape[1])
         empty = keys.new_empty(*keys.shape[:2], 0, dims.shape[-1])
         state = view.layer.state[self.name] = _CompactKeys(dims, empty, 0, view.layer.seen)
         self._extend(state, keys)
         return state
+
+    def _choose_dims(self, query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+        """`[B, Hkv, D_b]`: the dimensions of highest |q| of the newest query, summed over each group."""
+        importance = grouped_queries(query[:, :, -1:], num_kv_heads).abs().float().sum(dim=(2, 3))
+        return importance.topk(min(self.dims, query.shape[-1]), dim=-1).indices.sort(dim=-1).values
 
     @staticmethod
     def _extend(state: _CompactKeys, keys: torch.Tensor) -> None:
@@ -74,7 +113,11 @@ class SparCasSelector(Selector):
         slots = keys.shape[2]
         if slots <= state.slots:
             return
-        new = keys[:, :, state.slots :]
         state.keys = with_room(state.keys, slots)
-        state.keys[:, :, state.slots : slots] = new.gather(-1, state.dims.unsqueeze(2).expand(*new.shape[:3], -1))
+        state.keys[:, :, state.slots : slots] = _compact(keys[:, :, state.slots :], state.dims)
         state.slots = slots
+
+
+def _compact(keys: torch.Tensor, dims: torch.Tensor) -> torch.Tensor:
+    """`keys` `[B, Hkv, n, D]` on `dims` `[B, Hkv, D_b]`: `[B, Hkv, n, D_b]`."""
+    return keys.gather(-1, dims.unsqueeze(2).expand(*keys.shape[:3], -1))

@@ -15,6 +15,11 @@ the window and over the KV group's query heads (a signed mean could cancel to ~0
 divides by it; the scale of `a` cancels out of both the ranking and the recovery); the recovered
 entry keeps the sign of the pruned one (as the authors' code does; the paper's Eq. 8 gives only
 its magnitude).
+
+The reference path keeps the full keys and recovers at every read (a later dense step prunes
+again from them). The fast path (`atskv.generate`) writes the recovered keys into its cache after
+the prompt instead: its kernels read the cache, it prunes only once, and every later read of a
+prompt token on the reference path (attention, the base's scores) is of the recovered key too.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from atskv.hook.gqa import grouped_queries
+from atskv.memory.static_cache import StaticSlotLayer
 from atskv.selectors.base import LayerView, Selector
 from atskv.selectors.snapkv import SnapKVSelector
 
@@ -73,12 +79,15 @@ class SparKSelector(Selector):
         scale = q.square().mean(dim=(2, 3)).sqrt()
         # recovery divides by it: a channel the window never uses would recover to ~inf
         scale = scale.maximum(1e-4 * scale.amax(dim=-1, keepdim=True))
-        view.layer.state[_QUERY_SCALE] = scale
         saliency = self._saliency(view.keys, scale)
         top = saliency.topk(kept, dim=-1).values  # [B, Hkv, S, T]
+        threshold = top[..., -1].masked_fill(view.slot_pos < 0, -torch.inf)
         pruned_mean = (saliency.sum(-1) - top.sum(-1)) / (d - kept)
-        occupied = view.slot_pos >= 0
-        view.layer.slot_tensor(_THRESHOLD, init=-torch.inf).copy_(top[..., -1].masked_fill(~occupied, -torch.inf))
+        if isinstance(view.layer, StaticSlotLayer):  # the fast path: into the cache (module docstring)
+            view.keys.copy_(self._recovered(view.keys, scale, threshold, pruned_mean))
+            return
+        view.layer.state[_QUERY_SCALE] = scale
+        view.layer.slot_tensor(_THRESHOLD, init=-torch.inf).copy_(threshold)
         view.layer.slot_tensor(_MEAN).copy_(pruned_mean)
 
     def attention_keys(self, view: LayerView) -> torch.Tensor:
@@ -86,20 +95,41 @@ class SparKSelector(Selector):
         scale = view.layer.state.get(_QUERY_SCALE)
         if scale is None:
             return view.keys
-        threshold = view.layer.slot_tensor(_THRESHOLD, init=-torch.inf).unsqueeze(-1)
-        pruned = self._saliency(view.keys, scale) < threshold
-        magnitude = view.layer.slot_tensor(_MEAN).unsqueeze(-1) / scale.unsqueeze(2)
-        recovered = torch.where(view.keys < 0, -magnitude, magnitude).to(view.keys.dtype)
-        return torch.where(pruned, recovered, view.keys)
+        threshold = view.layer.slot_tensor(_THRESHOLD, init=-torch.inf)
+        return self._recovered(view.keys, scale, threshold, view.layer.slot_tensor(_MEAN))
 
     def scores(self, view: LayerView):
-        return self.base.scores(replace(view, keys=self.attention_keys(view)))
+        return self.base.scores(self._on_recovered_keys(view))
+
+    def decode_indices(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.base.decode_indices(self._on_recovered_keys(view))
 
     def unwanted(self, view: LayerView) -> torch.Tensor | None:
-        return self.base.unwanted(replace(view, keys=self.attention_keys(view)))
+        return self.base.unwanted(self._on_recovered_keys(view))
 
     def observe(self, view: LayerView, attention_mass: torch.Tensor) -> None:
         self.base.observe(view, attention_mass)
+
+    def static_write(self, view: LayerView) -> None:
+        self.base.static_write(view)
+
+    def decode_variant(self, layer) -> object:
+        return self.base.decode_variant(layer)
+
+    def mass_accumulator(self, view: LayerView) -> torch.Tensor | None:
+        return self.base.mass_accumulator(view)
+
+    def _on_recovered_keys(self, view: LayerView) -> LayerView:
+        return replace(view, keys=self.attention_keys(view))
+
+    @classmethod
+    def _recovered(cls, keys: torch.Tensor, scale: torch.Tensor, threshold: torch.Tensor, pruned_mean: torch.Tensor):
+        """`keys` with each entry of saliency below its slot's `threshold` (`[B, Hkv, S]`) replaced
+        by `sign * pruned_mean / scale`."""
+        pruned = cls._saliency(keys, scale) < threshold.unsqueeze(-1)
+        magnitude = pruned_mean.unsqueeze(-1) / scale.unsqueeze(2)
+        recovered = torch.where(keys < 0, -magnitude, magnitude).to(keys.dtype)
+        return torch.where(pruned, recovered, keys)
 
     @staticmethod
     def _saliency(keys: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
