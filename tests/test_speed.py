@@ -12,7 +12,7 @@ from tests.conftest import tiny_model
 
 def test_decode_speed_records_every_method_against_plain(tmp_path):
     model = tiny_model("llama")
-    methods = ("plain", "dense", "snapkv", "sparcas", "hook:h2o", "tiered:snapkv", "tiered:quest", "learned+sparq")
+    methods = ("plain", "dense", "snapkv", "snapkv+quest", "hook:h2o", "tiered:snapkv", "tiered:quest", "learned+sparq")
     run = speed.DecodeRun(16, new_tokens=4, prefill_chunk=64, retrieve=32)
     records = speed.measure(model, "tiny", methods, [96], [1, 2], run)
     assert [(r.batch, r.method) for r in records] == [(b, m) for b in (1, 2) for m in methods]
@@ -21,12 +21,12 @@ def test_decode_speed_records_every_method_against_plain(tmp_path):
         assert by[b, "plain"].ratio == 1.0 and by[b, "plain"].budget is None
         assert by[b, "snapkv"].ratio == by[b, "snapkv"].ms_per_step / by[b, "plain"].ms_per_step
         assert by[b, "snapkv"].tokens_per_s == b * 1000 / by[b, "snapkv"].ms_per_step
-        assert by[b, "sparcas"].ms_per_step is None and "no fast decode path" in by[b, "sparcas"].error
+        assert by[b, "snapkv+quest"].ms_per_step is None and "no fast decode path" in by[b, "snapkv+quest"].error
         assert by[b, "tiered:snapkv"].ms_per_step is not None, by[b, "tiered:snapkv"].error
         assert "needs an evicting selector" in by[b, "tiered:quest"].error
         assert by[b, "learned+sparq"].ms_per_step is not None, by[b, "learned+sparq"].error  # a random predictor
     table = speed.write(records, tmp_path, {"command": "test", "new_tokens": 4})
-    assert "| tiny | 96 | 2 | sparcas | 16 | selector 'sparcas' has no fast decode path" in table.read_text()
+    assert "| tiny | 96 | 2 | snapkv+quest | 16 | selector 'snapkv+quest' has no fast decode path" in table.read_text()
     saved = json.loads((tmp_path / "speed.json").read_text())
     assert len(saved["records"]) == 16 and (tmp_path / "speed.png").stat().st_size > 0
 
