@@ -126,7 +126,8 @@ class Selector:
 
     def attention_keys(self, view: LayerView) -> torch.Tensor:
         """The keys attention runs on: the cached ones, unless the selector approximates them
-        (SparK's pruned channels with recovery); scores and the cache always see the cached keys."""
+        (SparK's pruned channels with recovery, which SparK's own scores also read; on the fast path
+        it writes them into the cache instead)."""
         return view.keys
 
     def observe(self, view: LayerView, attention_mass: torch.Tensor) -> None:
