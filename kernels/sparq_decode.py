@@ -88,25 +88,36 @@ def sparq_probs(query, keys, valid, scaling: float, rank: int, partial=partial_s
 
 
 def sparq_decode(query, keys, keys_t, slot_pos, write_slot, context, scaling: float, rank: int,
-                 budget: int | float, k: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                 budget: int | float, k: int, channels=None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One decode step: first the new token's key (`keys[b, h, write_slot[b, h]]`) is copied into
     `keys_t` `[B, Hkv, D, S]` in place; then slot ids `[B, Hkv, k]` (int32) whose first `lengths`
     `[B, Hkv]` (int32) are the held slots of highest pooled SparQ probability for `query` `[B, Hq, D]`
     (see the module docstring), the rest in-range filler. `lengths`: the row's budget (`budget` of
-    `context` `[B]` tokens, `resolve_budget`'s rule), at most its held slots and `k`."""
+    `context` `[B]` tokens, `resolve_budget`'s rule), at most its held slots and `k`.
+
+    With `channels` `[B, Hkv, R]` (SparCas: channels fixed per KV head, `rank` = R), `keys_t` is the
+    compact copy `[B, Hkv, R, S]` (any strides) whose row i holds channel `channels[..., i]`, the
+    new token's entry already written by the caller, and the logits are those channels' partial
+    sums times `scaling` (no temperature correction); the rest is the same."""
+    args = (query, keys, keys_t, slot_pos, write_slot, context, scaling, rank, budget, k)
     if use_triton(query):
-        return sparq_decode_triton(query, keys, keys_t, slot_pos, write_slot, context, scaling, rank, budget, k)
-    return sparq_decode_reference(query, keys, keys_t, slot_pos, write_slot, context, scaling, rank, budget, k)
+        return sparq_decode_triton(*args, channels=channels)
+    return sparq_decode_reference(*args, channels=channels)
 
 
 def sparq_decode_reference(query, keys, keys_t, slot_pos, write_slot, context, scaling: float, rank: int,
-                           budget: int | float, k: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                           budget: int | float, k: int, channels=None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     b, hkv, d, s = keys_t.shape
-    at = write_slot.view(b, hkv, 1, 1)
-    keys_t.scatter_(3, at.expand(b, hkv, d, 1), keys.gather(2, at.expand(b, hkv, 1, d)).transpose(2, 3))
     held = slot_pos >= 0
-    probs = sparq_probs(query.unsqueeze(2), keys_t.transpose(2, 3), held.unsqueeze(2), scaling, rank,
-                        partial_scores_reference)[:, :, 0]  # fmt: skip
+    if channels is None:
+        at = write_slot.view(b, hkv, 1, 1)
+        keys_t.scatter_(3, at.expand(b, hkv, d, 1), keys.gather(2, at.expand(b, hkv, 1, d)).transpose(2, 3))
+        probs = sparq_probs(query.unsqueeze(2), keys_t.transpose(2, 3), held.unsqueeze(2), scaling, rank,
+                            partial_scores_reference)[:, :, 0]  # fmt: skip
+    else:
+        dims = channels.long().repeat_interleave(query.shape[1] // hkv, dim=1).unsqueeze(2)  # [B, Hq, 1, R]
+        logits = partial_scores_reference(query.unsqueeze(2), keys_t.transpose(2, 3), dims, compact=True)
+        probs = pooled_probs(logits * scaling, held.unsqueeze(2))[:, :, 0]
     newest_first = probs.masked_fill(~held, -math.inf).flip(-1)  # a stable sort then ranks equals by slot, high first
     best = s - 1 - newest_first.sort(dim=-1, descending=True, stable=True).indices[..., :k]
     lengths = kept_tokens(budget, context.view(-1, 1)).minimum(held.sum(-1)).clamp(max=k)
@@ -115,18 +126,21 @@ def sparq_decode_reference(query, keys, keys_t, slot_pos, write_slot, context, s
 
 @jit
 def _channels_kernel(
-    q_ptr, k_ptr, kt_ptr, w_ptr, dims_ptr, coef_ptr, hist_ptr, count_ptr, n_kv_heads, head_dim, scaling,
+    q_ptr, k_ptr, kt_ptr, w_ptr, fix_ptr, dims_ptr, coef_ptr, hist_ptr, count_ptr, n_kv_heads, head_dim, scaling,
     sq_b, sq_h, sq_d,
     sk_b, sk_h, sk_s, sk_d,
     st_b, st_h, st_d, st_s,
     sw_b, sw_h,
+    sf_b, sf_h, sf_r,
     GROUP: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-    N_BINS: tl.constexpr,
+    N_BINS: tl.constexpr, FIXED: tl.constexpr,
 ):  # fmt: skip
     """One query head: its r channels of largest |q| (`dims` `[heads, BLOCK_R]`) and their q
     components times SparQ's temperature-corrected scale (`coef`). A row's head 0 also copies the
     new token's key into `keys_t` and zeroes the row's histogram and counters for the kernels after
-    it. Done once per head here, so the logits kernel's many programs only stream keys."""
+    it. Done once per head here, so the logits kernel's many programs only stream keys. FIXED
+    (SparCas): the channels come from `fix` `[B, Hkv, RANK]`, the compact copy's rows 0 .. RANK - 1
+    hold them, the scale is `scaling`, and the caller has written the new token's entry."""
     head = tl.program_id(0)
     row = head // GROUP
     g = head % GROUP
@@ -135,28 +149,38 @@ def _channels_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
     if g == 0:
-        new = tl.load(w_ptr + b * sw_b + h * sw_h)  # the slot the decode token was written to
-        k_new = tl.load(k_ptr + b * sk_b + h * sk_h + new * sk_s + d * sk_d, mask=d_ok)
-        tl.store(kt_ptr + b * st_b + h * st_h + d * st_d + new * st_s, k_new, mask=d_ok)
+        if not FIXED:
+            new = tl.load(w_ptr + b * sw_b + h * sw_h)  # the slot the decode token was written to
+            k_new = tl.load(k_ptr + b * sk_b + h * sk_h + new * sk_s + d * sk_d, mask=d_ok)
+            tl.store(kt_ptr + b * st_b + h * st_h + d * st_d + new * st_s, k_new, mask=d_ok)
         tl.store(hist_ptr + row.to(tl.int64) * N_BINS + tl.arange(0, N_BINS), tl.zeros([N_BINS], tl.int32))
         tl.store(count_ptr + row * 8 + tl.arange(0, 8), tl.zeros([8], tl.int64))
     q_at = q_ptr + b * sq_b + (h * GROUP + g) * sq_h
-    q = tl.load(q_at + d * sq_d, mask=d_ok, other=0.0).to(tl.float32)
-    mag = tl.abs(q)
-    # channels in |q| order, larger first, the lower channel first among equals: one sort of
-    # (|q| bits, channel) keys (ranking by a [D, D] comparison cost ~3 us of this kernel's ~6, H200)
-    order = tl.sort(tl.where(d_ok, (mag.to(tl.int32, bitcast=True).to(tl.int64) << 16) | (65535 - d), -1),
-                    descending=True)  # fmt: skip
-    first = d < RANK
-    channel = tl.where(first, 65535 - (order & 65535), 0).to(tl.int32)
-    kept = tl.sum(tl.where(first, (order >> 16).to(tl.int32).to(tl.float32, bitcast=True), 0.0), 0)
-    total = tl.maximum(tl.sum(mag, 0), 1.1754943508222875e-38)  # float32's tiny
-    share = tl.maximum(tl.div_rn(kept, total), 1.1754943508222875e-38)
-    rows = d < BLOCK_R  # rows RANK .. BLOCK_R - 1: channel 0, coefficient 0
-    tl.store(dims_ptr + head * BLOCK_R + d, channel, mask=rows)
-    tl.store(coef_ptr + head * (BLOCK_R + 1) + d, tl.load(q_at + channel * sq_d, mask=first, other=0.0).to(tl.float32),
-             mask=rows)  # fmt: skip
-    tl.store(coef_ptr + head * (BLOCK_R + 1) + BLOCK_R, tl.div_rn(scaling, tl.sqrt_rn(share)))
+    if FIXED:
+        i = tl.arange(0, BLOCK_R)
+        used = i < RANK
+        fixed = tl.load(fix_ptr + b * sf_b + h * sf_h + i * sf_r, mask=used, other=0)
+        tl.store(dims_ptr + head * BLOCK_R + i, i)
+        coef = tl.load(q_at + fixed * sq_d, mask=used, other=0.0).to(tl.float32)
+        tl.store(coef_ptr + head * (BLOCK_R + 1) + i, coef)
+        tl.store(coef_ptr + head * (BLOCK_R + 1) + BLOCK_R, scaling)
+    else:
+        q = tl.load(q_at + d * sq_d, mask=d_ok, other=0.0).to(tl.float32)
+        mag = tl.abs(q)
+        # channels in |q| order, larger first, the lower channel first among equals: one sort of
+        # (|q| bits, channel) keys (ranking by a [D, D] comparison cost ~3 us of this kernel's ~6, H200)
+        order = tl.sort(tl.where(d_ok, (mag.to(tl.int32, bitcast=True).to(tl.int64) << 16) | (65535 - d), -1),
+                        descending=True)  # fmt: skip
+        first = d < RANK
+        channel = tl.where(first, 65535 - (order & 65535), 0).to(tl.int32)
+        kept = tl.sum(tl.where(first, (order >> 16).to(tl.int32).to(tl.float32, bitcast=True), 0.0), 0)
+        total = tl.maximum(tl.sum(mag, 0), 1.1754943508222875e-38)  # float32's tiny
+        share = tl.maximum(tl.div_rn(kept, total), 1.1754943508222875e-38)
+        rows = d < BLOCK_R  # rows RANK .. BLOCK_R - 1: channel 0, coefficient 0
+        tl.store(dims_ptr + head * BLOCK_R + d, channel, mask=rows)
+        coef = tl.load(q_at + channel * sq_d, mask=first, other=0.0).to(tl.float32)
+        tl.store(coef_ptr + head * (BLOCK_R + 1) + d, coef, mask=rows)
+        tl.store(coef_ptr + head * (BLOCK_R + 1) + BLOCK_R, tl.div_rn(scaling, tl.sqrt_rn(share)))
 
 
 @jit
@@ -346,9 +370,9 @@ def _collect_kernel(
 def sparq_decode_triton(query, keys, keys_t, slot_pos, write_slot, context, scaling: float, rank: int,
                         budget: int | float, k: int, block_s: int = 2048, parts: int | None = None,
                         probs_block: int = 1024, window: int = 128, collect_block: int = 2048, block_c: int = 256,
-                        radix: int = 3, warps: tuple[int, int, int, int] = (8, 4, 8, 8),
+                        radix: int = 3, warps: tuple[int, int, int, int] = (8, 4, 8, 8), channels=None,
                         ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The four kernels. `block_s`: slots per step of the logits kernel; `parts`: its programs per
+    """The four kernels (`channels`: see `sparq_decode`). `block_s`: slots per step of the logits kernel; `parts`: its programs per
     query head (None: about LOGITS_WAVES per SM over the grid; two off CUDA); `probs_block`: slots
     per program of the probabilities, `window` the bins each counts before adding them; `collect_block`:
     slots per program of the collection; `block_c`: candidates held in registers by its last one,
@@ -376,11 +400,12 @@ def sparq_decode_triton(query, keys, keys_t, slot_pos, write_slot, context, scal
     candidates = torch.empty(rows, width, dtype=torch.int32, device=device)
     indices = torch.empty(b, hkv, k, dtype=torch.int32, device=device)
     lengths = torch.empty(b, hkv, dtype=torch.int32, device=device)
+    fixed = channels if channels is not None else write_slot.unsqueeze(-1)  # unused without channels
     _channels_kernel[(rows * group,)](
-        query, keys, keys_t, write_slot, dims, coef, hist, counters, hkv, d, scaling,
-        *query.stride(), *keys.stride(), *keys_t.stride(), *write_slot.stride(),
+        query, keys, keys_t, write_slot, fixed, dims, coef, hist, counters, hkv, d, scaling,
+        *query.stride(), *keys.stride(), *keys_t.stride(), *write_slot.stride(), *fixed.stride(),
         GROUP=group, RANK=rank, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(d), N_BINS=1 << _BINS_BITS,
-        num_warps=warps[0],
+        FIXED=channels is not None, num_warps=warps[0],
     )  # fmt: skip
     _logits_kernel[(rows * group, parts)](
         keys_t, slot_pos, dims, coef, logits, stats, hkv, slots, width, kt_cols, span, *keys_t.stride(),

@@ -11,7 +11,10 @@ from tests.test_decode import _left_padded, _no_host_reads, _reference
 
 import atskv
 from atskv.hook import decode
-from atskv.kernels.sparq_decode import sparq_decode, sparq_decode_reference, sparq_decode_triton, sparq_probs
+from atskv.kernels.partial_scores import partial_scores
+from atskv.kernels.sparq_decode import (
+    pooled_probs, sparq_decode, sparq_decode_reference, sparq_decode_triton, sparq_probs,
+)
 from atskv.selectors.base import select_top_budget
 
 RANK = 4
@@ -89,6 +92,29 @@ def test_equal_query_magnitudes_choose_the_lower_channels():
     query[..., 8:32:3] = torch.tensor([2.0, -2.0] * 4)[: len(range(8, 32, 3))]  # 8 tied channels for RANK = 4
     ref, tri, _, _ = both(args, 40, 64)
     assert chosen(*tri) == chosen(*ref)  # with the higher channels first the slots differ (checked)
+
+
+@pytest.mark.parametrize("knobs", [SMALL, {}])
+@pytest.mark.parametrize("group", [1, 4])
+def test_fixed_channels_match_sparcas_scores(group, knobs):
+    """SparCas's pick (`channels=`): a compact copy `[B, Hkv, S, R]` read channel-major through its
+    strides, the channels fixed per KV head, no temperature correction. Kernel and reference keep
+    the same slots, the top budget of the pooled probabilities as `SparCasSelector.scores` has them."""
+    query, keys, _, slot_pos, write_slot, context, scaling = static_layer(group=group)
+    g = torch.Generator().manual_seed(5)
+    channels = torch.stack([torch.randperm(16, generator=g)[:RANK].sort().values for _ in range(4)]).view(2, 2, RANK)
+    compact = keys.gather(-1, channels.unsqueeze(2).expand(-1, -1, keys.shape[2], -1))  # [B, Hkv, S, R]
+    args = (query, keys, compact.transpose(2, 3), slot_pos, write_slot, context, scaling)
+    want = sparq_decode_reference(*args, RANK, 40, 64, channels=channels)
+    got = sparq_decode_triton(*args, RANK, 40, 64, channels=channels, **knobs)
+    assert torch.equal(got[1], want[1]) and chosen(*got) == chosen(*want)
+    dims = channels.repeat_interleave(group, dim=1).unsqueeze(2)
+    probs = pooled_probs(partial_scores(query.unsqueeze(2), compact, dims, compact=True) * scaling,
+                         (slot_pos >= 0).unsqueeze(2))[:, :, 0]  # fmt: skip
+    for b in range(2):
+        for h in range(2):
+            best = probs[b, h].masked_fill(slot_pos[b, h] < 0, -1).topk(40).indices
+            assert chosen(*want)[b][h] == set(best.tolist())
 
 
 @pytest.mark.parametrize("budget", [12, 0.05])

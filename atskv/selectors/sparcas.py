@@ -19,7 +19,8 @@ group would put on each token under the approximation, as for the oracle and Spa
 On the fast path (`atskv.generate`) the compact keys are a slot tensor over the whole static
 buffer (so they follow the prompt's tokens when the padding is dropped) updated in place by
 `static_write`: the new token's dimensions go to its slot, and every U-th step (a step variant,
-decided from host counts alone) chooses new dimensions and rebuilds the copy.
+decided from host counts alone) chooses new dimensions and rebuilds the copy. The step's pick is
+SparQ's fused kernels with these channels fixed (`atskv.kernels.sparq_decode`, `channels=`).
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ import torch
 
 from atskv.hook.gqa import grouped_queries
 from atskv.kernels.partial_scores import partial_scores
-from atskv.kernels.sparq_decode import pooled_probs
+from atskv.kernels.sparq_decode import pooled_probs, sparq_decode
 from atskv.memory.slot_cache import slot_index
 from atskv.memory.static_cache import StaticSlotLayer
-from atskv.selectors.base import LayerView, Selector
+from atskv.selectors.base import LayerView, Selector, budget_tokens
 from atskv.selectors.buffers import with_room
 
 
@@ -71,6 +72,18 @@ class SparCasSelector(Selector):
         dims = state.dims.repeat_interleave(view.group_size, dim=1).unsqueeze(2)  # [B, Hq, 1, D_b]
         logits = partial_scores(view.query, state.keys[:, :, : state.slots], dims, compact=True)
         return pooled_probs(logits * view.scaling, view.valid)
+
+    def decode_indices(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
+        """On the fast path SparQ's fused step with the channels fixed (`sparq_decode(channels=)`,
+        over the compact copy read channel-major through its strides: the torch scores and top-k
+        took 158 us a layer at the 8B shape, 32K); elsewhere the default ranking of `scores`."""
+        state = view.layer.state.get(self.name)
+        if view.longest is None or state is None:
+            return super().decode_indices(view)
+        k = min(budget_tokens(view), view.keys.shape[2])
+        return sparq_decode(view.query[:, :, -1], view.keys, state.keys.transpose(2, 3), view.slot_pos,
+                            view.layer.write_slot, view.context[:, 0, -1], view.scaling, state.dims.shape[-1],
+                            view.budget, k, channels=state.dims)  # fmt: skip
 
     def decode_variant(self, layer) -> bool:
         """Whether the next decode step refreshes the dimensions: every `refresh_every` tokens after
