@@ -188,7 +188,7 @@ def _logits_kernel(
     kt_ptr, pos_ptr, dims_ptr, coef_ptr, logit_ptr, stat_ptr, n_kv_heads, n_slots, width, kt_cols, span,
     st_b, st_h, st_d, st_s,
     sp_b, sp_h, sp_s,
-    GROUP: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+    GROUP: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, FIXED: tl.constexpr,
 ):  # fmt: skip
     """One query head and `span` slots, BLOCK_S at a time: each step reads the head's r rows of
     `keys_t` (a [BLOCK_R, BLOCK_S] tile whose channel sum stays inside each thread) and keeps a
@@ -209,7 +209,10 @@ def _logits_kernel(
     used = i < RANK
     q_sel = tl.load(coef_ptr + head * (BLOCK_R + 1) + i)
     scale = tl.load(coef_ptr + head * (BLOCK_R + 1) + BLOCK_R)
-    rows_at = kt_ptr + b * st_b + h * st_h + tl.load(dims_ptr + head * BLOCK_R + i)[:, None] * st_d
+    if FIXED:  # rows 0 .. RANK - 1 of a compact copy: a row-major one then reads in whole slots
+        rows_at = kt_ptr + b * st_b + h * st_h + i[:, None] * st_d
+    else:
+        rows_at = kt_ptr + b * st_b + h * st_h + tl.load(dims_ptr + head * BLOCK_R + i)[:, None] * st_d
     top = tl.full([], -3.4028234663852886e38, tl.float32)  # float32's min, as the reference's mask
     exps = tl.zeros([], tl.float32)
     out_at = logit_ptr + head.to(tl.int64) * width
@@ -409,7 +412,8 @@ def sparq_decode_triton(query, keys, keys_t, slot_pos, write_slot, context, scal
     )  # fmt: skip
     _logits_kernel[(rows * group, parts)](
         keys_t, slot_pos, dims, coef, logits, stats, hkv, slots, width, kt_cols, span, *keys_t.stride(),
-        *slot_pos.stride(), GROUP=group, RANK=rank, BLOCK_R=block_r, BLOCK_S=block_s, num_warps=warps[1],
+        *slot_pos.stride(), GROUP=group, RANK=rank, BLOCK_R=block_r, BLOCK_S=block_s, FIXED=channels is not None,
+        num_warps=warps[1],
     )  # fmt: skip
     shift = 31 - _BINS_BITS
     _probs_kernel[(rows, triton.cdiv(width, probs_block))](
