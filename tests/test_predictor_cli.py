@@ -30,13 +30,14 @@ def test_collect_fit_export_then_the_learned_selector_by_name(tmp_path, monkeypa
     collected = tmp_path / "collect"
     assert run_cli(["collect", "--model", str(model_dir), "--corpus", str(corpus), "--windows", "4",
                 "--window_tokens", "96", "--decision_points", "[0.5]", "--future_queries", "8", "--topk", "8",
-                "--out", str(collected), "--device", "cpu"]) == 0
+                "--full_windows", "4", "--out", str(collected), "--device", "cpu"]) == 0
     assert run_cli(["fit", "--config", "configs/fit.yaml", "--data.folder", str(collected), "--data.num_workers", "0",
                 "--data.batch_size", "256", "--data.validation_fraction", "0.25", "--trainer.max_epochs", "1",
                 "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
                 "--trainer.default_root_dir", str(tmp_path / "fit"),
                 "--trainer.logger.init_args.save_dir", str(tmp_path / "fit")]) == 0
     checkpoint = next((tmp_path / "fit").rglob("last.ckpt"))
+    assert next((tmp_path / "fit").rglob("epoch0-window_recall*.ckpt"))  # every window full: kept by window recall
     assert run_cli(["export", str(checkpoint), "--model", str(model_dir)]) == 0
     loaded = load_model(str(model_dir))
     (learned,) = selectors_for_model(["learned"], loaded.name)

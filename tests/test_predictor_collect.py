@@ -322,3 +322,28 @@ def test_task_prompts_are_decided_at_the_prompts_end_with_the_answer_as_the_futu
     decisions = {int(data[i]["decision"]) for i in range(len(data))}
     assert len(decisions) <= 2 and all(d > 150 for d in decisions)
     assert ShardDataset(folder).meta["tasks"] == {"names": ["passkey"], "examples": 2, "tokens": 200}
+
+
+def test_full_windows_keep_every_token_and_the_same_sample(tmp_path):
+    """`full_windows=1`: the first window's groups hold every token 0..t, their `sampled` rows are
+    bit for bit the rows a sampled collection holds; the second window is sampled as before."""
+    _, plain = _run(tmp_path, name="plain")
+    _, folder = _run(tmp_path, name="full", full_windows=1)
+    meta, plain_meta = ShardDataset(folder).meta, ShardDataset(plain).meta
+    assert meta == {**plain_meta, "full_windows": 1} and "full_windows" not in plain_meta  # old manifests unchanged
+    for i, is_full in enumerate([True, False]):
+        shard, before = load_file(folder / f"shard-{i}.safetensors"), load_file(plain / f"shard-{i}.safetensors")
+        assert set(shard) == set(before) | {"full", "sampled"} and shard["full"].eq(is_full).all()
+        for group in shard["group"].unique():
+            rows = shard["group"] == group
+            t = int(shard["decision"][rows][0])
+            assert rows.sum() == (t + 1 if is_full else 2 * K)
+            if is_full:
+                assert torch.equal(shard["position"][rows], torch.arange(t + 1, dtype=torch.int32))
+            members, sampled = shard["in_topk"][rows], shard["sampled"][rows]
+            assert members.sum() == K and sampled.sum() == 2 * K and sampled[members].all()
+            assert shard["mass"][rows][members].min() >= shard["mass"][rows][~members].max()  # top-k of every token
+        for column, value in before.items():
+            torch.testing.assert_close(shard[column][shard["sampled"]], value, rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(ValueError, match="full_windows must be >= 0"):
+        _run(tmp_path, windows=1, name="bad", full_windows=-1)

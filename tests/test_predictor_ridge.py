@@ -117,3 +117,18 @@ def test_the_ridge_command_fits_and_exports_a_collection(tmp_path):
     header = load_predictor(tmp_path / "ridge", model=model).header
     assert header.kind == "ridge" and header.managed_layers == (2, 3)
     assert header.training["stage"] == "ridge" and set(header.training["validation_mass_recall"]) == {"0.1", "1.0"}
+
+
+def test_full_windows_change_nothing_in_the_ridge_fit(tmp_path):
+    """Ridge reads only the `sampled` rows of a collection with full windows: the same fit and
+    validation recalls as the collection without them."""
+    from atskv.predictor.collect import collect
+
+    kw = {"decision_points": (0.5, 0.75), "future_queries": 8, "topk": 6, "dense_layers": 1, "progress": False}
+    model, tokenizer, windows = tiny_model("llama"), tiny_bpe_tokenizer(), random_prompt(64, batch=4)
+    plain = collect(model, tokenizer, windows, tmp_path / "plain", **kw)
+    full = collect(model, tokenizer, windows, tmp_path / "full", full_windows=4, **kw)
+    a, b = (fit_ridge(folder, alphas=(0.1, 1.0), validation_fraction=0.25) for folder in (plain, full))
+    assert a.validation == b.validation and a.alpha == b.alpha
+    for name, value in a.scorer.state_dict().items():
+        torch.testing.assert_close(b.scorer.state_dict()[name], value)

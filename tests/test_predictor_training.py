@@ -1,18 +1,22 @@
 """`atskv fit`: the Lightning training of the RelevanceMLP on synthetic shards laid out as the
 collection writes them (contract4), where mass follows the `attention` feature so it is learnable."""
 
+import re
+from pathlib import Path
+
 import lightning as L
 import pytest
 import torch
 import yaml
 
 from atskv.predictor.model import FeatureSpec
-from atskv.predictor.shards import ShardWriter
+from atskv.predictor.shards import ShardDataset, ShardWriter
 from atskv.predictor.token_types import TOKEN_TYPES
 from atskv.predictor.training import (
     MassRecall,
     RelevanceData,
     RelevanceModule,
+    WindowRecall,
     fit_main,
     mass_recall,
     pairwise_ranking_loss,
@@ -181,9 +185,100 @@ def test_fit_main_end_to_end_and_curves(shards, tmp_path):
     assert {p.name for p in checkpoints} >= {"last.ckpt"} and len(checkpoints) == 2
     best = RelevanceModule.load_from_checkpoint(cli.trainer.checkpoint_callback.best_model_path)
     assert best.model.spec == SPEC
-    assert cli.trainer.checkpoint_callback.monitor == "val/mass_recall"
+    assert cli.trainer.checkpoint_callback.monitor == "val/mass_recall"  # an old-style collection: no full groups
+    assert "val/window_recall" not in cli.trainer.callback_metrics
+    assert all(p.name.startswith("epoch1-recall") for p in checkpoints if p.name != "last.ckpt")
 
     png = training_curves(tmp_path / "tb", tmp_path / "curves.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     with pytest.raises(FileNotFoundError):
         training_curves(tmp_path / "nothing", tmp_path / "none.png")
+
+
+def test_window_recall_against_hand_computation():
+    # group 4, six tokens, k = 2 (rows 0, 2: mass 0.55); group 9, four tokens, k = 1 (row 1: 0.4)
+    group = torch.tensor([4, 4, 4, 4, 4, 4, 9, 9, 9, 9])
+    mass = torch.tensor([0.3, 0.05, 0.25, 0.1, 0.2, 0.08, 0.1, 0.4, 0.3, 0.2])
+    in_topk = torch.tensor([1, 0, 1, 0, 0, 0, 0, 1, 0, 0], dtype=torch.bool)
+    metric = WindowRecall()
+
+    def recall(preds):
+        metric.reset()
+        metric.update(preds[:4], mass[:4], in_topk[:4], group[:4])  # a group spans the two updates
+        metric.update(preds[4:], mass[4:], in_topk[4:], group[4:])
+        return metric.compute().item()
+
+    assert recall(mass) == pytest.approx(1.0)  # ranks perfectly
+    assert recall(-mass) == pytest.approx(((0.05 + 0.08) / 0.55 + 0.1 / 0.4) / 2)  # reversed: ~0.243
+    # picks rows 4 and 0 (0.5 of 0.55) and row 8 (0.3 of 0.4)
+    preds = torch.tensor([0.7, 0.1, 0.2, 0.3, 0.9, 0.0, 0.1, 0.2, 0.8, 0.3])
+    assert recall(preds) == pytest.approx((0.5 / 0.55 + 0.3 / 0.4) / 2)
+
+
+@pytest.fixture(scope="module")
+def full_collection(tmp_path_factory):
+    """A tiny model's collection of four windows, the first two kept whole."""
+    from atskv.predictor.collect import collect
+    from tests.conftest import random_prompt, tiny_bpe_tokenizer, tiny_model
+
+    folder = tmp_path_factory.mktemp("full") / "collect"
+    return collect(tiny_model("llama"), tiny_bpe_tokenizer(), random_prompt(64, batch=4), folder,
+                   decision_points=(0.5, 0.75), future_queries=8, topk=6, dense_layers=1, full_windows=2,
+                   progress=False)
+
+
+def split_seed(folder, full_in_validation: bool) -> int:
+    """A `data.seed` whose held-out window (one of four) is full, or is not."""
+    dataset = ShardDataset(folder, [])
+    for seed in range(50):
+        (held,) = dataset.split_by_key(0.25, seed)[1].keys
+        if (held in ("corpus-w0", "corpus-w1")) == full_in_validation:
+            return seed
+    raise AssertionError("no such split")
+
+
+def fit_cli(folder, tmp_path, seed):
+    config = {
+        "seed_everything": 0,
+        "trainer": {"max_epochs": 2, "accelerator": "cpu", "default_root_dir": str(tmp_path), "logger": False,
+                    "enable_progress_bar": False, "enable_model_summary": False},
+        "data": {"folder": str(folder), "batch_size": 64, "validation_fraction": 0.25, "num_workers": 0,
+                 "seed": seed},
+        "model": SMALL,
+    }  # fmt: skip
+    (tmp_path / "fit.yaml").write_text(yaml.safe_dump(config))
+    return fit_main(["fit", "--config", str(tmp_path / "fit.yaml")])
+
+
+def test_fit_checkpoints_on_window_recall_over_the_full_validation_groups(full_collection, tmp_path):
+    cli = fit_cli(full_collection, tmp_path, split_seed(full_collection, True))
+    callback, metrics, data = cli.trainer.checkpoint_callback, cli.trainer.callback_metrics, cli.datamodule
+    assert data.full_validation and callback.monitor == "val/window_recall"
+    assert {"val/window_recall", "val/mass_recall"} <= set(metrics)
+    assert re.fullmatch(r"epoch[01]-window_recall0\.\d{4}\.ckpt", Path(callback.best_model_path).name)
+    assert callback.best_model_score >= metrics["val/window_recall"]
+    # the logged values against the last model over the held-out rows: all of every full group for
+    # the window recall, only the sampled ones for the mass recall
+    rows = data.val_set.__getitems__(list(range(len(data.val_set))))
+    assert rows["full"].all() and not rows["sampled"].all()
+    model = cli.model.eval()
+    with torch.no_grad():
+        preds = model(rows)
+    full, sampled = rows["full"], rows["sampled"]
+    window = mass_recall(preds[full], rows["mass"][full], rows["in_topk"][full], rows["group"][full])
+    sample = mass_recall(preds[sampled], rows["mass"][sampled], rows["in_topk"][sampled], rows["group"][sampled])
+    assert metrics["val/window_recall"].item() == pytest.approx(window.item(), rel=1e-5)
+    assert metrics["val/mass_recall"].item() == pytest.approx(sample.item(), rel=1e-5)
+    assert window < sample  # the sample's top-k plus as many others is the easier set to rank
+
+
+def test_full_windows_only_in_training_train_on_their_sampled_rows(full_collection, tmp_path):
+    with pytest.warns(UserWarning, match="none of the collection's 2 full windows is in the validation split"):
+        cli = fit_cli(full_collection, tmp_path, split_seed(full_collection, False))
+    data = cli.datamodule
+    assert not data.full_validation and cli.trainer.checkpoint_callback.monitor == "val/mass_recall"
+    assert "val/window_recall" not in cli.trainer.callback_metrics
+    assert cli.trainer.checkpoint_callback.filename == "epoch{epoch}-recall{val/mass_recall:.4f}"
+    loaded = torch.cat([b["sampled"] for b in data.train_dataloader()])
+    sampled = data.train_set.column("sampled")
+    assert loaded.all() and len(loaded) == int(sampled.sum()) < len(sampled)

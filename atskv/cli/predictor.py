@@ -22,6 +22,7 @@ def collect(
     dense_layers: int = 2,
     seed: int = 0,
     label: str = "mass",
+    full_windows: int = 0,
     tasks: list[str] = [],  # noqa: B006
     task_examples: int = 0,
     out: Path | None = None,
@@ -35,9 +36,9 @@ def collect(
     Every window is run once densely; at each decision time t the tokens 0..t of every managed
     layer and KV head get their features and the attention they receive from the next W
     queries; all top-k tokens of that mass (or of the kvzip score) and as many others are
-    stored. Rerunning into the same folder resumes: finished windows are skipped. With
-    `devices` N > 1, N processes share the windows and write into the same folder; the result
-    is that of one process.
+    stored (every token in the first FULL_WINDOWS windows). Rerunning into the same folder
+    resumes: finished windows are skipped. With `devices` N > 1, N processes share the windows
+    and write into the same folder; the result is that of one process.
 
     Args:
         model: a named model, a Hugging Face directory or a .gguf file.
@@ -54,6 +55,11 @@ def collect(
             attention of the next W queries) or kvzip (KVzip+ reconstruction scores from one more
             forward per decision time that repeats tokens 0..t after an instruction; stored in a
             kvzip column beside the mass).
+        full_windows: the first N windows keep every token 0..t of each group, not a sample, so
+            `fit` can validate the whole-window recall (val/window_recall, its checkpoint metric
+            when some of them land in the validation split: about N x the validation fraction do).
+            Such a window is several times a sampled one's size; training reads only their
+            sampled rows.
         tasks: synthetic tasks (e.g. [passkey,needle_single]) whose prompts, answer appended, are
             collected too, decided at the prompt's end with the answer's queries as the future.
         task_examples: prompts per task (window_tokens long each).
@@ -69,11 +75,14 @@ def collect(
     from atskv.predictor.launch import spawn
 
     # fail early, before the model loads
-    CollectSpec(window_tokens, tuple(decision_points), future_queries, topk, influence, dense_layers, seed, label)
+    CollectSpec(
+        window_tokens, tuple(decision_points), future_queries, topk, influence, dense_layers, seed, label, full_windows
+    )
     options = dict(
         model=model, corpus=corpus, windows=windows, window_tokens=window_tokens, decision_points=decision_points,
         future_queries=future_queries, topk=topk, influence=influence, dense_layers=dense_layers, seed=seed,
-        label=label, tasks=tasks, task_examples=task_examples, out=out, start_over=start_over, dtype=dtype,
+        label=label, full_windows=full_windows, tasks=tasks, task_examples=task_examples, out=out,
+        start_over=start_over, dtype=dtype,
     )
     folder = spawn(collect_process, devices, device, options)
     extra = f" and {task_examples} prompts of each of {', '.join(tasks)}" if tasks and task_examples else ""

@@ -20,16 +20,18 @@ class GroupBatchSampler(Sampler[list[int]]):
     larger group is a batch alone); yields this `rank`'s share of each batch.
 
     With `shuffle`, pass e over the data draws its group order from `seed + e`; without, groups
-    keep their order.
+    keep their order. `keep`: a bool per row; the batches hold only those rows (default all).
     """
 
     def __init__(
-        self, group: torch.Tensor, batch_size: int, shuffle: bool, seed: int = 0, rank: int = 0, world_size: int = 1
+        self, group: torch.Tensor, batch_size: int, shuffle: bool, seed: int = 0, rank: int = 0, world_size: int = 1,
+        keep: torch.Tensor | None = None,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a world of {world_size} processes")
-        _, inverse, counts = torch.unique(group, return_inverse=True, return_counts=True)
-        self.rows = torch.argsort(inverse, stable=True).split(counts.tolist())  # row indices per group
+        index = torch.arange(len(group)) if keep is None else keep.nonzero().flatten()
+        _, inverse, counts = torch.unique(group[index], return_inverse=True, return_counts=True)
+        self.rows = index[torch.argsort(inverse, stable=True)].split(counts.tolist())  # row indices per group
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed

@@ -8,6 +8,16 @@ a window is run: causality makes later tokens irrelevant. With `label="kvzip"` o
 per decision time (tokens 0..t, an instruction, tokens 0..t again: `atskv.predictor.kvzip`) gives
 the reconstruction scores that then pick the top-k.
 
+Each group (window, t, layer, KV head) keeps a sample of its tokens (all top-k members and as
+many others: `LabelCapture`). With `full_windows` N > 0 the first N corpus windows keep every
+token 0..t instead (t+1 rows a group, several times a sampled window's size), and every shard of
+the collection gets two more columns: `full` (the row's group is complete) and `sampled` (the
+row is one the sample holds: every row of a sampled window, the same draws in a full one). Fit
+trains on the `sampled` rows only, so the training data do not depend on N, and validates the
+whole-window recall on the `full` groups (`atskv.predictor.training`). Task prompts are never
+full. The manifest meta records `full_windows` only when N > 0: a default collection's manifest
+and shards are what they were before, and older folders resume.
+
 Work is a list of `(key, window)` items processed by `collect_items` into one `ShardWriter`
 folder (`atskv.predictor.shards`); it skips finished keys, so a rerun resumes. A folder holding
 another collection (other corpus, model or settings) is refused unless `start_over`.
@@ -21,7 +31,7 @@ process.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -51,6 +61,7 @@ class CollectSpec:
     dense_layers: int = 2
     seed: int = 0
     label: str = "mass"  # what ranks the tokens: `LABELS` (atskv.predictor.labels)
+    full_windows: int = 0  # the first N corpus windows keep every token 0..t (see the module docstring)
 
     def __post_init__(self):
         object.__setattr__(self, "decision_points", tuple(float(f) for f in self.decision_points))
@@ -58,6 +69,8 @@ class CollectSpec:
             raise ValueError(f"label must be one of {', '.join(LABELS)}, got {self.label!r}")
         if self.future_queries < 1 or self.topk < 1:
             raise ValueError(f"future_queries and topk must be positive, got {self.future_queries}, {self.topk}")
+        if self.full_windows < 0:
+            raise ValueError(f"full_windows must be >= 0, got {self.full_windows}")
         if not self.decision_points:
             raise ValueError("need at least one decision point")
         t, w, n = self.decision_times, self.future_queries, self.window_tokens
@@ -132,14 +145,18 @@ def collection_meta(model, spec: CollectSpec, model_name: str, corpus: str = "co
         "sampling": {"positives": "top-k members", "negatives_per_positive": 1, "seed": spec.seed},
         "influence": spec.influence,
         "label": spec.label,
+        **({"full_windows": spec.full_windows} if spec.full_windows else {}),  # absent: 0 (older collections)
     }
 
 
 def collect_window(
-    model, key: str, window: torch.Tensor, types: torch.Tensor, spec: CollectSpec, instruction: torch.Tensor
+    model, key: str, window: torch.Tensor, types: torch.Tensor, spec: CollectSpec, instruction: torch.Tensor,
+    full: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The shard columns of one window (1-D ids); `types`: the token type of every id;
-    `instruction`: the ids of `REPEAT_PROMPT` (read with `label="kvzip"` only)."""
+    `instruction`: the ids of `REPEAT_PROMPT` (read with `label="kvzip"` only); `full`: keep every
+    token 0..t of each group. With `spec.full_windows` > 0 the columns include `full` and
+    `sampled` (see the module docstring), whether or not this window is full."""
     from atskv.hook.sparse import sparse
 
     device = next(model.parameters()).device
@@ -152,7 +169,8 @@ def collect_window(
             scores = repeat_scores(model, ids[0, : t + 1], instruction, layers)
             kvzip.update({(t, layer): s for layer, s in scores.items()})
     capture = LabelCapture(
-        spec.decision_times, future_queries=spec.future_queries, topk=spec.topk, generator=generator, kvzip=kvzip
+        spec.decision_times, future_queries=spec.future_queries, topk=spec.topk, generator=generator, kvzip=kvzip,
+        full=full,
     )
     every_token = ids.shape[1]  # an int budget: tokens (1.0 is not a budget)
     with sparse(model, capture, budget=every_token, dense_layers=spec.dense_layers) as session, torch.inference_mode():
@@ -167,6 +185,7 @@ def collect_window(
         influence = grads[g["t"], g["layer_idx"]][0, g["head"], rows] if grads else torch.full((n,), float("nan"))
         group = stable_seed(f"{key}/{g['t']}/{layer}/{g['head']}")
         kvzip = {"kvzip": g["kvzip"]} if "kvzip" in g else {}
+        marks = {"full": torch.full((n,), full), "sampled": g["sampled"]} if spec.full_windows else {}
         for name, value in {
             "hidden": g["hidden"],
             "scalars": g["scalars"],
@@ -180,6 +199,7 @@ def collect_window(
             "group": torch.full((n,), group, dtype=torch.int64),
             "position": rows.to(torch.int32),
             "decision": torch.full((n,), g["t"], dtype=torch.int32),
+            **marks,
         }.items():
             columns.setdefault(name, []).append(value.cpu())
     return {name: torch.cat(parts) for name, parts in columns.items()}
@@ -192,13 +212,15 @@ def collect_items(
     writer: ShardWriter,
     spec: CollectSpec,
     *,
+    full_keys: Collection[str] = (),
     progress: bool = True,
 ) -> list[str]:
     """Process `(key, window)` work items (or `(key, window, item_spec)`, e.g. a `task_item`) into
     `writer`, skipping finished keys, then list the folder's shards in the items' order; returns
-    the keys written now. Each shard is durable once written, so an interruption loses only the
-    windows in progress. Under torch.distributed every process passes the same items and a
-    writer on the same folder, and runs its share of them."""
+    the keys written now. The items keyed in `full_keys` keep every token (`collect_window`).
+    Each shard is durable once written, so an interruption loses only the windows in progress.
+    Under torch.distributed every process passes the same items and a writer on the same folder,
+    and runs its share of them."""
     items = [(item[0], item[1], item[2] if len(item) > 2 else spec) for item in items]
     index = {item[0]: i for i, item in enumerate(items)}
     todo = [item for item in items if not writer.has(item[0])]
@@ -208,7 +230,8 @@ def collect_items(
     written = []
     mine = todo[rank() :: world_size()]
     for key, window, item_spec in tqdm(mine, desc="collect", unit="window", disable=not progress or rank() > 0):
-        writer.write(key, collect_window(model, key, window, types, item_spec, instruction), index=index[key])
+        columns = collect_window(model, key, window, types, item_spec, instruction, full=key in full_keys)
+        writer.write(key, columns, index=index[key])
         written.append(key)
     barrier()
     if rank() == 0:
@@ -230,6 +253,7 @@ def collect(
     dense_layers: int = 2,
     seed: int = 0,
     label: str = "mass",
+    full_windows: int = 0,
     model_name: str | None = None,
     corpus: str = "corpus",
     tasks: Sequence[str] = (),
@@ -242,13 +266,15 @@ def collect(
     keyed "<corpus>-w<i>", plus `task_examples` prompts of every task in `tasks` (see
     `task_item`, `task_tokens` long; keyed "<task>-e<seed>"); work already in the folder is
     skipped; a folder holding another collection is refused (`InputError`) unless `start_over`,
-    which empties it first. `label`: what ranks the tokens (`CollectSpec.label`). Under
+    which empties it first. `label`: what ranks the tokens (`CollectSpec.label`). `full_windows`:
+    the first N windows keep every token 0..t of each group, not a sample (`CollectSpec`). Under
     torch.distributed every process calls this with the same arguments and runs its share of the
     windows (see the module docstring). Returns the folder."""
     if windows.dim() != 2:
         raise ValueError(f"windows must be [N, T] token ids, got shape {tuple(windows.shape)}")
     spec = CollectSpec(
-        windows.shape[1], tuple(decision_points), future_queries, topk, influence, dense_layers, seed, label
+        windows.shape[1], tuple(decision_points), future_queries, topk, influence, dense_layers, seed, label,
+        full_windows,
     )
     name = model_name or getattr(model.config, "_name_or_path", "") or model.config.model_type
     meta = collection_meta(model, spec, name, corpus)
@@ -263,7 +289,8 @@ def collect(
     for task in tasks:
         seeds = range(TASK_SEED_BASE, TASK_SEED_BASE + task_examples)
         items += [task_item(tokenizer, task, task_tokens or spec.window_tokens, s, spec) for s in seeds]
-    collect_items(model, tokenizer, items, writer, spec, progress=progress)
+    full_keys = {f"{corpus}-w{i}" for i in range(min(full_windows, len(windows)))}  # corpus windows only
+    collect_items(model, tokenizer, items, writer, spec, full_keys=full_keys, progress=progress)
     return writer.folder
 
 

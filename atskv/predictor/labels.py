@@ -10,7 +10,9 @@ training learns to order tokens by it (`atskv.predictor.shards.label_column`).
 
 - `LabelCapture` computes mass and top-k inside the capture (`atskv.predictor.capture`) and
   keeps only sampled rows: all top-k members and as many uniformly drawn non-members, so shards
-  stay small and classes balanced.
+  stay small and classes balanced. With `full` it keeps every token 0..t instead and marks the
+  ones the sample would have kept (`sampled`; the same draws, so those rows are the sampled ones):
+  the whole-window recall of `atskv fit` (`val/window_recall`) is measured on such groups.
 - `influence_gradients` runs the window through biased attention (`atskv.predictor.attention_bias`)
   with zero bias tensors `[B, Hkv, t+1]` on the logits of queries after t; one forward and one
   backward per decision time read their gradients. The loss is the mean NLL of the predictions
@@ -38,12 +40,14 @@ LABELS = ("mass", "kvzip")
 @dataclass
 class LabelCapture(FeatureCapture):
     """The collection's capture: at every (t, KV head) it keeps the labels and features of the
-    sampled rows only. `kvzip`: reconstruction scores `[1, Hkv, t+1]` by (t, layer index); when
-    given, they pick the top-k members instead of the future mass."""
+    sampled rows only, or with `full` of every token 0..t, with a `sampled` mask saying which of
+    them the sample holds. `kvzip`: reconstruction scores `[1, Hkv, t+1]` by (t, layer index);
+    when given, they pick the top-k members instead of the future mass."""
 
     future_queries: int = 1
     topk: int = 1
     generator: torch.Generator | None = None
+    full: bool = False
     kvzip: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     groups: list[dict] = field(default_factory=list)
 
@@ -52,7 +56,11 @@ class LabelCapture(FeatureCapture):
         kvzip = self.kvzip.get((t, view.layer_idx))
         members = topk_members(mass if kvzip is None else kvzip, self.topk)
         for h in range(mass.shape[1]):
-            rows = self._sample(members[0, h])
+            rows = self._sample(members[0, h])  # drawn for full groups too: the generator's stream stays the same
+            sampled = torch.ones(rows.numel(), dtype=torch.bool, device=rows.device)
+            if self.full:
+                every = torch.arange(t + 1, device=rows.device)
+                rows, sampled = every, torch.isin(every, rows)
             labels = {"mass": mass[0, h, rows], "in_topk": members[0, h, rows]}
             if kvzip is not None:
                 labels["kvzip"] = kvzip[0, h, rows]
@@ -62,6 +70,7 @@ class LabelCapture(FeatureCapture):
                     "t": t,
                     "head": h,
                     "position": rows,
+                    "sampled": sampled,
                     "hidden": view.hidden[0, rows].to(torch.float16),
                     "scalars": scalars[0, h, rows],
                     **labels,

@@ -152,7 +152,8 @@ def fit_ridge(
 ) -> RidgeFit:
     """Fit a `RidgeScorer` on the collection in `folder` for every penalty in `alphas` and keep the
     one with the best validation mass recall (windows split as `atskv fit` splits them with
-    `data.seed` = `seed`)."""
+    `data.seed` = `seed`). Of a collection with full windows only the `sampled` rows are read, as
+    `atskv fit` trains on them."""
     from atskv.predictor.shards import ShardDataset, label_column
     from atskv.predictor.training import mass_recall, training_columns
 
@@ -165,12 +166,15 @@ def fit_ridge(
     label = label_column(meta)
     scorer = RidgeScorer(FeatureSpec.from_dict(meta["feature_spec"]))
     scalars = train.column("scalars").double()
+    if "sampled" in train.columns:
+        scalars = scalars[train.column("sampled")]
     scorer.scalar_mean.copy_(scalars.mean(0))
     scorer.scalar_std.copy_(scalars.std(0).clamp(min=1e-6))
 
     def batches(data: ShardDataset):
         for start in range(0, len(data), batch_rows):
-            yield data.__getitems__(list(range(start, min(start + batch_rows, len(data)))))
+            b = data.__getitems__(list(range(start, min(start + batch_rows, len(data)))))
+            yield {c: v[b["sampled"]] for c, v in b.items()} if "sampled" in b else b
 
     spec = scorer.spec
     moments = _Moments.zeros(scorer.projected_width, spec.d_model + len(spec.scalar_features) + spec.num_token_types)

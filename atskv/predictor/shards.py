@@ -343,3 +343,10 @@ def label_column(meta: dict) -> str:
     """The shard column that ranks a collection's tokens (its manifest's `label`); collections made
     before the choice existed are `mass`."""
     return meta.get("label", "mass")
+
+
+def full_windows(meta: dict) -> int:
+    """How many windows of a collection keep every token (manifest `full_windows`; their shards and
+    all others then carry `full` and `sampled` columns, `atskv.predictor.collect`); collections
+    made before the choice existed have none."""
+    return int(meta.get("full_windows", 0))

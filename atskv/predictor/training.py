@@ -14,10 +14,19 @@ Choices where the plan leaves one:
   `seed_everything`: the three seeds (`atskv fit fit --config configs/fit.yaml
   --seed_everything N`, N = 0, 1, 2) differ in initialisation and batch order, not in the
   held-out windows, so their validation numbers compare.
-- Mass recall (`MassRecall`) is the share of a group's sampled mass (label score) that the
-  predicted top-k_g captures, over the share the true top-k_g captures, k_g = the group's
-  positives: the quantity a selector keeping k_g tokens cares about. The checkpoint keeps the
-  best epoch by it.
+- Mass recall (`MassRecall`, `val/mass_recall`) is the share of a group's sampled mass (label
+  score) that the predicted top-k_g captures, over the share the true top-k_g captures, k_g = the
+  group's positives. The sample is the true top-k plus as many others, so it sits near 0.99 and
+  hardly tells checkpoints apart.
+- Window recall (`WindowRecall`, `val/window_recall`) is the same ratio over the groups of the
+  held-out windows a collection keeps whole (`atskv collect --full_windows N`): of every token
+  0..t, the predicted top-k_g against the true top-k_g: the quantity a selector keeping k_g tokens
+  cares about. The checkpoint keeps the best epoch by it when the validation split has such
+  groups, else by mass recall (`RelevanceCLI.before_fit`). Losses, AUROC and mass recall read the
+  `sampled` rows only, so they mean what they mean on a collection without full windows.
+- Full windows in the training split train on their `sampled` rows only (the loader skips the
+  rest): exactly the rows a sampled collection would hold, so the training data and its class
+  balance do not depend on how many windows were kept whole.
 - The feature spec comes from the shards' manifest and is saved in the hyperparameters, so a
   checkpoint reloads with `RelevanceModule.load_from_checkpoint(path)` alone.
 - Data parallel (`trainer.devices: N`, Lightning DDP) computes the same steps as one process:
@@ -40,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric, Metric
@@ -50,16 +60,23 @@ from atskv.eval.figures import save_figure
 from atskv.predictor.batches import GroupBatchSampler
 from atskv.predictor.distributed import counter_hash, global_means, globalise_batch_norms
 from atskv.predictor.model import FeatureSpec, RelevanceMLP
-from atskv.predictor.shards import ShardDataset, label_column, stacked
+from atskv.predictor.shards import ShardDataset, full_windows, label_column, stacked
 
 FEATURES = ["hidden", "scalars", "token_type", "layer", "head"]
-MONITOR = "val/mass_recall"
+MONITOR = "val/window_recall"  # the checkpoint's metric when the validation split has full groups
+FALLBACK_MONITOR = "val/mass_recall"  # otherwise (e.g. a collection made without --full_windows)
+
+
+def checkpoint_filename(monitor: str) -> str:
+    """The default checkpoint file name for checkpoints kept by `monitor`."""
+    return f"epoch{{epoch}}-{'recall' if monitor == FALLBACK_MONITOR else monitor.split('/')[-1]}{{{monitor}:.4f}}"
 
 
 def training_columns(meta: dict) -> list[str]:
     """The shard columns a fit reads from a collection with manifest `meta`: the features, the
-    top-k membership, the group and the label score."""
-    return [*FEATURES, "in_topk", "group", label_column(meta)]
+    top-k membership, the group and the label score, plus `full` and `sampled` when some windows
+    were kept whole (`atskv.predictor.collect`)."""
+    return [*FEATURES, "in_topk", "group", label_column(meta), *(["full", "sampled"] if full_windows(meta) else [])]
 
 
 def _rank_within_groups(group: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -111,6 +128,13 @@ class MassRecall(Metric):
 
     def compute(self) -> torch.Tensor:
         return mass_recall(*(dim_zero_cat(s) for s in (self.preds, self.mass, self.in_topk, self.group)))
+
+
+class WindowRecall(MassRecall):
+    """`mass_recall` fed the rows of full groups only (every token 0..t of a window, `full`): the
+    share of the whole window's mass (label score) the predicted top-k_g keeps, over the true
+    top-k_g's share. k_g = the group's positives, which in a full group is min(topk, t+1): the
+    collection's k read from the rows themselves, and the same k `val/mass_recall` uses."""
 
 
 def pairwise_ranking_loss(
@@ -174,17 +198,21 @@ class RelevanceData(L.LightningDataModule):
         self.feature_spec = FeatureSpec.from_dict(dataset.meta["feature_spec"])
         self.collection = dataset.meta  # base model, geometry, managed layers: what `atskv export` needs
         self.train_set = self.val_set = None
+        self.full_validation = False  # the validation split has full groups (set by `setup`)
         self.shuffle_seed = int(torch.randint(2**62, ()))  # drawn after seed_everything, the same in every process
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is None:
             fraction, seed = self.hparams.validation_fraction, self.hparams.seed
             self.train_set, self.val_set = self.dataset.split_by_key(fraction, seed)
+            self.full_validation = "full" in self.val_set.columns and bool(self.val_set.column("full").any())
 
-    def _loader(self, dataset: ShardDataset, shuffle: bool) -> DataLoader:
+    def _loader(self, dataset: ShardDataset, shuffle: bool, sampled_only: bool = False) -> DataLoader:
+        """Batches of whole groups; `sampled_only`: only the rows of a sample (full groups' others skipped)."""
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
+        keep = dataset.column("sampled") if sampled_only and "sampled" in dataset.columns else None
         sampler = GroupBatchSampler(
-            dataset.column("group"), self.hparams.batch_size, shuffle, self.shuffle_seed, rank, world
+            dataset.column("group"), self.hparams.batch_size, shuffle, self.shuffle_seed, rank, world, keep
         )
         return DataLoader(
             dataset,
@@ -195,10 +223,10 @@ class RelevanceData(L.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
+        return self._loader(self.train_set, shuffle=True, sampled_only=True)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, shuffle=False)
+        return self._loader(self.val_set, shuffle=False)  # full groups whole, for the window recall
 
 
 class RelevanceModule(L.LightningModule):
@@ -242,10 +270,13 @@ class RelevanceModule(L.LightningModule):
         self.label = label_column(collection)
         self.train_auroc, self.val_auroc = BinaryAUROC(), BinaryAUROC()
         self.train_recall, self.val_recall = MassRecall(), MassRecall()
+        self.val_window_recall = WindowRecall()
+        self.validates_windows = False  # the datamodule's validation split has full groups (`setup`)
         self.val_losses = nn.ModuleDict({name: MeanMetric() for name in ("loss", "bce", "ranking")})
         self.pair_seed = int(torch.randint(2**62, ()))  # ranking partners; drawn after seed_everything
 
     def setup(self, stage: str) -> None:
+        self.validates_windows = bool(getattr(self.trainer.datamodule, "full_validation", False))
         if self.trainer.world_size > 1:
             globalise_batch_norms(self.model)
 
@@ -255,6 +286,14 @@ class RelevanceModule(L.LightningModule):
     def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         hp = self.hparams
         logits = self(batch)
+        if stage == "val" and self.validates_windows:
+            full = batch["full"]
+            window = (logits[full], batch[self.label][full], batch["in_topk"][full], batch["group"][full])
+            self.val_window_recall.update(*window)
+            self.log("val/window_recall", self.val_window_recall, on_step=False, on_epoch=True, prog_bar=True)
+        if "sampled" in batch and not batch["sampled"].all():  # the rest of a full group: window recall only
+            keep = batch["sampled"]
+            logits, batch = logits[keep], {c: batch[c][keep] for c in ("in_topk", "group", self.label)}
         bce = F.binary_cross_entropy_with_logits(logits, batch["in_topk"].float(), reduction="sum")
         pairs = logits[:0]
         if hp.ranking_weight:
@@ -290,7 +329,8 @@ class RelevanceModule(L.LightningModule):
 
 
 class RelevanceCLI(LightningCLI):
-    """LightningCLI with the collection's meta linked from the data and a checkpoint on mass recall."""
+    """LightningCLI with the collection's meta linked from the data and a checkpoint on the window
+    recall, or the mass recall when the validation split has no full groups."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.collection", "model.collection", apply_on="instantiate")
@@ -299,12 +339,30 @@ class RelevanceCLI(LightningCLI):
             {
                 "checkpoint.monitor": MONITOR,
                 "checkpoint.mode": "max",
-                "checkpoint.filename": "epoch{epoch}-recall{val/mass_recall:.4f}",
+                "checkpoint.filename": checkpoint_filename(MONITOR),
                 "checkpoint.auto_insert_metric_name": False,
                 "checkpoint.save_last": True,
                 "trainer.use_distributed_sampler": False,  # the group batch sampler shards itself
             }
         )
+
+    def before_fit(self) -> None:
+        """Without full groups in the validation split there is no `val/window_recall`: the default
+        monitor (and file name) falls back to `val/mass_recall`; a monitor the user chose stays."""
+        callback = self.trainer.checkpoint_callback
+        if callback is None or callback.monitor != MONITOR:
+            return
+        self.datamodule.setup("fit")
+        if self.datamodule.full_validation:
+            return
+        if full_windows(self.datamodule.collection):
+            rank_zero_warn(
+                f"none of the collection's {full_windows(self.datamodule.collection)} full windows is in the "
+                f"validation split: checkpoints are kept by {FALLBACK_MONITOR} (collect more with --full_windows)"
+            )
+        callback.monitor = FALLBACK_MONITOR
+        if callback.filename == checkpoint_filename(MONITOR):
+            callback.filename = checkpoint_filename(FALLBACK_MONITOR)
 
 
 def fit_main(args: list[str] | None = None) -> RelevanceCLI:
@@ -345,11 +403,11 @@ def fit_predictor(
     return path
 
 
-CURVES = (("train/loss", "val/loss"), ("val/mass_recall",))
+CURVES = (("train/loss", "val/loss"), ("val/mass_recall", "val/window_recall"))
 
 
 def training_curves(log_dir: str | Path, out_png: str | Path) -> Path:
-    """Draw train/val loss and val mass recall per step for every run (event-file folder) under
+    """Draw train/val loss and val mass (and window) recall per step for every run (event-file folder) under
     `log_dir`, e.g. the three seeds' versions, into `out_png`."""
     import matplotlib
 
