@@ -26,6 +26,9 @@ CASES = [
 ]  # fmt: skip
 # SparCas on 4 of the 16 dimensions, refreshed on decode steps 4 and 8 of a 10-token run
 OPTIONS = {"sparcas": {"dims": 4, "refresh_every": 4}}
+# logits of `_random_predictor` (within ~0.3 of 0, by layer) at which the learned selector drops most
+# tokens of some layers and KV heads, but never every token of one (see `_assert_a_threshold_dropped_tokens`)
+THRESHOLD = {"llama": -0.12, "gemma3": -0.15}
 
 
 def _selector(name: str):
@@ -64,60 +67,85 @@ def test_fast_generate_of_a_left_padded_batch(family, selector, budget):
     assert torch.equal(fast, _reference(model, ids, _selector(selector), budget, 10, mask))
 
 
-@pytest.mark.parametrize("base", ["oracle", "quest", "sparq", "sparcas", "streaming_llm", "h2o", "learned"])
+@pytest.mark.parametrize(
+    "base", ["oracle", "quest", "sparq", "sparcas", "streaming_llm", "h2o", "learned", "learned with a threshold"]
+)
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_spark_over_each_fast_base_gives_the_reference_tokens(family, base, tmp_path):
+def test_spark_over_each_fast_base_gives_the_reference_tokens(monkeypatch, family, base, tmp_path):
     """SparK's pruned prompt keys, recovered into the cache after the prompt, under every base the
     fast path runs (SnapKV, its default, is in `CASES`): the base's own fast step, on those keys."""
     model = tiny_model(family)
     model.generation_config.eos_token_id = None
     ids = random_prompt(130, seed=6)
+    threshold = base.endswith("threshold")
+    base = base.split()[0]
     options = OPTIONS.get(base, {})
     if base == "learned":  # refreshing on steps 4 and 8
         managed = [2, 5] if family == "gemma3" else [1, 2, 3]
         options = {"predictor": _random_predictor(model, tmp_path, managed), "refresh_every": 4}
+        if threshold:
+            options["threshold"] = THRESHOLD[family]
 
     def make():
         return atskv.make_selector("spark", base=base, base_options=options)
 
+    held = _held_around_evictions(monkeypatch)
     fast = atskv.generate(model, ids, make(), 16, max_new_tokens=10, dense_layers=1, prefill_chunk=64)
+    if threshold:
+        _assert_a_threshold_dropped_tokens(held, 16)
     assert torch.equal(fast, _reference(model, ids, make(), 16, 10))
 
 
 @pytest.mark.parametrize(
-    "selector", ["snapkv+sparq", "h2o+sparq", "streaming_llm+oracle", "h2o+oracle", "learned+sparq"]
-)
+    "selector",
+    ["snapkv+sparq", "h2o+sparq", "streaming_llm+oracle", "h2o+oracle", "learned+sparq",
+     "learned+sparq with a threshold"],
+)  # fmt: skip
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_fast_generate_of_a_hybrid_gives_the_reference_tokens(family, selector, tmp_path):
-    """Residency part evicting at its own budget, attention part choosing among the resident
-    tokens; a left-padded batch."""
+def test_fast_generate_of_a_hybrid_gives_the_reference_tokens(monkeypatch, family, selector, tmp_path):
+    """Residency part evicting at its own budget (a cap, with a threshold), attention part choosing
+    among the resident tokens; a left-padded batch."""
     model, ids, mask = _left_padded(family, 130, 20, seed=1)
-    options = {}
-    if selector.startswith("learned"):
+    options, threshold = {}, selector.endswith("threshold")
+    selector = selector.split()[0]
+    if selector.startswith("learned"):  # refreshing on steps 4 and 8 with a threshold
         managed = [2, 5] if family == "gemma3" else [1, 2, 3]
         options["learned"] = {"predictor": _random_predictor(model, tmp_path, managed)}
+        if threshold:
+            options["learned"] |= {"threshold": THRESHOLD[family], "refresh_every": 4}
 
     def make():
         return atskv.make_selector(selector, residency_budget=24, **options)
 
+    held = _held_around_evictions(monkeypatch)
     fast = atskv.generate(model, ids, make(), 8, attention_mask=mask, max_new_tokens=10, dense_layers=1,
                           prefill_chunk=64)  # fmt: skip
+    if threshold:
+        _assert_a_threshold_dropped_tokens(held, 24, attends_what_it_holds=False)
     assert torch.equal(fast, _reference(model, ids, make(), 8, 10, mask))
 
 
-@pytest.mark.parametrize("selector", ["h2o", "snapkv", "quest", "sparcas", "h2o+sparq"])
-def test_fast_generate_through_the_kernels_gives_the_reference_tokens(monkeypatch, selector):
+@pytest.mark.parametrize("selector", ["h2o", "snapkv", "quest", "sparcas", "h2o+sparq", "learned with a threshold"])
+def test_fast_generate_through_the_kernels_gives_the_reference_tokens(monkeypatch, tmp_path, selector):
     """The fast path as it runs on a GPU (its Triton kernels: decode write, eviction, attention
-    with mass, Quest's pick, SparCas's partial logits; Triton's interpreter on the CPU), a
-    left-padded batch, against the reference session in torch. (Quest unpadded: the reference's
-    first page mixes pad keys into its bounds, the fast path's does not.)"""
+    with mass, Quest's pick, SparCas's partial logits, the learned selector's features and refresh;
+    Triton's interpreter on the CPU), a left-padded batch, against the reference session in torch.
+    (Quest unpadded: the reference's first page mixes pad keys into its bounds, the fast path's
+    does not.)"""
     model, ids, mask = _left_padded("llama", 100, 0 if selector == "quest" else 20, seed=3)
     budget = 0.2 if "+" not in selector else 12
     options = {"residency_budget": 24} if "+" in selector else OPTIONS.get(selector, {})
+    if selector.startswith("learned"):  # refreshing on steps 2 and 4 of the 5
+        options = {"predictor": _random_predictor(model, tmp_path, [1, 2, 3]), "refresh_every": 2,
+                   "threshold": THRESHOLD["llama"]}  # fmt: skip
+        selector, budget = "learned", 24
     expected = _reference(model, ids, atskv.make_selector(selector, **options), budget, 6, mask)
     monkeypatch.setenv("ATSKV_KERNELS", "triton")
+    held = _held_around_evictions(monkeypatch)
     fast = atskv.generate(model, ids, atskv.make_selector(selector, **options), budget, attention_mask=mask,
                           max_new_tokens=6, dense_layers=1, prefill_chunk=64)  # fmt: skip
+    if "threshold" in options:
+        _assert_a_threshold_dropped_tokens(held, budget)
     assert torch.equal(fast, expected)
 
 
@@ -155,7 +183,11 @@ def _no_host_reads():
             setattr(torch.Tensor, name, method)
 
 
-@pytest.mark.parametrize("selector", ["quest", "h2o", "learned", "sparcas", "spark", "snapkv with a host tier"])
+@pytest.mark.parametrize(
+    "selector",
+    ["quest", "h2o", "learned", "learned with a threshold", "sparcas", "spark", "snapkv with a host tier",
+     "learned with a threshold and a host tier"],
+)  # fmt: skip
 def test_a_decode_step_reads_nothing_back_to_the_host(monkeypatch, tmp_path, selector):
     steps = []
     plain_call = decode.GraphedStep.__call__
@@ -169,9 +201,11 @@ def test_a_decode_step_reads_nothing_back_to_the_host(monkeypatch, tmp_path, sel
     monkeypatch.setattr(decode.GraphedStep, "__call__", guarded)
     model = tiny_model("gemma3")  # sliding-window and global layers
     tier = HostRetrieval(tokens=32) if selector.endswith("host tier") else None
+    threshold = THRESHOLD["gemma3"] if "threshold" in selector else None
     selector = selector.split()[0]
     if selector == "learned":  # refreshing on step 2 and 4 of the 4
-        selector = LearnedSelector(predictor=_random_predictor(model, tmp_path, [2, 5]), refresh_every=2)
+        selector = LearnedSelector(predictor=_random_predictor(model, tmp_path, [2, 5]), refresh_every=2,
+                                   threshold=threshold)  # fmt: skip
     if selector == "sparcas":  # refreshing on step 2 and 4 of the 4
         selector = SparCasSelector(dims=4, refresh_every=2)
     atskv.generate(model, random_prompt(100, seed=3), selector, 16, max_new_tokens=5, dense_layers=1,
@@ -292,8 +326,15 @@ def _random_predictor(model, folder, managed):
     return folder
 
 
-@pytest.mark.parametrize("family,padded", [("llama", False), ("llama", True), ("gemma3", False)])
-def test_the_learned_selector_on_the_fast_path_gives_the_reference_tokens(tmp_path, family, padded):
+@pytest.mark.parametrize(
+    "family,padded,threshold",
+    [("llama", False, False), ("llama", True, False), ("gemma3", False, False), ("llama", False, True),
+     ("llama", True, True), ("gemma3", True, True)],
+)  # fmt: skip
+def test_the_learned_selector_on_the_fast_path_gives_the_reference_tokens(monkeypatch, tmp_path, family, padded,
+                                                                          threshold):  # fmt: skip
+    """With a threshold the budget is a cap: rows hold different amounts, under the budget, and a
+    refresh drops several tokens in one step."""
     model = tiny_model(family)
     model.generation_config.eos_token_id = None
     managed = [1, 2, 3] if family == "llama" else [2, 5]
@@ -302,15 +343,80 @@ def test_the_learned_selector_on_the_fast_path_gives_the_reference_tokens(tmp_pa
     if padded:
         mask = torch.ones_like(ids)
         mask[1, :20] = 0
+    options = {"threshold": THRESHOLD[family]} if threshold else {}
 
     def selector():  # refreshes on steps 4 and 8 of the 10
-        return LearnedSelector(predictor=predictor, refresh_every=4)
+        return LearnedSelector(predictor=predictor, refresh_every=4, **options)
 
+    held = _held_around_evictions(monkeypatch)
     fast = atskv.generate(model, ids, selector(), 24, attention_mask=mask, max_new_tokens=10, dense_layers=1,
                           prefill_chunk=64)  # fmt: skip
     with torch.no_grad(), atskv.sparse(model, selector(), 24, dense_layers=1):
         reference = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    if threshold:
+        _assert_a_threshold_dropped_tokens(held, 24)
     assert torch.equal(fast, reference)
+
+
+def _held_around_evictions(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Filled as the fast path runs: each decode eviction's held slots per (row, KV head) `[B, Hkv]`,
+    before it (the new token included) and after it."""
+    held = []
+    plain = decode.evict_lowest
+
+    def counting(scores, slot_pos, *args):
+        before = (slot_pos >= 0).sum(-1)
+        freed = plain(scores, slot_pos, *args)
+        held.append((before, (slot_pos >= 0).sum(-1)))
+        return freed
+
+    monkeypatch.setattr(decode, "evict_lowest", counting)
+    return held
+
+
+def _assert_a_threshold_dropped_tokens(held: list[tuple[torch.Tensor, torch.Tensor]], budget: int,
+                                       attends_what_it_holds: bool = True) -> None:  # fmt: skip
+    """The tests of a threshold cannot pass vacuously: some decode step dropped several tokens of a
+    row at once (only unwanted ones can: the budget drops one), and rows end the run under budget.
+    `attends_what_it_holds` (not a composition, which attends before it evicts, nor a host tier):
+    no step dropped every token of a row, its new one included (a refresh can rate it unwanted),
+    since the reference then attends nothing, which its grouped attention makes a uniform average
+    over its whole buffer, evicted slots included: not something a static cache can reproduce."""
+    assert any(bool((before - after >= 2).any()) for before, after in held), "no decode step dropped unwanted tokens"
+    last = torch.stack([after for _, after in held[-8:]])  # the last few steps' layers
+    assert bool((last < budget).any()), "every row holds its whole budget"
+    if attends_what_it_holds:
+        assert all(bool((after > 0).all()) for _, after in held), "a row dropped every token: pick another threshold"
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_host_tier_parks_what_a_threshold_drops(monkeypatch, tmp_path, family):
+    """Each token the threshold drops (several at once after a refresh) is flagged parked: the
+    host's residency flags are the GPU's slots, and reading every parked page back gives dense
+    attention's tokens; a left-padded batch."""
+    model, ids, mask = _left_padded(family, 150, 30, seed=2)
+    run = dict(attention_mask=mask, max_new_tokens=12, dense_layers=1, prefill_chunk=64)
+    dense = atskv.generate(model, ids, "dense", 0.5, **run)
+    managed = [2, 5] if family == "gemma3" else [1, 2, 3]
+    selector = LearnedSelector(predictor=_random_predictor(model, tmp_path, managed), refresh_every=4,
+                               threshold=THRESHOLD[family])  # fmt: skip
+    held, sessions = _held_around_evictions(monkeypatch), []
+    plain_attach = decode.attach
+
+    def attach_and_keep(model, session):
+        sessions.append(session)
+        return plain_attach(model, session)
+
+    monkeypatch.setattr(decode, "attach", attach_and_keep)
+    tiered = atskv.generate(model, ids, selector, 24, tier=HostRetrieval(tokens=10_000), **run)
+    _assert_a_threshold_dropped_tokens(held, 24, attends_what_it_holds=False)
+    session = sessions[0]
+    for idx, host in session.hosts.items():
+        slot_pos = session.cache.layers[idx].slot_pos
+        index = torch.where(slot_pos >= 0, slot_pos - host.offset, host.resident.shape[-1] - 1)  # free: the sink
+        on_gpu = torch.zeros_like(host.resident).scatter_(2, index, True)
+        assert torch.equal(host.resident[..., :-1], on_gpu[..., :-1]), f"layer {idx}: parked flags"
+    assert torch.equal(tiered, dense)
 
 
 def test_an_evicting_selector_prefills_a_batch_one_row_at_a_time(monkeypatch):

@@ -15,7 +15,9 @@ row holds; all of that is right for studying selectors and wrong for speed. Here
 - a decode step of a layer that keeps everything (dense layers, non-managed layers) and of a
   query-aware selector is one sparse decode kernel over index lists (identity lists for dense);
   an evicting selector drops its lowest-scoring token when its budget is full and writes the
-  next token into that slot. The top-k size is the budget of the longest context the call can
+  next token into that slot (with a budget that is a cap, the learned selector's threshold, it
+  also drops every held token it no longer wants, several at once after a refresh; the next
+  token then takes the first free slot). The top-k size is the budget of the longest context the call can
   reach, the per-row budget a device tensor, so every step is the same graph.
 - a composition (`learned+sparq`, `atskv.selectors.hybrid`) is an evicting layer at its
   residency budget whose step attends what the query-aware part picks among the held tokens,
@@ -46,7 +48,7 @@ from atskv.memory.static_cache import StaticKVCache, StaticSlotLayer
 from atskv.memory.slot_cache import slot_index
 from atskv.models.geometry import decoder_layers
 from atskv.selectors import make_selector
-from atskv.selectors.base import LayerView, Selector, resolve_budget, select_top_budget
+from atskv.selectors.base import LayerView, Selector, resolve_budget
 from atskv.selectors.hybrid import HybridSelector
 from atskv.selectors.spark import SparKSelector
 
@@ -63,9 +65,10 @@ ALONE_ONLY = ("quest", "sparcas", "spark")
 
 def has_fast_path(selector: Selector) -> bool:
     """Whether `StaticSession` makes the reference's choices for `selector`: its parts (a
-    composition's two, SparK and its base) in `FAST_SELECTORS`, none with a threshold. SparK over a
-    base that keeps every token is refused: on the reference path every step is then a dense one,
-    which prunes every token again."""
+    composition's two, SparK and its base) in `FAST_SELECTORS`. SparK over a base that keeps every
+    token is refused: on the reference path every step is then a dense one, which prunes every
+    token again. A budget that is a cap (the learned selector's `threshold`, `Selector.unwanted`)
+    is kept as the reference keeps it (`kernels.evict`)."""
     parts = [selector]
     if isinstance(selector, HybridSelector):
         parts = [selector.residency, selector.attention]
@@ -75,7 +78,7 @@ def has_fast_path(selector: Selector) -> bool:
         if selector.keeps_all:
             return False
         parts.append(selector.base)
-    return all(p.name in FAST_SELECTORS and getattr(p, "threshold", None) is None for p in parts)
+    return all(p.name in FAST_SELECTORS for p in parts)
 
 
 class StaticSession(SparseSession):
@@ -208,18 +211,17 @@ class StaticSession(SparseSession):
 
     def finish_prompt(self, real: torch.Tensor | None) -> None:
         """After the last prompt chunk: each row's real tokens to the front, then an evicting
-        selector keeps its budget (chosen as the reference's dense step does) and its layers
-        shrink to budget + 1 slots, the one spare taking each new token."""
+        selector keeps what the reference's dense step retains (its top budget, minus what it does
+        not want at all) and its layers shrink to budget + 1 slots, the one spare taking each new
+        token."""
         self.cache.finish_prompt(real)
         for idx, layer in enumerate(self.cache.layers):
             if not self.evicting(idx):
                 continue
             view = self.decode_view(idx, layer, None, 1.0)
-            if self.keeper.unwanted(view) is not None:
-                raise ValueError(f"{self.selector.name} with a threshold has no fast decode path yet; use atskv.sparse")
             if self.tier is not None:
                 self._park(idx, layer)
-            keep = self._top_budget(view)
+            keep = self.keeper.retained(replace(view, budget=self.keep_budget), None)
             layer.evict(layer.slot_pos.ge(0) & ~keep)
             layer.shrink(min(layer.capacity, self.budget_cap + 1))
             if self.tier is not None:
@@ -236,10 +238,6 @@ class StaticSession(SparseSession):
                                               self.tier.page_size, read, math.ceil(read * self.tier.cache))  # fmt: skip
         count, first = int(layer.context[0]), int(layer.slot_pos[0, 0, 0])
         self.hosts[layer_idx].park(self.row, layer.keys, layer.values, first, count)
-
-    def _top_budget(self, view: LayerView) -> torch.Tensor:
-        scores = self.keeper.scores(replace(view, budget=self.keep_budget))
-        return select_top_budget(scores, view.valid, self.keep_budget, view.slot_pos, view.context)[:, :, 0]
 
     # --- one decode step: static shapes, no host sync -------------------------------------------
     def decode_view(self, layer_idx: int, layer: StaticSlotLayer, query, scaling: float) -> LayerView:
@@ -284,7 +282,8 @@ class StaticSession(SparseSession):
     def _evicting_step(self, layer_idx: int, layer: StaticSlotLayer, query, scaling: float) -> torch.Tensor:
         """Keep the budget: when the row holds more than its budget, the lowest-scoring token
         (the oldest among equals, as the reference's ranking) is dropped before the attention, and
-        its slot takes the next token. A hybrid attends what its attention part picks among every
+        its slot takes the next token; so are the tokens the keeper does not want (a threshold:
+        the reference attends its top budget minus those). A hybrid attends what its attention part picks among every
         held token and evicts afterwards, by the residency scores that include this step's
         attention (as the reference's `retained`)."""
         view = self.decode_view(layer_idx, layer, query, scaling)
@@ -306,10 +305,14 @@ class StaticSession(SparseSession):
         return out
 
     def _evict(self, view: LayerView, layer: StaticSlotLayer, host: HostPages | None) -> None:
-        """Each over-budget row drops its lowest-scoring token by the keeper's scores and the next
-        token takes that slot (`kernels.evict`); with a host tier the dropped token is flagged parked."""
+        """Each over-budget row drops its lowest-scoring token by the keeper's scores, every row the
+        held tokens the keeper does not want (`Selector.unwanted`: a threshold), and the next token
+        takes a freed slot (`kernels.evict`); with a host tier the dropped tokens are flagged parked."""
         scores = self.keeper.scores(replace(view, budget=self.keep_budget))[:, :, 0]
-        freed = evict_lowest(scores, layer.slot_pos, layer.context, self.keep_budget, layer.write_slot)
+        unwanted = self.keeper.unwanted(view)
+        if host is not None and unwanted is not None:  # before the kernel frees their slots
+            host.release(layer.slot_pos, unwanted)
+        freed = evict_lowest(scores, layer.slot_pos, layer.context, self.keep_budget, layer.write_slot, unwanted)
         if host is not None:
             host.release(freed.unsqueeze(-1), freed.unsqueeze(-1) >= 0)
 

@@ -111,9 +111,15 @@ class LearnedSelector(Selector):
         return self._slots(view.layer).received
 
     def unwanted(self, view: LayerView) -> torch.Tensor | None:
+        """Slots `[B, Hkv, S]` scored at or below `threshold` (new tokens wait at +inf). On the fast
+        path None between refreshes: every held token was wanted when the last step evicted, and
+        only a refresh rewrites a held token's score (so only refresh steps, their own graph, pay
+        for the mask)."""
         if self.threshold is None:
             return None
-        return view.layer.slot_tensor(_SCORE, init=torch.inf) <= self.threshold  # new tokens wait at +inf
+        if view.longest is not None and view.layer.state[self.name]["refreshed_at"] != view.layer.seen:
+            return None
+        return view.layer.slot_tensor(_SCORE, init=torch.inf) <= self.threshold
 
     def scores(self, view: LayerView) -> torch.Tensor:
         if view.longest is None:  # the fast path enters new tokens in `static_write`
