@@ -293,19 +293,24 @@ def test_unsupported_selectors_and_chunks_are_refused():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("selector", ["dense", "quest", "snapkv", "h2o", "learned", "sparcas", "spark"])
+@pytest.mark.parametrize(
+    "selector", ["dense", "quest", "snapkv", "h2o", "learned", "learned_threshold", "sparcas", "spark"]
+)
 def test_graph_replay_gives_the_eager_tokens(tmp_path, selector):
     """Capture fails on any host sync, so a replayed graph is also the no-sync proof on a GPU;
-    the learned selector's and SparCas's refresh steps are a second graph."""
+    the learned selector's and SparCas's refresh steps are a second graph (with a threshold the
+    refresh step also frees the unwanted tokens)."""
     model = tiny_model("gemma3").cuda().to(torch.bfloat16)
     ids = random_prompt(300, seed=4).cuda()
 
     def make():
         if selector == "sparcas":
             return SparCasSelector(dims=4, refresh_every=4)
-        if selector != "learned":
+        if not selector.startswith("learned"):
             return selector
-        return LearnedSelector(predictor=_random_predictor(model, tmp_path, [2, 5]), refresh_every=4)
+        threshold = THRESHOLD["gemma3"] if selector == "learned_threshold" else None
+        return LearnedSelector(predictor=_random_predictor(model, tmp_path, [2, 5]), refresh_every=4,
+                               threshold=threshold)  # fmt: skip
 
     eager = atskv.generate(model, ids, make(), 32, max_new_tokens=16, cuda_graph=False)
     graphed = atskv.generate(model, ids, make(), 32, max_new_tokens=16, cuda_graph=True)
