@@ -105,6 +105,24 @@ def test_selectors_lists_the_registry(capsys):
     assert "learned+sparq" in out  # compositions are named too
 
 
+def test_selectors_says_which_run_on_the_fast_path(capsys):
+    """Each selector's line says whether `atskv.generate` runs it (`FAST_SELECTORS`); a last line
+    names the composition parts it runs (quest keeps its pages only alone)."""
+    from atskv.hook.decode import FAST_SELECTORS
+
+    assert run_cli(["selectors"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    lines = {line.split()[0]: line for line in out if line and not line.startswith(" ")}
+    for name in ["dense", "h2o", "snapkv", "quest", "sparq", "learned"]:
+        assert name in FAST_SELECTORS and lines[name].endswith(("fast path", "fast path (without a threshold)"))
+    assert lines["kascade"].endswith("reference only") and "kascade" not in FAST_SELECTORS
+    assert lines["learned"].endswith("(without a threshold)")
+    (fast,) = [line for line in out if line.startswith("  on the fast path:")]
+    residency, attention = fast.split(": residency ")[1].split(";")[0].split(" with attention ")
+    assert residency.split(", ") == ["h2o", "learned", "snapkv", "streaming_llm"]
+    assert "sparq" in attention.split(", ") and "quest" not in attention.split(", ")
+
+
 @pytest.fixture
 def tiny_model_dir(tmp_path) -> str:
     """A tiny random Llama with the tiny BPE tokenizer, saved as a Hugging Face directory."""
@@ -153,6 +171,20 @@ def test_generate_tiered_from_the_command_line(tiny_model_dir, capsys):
     tiering = "{sinks: 2, recent: 8, refresh_every: 4, retrieve: 8}"
     assert run_cli([*args, "--budget", "40", "--tiering", tiering, "--dense_layers", "0"]) == 0
     assert "KV held" in capsys.readouterr().err
+
+
+def test_generate_tiered_with_a_composition_from_the_command_line(tiny_model_dir, capsys):
+    """A composition under `--tiering`: its residency budget is the GPU tier (refused in one line
+    when too small for sinks + recent), `--budget` what a query reads among it."""
+    prompt = " ".join(["word"] * 200)
+    args = ["generate", prompt, "--model", tiny_model_dir, "--selector", "h2o+sparq", "--budget", "8",
+            "--max_new_tokens", "4", "--device", "cpu", "--chat", "false"]
+    assert run_cli([*args, "--tiering", "{}"]) == 2
+    last = capsys.readouterr().err.rstrip("\n").split("\n")[-1]  # after the model's loading bar
+    assert last.startswith("atskv: error: h2o+sparq holds its residency budget 32 on the GPU: a GPU budget of 32")
+    tiering = "{sinks: 2, recent: 8, refresh_every: 4, retrieve: 8}"
+    assert run_cli([*args, "--tiering", tiering, "--selector_options", "{residency_budget: 40}"]) == 0
+    assert "[h2o+sparq@8]" in capsys.readouterr().err
 
 
 def export_random_predictor(model_dir: str, folder=None, managed_layers=(2, 3)):

@@ -194,14 +194,38 @@ def generate(
 
 
 def selectors() -> None:
-    """List the registered selectors and how the hook treats each."""
+    """List the registered selectors, how the hook treats each, and which run on `atskv.generate`'s
+    fast path (the others: `atskv.sparse` with `model.generate`, the reference path)."""
+    from atskv.hook.decode import FAST_SELECTORS, has_fast_path
     from atskv.selectors import SELECTORS
+    from atskv.selectors.hybrid import HybridSelector, check_parts
+
+    def fast(name: str, cls) -> str:
+        if name not in FAST_SELECTORS:
+            return "reference only"
+        return "fast path (without a threshold)" if hasattr(cls, "threshold") else "fast path"
 
     for name, cls in sorted(SELECTORS.items()):
         kind = "keeps all" if cls.keeps_all else ("query-aware" if cls.query_aware else "query-agnostic")
-        print(f"{name:15s} {kind:15s} {'evicts' if cls.evicts else ''}")
+        print(f"{name:15s} {kind:15s} {'evicts' if cls.evicts else '':6s}  {fast(name, cls)}")
     print("compositions: residency+attention, e.g. learned+sparq, h2o+oracle (an evicting query-agnostic "
           "part holds residency_budget tokens; a query-aware part attends the budget among them)")
+
+    def fast_pair(residency: str, attention: str) -> bool:
+        """Whether `residency+attention` with default options runs on the fast path: `has_fast_path`
+        on the composition of bare parts (built without their per-model state: the learned
+        selector's predictor, Kascade's profile)."""
+        try:
+            check_parts(SELECTORS[residency], SELECTORS[attention])
+        except ValueError:  # cannot play that role
+            return False
+        bare = [object.__new__(SELECTORS[name]) for name in (residency, attention)]
+        return has_fast_path(HybridSelector(*bare))
+
+    residency = [name for name in sorted(SELECTORS) if fast_pair(name, "oracle")]
+    attention = [name for name in sorted(SELECTORS) if fast_pair("h2o", name)]
+    print(f"  on the fast path: residency {', '.join(residency)} with attention {', '.join(attention)}; "
+          "every composition runs on the reference path and under atskv.tiered")
 
 
 selector_help(passkey, generate)

@@ -8,7 +8,8 @@ learned one, H2O, SnapKV, Quest, ...) only supplies relevance; the `SparsityMana
 into demotions with its adaptive thresholds, momentum and hard cap.
 
 One attention call of a managed layer (`TieredSession.attend`):
-1. every step attends over the whole active tier (dense over what is resident); every
+1. every step attends over the whole active tier (dense over what is resident; a composition's
+   decode step over its attention part's pick, see below); every
    `retrieve_every` decode steps (default: every step) the index is searched with the group's
    queries and the `retrieve` best parked candidates (by the attention probability each query
    head would give them: its logit minus its log-normaliser over the active tier) are fetched
@@ -24,8 +25,23 @@ One attention call of a managed layer (`TieredSession.attend`):
 The hard cap leaves `refresh_every` slots of headroom, so the tokens written between two
 refreshes never push the active tier past `budget`.
 
+A composition `residency+attention` (`learned+sparq`, `atskv.selectors.hybrid`) keeps the meaning
+its two budgets have under `atskv.sparse` and `atskv.generate`: `budget` is the attention budget,
+the active tokens each decode query reads, picked by the attention part as `atskv.sparse` picks
+them (`SparseSession.keep`: the part sees the active tier packed in position order); the
+composition's residency budget (`residency_budget`, default `RESIDENCY_FACTOR` times `budget`) is
+the active tier's cap, ranked for demotion by the residency part's scores. What `atskv.sparse`
+would hold and evict the rest of, the tiered store holds on the GPU and parks the rest of, so a
+composition at one budget holds at most as many tokens on the GPU and reads as many of them per
+query in every runtime, and here a parked token can still come back: the retrieved candidates are
+attended beside the attention part's pick (ranked by the normaliser over that pick), and promotion
+compares their mass with what the active tokens received in the step (0 where not picked). Why
+not `budget` as the GPU tier: `learned+sparq` at 0.05 would then read 5% of the context per query
+under `atskv.sparse` and a quarter of that here.
+
 Choices the ATSKV proposal leaves open: a fractional budget is a fraction of the prompt, fixed when
-the prompt arrives (the GPU pool does not grow with the generated text); the host tier holds
+the prompt arrives (the GPU pool does not grow with the generated text; a composition's attention
+budget, which sizes no pool, stays a fraction of each query's context as elsewhere); the host tier holds
 `max_tokens` (default: prompt + 1024) and is allocated when the prompt arrives, before any token
 moves; attention reads the cached keys (a selector's approximate keys, SparK's, are not used).
 """
@@ -48,6 +64,7 @@ from atskv.memory.sparsity import INITIAL_MOMENTUM, LayerPolicy, SparsityBudget,
 from atskv.memory.tiered_cache import MOMENTUM, TieredKVCache, TieredLayer
 from atskv.selectors import resolve_selector
 from atskv.selectors.base import LayerView, Selector, check_budget
+from atskv.selectors.hybrid import RESIDENCY_FACTOR, HybridSelector
 
 _REFRESHED_AT, _PROMPT = "tiered_refreshed_at", "tiered_prompt_tokens"
 
@@ -120,8 +137,27 @@ class TieringConfig:
         return SparsityBudget(max_active=cap, sinks=self.sinks, recent=self.recent)
 
 
+def gpu_budget(selector: Selector, budget: int | float) -> int | float:
+    """The active tier's budget when `selector` runs under `atskv.tiered` at `budget`: `budget`
+    itself, or a composition's residency budget (`budget` is then what a query attends; module
+    docstring). A composition that would keep every token resident is refused: nothing would be
+    parked, and its attention part alone does the same."""
+    if not isinstance(selector, HybridSelector):
+        return budget
+    residency = selector.budgets(budget).residency
+    if residency is None:
+        raise ValueError(
+            f"{selector.name} at budget {budget} keeps every token on the GPU (its residency budget, "
+            f"{RESIDENCY_FACTOR} x {budget}, reaches the whole context): set residency_budget below the context, "
+            f"or run {selector.attention.name} alone"
+        )
+    return residency
+
+
 class TieredSession(SparseSession):
-    """A `SparseSession` whose managed layers keep a two-tier cache; see the module docstring."""
+    """A `SparseSession` whose managed layers keep a two-tier cache; see the module docstring.
+    With a composition, `config.budget` is its attention budget and `tiering.budget` the active
+    tier (`tiered` sets it to the composition's residency budget, `gpu_budget`)."""
 
     def __init__(self, model, selector: Selector, config: SparsityConfig, tiering: TieringConfig):
         if selector.keeps_all:
@@ -129,6 +165,11 @@ class TieredSession(SparseSession):
         super().__init__(model, selector, config)
         self.tiering = tiering
         self.manager: SparsityManager | None = None
+        # who ranks active tokens for demotion: the selector, or a composition's residency part
+        self.composed = isinstance(selector, HybridSelector)
+        self.ranker = selector.residency if self.composed else selector
+        if self.composed:
+            gpu_budget(selector, config.budget)  # refuses before any work, as `tiered` does
 
     def new_cache(self) -> TieredKVCache:
         self.manager = None  # sized from the next prompt
@@ -174,25 +215,60 @@ class TieredSession(SparseSession):
         refresh = not decode or layer.seen - layer.state.get(_REFRESHED_AT, 0) >= self.tiering.refresh_every
         fetch = decode and (refresh or since % self.tiering.retrieve_every == 0)
         fetched = fetched_mass = None
+        attended = self.attended(view, query)
         if fetch and layer.index is not None and layer.parked_tokens > 0:
             stream = StreamedAttention(query, scaling)
-            stream.add(keys, values, view.valid)  # the active tier first: its normaliser ranks the query heads
+            stream.add(keys, values, attended)  # the active tier first: its normaliser ranks the query heads
             positions, fetched = self._retrieve(layer, view, stream.log_normaliser()[..., -1])
             for block in self._read_blocks(layer, positions, fetched):
                 stream.add(*block)
             out, (mass, *fetched_masses) = stream.result()
             fetched_mass = torch.cat(fetched_masses, -1)
         elif self.selector.needs_attention:
-            out, mass = grouped_attention(query, keys, values, view.valid, scaling, want_mass=True)
+            out, mass = grouped_attention(query, keys, values, attended, scaling, want_mass=True)
         else:
-            out, mass = sdpa_attention(query, keys, values, view.valid, scaling), None
+            out, mass = sdpa_attention(query, keys, values, attended, scaling), None
         if self.selector.needs_attention:
             self.selector.observe(view, mass)
         if not decode:
             self.selector.prefill(view)
+        elif self.composed and self.ranker.needs_hidden:
+            # the learned part enters this step's tokens (their hidden states) when it scores, as
+            # the composition does every step under atskv.sparse; between refreshes it would not
+            self.ranker.scores(self._last(view))
         if refresh:
+            moved = self.cache.stats.demoted_tokens + self.cache.stats.promoted_tokens
             self._rebalance(layer, view, mass, fetched, fetched_mass)
+            if self.composed and self.cache.stats.demoted_tokens + self.cache.stats.promoted_tokens != moved:
+                self._forget_layout(layer)
         return out
+
+    def attended(self, view: LayerView, query: torch.Tensor) -> torch.Tensor:
+        """The active slots each query attends `[B, Hkv, Tq, S]`: every one, or on a composition's
+        decode step its attention part's pick (`SparseSession.keep`: the same choice as under
+        `atskv.sparse`)."""
+        if not (self.composed and query.shape[2] == 1):
+            return view.valid
+        held = view.valid[:, :, -1].sum(-1)
+        if held.numel() and bool(held.amin() != held.amax()):
+            # rows (and KV heads) hold different counts: a shorter row's new token lands inside the
+            # packed pages, not after them
+            self._forget_layout(view.layer)
+        return self.keep(view, self.is_sparse_step(query))
+
+    def _forget_layout(self, layer: TieredLayer) -> None:
+        """Drop a composition's attention part's per-layer state (Quest's page bounds, SparCas's
+        compact keys): it describes the active tier, packed in position order, as it was when
+        built, and assumes each row only grew at its end since (`atskv.selectors.hybrid`); it is
+        rebuilt on the next query."""
+        layer.state.pop(self.selector.attention.name, None)
+
+    def _last(self, view: LayerView) -> LayerView:
+        """`view` for the newest query, at the active tier's budget for a composition's residency part."""
+        newest = slice(-1, None)
+        last = replace(view, query=view.query[:, :, newest], visible=view.valid[:, :, newest],
+                       context=view.context[:, :, newest])  # fmt: skip
+        return replace(last, budget=self.tiering.budget) if self.composed else last
 
     def _retrieve(self, layer: TieredLayer, view: LayerView, log_normaliser: torch.Tensor):
         """Positions `[B, Hkv, n]` of the best parked candidates for this step's queries, on the
@@ -218,9 +294,8 @@ class TieredSession(SparseSession):
         """Demote by the selector's scores (manager.decide), promote fetched candidates by mass:
         candidates that clear the promotion threshold get room under the cap first, so a needed
         parked token displaces the least relevant active one even when the tier is full."""
-        last = replace(view, query=view.query[:, :, -1:], visible=view.valid[:, :, -1:], context=view.context[:, :, -1:])
         active = layer.occupied
-        scores = self.selector.scores(last)[:, :, 0].float()
+        scores = self.ranker.scores(self._last(view))[:, :, 0].float()
         scores = torch.nan_to_num(scores, posinf=torch.finfo(scores.dtype).max).masked_fill(~active, -math.inf)
         momentum = layer.slot_tensor(MOMENTUM, init=INITIAL_MOMENTUM)
         positions = layer.slot_pos[..., : layer.length]
@@ -252,14 +327,23 @@ def tiered(
     **tiering,
 ) -> Iterator[TieredSession]:
     """Run `model(...)`/`model.generate(...)` with at most `budget` tokens of KV per managed layer
-    and KV head on the GPU; the rest waits in host memory (keyword options: `TieringConfig`).
+    and KV head on the GPU; the rest waits in host memory (keyword options: `TieringConfig`). A
+    composition (`learned+sparq`) holds its residency budget on the GPU and attends `budget` of it
+    (module docstring).
 
     >>> with atskv.tiered(model, selector="learned", budget=0.1, retrieve=64) as session:
     ...     out = model.generate(**inputs, max_new_tokens=64)
     """
     selector = resolve_selector(selector, model)
     config = SparsityConfig(budget, dense_layers, sparse_prefill=False, sparse_decode=True)
-    session = TieredSession(model, selector, config, TieringConfig(budget, **tiering))
+    active = gpu_budget(selector, check_budget(budget))
+    try:
+        tiering_config = TieringConfig(active, **tiering)
+    except ValueError as error:
+        if not isinstance(selector, HybridSelector):
+            raise
+        raise ValueError(f"{selector.name} holds its residency budget {active} on the GPU: {error}") from None
+    session = TieredSession(model, selector, config, tiering_config)
     with attach(model, session):
         yield session
 
