@@ -212,21 +212,27 @@ def test_after_moves_the_attention_part_picks_among_the_active_tokens_alone(fami
     assert stats.demoted_tokens > 0 and stats.promoted_tokens > 0, "the active tier changed under the part"
 
 
-def test_the_learned_part_enters_every_decode_token_with_its_own_hidden_state(predictor_dir):
+@pytest.mark.parametrize("name", ["learned+sparq", "learned"])
+def test_the_learned_part_enters_every_decode_token_with_its_own_hidden_state(predictor_dir, name):
     """Its features are fixed when a token is written (its hidden state); the tiered store ranks
-    only every `refresh_every` tokens, and still every token gets its own, as under atskv.sparse."""
+    only every `refresh_every` tokens, and still every token gets its own, as under atskv.sparse
+    (alone as in a composition)."""
     model = tiny_model("llama")
     ids = random_prompt(60, seed=4)
 
     def features(run, **options) -> torch.Tensor:
-        selector = composition("learned+sparq", predictor_dir, residency_budget=EVERY_TOKEN)
-        with torch.no_grad(), run(model, selector, budget=5, **options) as session:
+        if name == "learned":
+            selector = make_selector(name, predictor=predictor_dir, refresh_every=2)
+        else:
+            selector = composition(name, predictor_dir, residency_budget=EVERY_TOKEN)
+        budget = EVERY_TOKEN if name == "learned" else 5
+        with torch.no_grad(), run(model, selector, budget=budget, **options) as session:
             cache = session.new_cache()
             model(ids[:, :48], past_key_values=cache)
             for t in range(48, 60):
                 model(ids[:, t : t + 1], past_key_values=cache)
         layer = session.cache.layers[MANAGED[-1]]
-        learned: LearnedSelector = selector.residency
+        learned: LearnedSelector = selector if name == "learned" else selector.residency
         by_slot = learned._slots(layer).hidden_norm  # of the tokens held on the GPU, by position
         positions = layer.slot_pos[..., : layer.length]
         order = positions.masked_fill(positions < 0, EVERY_TOKEN).argsort(-1)

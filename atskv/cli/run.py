@@ -200,14 +200,10 @@ def selectors() -> None:
     from atskv.selectors import SELECTORS
     from atskv.selectors.hybrid import HybridSelector, check_parts
 
-    def fast(name: str, cls) -> str:
-        if name not in FAST_SELECTORS:
-            return "reference only"
-        return "fast path (without a threshold)" if hasattr(cls, "threshold") else "fast path"
-
     for name, cls in sorted(SELECTORS.items()):
         kind = "keeps all" if cls.keeps_all else ("query-aware" if cls.query_aware else "query-agnostic")
-        print(f"{name:15s} {kind:15s} {'evicts' if cls.evicts else '':6s}  {fast(name, cls)}")
+        fast = "fast path" if name in FAST_SELECTORS else "reference only"
+        print(f"{name:15s} {kind:15s} {'evicts' if cls.evicts else '':6s}  {fast}")
     print("compositions: residency+attention, e.g. learned+sparq, h2o+oracle (an evicting query-agnostic "
           "part holds residency_budget tokens; a query-aware part attends the budget among them)")
 

@@ -232,9 +232,10 @@ class TieredSession(SparseSession):
             self.selector.observe(view, mass)
         if not decode:
             self.selector.prefill(view)
-        elif self.composed and self.ranker.needs_hidden:
-            # the learned part enters this step's tokens (their hidden states) when it scores, as
-            # the composition does every step under atskv.sparse; between refreshes it would not
+        elif self.ranker.needs_hidden:
+            # the learned selector (alone or as a part) enters this step's tokens with their own
+            # hidden states when it scores, as it does every step under atskv.sparse; between
+            # refreshes it would not, and the next refresh would give them its step's
             self.ranker.scores(self._last(view))
         if refresh:
             moved = self.cache.stats.demoted_tokens + self.cache.stats.promoted_tokens
