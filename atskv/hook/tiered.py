@@ -232,10 +232,11 @@ class TieredSession(SparseSession):
             self.selector.observe(view, mass)
         if not decode:
             self.selector.prefill(view)
-        elif self.ranker.needs_hidden:
+        elif not refresh and self.ranker.needs_hidden:
             # the learned selector (alone or as a part) enters this step's tokens with their own
             # hidden states when it scores, as it does every step under atskv.sparse; between
-            # refreshes it would not, and the next refresh would give them its step's
+            # refreshes it would not, and the next refresh would give them its step's (a refresh
+            # step's rebalance scores below)
             self.ranker.scores(self._last(view))
         if refresh:
             moved = self.cache.stats.demoted_tokens + self.cache.stats.promoted_tokens
