@@ -106,7 +106,8 @@ def sparq_decode(query, keys, keys_t, slot_pos, write_slot, context, scaling: fl
 
 
 def sparq_decode_reference(query, keys, keys_t, slot_pos, write_slot, context, scaling: float, rank: int,
-                           budget: int | float, k: int, channels=None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                           budget: int | float, k: int,
+                           channels=None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     b, hkv, d, s = keys_t.shape
     held = slot_pos >= 0
     if channels is None:
@@ -375,10 +376,10 @@ def sparq_decode_triton(query, keys, keys_t, slot_pos, write_slot, context, scal
                         probs_block: int = 1024, window: int = 128, collect_block: int = 2048, block_c: int = 256,
                         radix: int = 3, warps: tuple[int, int, int, int] = (8, 4, 8, 8), channels=None,
                         ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The four kernels (`channels`: see `sparq_decode`). `block_s`: slots per step of the logits kernel; `parts`: its programs per
-    query head (None: about LOGITS_WAVES per SM over the grid; two off CUDA); `probs_block`: slots
-    per program of the probabilities, `window` the bins each counts before adding them; `collect_block`:
-    slots per program of the collection; `block_c`: candidates held in registers by its last one,
+    """The four kernels (`channels`: see `sparq_decode`). `block_s`: slots per step of the logits
+    kernel; `parts`: its programs per query head (None: about LOGITS_WAVES per SM over the grid;
+    two off CUDA); `probs_block`: slots per program of the probabilities, `window` the bins each
+    counts before adding them; `collect_block`: slots per program of the collection; `block_c`: candidates held in registers by its last one,
     `radix` bits per pass of its search; `warps`: each kernel's warps, in launch order.
     Smaller values cover the loops in tests."""
     b, hq, d = query.shape
