@@ -25,24 +25,35 @@ def test_bench_times_dense_and_each_selector_in_one_run():
     assert "B=2, 0.125K" in table and "| oracle |" in table
 
 
-@pytest.mark.parametrize("name", ["oracle", "snapkv", "learned"])
-def test_fast_step_holds_what_the_fast_path_holds(name, tmp_path):
+@pytest.mark.parametrize(("name", "layers"), [("oracle", 1), ("snapkv", 1), ("learned", 1), ("snapkv", 3)])
+def test_fast_step_holds_what_the_fast_path_holds(name, layers, tmp_path):
     """After the session's own prefill, query-aware selectors keep every token reachable and evicting
-    ones hold only their budget, step after step, as `atskv.generate` would."""
+    ones hold only their budget, step after step, in every layer of the step, as `atskv.generate` would."""
     shape = Shape(1, 64, (4, 2, 16), torch.float32, torch.device("cpu"))
-    step = fast_step(name, shape, budget=0.25, room=8, folder=tmp_path)
+    step = fast_step(name, shape, budget=0.25, room=8, folder=tmp_path, layers=layers)
+    assert len(step.layers) == layers
     for taken in range(1, 4):
         out = step()
         assert out.shape == (1, 1, 4, 16) and torch.isfinite(out).all()
-        held = int((step.layer.slot_pos >= 0).sum(-1).max())
-        assert held == (64 + taken if name == "oracle" else math.ceil(0.25 * (64 + taken)))  # a fraction of the context
+        for layer in step.layers:
+            held = int((layer.slot_pos >= 0).sum(-1).max())
+            assert held == (64 + taken if name == "oracle" else math.ceil(0.25 * (64 + taken)))  # of the context
+
+
+def test_a_step_of_several_layers_steps_each_and_reports_per_layer():
+    records = bench_decode_attention(
+        ["snapkv"], batch_sizes=[1], contexts=[64], budget_fraction=0.25, geometry="smollm2-135m",
+        dtype=torch.float32, device="cpu", replays=1, repeat=1, progress=False, layers=3,
+    )
+    assert [r.layers for r in records] == [3, 3]
+    assert "layers per timed step" in markdown(records) and "B=1 0.0625K: 3" in markdown(records)
 
 
 def test_hook_step_attends_over_the_budget_it_should():
     shape = Shape(1, 64, (4, 2, 16), torch.float32, torch.device("cpu"))
     step = hook_step("snapkv", shape, budget=16)
     assert step().shape == (1, 1, 4, 16)
-    assert int(step.layer.occupied.sum(-1).max()) == 16
+    assert int(step.layers[0].occupied.sum(-1).max()) == 16
 
 
 def test_bench_refuses_unknown_geometry_and_bad_budget():

@@ -23,8 +23,9 @@ def attention(
     out: Path = Path("results/bench"),
     device: str = "auto",
     dtype: str = "auto",
+    layers: int | None = None,
 ) -> None:
-    """One layer's whole decode step per method against dense SDPA, as ratios.
+    """A layer's whole decode step per method against dense SDPA, as ratios.
 
     A selector runs the fast path's step (append, selector state, score, pick, attend, evict), captured
     in a CUDA graph as `atskv.generate` runs it; `hook:<selector>` runs the reference path eagerly.
@@ -41,6 +42,8 @@ def attention(
         out: output folder.
         device: cuda, cpu, or auto.
         dtype: bfloat16, float16, float32, or auto (bfloat16 on GPU, float32 on CPU).
+        layers: layers per timed step, each with its own cache (times are per layer); default:
+            enough that a step's sparse reads exceed the GPU's L2 cache 4x (at most 8), as in a model.
     """
     import platform
 
@@ -48,7 +51,8 @@ def attention(
 
     device, torch_dtype = resolve_device(device, dtype)
     records = benchmark.bench_decode_attention(
-        selectors, batch_sizes, contexts, budget, geometry, torch_dtype, device, replays=replays, repeat=repeat
+        selectors, batch_sizes, contexts, budget, geometry, torch_dtype, device, replays=replays, repeat=repeat,
+        layers=layers,
     )
     gpu = torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu"
     meta = {"device": gpu, "dtype": str(torch_dtype), "geometry": geometry, "budget": budget}

@@ -1,4 +1,4 @@
-"""Decode-attention latency of one managed layer: each method's whole step against dense SDPA, in one run.
+"""Decode-attention latency of a managed layer: each method's whole step against dense SDPA, in one run.
 
 A method is a selector on the fast path (`atskv.generate`'s `StaticSession`: append the new token,
 update the selector's state, score, pick, attend, evict; every step captured in a CUDA graph, as
@@ -9,6 +9,13 @@ table. The layer's cache is filled through the session's own prompt path with ra
 and hidden states (latency does not depend on the values; the learned selector runs a predictor
 of the shape with random weights). A timed call replays `repeat` consecutive steps, so the host's
 launch of a replay is not part of a step's time; ratios are SDPA time / method time, same run.
+
+A step runs `layers` layers, each with its own cache and query, and the time is per layer. One
+layer stepped again and again reads the same few megabytes of picked keys, page bounds and
+features, which then stay in the GPU's L2 cache (50 MB on an H200); in a model, the layer's
+weights (hundreds of megabytes) pass through between two steps of it. So by default there are
+enough layers that a step's sparse reads exceed the L2 cache several times over (`rotation`), and
+the once-per-step counters are shared among them as in `generate`.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ GEOMETRIES = {  # query heads, KV heads, head dim
 DENSE = "dense (SDPA)"
 HOOK = "hook:"  # the reference path's methods
 PREFILL_CHUNK = 4096
+L2_MULTIPLE = 4  # a step's sparse reads over all its layers: at least this many times the L2 cache
+MAX_LAYERS = 8
 
 
 @dataclass
@@ -50,6 +59,7 @@ class BenchRecord:
     milliseconds: float
     speedup: float | None  # dense time / this time, same run, same GPU
     backend: str = ""
+    layers: int = 1  # layers per timed step (each its own cache); milliseconds are per layer
 
 
 @dataclass
@@ -65,27 +75,42 @@ class Shape:
     def randn(self, *size: int) -> torch.Tensor:
         return torch.randn(*size, dtype=self.dtype, device=self.device)
 
-    def config(self) -> LlamaConfig:
+    def config(self, layers: int = 1) -> LlamaConfig:
         hq, hkv, d = self.geometry
-        return LlamaConfig(num_hidden_layers=1, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d,
+        return LlamaConfig(num_hidden_layers=layers, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d,
                            hidden_size=hq * d, intermediate_size=8, vocab_size=8)  # fmt: skip
 
 
-def sdpa_step(shape: Shape, room: int) -> tuple[Callable[[], torch.Tensor], str]:
-    """SDPA decode over a preallocated cache that grows by one token per call (back to the prompt's
-    end when `room` runs out); returns (step, backend)."""
+def rotation(shape: Shape, budget: int) -> int:
+    """Layers per timed step: enough that the step's sparse reads (the budget's keys and values in
+    every layer) reach `L2_MULTIPLE` times the GPU's L2 cache, at most `MAX_LAYERS`; 1 off CUDA."""
+    if shape.device.type != "cuda":
+        return 1
+    _, hkv, d = shape.geometry
+    read = shape.batch * hkv * budget * d * 2 * torch.finfo(shape.dtype).bits // 8
+    l2 = torch.cuda.get_device_properties(shape.device).L2_cache_size
+    return max(1, min(MAX_LAYERS, math.ceil(L2_MULTIPLE * l2 / read)))
+
+
+def sdpa_step(shape: Shape, room: int, layers: int = 1) -> tuple[Callable[[], torch.Tensor], str]:
+    """SDPA decode over `layers` preallocated caches, each growing by one token per call (back to the
+    prompt's end when `room` runs out); returns (step, backend)."""
     b, context = shape.batch, shape.context
     hq, hkv, d = shape.geometry
-    keys = shape.randn(b, hkv, context + room, d)
-    values = torch.randn_like(keys)
-    query, new = shape.randn(b, hq, 1, d), shape.randn(b, hkv, 1, d)
+    caches = []
+    for _ in range(layers):
+        keys = shape.randn(b, hkv, context + room, d)
+        caches.append((keys, torch.randn_like(keys), shape.randn(b, hq, 1, d)))
+    new = shape.randn(b, hkv, 1, d)
     state = {"n": context}
 
     def attend():
         n = state["n"] = state["n"] + 1 if state["n"] < context + room else context + 1
-        keys[:, :, n - 1 : n] = new
-        values[:, :, n - 1 : n] = new
-        return F.scaled_dot_product_attention(query, keys[:, :, :n], values[:, :, :n], enable_gqa=hq > hkv)
+        for keys, values, query in caches:
+            keys[:, :, n - 1 : n] = new
+            values[:, :, n - 1 : n] = new
+            out = F.scaled_dot_product_attention(query, keys[:, :, :n], values[:, :, :n], enable_gqa=hq > hkv)
+        return out
 
     for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
         try:
@@ -102,13 +127,14 @@ def sdpa_step(shape: Shape, room: int) -> tuple[Callable[[], torch.Tensor], str]
     raise RuntimeError("no SDPA backend accepted the dense decode input")
 
 
-def fast_step(name: str, shape: Shape, budget: float, room: int, folder: Path) -> Callable[[], torch.Tensor]:
-    """One decode step of a managed layer on the fast path, after a prompt of `shape.context`
-    random tokens through the session's own chunked prefill (an evicting selector then holds its
-    budget). Host-side counters advance as `generate` advances them."""
+def fast_step(name: str, shape: Shape, budget: float, room: int, folder: Path,
+              layers: int = 1) -> Callable[[], torch.Tensor]:  # fmt: skip
+    """One decode step of `layers` managed layers on the fast path, after a prompt of
+    `shape.context` random tokens through the session's own chunked prefill (an evicting selector
+    then holds its budget). Host-side counters advance as `generate` advances them, once a step."""
     b, context = shape.batch, shape.context
     hq, hkv, d = shape.geometry
-    model = SimpleNamespace(config=shape.config())
+    model = SimpleNamespace(config=shape.config(layers))
     options = {}
     if name == "learned":
         from atskv.eval.speed import random_predictor
@@ -118,29 +144,34 @@ def fast_step(name: str, shape: Shape, budget: float, room: int, folder: Path) -
     chunk = min(PREFILL_CHUNK, context)
     session = StaticSession(model, selector, SparsityConfig(budget, dense_layers=0), context, room, chunk, batch=b)
     cache = session.bind(session.new_cache())
-    layer, module, scaling = cache.layers[0], SimpleNamespace(layer_idx=0), d**-0.5
+    modules, scaling = [SimpleNamespace(layer_idx=i) for i in range(layers)], d**-0.5
     with torch.no_grad():
         for start, stop in prompt_chunks(context, chunk):
             n = stop - start
-            keys, values = layer.update(shape.randn(b, hkv, n, d), shape.randn(b, hkv, n, d))
-            session.hidden[0] = shape.randn(b, n, hq * d)
             session.token_ids = torch.zeros(b, n, dtype=torch.long, device=shape.device)
-            session.attend(module, shape.randn(b, hq, n, d), keys, values, None, scaling)
+            for layer, module in zip(cache.layers, modules):
+                keys, values = layer.update(shape.randn(b, hkv, n, d), shape.randn(b, hkv, n, d))
+                session.hidden[module.layer_idx] = shape.randn(b, n, hq * d)
+                session.attend(module, shape.randn(b, hq, n, d), keys, values, None, scaling)
         session.finish_prompt(None)
-    query, new = shape.randn(b, hq, 1, d), shape.randn(b, hkv, 1, d)
-    hidden, ids = shape.randn(b, 1, hq * d), torch.zeros(b, 1, dtype=torch.long, device=shape.device)
+    inputs = [(shape.randn(b, hq, 1, d), shape.randn(b, hkv, 1, d), shape.randn(b, 1, hq * d)) for _ in modules]
+    ids = torch.zeros(b, 1, dtype=torch.long, device=shape.device)
     counted = session.step_counters(cache)
 
     def attend() -> torch.Tensor:
-        session.hidden[0], session.token_ids = hidden, ids
-        keys, values = layer.update(new, new)
-        return session.attend(module, query, keys, values, None, scaling)
+        session.token_ids = ids
+        for layer, module, (query, new, hidden) in zip(cache.layers, modules, inputs):
+            session.hidden[module.layer_idx] = hidden
+            keys, values = layer.update(new, new)
+            out = session.attend(module, query, keys, values, None, scaling)
+        return out
 
     def step() -> torch.Tensor:
-        layer.seen += 1
+        for layer in cache.layers:
+            layer.seen += 1
         return counted(attend)
 
-    step.layer = layer  # what the step holds, for checks
+    step.layers = cache.layers  # what the step holds, for checks
     return step
 
 
@@ -164,7 +195,7 @@ def hook_step(name: str, shape: Shape, budget: int) -> Callable[[], torch.Tensor
         keys, values = layer.update(new, new)
         return session.attend(module, query, keys, values, None, d**-0.5)
 
-    step.layer = layer
+    step.layers = [layer]
     return step
 
 
@@ -218,9 +249,11 @@ def bench_decode_attention(
     replays: int = 20,
     repeat: int = 16,
     progress: bool = True,
+    layers: int | None = None,
 ) -> list[BenchRecord]:
-    """Milliseconds per decode step of one layer, SDPA and per method, for every batch x context.
-    `selectors`: selector names (the fast path) or `hook:<name>` (the reference path)."""
+    """Milliseconds per layer of a decode step, SDPA and per method, for every batch x context.
+    `selectors`: selector names (the fast path) or `hook:<name>` (the reference path, one layer);
+    `layers`: layers per step (None: `rotation`'s choice per setting)."""
     if geometry not in GEOMETRIES:
         raise ValueError(f"unknown geometry {geometry!r}; choose one of: {', '.join(GEOMETRIES)}")
     if not 0 < budget_fraction < 1:
@@ -236,18 +269,20 @@ def bench_decode_attention(
         for n, (batch, context) in enumerate(tqdm([cases[0], *cases], desc="bench", disable=not progress)):
             shape = Shape(batch, context, GEOMETRIES[geometry], dtype, device)
             budget = max(1, math.ceil(budget_fraction * context))
-            step, backend = sdpa_step(shape, room)
-            dense_ms = step_milliseconds(step, device, True, repeat, replays)
+            count = layers or rotation(shape, budget)
+            step, backend = sdpa_step(shape, room, count)
+            dense_ms = step_milliseconds(step, device, True, repeat, replays) / count
             del step
-            case = [BenchRecord(DENSE, batch, context, budget, dense_ms, 1.0, backend)]
+            case = [BenchRecord(DENSE, batch, context, budget, dense_ms, 1.0, backend, count)]
             for name in selectors:
-                if name.startswith(HOOK):
+                hook = name.startswith(HOOK)
+                if hook:
                     step = hook_step(name.removeprefix(HOOK), shape, budget)
                 else:
-                    step = fast_step(name, shape, budget_fraction, room, Path(folder))
-                ms = step_milliseconds(step, device, not name.startswith(HOOK), repeat, replays)
+                    step = fast_step(name, shape, budget_fraction, room, Path(folder), count)
+                ms = step_milliseconds(step, device, not hook, repeat, replays) / (1 if hook else count)
                 del step
-                case.append(BenchRecord(name, batch, context, budget, ms, dense_ms / ms))
+                case.append(BenchRecord(name, batch, context, budget, ms, dense_ms / ms, layers=1 if hook else count))
             if n > 0:
                 records += case
             if device.type == "cuda":
@@ -273,6 +308,8 @@ def markdown(records: list[BenchRecord]) -> str:
             else:
                 cells.append(f"{r.milliseconds:.3f} ms ({r.speedup:.2f}x)")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    counts = ", ".join(f"B={b} {c / 1024:g}K: {cell[(DENSE, b, c)].layers}" for b, c in cases if (DENSE, b, c) in cell)
+    lines.append(f"\nPer layer; layers per timed step (each its own cache, so the L2 cache does not hold them): {counts}.")
     return "\n".join(lines)
 
 
