@@ -1,6 +1,7 @@
-"""Where a selector's decode step spends its time: torch.profiler over the same one-layer step that
-`atskv bench attention` times (the fast path's, or the reference's for `hook:<name>`), run eagerly
-so each kernel shows, ops sorted by CUDA time.
+"""Where a selector's decode step spends its time: torch.profiler over the same step that `atskv
+bench attention` times (the fast path's over as many layers, each its own cache, or the
+reference's one layer for `hook:<name>`), run eagerly so each kernel shows, ops sorted by CUDA time.
+Times are totals over the steps and layers (calls / steps = launches per step).
 
     python benchmarks/profile_decode_step.py --selector quest learned --batch 1 --context 32768
 """
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from atskv.eval.bench import GEOMETRIES, HOOK, Shape, fast_step, hook_step
+from atskv.eval.bench import GEOMETRIES, HOOK, Shape, fast_step, hook_step, rotation
 
 
 def main(argv=None) -> None:
@@ -27,6 +28,7 @@ def main(argv=None) -> None:
     parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="llama3-8b")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rows", type=int, default=15)
+    parser.add_argument("--layers", type=int, help="layers per step (default: as atskv bench attention)")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -38,7 +40,8 @@ def main(argv=None) -> None:
             if name.startswith(HOOK):
                 step = hook_step(name.removeprefix(HOOK), shape, budget)
             else:
-                step = fast_step(name, shape, args.budget, 8 + 5 + args.steps, Path(tempfile.mkdtemp()))
+                layers = args.layers or rotation(shape, budget)
+                step = fast_step(name, shape, args.budget, 8 + 5 + args.steps, Path(tempfile.mkdtemp()), layers)
             for _ in range(5):
                 step()
             with profile(activities=activities) as prof:
