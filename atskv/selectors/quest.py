@@ -8,10 +8,17 @@ the GQA group). Every token gets its page's score, so the hook's top-budget keep
 budget that is a multiple of the page size buys the paper's "top budget/16 pages". Not evicting:
 the whole cache stays reachable for the next query.
 
-The bounds live in the layer's state and are updated incrementally: only the pages touched by new
-slots are recomputed. That relies on slots being append-only in position order, which holds for
-non-evicting selectors. With left padding a row's pages follow the batch's slot layout, so pad
-keys enter the bounds of its first page (the hook still never attends to them).
+A page is bounded by the keys of its slots that some query of the view may attend (`valid`): pad
+keys of a left-padded row, free slots and the tail a composition packs after a shorter row's
+tokens (`atskv.selectors.hybrid.resident_view`) never enter a bound (a page without any is bounded
+by zeros; none of its slots can be picked). The bounds live in the layer's state, with the
+position each slot held when its page was bounded, and are updated incrementally: pages past the
+slots covered so far are bounded as they arrive; pages below that are bounded again only where a
+slot now holds another token or changed validity (under `atskv.tiered` demotion and promotion
+refill slots below the old count; a composition's packed view re-packs). A layer's own slots that
+were never freed only grow at their end, so there that comparison (and its host sync) is skipped:
+the plain run stays incremental and sync-free. A left-padded row's pages still follow the batch's
+slot layout (they start at the batch's first slot, the fast path's at the row's first token).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from atskv.kernels.quest import masked_page_bounds, page_bounds, quest_page_scores
+from atskv.kernels.quest import masked_page_bounds, quest_page_scores
 from atskv.kernels.quest_decode import quest_pick, quest_step_scores
 from atskv.selectors.base import LayerView, Selector, budget_tokens
 from atskv.selectors.buffers import with_room
@@ -33,6 +40,9 @@ class _PageBounds:
     high: torch.Tensor
     slots: int  # slots covered so far
     held: torch.Tensor | None = None  # [B, Hkv, P] int32 tokens per page: the fast path's static cache
+    # reference path: [B, Hkv, room] the position each covered slot held when its page was bounded,
+    # -1 where it was not attendable (`_bounds` re-bounds the pages where that changed)
+    bounded: torch.Tensor | None = None
 
 
 @dataclass
@@ -85,23 +95,55 @@ class QuestSelector(Selector):
             view.layer.state[self.name] = _PageBounds(low, high, view.keys.shape[2], counts)
 
     def _bounds(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
-        """Page bounds of every slot in `view`, recomputing only the pages new slots fall into."""
+        """Page bounds of every slot in `view` over its attendable slots (module docstring):
+        recomputing only the pages past the covered slots and, unless the view is provably
+        append-only, those where a covered slot's token or validity changed."""
         keys, size = view.keys, self.page_size
-        state = view.layer.state.get(self.name)
-        if state is None:
-            empty = keys.new_empty(*keys.shape[:2], 0, keys.shape[3])
-            state = view.layer.state[self.name] = _PageBounds(empty, empty, 0)
         slots = keys.shape[2]
-        if slots > state.slots:
-            first = state.slots // size  # the last, partial page is recomputed with its new slots
-            low, high = page_bounds(keys[:, :, first * size :], size)
+        tokens = view.slot_pos.masked_fill(~view.valid.any(2), -1)  # [B, Hkv, S]: -1 where not attendable
+        state = view.layer.state.get(self.name)
+        if state is None or state.bounded is None or state.bounded.shape[:2] != tokens.shape[:2]:
+            empty = keys.new_empty(*keys.shape[:2], 0, keys.shape[3])
+            state = _PageBounds(empty, empty, 0, bounded=tokens.new_empty(*tokens.shape[:2], 0))
+            view.layer.state[self.name] = state
+        covered = min(state.slots, slots)
+        if covered and not _append_only(view):
+            changed = _page_counts(tokens[..., :covered] != state.bounded[..., :covered], size)  # [B, Hkv, P]
+            pages = changed.flatten(0, 1).amax(0).nonzero()[:, 0]  # a host sync
+            if pages.numel():
+                self._rebound(state, keys, tokens, pages, covered)
+        if slots != state.slots:  # new slots, or fewer: from the last, partial page on
+            first = covered // size
+            low, high = masked_page_bounds(keys[:, :, first * size :], tokens[..., first * size :] >= 0, size)
             end = first + low.shape[2]
             state.low, state.high = with_room(state.low, end), with_room(state.high, end)
             state.low[:, :, first:end] = low
             state.high[:, :, first:end] = high
+            state.bounded = with_room(state.bounded, slots)
+            state.bounded[..., covered:slots] = tokens[..., covered:]
             state.slots = slots
         pages = math.ceil(slots / size)
         return state.low[:, :, :pages], state.high[:, :, :pages]
+
+    def _rebound(self, state: _PageBounds, keys, tokens, pages: torch.Tensor, covered: int) -> None:
+        """Recompute the bounds of `pages` (page ids `[n]`) over the attendable ones (`tokens >= 0`)
+        of the first `covered` slots of `keys`, and record which token each of those slots holds."""
+        size = self.page_size
+        pad = -covered % size
+        by_page = torch.nn.functional.pad(keys[:, :, :covered], (0, 0, 0, pad)).unflatten(2, (-1, size))
+        held = torch.nn.functional.pad(tokens[..., :covered] >= 0, (0, pad)).unflatten(-1, (-1, size))
+        low, high = masked_page_bounds(by_page[:, :, pages].flatten(2, 3), held[:, :, pages].flatten(2, 3), size)
+        state.low[:, :, pages] = low
+        state.high[:, :, pages] = high
+        state.bounded[..., :covered] = tokens[..., :covered]  # pages not re-bounded held these already
+
+
+def _append_only(view: LayerView) -> bool:
+    """Whether `view` is its layer's own slot layout (not a packed copy) and the layer never freed
+    a slot: its slots then only grew at the end since the bounds were taken (a slot's validity
+    does not change either: padding is fixed, every later query sees every earlier token)."""
+    own = view.layer.slot_pos
+    return not view.layer.may_have_free and own is not None and view.slot_pos.data_ptr() == own.data_ptr()
 
 
 def _page_counts(valid: torch.Tensor, size: int) -> torch.Tensor:

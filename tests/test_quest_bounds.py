@@ -1,0 +1,68 @@
+"""Quest's page bounds over the slots a query may attend, on the reference path (`atskv.sparse`):
+a left-padded row's pad keys stay out of its first page, and a composition's packed view
+(`atskv.selectors.hybrid.resident_view`, rows of different lengths) re-bounds the pages whose
+slots it re-packed. (The fast path still picks other pages on a padded row: it moves each row's
+real tokens to the front, so its pages start at the row's first token, the reference's at the
+batch's first slot.)"""
+
+from __future__ import annotations
+
+import torch
+
+import atskv
+from atskv.hook.sparse import SparseSession, SparsityConfig, attach
+from atskv.selectors.hybrid import HybridSelector
+from atskv.selectors.h2o import H2OSelector
+from tests.conftest import random_prompt, tiny_model
+from tests.test_tiered_quest import Checked
+
+
+def left_padded(tokens: int, padding: int, seed: int):
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    ids = random_prompt(tokens, seed=seed, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :padding] = 0
+    ids[1, :padding] = 0
+    return model, ids, mask
+
+
+def test_quest_on_a_padded_batch_bounds_only_what_a_query_may_attend():
+    model, ids, mask = left_padded(40, 9, seed=5)
+    selector = Checked(page_size=4)
+    with torch.no_grad(), atskv.sparse(model, selector, 8, dense_layers=2):
+        model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert selector.checked > 0
+
+
+def test_a_compositions_packed_rows_of_different_lengths_rebound_their_pages():
+    """Padding makes the packed rows differ in length before any eviction: each step a shorter
+    row's new token lands inside pages bounded before (over its packed tail)."""
+    model, ids, mask = left_padded(40, 9, seed=5)
+    part = Checked(page_size=4)
+    session = SparseSession(model, HybridSelector(H2OSelector(), part, residency_budget=64), SparsityConfig(8))
+    with torch.no_grad(), attach(model, session):
+        model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    assert part.checked >= 11 * len(session.managed_layers)
+
+
+def test_a_plain_run_bounds_only_the_pages_of_new_slots_and_compares_nothing(monkeypatch):
+    """Append-only slots (a layer that never freed one): each decode step bounds the new token's
+    page and nothing else, and the comparison with the covered slots (a host sync) is skipped."""
+    import atskv.selectors.quest as quest
+
+    bounded, plain = [], quest.masked_page_bounds
+
+    def recording(keys, held, size):
+        bounded.append(keys.shape[2])
+        return plain(keys, held, size)
+
+    monkeypatch.setattr(quest, "masked_page_bounds", recording)
+    proven, append_only = [], quest._append_only
+    monkeypatch.setattr(quest, "_append_only", lambda view: proven.append(append_only(view)) or True)
+    model, ids, mask = left_padded(40, 9, seed=5)
+    with torch.no_grad(), atskv.sparse(model, atskv.make_selector("quest", page_size=4), 8, dense_layers=2):
+        model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert bounded[:2] == [41, 41], "every page at the first decode step, once per managed layer"
+    assert len(bounded) == 2 + 6 * 2 and max(bounded[2:]) <= 4, "then the last page only"
+    assert len(proven) == 6 * 2 and all(proven)
