@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from atskv.hook.gqa import StreamedAttention, grouped_attention, sdpa_attention
+from atskv.hook.gqa import StreamedAttention, grouped_attention, grouped_probs, sdpa_attention
 
 
 def reference(query, keys, values, mask, scaling):
@@ -12,7 +12,7 @@ def reference(query, keys, values, mask, scaling):
     v = values.repeat_interleave(group, 1)
     m = mask.repeat_interleave(group, 1)
     logits = (query @ k.transpose(-1, -2) * scaling).masked_fill(~m, float("-inf"))
-    probs = logits.softmax(-1)
+    probs = logits.softmax(-1).nan_to_num(0.0)  # a query with no slot reads nothing
     mass = probs.view(keys.shape[0], keys.shape[1], group, *probs.shape[2:]).sum(dim=(2, 3))
     return (probs @ v).transpose(1, 2), mass
 
@@ -33,12 +33,26 @@ def test_grouped_paths_match_reference(hq, hkv, tq):
     torch.testing.assert_close(sdpa_attention(query, keys, values, mask, 0.25), expected, rtol=1e-5, atol=1e-6)
 
 
-def test_rows_without_any_slot_stay_finite():
-    query, keys, values = torch.randn(1, 2, 3, 8), torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8)
-    mask = torch.zeros(1, 1, 3, 5, dtype=torch.bool)
-    mask[..., 1, :2] = True
-    for out in (grouped_attention(query, keys, values, mask, 1.0)[0], sdpa_attention(query, keys, values, mask, 1.0)):
-        assert torch.isfinite(out).all()
+@pytest.mark.parametrize("hkv", [1, 2])
+def test_rows_without_any_slot_give_zeros_and_the_others_are_unchanged(hkv):
+    """A query that may attend nothing (a pad query, or one whose selector wants no token at all)
+    reads zeros and gives no mass, as the sparse decode kernel and the streamed attention do, not
+    an average over slots it may not see; a row with slots is as before."""
+    g = torch.Generator().manual_seed(hkv)
+    b, hq, tq, s, d = 2, 4, 3, 5, 8
+    query = torch.randn(b, hq, tq, d, generator=g)
+    keys, values = torch.randn(b, hkv, s, d, generator=g), torch.randn(b, hkv, s, d, generator=g)
+    mask = torch.zeros(b, hkv, tq, s, dtype=torch.bool)
+    mask[:, :, 1, :2] = True
+    mask[1, -1, 2, 3] = True  # query 2 has a slot in one row's last KV head only
+    expected, expected_mass = reference(query, keys, values, mask, 1.0)
+    assert bool((expected == 0).any(-1).all(-1).any()), "some query heads read nothing"
+    out, mass = grouped_attention(query, keys, values, mask, 1.0, want_mass=True)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(mass, expected_mass, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sdpa_attention(query, keys, values, mask, 1.0), expected, rtol=1e-5, atol=1e-6)
+    totals = grouped_probs(query, keys, mask, 1.0).sum(-1)  # [B, Hkv, G, Tq]
+    torch.testing.assert_close(totals, mask.any(-1).unsqueeze(2).float().expand_as(totals))
 
 
 @pytest.mark.parametrize(("hq", "hkv", "tq"), [(4, 1, 1), (9, 3, 2)])

@@ -28,9 +28,19 @@ def grouped_probs(
     query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scaling: float, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Softmax attention probabilities `[B, Hkv, G, Tq, S]` in float32 over the slots where `mask`
-    (`[B, Hkv, Tq, S]`) is True. Rows with no allowed slot come out uniform rather than NaN, so
-    padded queries never poison valid ones. `bias` (`[B, Hkv, Tq, S]`), if given, is added to the
-    scaled logits of every query head of the group (the influence label's per-token gates)."""
+    (`[B, Hkv, Tq, S]`) is True. A row with no allowed slot (a pad query; a query whose selector
+    wants no token) gets zeros, not NaN nor an average over slots it may not see, as the sparse
+    decode kernel and `StreamedAttention` give. `bias` (`[B, Hkv, Tq, S]`), if given, is added to
+    the scaled logits of every query head of the group (the influence label's per-token gates)."""
+    probs = _softmax_or_uniform(query, keys, mask, scaling, bias)
+    return probs.masked_fill(~mask.any(-1, keepdim=True).unsqueeze(2), 0.0)
+
+
+def _softmax_or_uniform(
+    query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scaling: float, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`grouped_probs`, except that a row with no allowed slot comes out uniform over every slot
+    (the caller zeroes what it derives from such a row: cheaper than zeroing the probabilities)."""
     q = grouped_queries(query, keys.shape[1])
     logits = group_matmul(q, keys.transpose(-1, -2)).float() * scaling
     if bias is not None:
@@ -53,7 +63,8 @@ def grouped_attention(
 
     Returns the output in the layout transformers expects after attention, `[B, Tq, Hq, D]`, and,
     if asked, the attention mass each slot received `[B, Hkv, S]` (summed over the group's query
-    heads and the queries). Queries are processed in chunks to bound the `[.., Tq, S]` buffers.
+    heads and the queries). A query with no allowed slot gets zeros and gives no mass
+    (`grouped_probs`). Queries are processed in chunks to bound the `[.., Tq, S]` buffers.
     """
     b, hq, tq, _ = query.shape
     hkv = keys.shape[1]
@@ -61,10 +72,10 @@ def grouped_attention(
     mass = torch.zeros(b, hkv, keys.shape[2], dtype=torch.float32, device=keys.device) if want_mass else None
     for start in range(0, tq, query_chunk):
         stop = min(start + query_chunk, tq)
-        probs = grouped_probs(query[:, :, start:stop], keys, mask[:, :, start:stop], scaling)
-        out[:, :, :, start:stop] = group_matmul(probs.to(values.dtype), values)
+        probs = _softmax_or_uniform(query[:, :, start:stop], keys, mask[:, :, start:stop], scaling)
+        valid_rows = mask[:, :, start:stop].any(-1, keepdim=True).unsqueeze(2)  # [B, Hkv, 1, c, 1]
+        out[:, :, :, start:stop] = group_matmul(probs.to(values.dtype), values).masked_fill(~valid_rows, 0)
         if mass is not None:
-            valid_rows = mask[:, :, start:stop].any(-1, keepdim=True).unsqueeze(2)
             mass += (probs * valid_rows).sum(dim=(2, 3))
     return out.view(b, hq, tq, -1).transpose(1, 2), mass
 
@@ -123,15 +134,19 @@ def sdpa_attention(
 ) -> torch.Tensor:
     """The same function as `grouped_attention` (without the mass), through PyTorch's fused SDPA
     with `enable_gqa`, so the KV is still never expanded; only the boolean mask is broadcast to
-    the query heads. Rows with no allowed slot attend everywhere instead of producing NaN."""
-    mask = mask | ~mask.any(-1, keepdim=True)
-    group = query.shape[1] // keys.shape[1]
+    the query heads. A row with no allowed slot gets zeros (it attends everywhere inside SDPA,
+    which some backends would turn into NaN otherwise, and its output is then zeroed)."""
+    b, hq, tq, _ = query.shape
+    valid_rows = mask.any(-1, keepdim=True)  # [B, 1 or Hkv, Tq, 1]
+    mask = mask | ~valid_rows
+    group = hq // keys.shape[1]
     uniform = mask.shape[1] == 1 or bool((mask == mask[:, :1]).all())
     mask = mask[:, :1] if uniform else mask.repeat_interleave(group, dim=1)
     out = torch.nn.functional.scaled_dot_product_attention(
         query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=group > 1
     )
-    return out.transpose(1, 2)
+    out = out.reshape(b, valid_rows.shape[1], -1, tq, out.shape[-1]).masked_fill(~valid_rows.unsqueeze(2), 0)
+    return out.reshape(b, hq, tq, -1).transpose(1, 2)
 
 
 def attention_lse(
