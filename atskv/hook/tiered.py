@@ -259,10 +259,11 @@ class TieredSession(SparseSession):
         return self.keep(view, self.is_sparse_step(query))
 
     def _forget_layout(self, layer: TieredLayer) -> None:
-        """Drop a composition's attention part's per-layer state (Quest's page bounds, SparCas's
-        compact keys): it describes the active tier, packed in position order, as it was when
-        built, and assumes each row only grew at its end since (`atskv.selectors.hybrid`); it is
-        rebuilt on the next query."""
+        """Drop a composition's attention part's per-layer state (SparCas's compact keys): it
+        describes the active tier, packed in position order, as it was when built, and assumes each
+        row only grew at its end since (`atskv.selectors.hybrid`); it is rebuilt on the next query.
+        (Quest's page bounds would follow a re-packed view by themselves, bounding again the pages
+        whose slots changed; rebuilt, they are the same.)"""
         layer.state.pop(self.selector.attention.name, None)
 
     def _last(self, view: LayerView) -> LayerView:
