@@ -14,7 +14,7 @@ kernels per layer (a masked minimum, an argmin over positions, a count, the budg
 from __future__ import annotations
 
 import torch
-from atskv.kernels.backend import jit, tl, triton, use_triton
+from atskv.kernels.backend import dependent_launch, jit, tl, triton, use_triton, wait_for_inputs
 from atskv.kernels.budget import budget_limit, kept_tokens
 
 
@@ -56,10 +56,12 @@ def _evict_kernel(
     score_ptr, pos_ptr, ctx_ptr, write_ptr, freed_ptr, unwanted_ptr, n_kv_heads, n_slots, budget,
     ss_b, ss_h, ss_s, sp_b, sp_h, sp_s, sw_b, sw_h, su_b, su_h, su_s,
     FRACTION: tl.constexpr, UNWANTED: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One (row, KV head): a running lexicographic minimum of (score, position) over held slots,
     the count of held slots and the first free one (an unwanted slot, freed on the way, is free),
     in one walk."""
+    wait_for_inputs(PDL)
     bh = tl.program_id(0)
     b = (bh // n_kv_heads).to(tl.int64)
     h = bh % n_kv_heads
@@ -104,10 +106,11 @@ def evict_lowest_triton(scores, slot_pos, context, budget: int | float, write_sl
     context = context.reshape(-1)
     freed = torch.empty(b, h, dtype=slot_pos.dtype, device=slot_pos.device)
     mask = slot_pos if unwanted is None else unwanted.view(torch.uint8)  # not read without UNWANTED
-    _evict_kernel[(b * h,)](
+    grid = (b * h,)
+    _evict_kernel[grid](
         scores, slot_pos, context, write_slot, freed, mask, h, s, budget,
         *scores.stride(), *slot_pos.stride(), *write_slot.stride(), *mask.stride(),
         FRACTION=isinstance(budget, float), UNWANTED=unwanted is not None, BLOCK=min(1024, triton.next_power_of_2(s)),
-        num_warps=4,
+        num_warps=4, **dependent_launch(slot_pos, grid),
     )  # fmt: skip
     return freed

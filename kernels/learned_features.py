@@ -32,7 +32,7 @@ import weakref
 
 import torch
 import torch.nn.functional as F
-from atskv.kernels.backend import jit, tl, triton, use_triton
+from atskv.kernels.backend import dependent_launch, jit, tl, triton, use_triton, wait_for_inputs
 
 from atskv.predictor.features import SCALAR_FEATURES, feature_columns
 
@@ -89,10 +89,12 @@ def _token_features_kernel(
     sx_b, sx_d, sw_o, sw_i, si_b, ss_b, ss_h, sp_b, sp_h, sp_s, sp_w, sn_b, sn_h, sn_s, sk_b, sk_h, sk_s,
     sr_b, sr_h, sr_s, sz_b, sz_h, sz_s,
     HAS_BIAS: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One (row, block of projected columns): one walk over the hidden state gives its sum of
     squares and the raw products, scaled by the RMS norm at the end. The first block also writes
     the slot's scalars."""
+    wait_for_inputs(PDL)
     b = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     j = part * BLOCK_W + tl.arange(0, BLOCK_W)
@@ -137,12 +139,14 @@ def write_token_features_triton(weight, bias, hidden, token_types, ids, slots, p
     config = dict(_TOKEN_CONFIG)
     block_w, block_d = config.pop("BLOCK_W"), min(config.pop("BLOCK_D"), triton.next_power_of_2(d_model))
     bits = projected.view(torch.int16)
-    _token_features_kernel[(b, triton.cdiv(width, block_w))](
+    grid = (b, triton.cdiv(width, block_w))
+    _token_features_kernel[grid](
         hidden, weight, bias if bias is not None else weight, token_types, ids, slots, bits, hidden_norm, kind,
         received, score, h, d_model, width, float(d_model), torch.finfo(weight.dtype).eps,
         *hidden.stride(), *weight.stride(), ids.stride(0), *slots.stride(), *bits.stride(), *hidden_norm.stride(),
         *kind.stride(), *received.stride(), *score.stride(),
         HAS_BIAS=bias is not None, BLOCK_W=block_w, BLOCK_D=block_d, BLOCK_H=triton.next_power_of_2(h), **config,
+        **dependent_launch(hidden, grid),
     )  # fmt: skip
 
 
@@ -294,10 +298,12 @@ def _refresh_kernel(
     sx_b, sx_h, sx_s, sx_d, so_b, so_h, so_s, sc_b, sv_b, sv_k, su_b, su_k, sz_b, sz_h, sz_s,
     HAS_PREVIOUS: tl.constexpr, TYPES: tl.constexpr, FEATURES: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One (row, KV head, block of slots): features, then the MLP one chunk of hidden units at a
     time, all of W1 through four `tl.dot`s a chunk (`_pack`); the W2 products add up elementwise
     and are summed once at the end."""
+    wait_for_inputs(PDL)
     bh = tl.program_id(0)
     b = (bh // n_kv_heads).to(tl.int64)
     h = bh % n_kv_heads
@@ -385,7 +391,8 @@ def refresh_scores_triton(mlp, layer_index, projected, hidden_norm, kind, receiv
     prev = previous if previous is not None else sums
     config = dict(_REFRESH_CONFIG)
     block_s = config.pop("BLOCK_S")
-    _refresh_kernel[(b * h, triton.cdiv(s, block_s))](
+    grid = (b * h, triton.cdiv(s, block_s))
+    _refresh_kernel[grid](
         projected, hidden_norm, kind, received, keys, slot_pos, context, seen, prev, sums, score,
         packed["projected"], packed["extra"], packed["bias"], packed["w2"], mlp.w2.bias, norm.running_mean,
         norm.running_var, h, s, keys.shape[-1], projected.shape[-1], packed["w2"].shape[0], float(group_size),
@@ -396,4 +403,5 @@ def refresh_scores_triton(mlp, layer_index, projected, hidden_norm, kind, receiv
         HAS_PREVIOUS=previous is not None, TYPES=mlp.types, FEATURES=len(SCALAR_FEATURES), BLOCK_S=block_s,
         BLOCK_P=packed["projected"].shape[-1], BLOCK_X=packed["extra"].shape[-1],
         BLOCK_D=min(32, triton.next_power_of_2(keys.shape[-1])), **config,
+        **dependent_launch(keys, grid),
     )  # fmt: skip

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 
 import torch
-from atskv.kernels.backend import jit, tl, triton, use_triton
+from atskv.kernels.backend import dependent_launch, jit, tl, triton, use_triton, wait_for_inputs
 from atskv.kernels.budget import budget_limit, kept_tokens
 
 from atskv.kernels.quest import masked_page_bounds, quest_page_scores_reference
@@ -72,9 +72,11 @@ def _step_scores_kernel(
     sw_b, sw_h,
     GROUP: tl.constexpr, SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One (row, KV head) and BLOCK_P pages; the program whose pages include the written one
     recomputes it first (no other program reads it)."""
+    wait_for_inputs(PDL)
     bh = tl.program_id(0)
     b = (bh // n_kv_heads).to(tl.int64)
     h = bh % n_kv_heads
@@ -122,12 +124,13 @@ def quest_step_scores_triton(query, low, high, held, keys, slot_pos, write_slot,
     out = torch.empty(b, hkv, pages, dtype=torch.float32, device=query.device)
     block_d = triton.next_power_of_2(d)
     block_p = max(16, min(128, 4096 // block_d))
-    _step_scores_kernel[(b * hkv, triton.cdiv(pages, block_p))](
+    grid = (b * hkv, triton.cdiv(pages, block_p))
+    _step_scores_kernel[grid](
         query, low, high, held, keys, slot_pos, write_slot, out, hkv, pages, keys.shape[2], d,
         *query.stride(), *low.stride(), *high.stride(), *held.stride(), *keys.stride(), *slot_pos.stride(),
         *write_slot.stride(),
         GROUP=hq // hkv, SIZE=page_size, BLOCK_SIZE=triton.next_power_of_2(page_size), BLOCK_P=block_p,
-        BLOCK_D=block_d,
+        BLOCK_D=block_d, **dependent_launch(query, grid),
     )  # fmt: skip
     return out
 
@@ -173,6 +176,7 @@ def _digit_pick(j_a, least_a, fail_a, j_b, least_b, fail_b):
 def _pick_best_kernel(
     score_ptr, out_ptr, n_rows, n_pages, n_best,
     BLOCK_P: tl.constexpr, RADIX: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One (row, KV head): the part that needs the whole row, once per row (repeated by every
     layout program, af1aaf1, it cost 126 us at 8K pages and B=16 against 44). Scores become
@@ -181,6 +185,7 @@ def _pick_best_kernel(
     reduction latency per pass at 2K pages, which a bit-by-bit search paid per bit, ~26 passes)
     and stops as soon as the keys at or above the interval's floor are exactly n_best. The chosen
     pages go to `out` (`[2, rows, n_best]` int32: keys, ids) in page order."""
+    wait_for_inputs(PDL)
     bh = tl.program_id(0).to(tl.int64)
     keys_at = out_ptr + bh * n_best
     p = tl.arange(0, BLOCK_P)
@@ -240,6 +245,7 @@ def _pick_layout_kernel(
     sv_b, sv_h, sv_s,
     FRACTION: tl.constexpr, SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr,
     CHUNK: tl.constexpr, POSITIONS: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One (row, KV head) and CHUNK of its chosen pages, in parallel: a page's rank is how many
     chosen pages go ahead of it (higher key, or equal key and lower id), and its usable slots go
@@ -248,6 +254,7 @@ def _pick_layout_kernel(
     counted here, each page's slots in one contiguous read (counting them in `_pick_best_kernel`,
     a masked gather per slot over the whole row, cost it 4 us at 2K pages, 13 at 8K). POSITIONS:
     `valid` holds slot positions (usable where >= 0), else bools as bytes."""
+    wait_for_inputs(PDL)
     bh = tl.program_id(0).to(tl.int64)
     b = bh // n_kv_heads
     h = bh % n_kv_heads
@@ -310,8 +317,10 @@ def pick_best(page_scores, n_pages: int, num_warps: int, radix: int) -> torch.Te
     """`quest_pick_triton`'s first kernel: the chosen pages' keys and ids `[2, B * Hkv, n_pages]`."""
     b, hkv, pages = page_scores.shape
     out = torch.empty(2, b * hkv, n_pages, dtype=torch.int32, device=page_scores.device)
-    _pick_best_kernel[(b * hkv,)](page_scores.contiguous(), out, b * hkv, pages, n_pages,
-                                  BLOCK_P=triton.next_power_of_2(pages), RADIX=radix, num_warps=num_warps)  # fmt: skip
+    grid = (b * hkv,)
+    _pick_best_kernel[grid](page_scores.contiguous(), out, b * hkv, pages, n_pages,
+                                  BLOCK_P=triton.next_power_of_2(pages), RADIX=radix, num_warps=num_warps,
+                                  **dependent_launch(page_scores, grid))  # fmt: skip
     return out
 
 
@@ -321,10 +330,12 @@ def pick_layout(chosen, valid, budget: int | float, context, page_size: int, chu
     n_pages = chosen.shape[-1]
     indices = torch.empty(b, hkv, n_pages * page_size, dtype=torch.int32, device=chosen.device)
     lengths = torch.empty(b, hkv, dtype=torch.int32, device=chosen.device)
-    _pick_layout_kernel[(b * hkv, triton.cdiv(n_pages, chunk))](
+    grid = (b * hkv, triton.cdiv(n_pages, chunk))
+    _pick_layout_kernel[grid](
         chosen, valid.view(torch.uint8) if valid.dtype == torch.bool else valid, context.reshape(-1).contiguous(),
         indices, lengths, b * hkv, hkv, valid.shape[-1], n_pages, budget, *valid.stride(),
         FRACTION=isinstance(budget, float), SIZE=page_size, BLOCK_SIZE=triton.next_power_of_2(page_size),
         BLOCK_J=min(block_j, triton.next_power_of_2(n_pages)), CHUNK=chunk, POSITIONS=valid.dtype != torch.bool,
+        **dependent_launch(chosen, grid),
     )  # fmt: skip
     return indices, lengths

@@ -4,8 +4,7 @@ slot each (row, KV head) chose, and the slot's position. Three `scatter_` calls 
 
 from __future__ import annotations
 
-import torch
-from atskv.kernels.backend import jit, tl, triton, use_triton
+from atskv.kernels.backend import dependent_launch, jit, tl, triton, use_triton, wait_for_inputs
 
 
 def write_decode_token(keys, values, slot_pos, slots, new_keys, new_values, position) -> None:
@@ -31,8 +30,10 @@ def _write_kernel(
     sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d, sp_b, sp_h, sp_s, ss_b, ss_h,
     snk_b, snk_h, snk_d, snv_b, snv_h, snv_d,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One (row, KV head)."""
+    wait_for_inputs(PDL)
     bh = tl.program_id(0)
     b = (bh // n_kv_heads).to(tl.int64)
     h = bh % n_kv_heads
@@ -48,10 +49,11 @@ def _write_kernel(
 
 def write_decode_token_triton(keys, values, slot_pos, slots, new_keys, new_values, position) -> None:
     b, h, _, d = keys.shape
-    _write_kernel[(b * h,)](
+    grid = (b * h,)
+    _write_kernel[grid](
         keys, values, slot_pos, slots, new_keys, new_values, position, h, d,
         *keys.stride(), *values.stride(), *slot_pos.stride(), slots.stride(0), slots.stride(1),
         new_keys.stride(0), new_keys.stride(1), new_keys.stride(3),
         new_values.stride(0), new_values.stride(1), new_values.stride(3),
-        BLOCK_D=triton.next_power_of_2(d), num_warps=1,
+        BLOCK_D=triton.next_power_of_2(d), num_warps=1, **dependent_launch(keys, grid),
     )  # fmt: skip

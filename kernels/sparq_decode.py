@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 
 import torch
-from atskv.kernels.backend import aligned_slots, jit, tl, triton, use_triton
+from atskv.kernels.backend import aligned_slots, dependent_launch, jit, tl, triton, use_triton, wait_for_inputs
 from atskv.kernels.budget import budget_limit, kept_tokens
 
 from atskv.kernels.partial_scores import partial_scores, partial_scores_reference
@@ -135,6 +135,7 @@ def _channels_kernel(
     sf_b, sf_h, sf_r,
     GROUP: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     N_BINS: tl.constexpr, FIXED: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One query head: its r channels of largest |q| (`dims` `[heads, BLOCK_R]`) and their q
     components times SparQ's temperature-corrected scale (`coef`). A row's head 0 also copies the
@@ -142,6 +143,7 @@ def _channels_kernel(
     it. Done once per head here, so the logits kernel's many programs only stream keys. FIXED
     (SparCas): the channels come from `fix` `[B, Hkv, RANK]`, the compact copy's rows 0 .. RANK - 1
     hold them, the scale is `scaling`, and the caller has written the new token's entry."""
+    wait_for_inputs(PDL)
     head = tl.program_id(0)
     row = head // GROUP
     g = head % GROUP
@@ -190,6 +192,7 @@ def _logits_kernel(
     st_b, st_h, st_d, st_s,
     sp_b, sp_h, sp_s,
     GROUP: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, FIXED: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One query head and `span` slots, BLOCK_S at a time: each step reads the head's r rows of
     `keys_t` (a [BLOCK_R, BLOCK_S] tile whose channel sum stays inside each thread) and keeps a
@@ -198,6 +201,7 @@ def _logits_kernel(
     `width` and `kt_cols` (multiples of 64 when `keys_t` is `channel_major`'s), so that a mask is the
     same over each vector of a load: bounded by an odd slot count, this step took 17.6 us instead
     of 7.5 (32K slots, B=1, H200)."""
+    wait_for_inputs(PDL)
     head = tl.program_id(0)
     part = tl.program_id(1)
     n_parts = tl.num_programs(1)
@@ -247,6 +251,7 @@ def _probs_kernel(
     logit_ptr, stat_ptr, key_ptr, hist_ptr, count_ptr, ctx_ptr, len_ptr, n_kv_heads, width, n_out, budget, n_parts,
     FRACTION: tl.constexpr, GROUP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr,
     N_BINS: tl.constexpr, SHIFT: tl.constexpr, WINDOW: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One (row, KV head) and BLOCK_S slots (`n_parts`: the logits kernel's spans, whose partials
     give each head's log-sum-exp): pooled probabilities as int32 keys (a non-negative float's bits
@@ -257,6 +262,7 @@ def _probs_kernel(
     alone took 12 us). The row's last program to finish (a counter with release / acquire order)
     reads the histogram: the row's length (its budget, at most its held slots and `n_out`), the
     bin holding its last slot and how many lie above that bin, for the collection."""
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
     in_range = s < width
@@ -311,6 +317,7 @@ def _relative(key_row, cand_row, c, n_cand, SHIFT: tl.constexpr, slot_bits):
 def _collect_kernel(
     key_ptr, count_ptr, cand_ptr, idx_ptr, width, n_out, slot_bits,
     SHIFT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, RADIX: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One (row, KV head) and BLOCK slots: this block's slots of bins above the cut (from the
     probabilities kernel) go to the index list, those of the cut bin to the row's candidates, both
@@ -319,6 +326,7 @@ def _collect_kernel(
     counter with release / acquire order) picks the candidates the budget still needs: the n-th
     largest of their unique `_relative` keys, RADIX bits per pass, in registers (a few hundred
     candidates at 32K slots; more are read again each pass)."""
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     key_row = key_ptr + row * width
     cand_row = cand_ptr + row * width
@@ -379,7 +387,8 @@ def sparq_decode_triton(query, keys, keys_t, slot_pos, write_slot, context, scal
     """The four kernels (`channels`: see `sparq_decode`). `block_s`: slots per step of the logits
     kernel; `parts`: its programs per query head (None: about LOGITS_WAVES per SM over the grid;
     two off CUDA); `probs_block`: slots per program of the probabilities, `window` the bins each
-    counts before adding them; `collect_block`: slots per program of the collection; `block_c`: candidates held in registers by its last one,
+    counts before adding them; `collect_block`: slots per program of the collection; `block_c`:
+    candidates held in registers by its last one,
     `radix` bits per pass of its search; `warps`: each kernel's warps, in launch order.
     Smaller values cover the loops in tests."""
     b, hq, d = query.shape
@@ -405,25 +414,31 @@ def sparq_decode_triton(query, keys, keys_t, slot_pos, write_slot, context, scal
     indices = torch.empty(b, hkv, k, dtype=torch.int32, device=device)
     lengths = torch.empty(b, hkv, dtype=torch.int32, device=device)
     fixed = channels if channels is not None else write_slot.unsqueeze(-1)  # unused without channels
-    _channels_kernel[(rows * group,)](
+    grid = (rows * group,)
+    _channels_kernel[grid](
         query, keys, keys_t, write_slot, fixed, dims, coef, hist, counters, hkv, d, scaling,
         *query.stride(), *keys.stride(), *keys_t.stride(), *write_slot.stride(), *fixed.stride(),
         GROUP=group, RANK=rank, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(d), N_BINS=1 << _BINS_BITS,
-        FIXED=channels is not None, num_warps=warps[0],
+        FIXED=channels is not None, num_warps=warps[0], **dependent_launch(query, grid),
     )  # fmt: skip
-    _logits_kernel[(rows * group, parts)](
+    grid = (rows * group, parts)
+    _logits_kernel[grid](
         keys_t, slot_pos, dims, coef, logits, stats, hkv, slots, width, kt_cols, span, *keys_t.stride(),
         *slot_pos.stride(), GROUP=group, RANK=rank, BLOCK_R=block_r, BLOCK_S=block_s, FIXED=channels is not None,
-        num_warps=warps[1],
+        num_warps=warps[1], **dependent_launch(query, grid),
     )  # fmt: skip
     shift = 31 - _BINS_BITS
-    _probs_kernel[(rows, triton.cdiv(width, probs_block))](
+    grid = (rows, triton.cdiv(width, probs_block))
+    _probs_kernel[grid](
         logits, stats, keys32, hist, counters, context.reshape(-1).contiguous(), lengths, hkv, width, k, budget, parts,
         FRACTION=isinstance(budget, float), GROUP=group, BLOCK_S=probs_block, BLOCK_B=triton.next_power_of_2(parts),
         N_BINS=1 << _BINS_BITS, SHIFT=shift, WINDOW=window, num_warps=warps[2],
+        **dependent_launch(query, grid),
     )  # fmt: skip
-    _collect_kernel[(rows, triton.cdiv(width, collect_block))](
+    grid = (rows, triton.cdiv(width, collect_block))
+    _collect_kernel[grid](
         keys32, counters, candidates, indices, width, k, max(1, (slots - 1).bit_length()), SHIFT=shift,
         BLOCK=collect_block, BLOCK_C=block_c, RADIX=radix, num_warps=warps[3],
+        **dependent_launch(query, grid),
     )  # fmt: skip
     return indices, lengths

@@ -30,11 +30,10 @@ single split writes the output directly.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
-from atskv.kernels.backend import jit, tl, triton, use_triton
+from atskv.kernels.backend import dependent_launch, jit, sm_count, tl, triton, use_triton, wait_for_inputs
 
 from atskv.hook.gqa import grouped_probs
 
@@ -140,7 +139,8 @@ def sparse_decode_attention_triton(
     if with_mass:
         logits = torch.empty(b * hq, num_indices, dtype=torch.float32, device=query.device)
         lse = torch.empty(b * hq, dtype=torch.float32, device=query.device)
-    _split_kernel[(b * hkv, splits)](
+    grid = (b * hkv, splits)
+    _split_kernel[grid](
         query, keys, values, indices, lengths, held, partial, max_logit, total, logits, lse,
         *query.stride(), *keys.stride(), *values.stride(), *indices.stride(), lengths.stride(0), lengths.stride(1),
         *held.stride()[:3], hkv, num_indices, split_size, splits, scaling * _LOG2E,
@@ -149,23 +149,26 @@ def sparse_decode_attention_triton(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,  # fp32 stays fp32, not TF32
         # Triton's interpreter (the only way to run on CPU tensors) multiplies bf16 as raw integers
         UPCAST_DOT=query.dtype == torch.bfloat16 and not query.is_cuda,
-        num_warps=4,
+        num_warps=4, **dependent_launch(query, grid),
     )  # fmt: skip
     if splits > 1:
-        _merge_kernel[(b * hq,)](
+        grid = (b * hq,)
+        _merge_kernel[grid](
             partial, max_logit, total, out, lse, group, splits,
             HEAD_DIM=d, BLOCK_S=triton.next_power_of_2(splits), WANT_LSE=with_mass, num_warps=4,
+            **dependent_launch(query, grid),
         )  # fmt: skip
     if not with_mass:
         return out
     at_slots = add_mass_to is not None
     mass = add_mass_to if at_slots else torch.empty(b, hkv, num_indices, dtype=torch.float32, device=query.device)
     block_k = 256
-    _mass_kernel[(b * hkv, triton.cdiv(num_indices, block_k))](
+    grid = (b * hkv, triton.cdiv(num_indices, block_k))
+    _mass_kernel[grid](
         logits, lse, lengths, indices, mass, hkv, num_indices, lengths.stride(0), lengths.stride(1),
         *indices.stride(), *mass.stride(),
         GROUP=group, BLOCK_G=triton.next_power_of_2(group), BLOCK_K=block_k, HAS_LENGTHS=has_lengths,
-        AT_SLOTS=at_slots, num_warps=4,
+        AT_SLOTS=at_slots, num_warps=4, **dependent_launch(query, grid),
     )  # fmt: skip
     return out if at_slots else (out, mass)
 
@@ -180,13 +183,8 @@ def choose_split_size(num_indices: int, programs: int, head_dim: int, device: to
     tiles = max(1, math.ceil(num_indices / block_n))
     if device.type != "cuda":
         return tiles * block_n
-    splits = max(1, min(math.ceil(WAVES * _sm_count(device) / programs), tiles // MIN_SPLIT_TILES, MAX_SPLITS))
+    splits = max(1, min(math.ceil(WAVES * sm_count(device) / programs), tiles // MIN_SPLIT_TILES, MAX_SPLITS))
     return math.ceil(tiles / splits) * block_n
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _block_n(head_dim: int) -> int:
@@ -245,10 +243,12 @@ def _split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LENGTHS: tl.constexpr, HAS_HELD: tl.constexpr, WANT_MASS: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One (batch row, KV head) and one split: online softmax over the split's share of the index
     list, for the group's G query heads at once (rows past G are zero queries, never stored).
     With `WANT_MASS` every logit (base 2, -inf where skipped) and each row's log-sum-exp are kept."""
+    wait_for_inputs(PDL)
     bh = tl.program_id(0).to(tl.int64)  # 64-bit: batch/head offsets into a large cache overflow int32
     split = tl.program_id(1)
     b = bh // num_kv_heads
@@ -315,9 +315,11 @@ def _split_kernel(
 def _merge_kernel(
     acc_ptr, max_ptr, sum_ptr, out_ptr, lse_ptr, group, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, WANT_LSE: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One query head: merges its splits' (max, sum, accumulator) by log-sum-exp. Splits that saw
     no index have max -inf and weigh 0; if all did, the output is zeros."""
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)  # = b * Hq + query head
     bh = row // group
     s = tl.arange(0, BLOCK_S)
@@ -340,11 +342,13 @@ def _mass_kernel(
     stride_ib, stride_ih, stride_ik, stride_mb, stride_mh, stride_mk,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, HAS_LENGTHS: tl.constexpr,
     AT_SLOTS: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One (batch row, KV head) and a block of index positions: each position's probability,
     summed over the group's query heads; positions past the row's length get 0. `AT_SLOTS`: added
     to the mass at each counted position's slot instead (slots are distinct within a row, so no
     two programs read and write the same one)."""
+    wait_for_inputs(PDL)
     bh = tl.program_id(0).to(tl.int64)
     b, h = bh // num_kv_heads, bh % num_kv_heads
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
