@@ -169,7 +169,7 @@ def test_mass_added_in_place_at_the_slots(split_size):
 
 
 def test_split_size_heuristic(monkeypatch):
-    monkeypatch.setattr(sparse_decode, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(sparse_decode, "sm_count", lambda device: 132)
     cuda = torch.device("cuda", 0)
 
     def splits(k, programs, d=128, device=cuda):
