@@ -325,11 +325,13 @@ def _merge_kernel(
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, HEAD_DIM)
     part = (bh * num_splits + s) * group + row % group
+    # every load first, in one round trip to memory (a reduction between them would wait for it)
     m = tl.load(max_ptr + part, mask=s < num_splits, other=float("-inf"))
+    partial_sum = tl.load(sum_ptr + part, mask=s < num_splits, other=0.0)
+    acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=(s < num_splits)[:, None], other=0.0)
     m_all = tl.max(m, 0)
     weight = tl.exp2(m - tl.where(m_all > float("-inf"), m_all, 0.0))
-    total = tl.sum(weight * tl.load(sum_ptr + part, mask=s < num_splits, other=0.0), 0)
-    acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=(s < num_splits)[:, None], other=0.0)
+    total = tl.sum(weight * partial_sum, 0)
     out = tl.sum(weight[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
     if WANT_LSE:
