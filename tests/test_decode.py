@@ -27,7 +27,7 @@ CASES = [
 # SparCas on 4 of the 16 dimensions, refreshed on decode steps 4 and 8 of a 10-token run
 OPTIONS = {"sparcas": {"dims": 4, "refresh_every": 4}}
 # logits of `_random_predictor` (within ~0.3 of 0, by layer) at which the learned selector drops most
-# tokens of some layers and KV heads, but never every token of one (see `_assert_a_threshold_dropped_tokens`)
+# tokens of some layers and KV heads (see `_assert_a_threshold_dropped_tokens`)
 THRESHOLD = {"llama": -0.12, "gemma3": -0.15}
 
 
@@ -121,7 +121,7 @@ def test_fast_generate_of_a_hybrid_gives_the_reference_tokens(monkeypatch, famil
     fast = atskv.generate(model, ids, make(), 8, attention_mask=mask, max_new_tokens=10, dense_layers=1,
                           prefill_chunk=64)  # fmt: skip
     if threshold:
-        _assert_a_threshold_dropped_tokens(held, 24, attends_what_it_holds=False)
+        _assert_a_threshold_dropped_tokens(held, 24)
     assert torch.equal(fast, _reference(model, ids, make(), 8, 10, mask))
 
 
@@ -379,19 +379,13 @@ def _held_around_evictions(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor
     return held
 
 
-def _assert_a_threshold_dropped_tokens(held: list[tuple[torch.Tensor, torch.Tensor]], budget: int,
-                                       attends_what_it_holds: bool = True) -> None:  # fmt: skip
+def _assert_a_threshold_dropped_tokens(held: list[tuple[torch.Tensor, torch.Tensor]], budget: int) -> None:
     """The tests of a threshold cannot pass vacuously: some decode step dropped several tokens of a
     row at once (only unwanted ones can: the budget drops one), and rows end the run under budget.
-    `attends_what_it_holds` (not a composition, which attends before it evicts, nor a host tier):
-    no step dropped every token of a row, its new one included (a refresh can rate it unwanted),
-    since the reference then attends nothing, which its grouped attention makes a uniform average
-    over its whole buffer, evicted slots included: not something a static cache can reproduce."""
+    (A row that drops every token, its new one included, reads zeros on both paths.)"""
     assert any(bool((before - after >= 2).any()) for before, after in held), "no decode step dropped unwanted tokens"
     last = torch.stack([after for _, after in held[-8:]])  # the last few steps' layers
     assert bool((last < budget).any()), "every row holds its whole budget"
-    if attends_what_it_holds:
-        assert all(bool((after > 0).all()) for _, after in held), "a row dropped every token: pick another threshold"
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -414,7 +408,7 @@ def test_a_host_tier_parks_what_a_threshold_drops(monkeypatch, tmp_path, family)
 
     monkeypatch.setattr(decode, "attach", attach_and_keep)
     tiered = atskv.generate(model, ids, selector, 24, tier=HostRetrieval(tokens=10_000), **run)
-    _assert_a_threshold_dropped_tokens(held, 24, attends_what_it_holds=False)
+    _assert_a_threshold_dropped_tokens(held, 24)
     session = sessions[0]
     for idx, host in session.hosts.items():
         slot_pos = session.cache.layers[idx].slot_pos
