@@ -13,6 +13,7 @@ import atskv
 from atskv.hook import decode
 from atskv.hook.decode import masked_attention_lse
 from atskv.hook.gqa import grouped_attention, prefix_causal_attention, received_mass
+from atskv.eval.speed import spaced_profile
 from atskv.hook.sparse import attach
 from atskv.memory.host_pages import HostRetrieval
 from atskv.memory.static_cache import StaticSlotLayer
@@ -65,6 +66,32 @@ def test_fast_generate_of_a_left_padded_batch(family, selector, budget):
     fast = atskv.generate(model, ids, _selector(selector), budget, attention_mask=mask, max_new_tokens=10,
                           dense_layers=1, prefill_chunk=64)  # fmt: skip
     assert torch.equal(fast, _reference(model, ids, _selector(selector), budget, 10, mask))
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_kascade_reuse_layers_read_their_anchors_picks_on_the_fast_path(family, padded):
+    """Kascade's reuse layers take the top-k of the anchor layer before them in the same step; on
+    the fast path by slot (every appending layer holds a token in the same slot), in a step whose
+    shapes do not grow with the context: the reference's tokens, padded or not."""
+    from atskv.selectors.kascade import compute_kascade_profile
+
+    if padded:
+        model, ids, mask = _left_padded(family, 150, 30, seed=4)
+    else:
+        model, ids, mask = tiny_model(family), random_prompt(130, seed=4), None
+    model.generation_config.eos_token_id = None
+    windows = [random_prompt(48, seed=20 + i)[0] for i in range(2)]
+    profile = compute_kascade_profile(model, windows, n_anchors=1, topk=6, sparse=atskv.sparse, queries=4,
+                                      dense_layers=1, model_name=family)  # fmt: skip
+    assert profile.head_map, "no reuse layer: the test would not cover the reuse"
+
+    def make():
+        return atskv.make_selector("kascade", profile=profile)
+
+    fast = atskv.generate(model, ids, make(), 12, attention_mask=mask, max_new_tokens=10, dense_layers=1,
+                          prefill_chunk=64)  # fmt: skip
+    assert torch.equal(fast, _reference(model, ids, make(), 12, 10, mask))
 
 
 @pytest.mark.parametrize(
@@ -294,7 +321,7 @@ def test_unsupported_selectors_and_chunks_are_refused():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "selector", ["dense", "quest", "snapkv", "h2o", "learned", "learned_threshold", "sparcas", "spark"]
+    "selector", ["dense", "quest", "snapkv", "h2o", "learned", "learned_threshold", "sparcas", "spark", "kascade"]
 )
 def test_graph_replay_gives_the_eager_tokens(tmp_path, selector):
     """Capture fails on any host sync, so a replayed graph is also the no-sync proof on a GPU;
@@ -306,6 +333,8 @@ def test_graph_replay_gives_the_eager_tokens(tmp_path, selector):
     def make():
         if selector == "sparcas":
             return SparCasSelector(dims=4, refresh_every=4)
+        if selector == "kascade":  # global layers 2 (anchor) and 5 (reuse), past generate's 2 dense ones
+            return atskv.make_selector("kascade", profile=spaced_profile(model, 2, anchors=1))
         if not selector.startswith("learned"):
             return selector
         threshold = THRESHOLD["gemma3"] if selector == "learned_threshold" else None

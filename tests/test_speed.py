@@ -52,6 +52,17 @@ def test_learned_runs_the_given_predictor_or_a_random_one_of_the_shape(tmp_path)
     assert record.ms_per_step is None and "covers layers" in record.error
 
 
+def test_kascade_runs_a_spaced_profile_of_the_shape():
+    """Without a profile Kascade gets anchors spaced over the managed layers (its cost depends on
+    how many), valid for the shape, and decodes on the fast path."""
+    model = speed.shape_model("smollm2-135m-shape", device="cpu")
+    profile = speed.spaced_profile(model, dense_layers=2)
+    assert profile.managed_layers == list(range(2, 30)) and len(profile.anchors) == 5
+    assert profile.anchors[0] == 2 and all(len(h) == 3 for h in profile.head_map.values())
+    [record] = speed.measure(tiny_model("llama"), "tiny", ["kascade"], [96], [1], _run({}))
+    assert record.ms_per_step is not None, record.error
+
+
 def test_selector_options_reach_the_selector():
     model = tiny_model("llama")
     [record] = speed.measure(model, "tiny", ["quest"], [96], [1], _run({"quest": {"page_size": 0}}))

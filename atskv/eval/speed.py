@@ -147,6 +147,24 @@ def random_predictor(model, dense_layers: int, folder: Path) -> Path:
     return folder
 
 
+def spaced_profile(model, dense_layers: int, anchors: int = 5):
+    """A Kascade profile of `model`'s shape without measuring it: `anchors` anchor layers evenly
+    spaced over the managed ones (the paper's count for 32-layer models), every reuse head on the
+    anchor head of its own index. What Kascade costs depends on how many anchors, not which."""
+    from atskv.models.geometry import model_geometry
+    from atskv.selectors.kascade.profile import KascadeProfile
+
+    text = model.config.get_text_config(decoder=True)
+    kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    managed = [i for i, kind in enumerate(kinds) if kind == "full_attention" and i >= dense_layers]
+    chosen = sorted({managed[i * len(managed) // anchors] for i in range(min(anchors, len(managed)))})
+    heads = list(range(text.num_key_value_heads))
+    n = len(managed)
+    return KascadeProfile("spaced", model_geometry(model.config), managed, chosen,
+                          {layer: heads for layer in managed if layer not in chosen}, [[1.0] * n for _ in managed],
+                          [1.0] * n, topk=0, queries=0, dev_set="")  # fmt: skip
+
+
 def _selector(model, method: str, run: DecodeRun, folder: Path):
     name = method.removeprefix(HOOK).removeprefix(TIERED)
     options = {key: dict(v) if isinstance(v, dict) else v for key, v in run.selector_options.get(name, {}).items()}
@@ -154,6 +172,8 @@ def _selector(model, method: str, run: DecodeRun, folder: Path):
         learned = options if name == "learned" else options.setdefault("learned", {})
         if "predictor" not in learned:
             learned["predictor"] = random_predictor(model, run.dense_layers, folder)
+    if name == "kascade" and "profile" not in options:
+        options["profile"] = spaced_profile(model, run.dense_layers)
     return make_selector(name, **options)
 
 

@@ -56,11 +56,13 @@ from atskv.selectors.spark import SparKSelector
 LAST_QUERIES = 64
 # selectors whose decode state is written by the hook alone (slot tensors, in place) or by a
 # `static_write`; the others still need host-side bookkeeping per step
-FAST_SELECTORS = ("dense", "oracle", "quest", "sparq", "sparcas", "streaming_llm", "snapkv", "h2o", "learned", "spark")
+FAST_SELECTORS = (
+    "dense", "oracle", "quest", "sparq", "sparcas", "streaming_llm", "snapkv", "h2o", "learned", "spark", "kascade",
+)  # fmt: skip
 # ... but not as a composition's part: Quest's pages need position-ordered slots, the reference's
 # composition makes SparCas choose new dimensions after each eviction, and it attends on the cached
 # keys, not on SparK's recovered ones
-ALONE_ONLY = ("quest", "sparcas", "spark")
+ALONE_ONLY = ("quest", "sparcas", "spark", "kascade")
 
 
 def has_fast_path(selector: Selector) -> bool:

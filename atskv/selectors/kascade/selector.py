@@ -11,6 +11,10 @@ keeps dense stand for the paper's dense layer 0, and the profile must be compute
 `dense_layers`. Budget: the paper uses 10% of the context with at least 128 tokens. Choice made
 here: a sparse prefill pools per query like decode (the paper's 128-query prefill tiles are a
 kernel device).
+
+On the fast path's decode (`atskv.generate`) every appending layer holds each token in the same
+slot (the prompt packed alike, one write slot per layer advanced alike), so a reuse layer reads
+its anchor's scores by slot: no tensor that grows with the context, so the step can be captured.
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ from pathlib import Path
 import torch
 
 from atskv.hook.gqa import grouped_probs
+from atskv.memory.static_cache import StaticSlotLayer
 from atskv.selectors.base import LayerView, Selector, check_view_fits
 from atskv.selectors.kascade.profile import HOW_TO_COMPUTE, KascadeProfile
 
-_STATE = "kascade_topk"  # anchor layer state: (layer.seen when scored, scores by logical position)
+_STATE = "kascade_topk"  # anchor layer state: (layer.seen when scored, scores by slot or by logical position)
 
 
 @dataclass
@@ -36,6 +41,9 @@ class KascadeSelector(Selector):
     # anchor layer index -> its cache layer, for the forward step under way only
     _anchor_layers: dict[int, weakref.ref] = field(default_factory=dict, init=False, repr=False, compare=False)
     _last_layer: int = field(default=-1, init=False, repr=False, compare=False)
+    # (reuse layer, device) -> its head map as an index tensor, made once (not inside a captured step)
+    _heads: dict[tuple[int, torch.device], torch.Tensor] = field(default_factory=dict, init=False, repr=False,
+                                                                 compare=False)  # fmt: skip
 
     def __post_init__(self):
         if self.profile is None:
@@ -61,8 +69,12 @@ class KascadeSelector(Selector):
                 f"forward step; the hook must manage the profile's layers {self.profile.managed_layers} "
                 f"(dense_layers={self.profile.managed_layers[0]} for a model without sliding-window layers)"
             )
-        heads = torch.tensor(self.profile.head_map[view.layer_idx], device=by_position.device)
-        mapped = by_position.index_select(1, heads)  # [B, Hkv, Tq, seen]
+        key = (view.layer_idx, by_position.device)
+        if key not in self._heads:
+            self._heads[key] = torch.tensor(self.profile.head_map[view.layer_idx], device=by_position.device)
+        mapped = by_position.index_select(1, self._heads[key])  # [B, Hkv, Tq, seen] (by slot: S)
+        if _slots_align(view.layer):
+            return mapped
         b, h, s = view.slot_pos.shape
         idx = view.slot_pos.clamp(min=0).unsqueeze(2).expand(b, h, mapped.shape[2], s)
         return mapped.gather(-1, idx)
@@ -70,15 +82,24 @@ class KascadeSelector(Selector):
     def _anchor_scores(self, view: LayerView) -> torch.Tensor:
         """Pooled probabilities `[B, Hkv, Tq, S]`; also kept by logical position for the reuse layers."""
         pooled = grouped_probs(view.query, view.keys, view.valid, view.scaling).sum(dim=2)
+        self._anchor_layers[view.layer_idx] = weakref.ref(view.layer)
         b, h, tq, s = pooled.shape
         seen = view.layer.seen
+        if _slots_align(view.layer):
+            view.layer.state[_STATE] = (seen, pooled)
+            return pooled
         by_position = pooled.new_full((b, h, tq, seen + 1), -torch.inf)  # last column: free slots
         pos = view.slot_pos.masked_fill(view.slot_pos < 0, seen).unsqueeze(2).expand(b, h, tq, s)
         by_position.scatter_(-1, pos, pooled)
         view.layer.state[_STATE] = (seen, by_position[..., :seen])
-        self._anchor_layers[view.layer_idx] = weakref.ref(view.layer)
         return pooled
 
     def _check(self, view: LayerView) -> None:
         made_for = f"the kascade profile of {self.profile.model!r}"
         check_view_fits(view, self.profile.geometry, self.profile.managed_layers, made_for, HOW_TO_COMPUTE)
+
+
+def _slots_align(layer) -> bool:
+    """A decoding layer of the fast path's static cache that appends: its slots hold the same
+    tokens as every other such layer's (see the module docstring)."""
+    return isinstance(layer, StaticSlotLayer) and layer.decoding and layer.window is None
