@@ -92,6 +92,18 @@ def random_prompt(length: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, length), generator=g)
 
 
+def left_padded(family: str, tokens: int, padding: int, seed: int):
+    """A tiny model that never stops at EOS, and two prompts, the second left-padded by `padding`:
+    (model, ids, attention mask)."""
+    model = tiny_model(family)
+    model.generation_config.eos_token_id = None
+    ids = random_prompt(tokens, seed=seed, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :padding] = 0
+    ids[1, :padding] = 0
+    return model, ids, mask
+
+
 def tiny_bpe_tokenizer(vocab_size: int = 400, extra_texts: list[str] = ()) -> PreTrainedTokenizerFast:
     """A byte-level BPE trained in code (no hub) that adds a BOS token, like Llama-family tokenizers."""
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))

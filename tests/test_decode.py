@@ -7,7 +7,7 @@ import contextlib
 
 import pytest
 import torch
-from tests.conftest import random_prompt, tiny_model
+from tests.conftest import left_padded, random_prompt, tiny_model
 
 import atskv
 from atskv.hook import decode
@@ -62,7 +62,7 @@ def test_fast_generate_gives_the_reference_tokens(family, selector, budget):
 )
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_fast_generate_of_a_left_padded_batch(family, selector, budget):
-    model, ids, mask = _left_padded(family, 150, 30, seed=2)
+    model, ids, mask = left_padded(family, 150, 30, seed=2)
     fast = atskv.generate(model, ids, _selector(selector), budget, attention_mask=mask, max_new_tokens=10,
                           dense_layers=1, prefill_chunk=64)  # fmt: skip
     assert torch.equal(fast, _reference(model, ids, _selector(selector), budget, 10, mask))
@@ -77,7 +77,7 @@ def test_kascade_reuse_layers_read_their_anchors_picks_on_the_fast_path(family, 
     from atskv.selectors.kascade import compute_kascade_profile
 
     if padded:
-        model, ids, mask = _left_padded(family, 150, 30, seed=4)
+        model, ids, mask = left_padded(family, 150, 30, seed=4)
     else:
         model, ids, mask = tiny_model(family), random_prompt(130, seed=4), None
     model.generation_config.eos_token_id = None
@@ -132,7 +132,7 @@ def test_spark_over_each_fast_base_gives_the_reference_tokens(monkeypatch, famil
 def test_fast_generate_of_a_hybrid_gives_the_reference_tokens(monkeypatch, family, selector, tmp_path):
     """Residency part evicting at its own budget (a cap, with a threshold), attention part choosing
     among the resident tokens; a left-padded batch."""
-    model, ids, mask = _left_padded(family, 130, 20, seed=1)
+    model, ids, mask = left_padded(family, 130, 20, seed=1)
     options, threshold = {}, selector.endswith("threshold")
     selector = selector.split()[0]
     if selector.startswith("learned"):  # refreshing on steps 4 and 8 with a threshold
@@ -159,7 +159,7 @@ def test_fast_generate_through_the_kernels_gives_the_reference_tokens(monkeypatc
     Triton's interpreter on the CPU), a left-padded batch, against the reference session in torch.
     (Quest unpadded: the reference's first page mixes pad keys into its bounds, the fast path's
     does not.)"""
-    model, ids, mask = _left_padded("llama", 100, 0 if selector == "quest" else 20, seed=3)
+    model, ids, mask = left_padded("llama", 100, 0 if selector == "quest" else 20, seed=3)
     budget = 0.2 if "+" not in selector else 12
     options = {"residency_budget": 24} if "+" in selector else OPTIONS.get(selector, {})
     if selector.startswith("learned"):  # refreshing on steps 2 and 4 of the 5
@@ -174,17 +174,6 @@ def test_fast_generate_through_the_kernels_gives_the_reference_tokens(monkeypatc
     if "threshold" in options:
         _assert_a_threshold_dropped_tokens(held, budget)
     assert torch.equal(fast, expected)
-
-
-def _left_padded(family: str, tokens: int, padding: int, seed: int):
-    """A tiny model that never stops at EOS, and two prompts, the second left-padded by `padding`."""
-    model = tiny_model(family)
-    model.generation_config.eos_token_id = None
-    ids = random_prompt(tokens, seed=seed, batch=2)
-    mask = torch.ones_like(ids)
-    mask[1, :padding] = 0
-    ids[1, :padding] = 0
-    return model, ids, mask
 
 
 _CONVERSIONS = ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__")
@@ -422,7 +411,7 @@ def test_a_host_tier_parks_what_a_threshold_drops(monkeypatch, tmp_path, family)
     """Each token the threshold drops (several at once after a refresh) is flagged parked: the
     host's residency flags are the GPU's slots, and reading every parked page back gives dense
     attention's tokens; a left-padded batch."""
-    model, ids, mask = _left_padded(family, 150, 30, seed=2)
+    model, ids, mask = left_padded(family, 150, 30, seed=2)
     run = dict(attention_mask=mask, max_new_tokens=12, dense_layers=1, prefill_chunk=64)
     dense = atskv.generate(model, ids, "dense", 0.5, **run)
     managed = [2, 5] if family == "gemma3" else [1, 2, 3]

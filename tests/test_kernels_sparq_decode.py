@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.conftest import tiny_model
-from tests.test_decode import _left_padded, _no_host_reads, _reference
+from tests.conftest import left_padded, tiny_model
+from tests.test_decode import _no_host_reads, _reference
 
 import atskv
 from atskv.hook import decode
@@ -162,7 +162,7 @@ def test_dispatch_picks_the_kernel_by_backend(monkeypatch):
 def test_fast_generate_through_the_kernel_gives_the_reference_tokens(monkeypatch):
     """SparQ's fused step inside `atskv.generate` (left-padded batch, every step checked for host
     reads) gives the reference session's tokens."""
-    model, ids, mask = _left_padded("llama", 100, 20, seed=3)
+    model, ids, mask = left_padded("llama", 100, 20, seed=3)
     expected = _reference(model, ids, "sparq", 0.2, 6, mask)
     calls = []
     original = decode.GraphedStep.__call__

@@ -13,22 +13,12 @@ import atskv
 from atskv.hook.sparse import SparseSession, SparsityConfig, attach
 from atskv.selectors.hybrid import HybridSelector
 from atskv.selectors.h2o import H2OSelector
-from tests.conftest import random_prompt, tiny_model
+from tests.conftest import left_padded
 from tests.test_tiered_quest import Checked
 
 
-def left_padded(tokens: int, padding: int, seed: int):
-    model = tiny_model("llama")
-    model.generation_config.eos_token_id = None
-    ids = random_prompt(tokens, seed=seed, batch=2)
-    mask = torch.ones_like(ids)
-    mask[1, :padding] = 0
-    ids[1, :padding] = 0
-    return model, ids, mask
-
-
 def test_quest_on_a_padded_batch_bounds_only_what_a_query_may_attend():
-    model, ids, mask = left_padded(40, 9, seed=5)
+    model, ids, mask = left_padded("llama", 40, 9, seed=5)
     selector = Checked(page_size=4)
     with torch.no_grad(), atskv.sparse(model, selector, 8, dense_layers=2):
         model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
@@ -38,7 +28,7 @@ def test_quest_on_a_padded_batch_bounds_only_what_a_query_may_attend():
 def test_a_compositions_packed_rows_of_different_lengths_rebound_their_pages():
     """Padding makes the packed rows differ in length before any eviction: each step a shorter
     row's new token lands inside pages bounded before (over its packed tail)."""
-    model, ids, mask = left_padded(40, 9, seed=5)
+    model, ids, mask = left_padded("llama", 40, 9, seed=5)
     part = Checked(page_size=4)
     session = SparseSession(model, HybridSelector(H2OSelector(), part, residency_budget=64), SparsityConfig(8))
     with torch.no_grad(), attach(model, session):
@@ -60,7 +50,7 @@ def test_a_plain_run_bounds_only_the_pages_of_new_slots_and_compares_nothing(mon
     monkeypatch.setattr(quest, "masked_page_bounds", recording)
     proven, append_only = [], quest._append_only
     monkeypatch.setattr(quest, "_append_only", lambda view: proven.append(append_only(view)) or True)
-    model, ids, mask = left_padded(40, 9, seed=5)
+    model, ids, mask = left_padded("llama", 40, 9, seed=5)
     with torch.no_grad(), atskv.sparse(model, atskv.make_selector("quest", page_size=4), 8, dense_layers=2):
         model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     assert bounded[:2] == [41, 41], "every page at the first decode step, once per managed layer"
