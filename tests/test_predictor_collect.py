@@ -330,7 +330,8 @@ def test_full_windows_keep_every_token_and_the_same_sample(tmp_path):
     _, plain = _run(tmp_path, name="plain")
     _, folder = _run(tmp_path, name="full", full_windows=1)
     meta, plain_meta = ShardDataset(folder).meta, ShardDataset(plain).meta
-    assert meta == {**plain_meta, "full_windows": 1} and "full_windows" not in plain_meta  # old manifests unchanged
+    assert meta == {**plain_meta, "full_windows": 1, "full_keys": ["corpus-w0"]}
+    assert "full_windows" not in plain_meta and "full_keys" not in plain_meta  # old manifests unchanged
     for i, is_full in enumerate([True, False]):
         shard, before = load_file(folder / f"shard-{i}.safetensors"), load_file(plain / f"shard-{i}.safetensors")
         assert set(shard) == set(before) | {"full", "sampled"} and shard["full"].eq(is_full).all()

@@ -151,6 +151,12 @@ def test_split_by_key_is_disjoint_and_deterministic(tmp_path):
     assert_rows_equal(held[0], rows_of(unit(int(k.split("-")[1]) % 3 + 1, int(k.split("-")[1])))[0])
     with pytest.raises(ValueError):
         ds.split_by_key(1.0)
+    # keys named first are held out first, in an order the seed draws
+    first = ["window-7", "window-3", "window-9"]
+    for s in range(4):
+        assert set(ds.split_by_key(0.2, seed=s, first=first)[1].keys) < set(first)
+    assert set(ds.split_by_key(0.5, seed=1, first=first)[1].keys) > set(first)
+    assert {k for s in range(8) for k in ds.split_by_key(0.1, seed=s, first=first)[1].keys} == set(first)
 
 
 def test_dataset_pickles_for_workers(tmp_path):

@@ -228,13 +228,33 @@ def full_collection(tmp_path_factory):
 
 
 def split_seed(folder, full_in_validation: bool) -> int:
-    """A `data.seed` whose held-out window (one of four) is full, or is not."""
+    """A `data.seed` whose held-out window (one of four), drawn among all alike, is full, or is not."""
     dataset = ShardDataset(folder, [])
     for seed in range(50):
         (held,) = dataset.split_by_key(0.25, seed)[1].keys
         if (held in ("corpus-w0", "corpus-w1")) == full_in_validation:
             return seed
     raise AssertionError("no such split")
+
+
+def without_full_keys(folder, tmp_path) -> Path:
+    """A copy of `folder` whose manifest does not say which windows are full (a collection made
+    before it did): its split draws the full windows like any other."""
+    import json
+    import shutil
+
+    copy = shutil.copytree(folder, tmp_path / "older")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    del manifest["meta"]["full_keys"]
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy
+
+
+def test_the_full_windows_are_held_out_first_whatever_the_seed(full_collection):
+    for seed in range(6):
+        data = RelevanceData(full_collection, validation_fraction=0.25, num_workers=0, seed=seed)
+        data.setup()
+        assert data.val_set.keys in (["corpus-w0"], ["corpus-w1"]) and data.full_validation
 
 
 def fit_cli(folder, tmp_path, seed):
@@ -273,8 +293,9 @@ def test_fit_checkpoints_on_window_recall_over_the_full_validation_groups(full_c
 
 
 def test_full_windows_only_in_training_train_on_their_sampled_rows(full_collection, tmp_path):
+    older = without_full_keys(full_collection, tmp_path)
     with pytest.warns(UserWarning, match="none of the collection's 2 full windows is in the validation split"):
-        cli = fit_cli(full_collection, tmp_path, split_seed(full_collection, False))
+        cli = fit_cli(older, tmp_path, split_seed(older, False))
     data = cli.datamodule
     assert not data.full_validation and cli.trainer.checkpoint_callback.monitor == "val/mass_recall"
     assert "val/window_recall" not in cli.trainer.callback_metrics

@@ -15,8 +15,9 @@ the collection gets two more columns: `full` (the row's group is complete) and `
 row is one the sample holds: every row of a sampled window, the same draws in a full one). Fit
 trains on the `sampled` rows only, so the training data do not depend on N, and validates the
 whole-window recall on the `full` groups (`atskv.predictor.training`). Task prompts are never
-full. The manifest meta records `full_windows` only when N > 0: a default collection's manifest
-and shards are what they were before, and older folders resume.
+full. The manifest meta records `full_windows` and their keys (`full_keys`, which fit's split holds
+out for validation first) only when N > 0: a default collection's manifest and shards are what
+they were before, and older folders resume.
 
 Work is a list of `(key, window)` items processed by `collect_items` into one `ShardWriter`
 folder (`atskv.predictor.shards`); it skips finished keys, so a rerun resumes. A folder holding
@@ -278,6 +279,9 @@ def collect(
     )
     name = model_name or getattr(model.config, "_name_or_path", "") or model.config.model_type
     meta = collection_meta(model, spec, name, corpus)
+    full_keys = sorted(f"{corpus}-w{i}" for i in range(min(full_windows, len(windows))))  # corpus windows only
+    if full_keys:  # held out for validation first (`ShardDataset.split_by_key`)
+        meta["full_keys"] = full_keys
     if tasks and task_examples:
         meta["tasks"] = {"names": list(tasks), "examples": task_examples, "tokens": task_tokens or spec.window_tokens}
     if rank() == 0:  # the first process opens the folder (clean-up, meta check), then the others join
@@ -289,8 +293,7 @@ def collect(
     for task in tasks:
         seeds = range(TASK_SEED_BASE, TASK_SEED_BASE + task_examples)
         items += [task_item(tokenizer, task, task_tokens or spec.window_tokens, s, spec) for s in seeds]
-    full_keys = {f"{corpus}-w{i}" for i in range(min(full_windows, len(windows)))}  # corpus windows only
-    collect_items(model, tokenizer, items, writer, spec, full_keys=full_keys, progress=progress)
+    collect_items(model, tokenizer, items, writer, spec, full_keys=set(full_keys), progress=progress)
     return writer.folder
 
 

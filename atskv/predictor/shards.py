@@ -20,7 +20,7 @@ import json
 import os
 import re
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 
 import torch
@@ -298,11 +298,14 @@ class ShardDataset(Dataset):
         """One column of every row, read shard by shard (e.g. the group ids a sampler needs)."""
         return torch.cat([self._handle(s["file"]).get_tensor(name) for s in self._shards])
 
-    def split_by_key(self, fraction: float, seed: int = 0) -> tuple["ShardDataset", "ShardDataset"]:
-        """(train, held-out) over disjoint shard keys, `fraction` of the keys held out.
+    def split_by_key(self, fraction: float, seed: int = 0,
+                     first: Collection[str] = ()) -> tuple["ShardDataset", "ShardDataset"]:  # fmt: skip
+        """(train, held-out) over disjoint shard keys, `fraction` of the keys held out, drawn from
+        the keys in `first` before any other (a collection's full windows, which the window recall
+        is measured on: drawn at random with the others, a small held-out share often held none).
 
         Splitting keys, not rows, keeps all rows of one window on one side; the split depends
-        only on the set of keys and the seed.
+        only on the set of keys, `first` and the seed.
         """
         if not 0 < fraction < 1:
             raise ValueError(f"fraction must be in (0, 1), got {fraction}")
@@ -311,6 +314,7 @@ class ShardDataset(Dataset):
             raise ValueError(f"cannot split {len(keys)} shard(s) into two non-empty parts")
         held = min(max(round(fraction * len(keys)), 1), len(keys) - 1)
         order = torch.randperm(len(keys), generator=torch.Generator().manual_seed(seed)).tolist()
+        order.sort(key=lambda j: keys[j] not in first)  # stable: random order within each side
         held_keys = {keys[j] for j in order[:held]}
         train = [k for k in keys if k not in held_keys]
         return (

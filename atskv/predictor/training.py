@@ -204,7 +204,8 @@ class RelevanceData(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is None:
             fraction, seed = self.hparams.validation_fraction, self.hparams.seed
-            self.train_set, self.val_set = self.dataset.split_by_key(fraction, seed)
+            first = self.collection.get("full_keys", ())  # the full windows go to validation first
+            self.train_set, self.val_set = self.dataset.split_by_key(fraction, seed, first)
             self.full_validation = "full" in self.val_set.columns and bool(self.val_set.column("full").any())
 
     def _loader(self, dataset: ShardDataset, shuffle: bool, sampled_only: bool = False) -> DataLoader:
