@@ -87,3 +87,30 @@ def test_kernel_walks_long_rows_in_blocks(monkeypatch):
     freed, write, slot_pos = out["triton"]
     assert freed.tolist() == [[-1, -1]] and write.tolist() == [[1500, 2499]]
     assert torch.equal(slot_pos < 0, unwanted)
+
+
+@pytest.mark.parametrize("budget", [30, 0.12])
+def test_a_recent_window_is_never_evicted(monkeypatch, budget):
+    """`recent`: the newest int(budget tokens * recent) held tokens of a row score +inf (H2O's
+    window), in the kernel as in the reference; the lowest of the others goes."""
+    for seed in range(3):
+        scores, pos, context, _ = random_rows(seed)
+        newest = pos.amax(-1, keepdim=True)
+        scores = scores.masked_fill(pos == newest, -1.0)  # the newest token would go without the window
+        results = {}
+        for choice in ("reference", "triton"):
+            monkeypatch.setenv("ATSKV_KERNELS", choice)
+            slot_pos, write = pos.clone(), torch.full(pos.shape[:2], -5)
+            freed = evict_lowest(scores, slot_pos, context, budget, write, recent=0.5)
+            results[choice] = (slot_pos, write, freed)
+        for r, k in zip(results["reference"], results["triton"]):
+            assert torch.equal(r, k)
+        slot_pos, write, freed = results["reference"]
+        limit = context.view(-1, 1).clamp(max=budget) if isinstance(budget, int) else \
+            torch.ceil(context.view(-1, 1) * budget).long().clamp(min=1).minimum(context.view(-1, 1))
+        window = (limit * 0.5).long().unsqueeze(-1)
+        over = ((pos >= 0).sum(-1) > limit)
+        assert over.any() and (window >= 1).all()
+        kept = (pos > newest - window) & (pos >= 0)
+        assert torch.equal(slot_pos[kept], pos[kept])  # the window survives, its lowest-scoring newest included
+        assert ((freed >= 0) == over).all() and (freed[over].unsqueeze(-1) <= (newest - window)[over]).all()

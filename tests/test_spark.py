@@ -21,7 +21,8 @@ WINDOW = 4
 
 class RecordingSparK(SparKSelector):
     """Records the prompt's queries and keys at prefill, and at decode what attention would use
-    (the hook asks an evicting base for `scores`, a query-aware one for `decode_indices`)."""
+    (the fast path asks an evicting base for `eviction_scores`, the reference for `scores`, a
+    query-aware one for `decode_indices`)."""
 
     def prefill(self, view):
         self.prompt[view.layer_idx] = (view.query.clone(), view.keys.clone(), view.slot_pos.clone())
@@ -30,6 +31,10 @@ class RecordingSparK(SparKSelector):
     def scores(self, view):
         self._record(view)
         return super().scores(view)
+
+    def eviction_scores(self, view):
+        self._record(view)
+        return super().eviction_scores(view)
 
     def decode_indices(self, view):
         self._record(view)

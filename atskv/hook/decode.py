@@ -310,11 +310,12 @@ class StaticSession(SparseSession):
         """Each over-budget row drops its lowest-scoring token by the keeper's scores, every row the
         held tokens the keeper does not want (`Selector.unwanted`: a threshold), and the next token
         takes a freed slot (`kernels.evict`); with a host tier the dropped tokens are flagged parked."""
-        scores = self.keeper.scores(replace(view, budget=self.keep_budget))[:, :, 0]
+        scores, recent = self.keeper.eviction_scores(replace(view, budget=self.keep_budget))
         unwanted = self.keeper.unwanted(view)
         if host is not None and unwanted is not None:  # before the kernel frees their slots
             host.release(layer.slot_pos, unwanted)
-        freed = evict_lowest(scores, layer.slot_pos, layer.context, self.keep_budget, layer.write_slot, unwanted)
+        freed = evict_lowest(scores, layer.slot_pos, layer.context, self.keep_budget, layer.write_slot, unwanted,
+                             recent)  # fmt: skip
         if host is not None:
             host.release(freed.unsqueeze(-1), freed.unsqueeze(-1) >= 0)
 

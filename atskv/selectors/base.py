@@ -134,6 +134,12 @@ class Selector:
         """Called after every attention with the mass each slot received, `[B, Hkv, S]` (summed over
         the query heads of the group and the queries); only for selectors that set `needs_attention`."""
 
+    def eviction_scores(self, view: LayerView) -> tuple[torch.Tensor, float]:
+        """Fast path: what the eviction kernel ranks an evicting selector's held slots by, `[B, Hkv,
+        S]`, and the share of the budget it keeps newest-first whatever those say (`kernels.evict`:
+        H2O's recent window). By default `scores` and none."""
+        return self.scores(view)[:, :, 0], 0.0
+
     def mass_accumulator(self, view: LayerView) -> torch.Tensor | None:
         """Fast path: the float32 slot tensor `[B, Hkv, S]` that `observe` adds the mass into, if
         that is all it does; the decode attention kernel then adds it there in place (one kernel

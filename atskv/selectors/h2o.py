@@ -23,6 +23,14 @@ class H2OSelector(Selector):
     def observe(self, view: LayerView, attention_mass: torch.Tensor) -> None:
         view.layer.slot_tensor("h2o").add_(attention_mass)
 
+    def mass_accumulator(self, view: LayerView) -> torch.Tensor:
+        return view.layer.slot_tensor("h2o")
+
+    def eviction_scores(self, view: LayerView) -> tuple[torch.Tensor, float]:
+        """The accumulated mass, the recent window left to the eviction kernel: `scores` in one
+        kernel instead of ~8."""
+        return view.layer.slot_tensor("h2o"), self.recent_fraction
+
     def scores(self, view: LayerView):
         valid = view.valid[:, :, -1]
         budget = resolve_budget(view.budget, view.context[:, :, -1:])

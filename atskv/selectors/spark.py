@@ -119,6 +119,9 @@ class SparKSelector(Selector):
     def mass_accumulator(self, view: LayerView) -> torch.Tensor | None:
         return self.base.mass_accumulator(view)
 
+    def eviction_scores(self, view: LayerView) -> tuple[torch.Tensor, float]:
+        return self.base.eviction_scores(self._on_recovered_keys(view))
+
     def _on_recovered_keys(self, view: LayerView) -> LayerView:
         return replace(view, keys=self.attention_keys(view))
 
