@@ -71,7 +71,7 @@ def train(name: str, folder: Path, out: Path, loaded, epochs: int) -> dict:
         fit = fit_ridge(folder)
         recalls = {str(alpha): recall for alpha, recall in fit.validation.items()}
         training = {"stage": "ridge", "data": {"folder": str(folder)}, "alpha": fit.alpha,
-                    "validation_mass_recall": recalls}
+                    f"validation_{fit.metric}": recalls}
         export_trained(fit.scorer, fit.collection, target, loaded, training)
         return training
     options = {"num_workers": 0, **variant.options}  # one core

@@ -2,6 +2,7 @@
 and drives the learned selector (its own weights per layer and KV head), and `atskv ridge` fits
 and exports a collection in one command."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -119,16 +120,27 @@ def test_the_ridge_command_fits_and_exports_a_collection(tmp_path):
     assert header.training["stage"] == "ridge" and set(header.training["validation_mass_recall"]) == {"0.1", "1.0"}
 
 
-def test_full_windows_change_nothing_in_the_ridge_fit(tmp_path):
-    """Ridge reads only the `sampled` rows of a collection with full windows: the same fit and
-    validation recalls as the collection without them."""
+def test_full_windows_change_only_what_picks_the_ridge_penalty(tmp_path):
+    """Ridge trains on the `sampled` rows of a collection with full windows, on the windows `atskv
+    fit` trains on (the full ones held out first): the same solution as the collection without
+    them when those are the same windows; the penalty is then picked by the held-out full
+    windows' recall (every row of their groups), not the sampled rows' mass recall."""
     from atskv.predictor.collect import collect
+    from atskv.predictor.shards import ShardDataset
+    from atskv.predictor.training import mass_recall, training_columns
 
     kw = {"decision_points": (0.5, 0.75), "future_queries": 8, "topk": 6, "dense_layers": 1, "progress": False}
     model, tokenizer, windows = tiny_model("llama"), tiny_bpe_tokenizer(), random_prompt(64, batch=4)
     plain = collect(model, tokenizer, windows, tmp_path / "plain", **kw)
     full = collect(model, tokenizer, windows, tmp_path / "full", full_windows=4, **kw)
-    a, b = (fit_ridge(folder, alphas=(0.1, 1.0), validation_fraction=0.25) for folder in (plain, full))
-    assert a.validation == b.validation and a.alpha == b.alpha
+    a, b = (fit_ridge(folder, alphas=(0.1,), validation_fraction=0.25) for folder in (plain, full))
+    assert (a.metric, b.metric) == ("mass_recall", "window_recall") and a.validation != b.validation
     for name, value in a.scorer.state_dict().items():
         torch.testing.assert_close(b.scorer.state_dict()[name], value)
+    columns = training_columns(ShardDataset(full).meta)
+    held = ShardDataset(full, columns).split_by_key(0.25, 0, [f"corpus-w{i}" for i in range(4)])[1]
+    rows = held.__getitems__(list(range(len(held))))
+    assert rows["full"].all() and not rows["sampled"].all()
+    with torch.no_grad():
+        preds = b.scorer(rows["hidden"], rows["scalars"], rows["token_type"], rows["layer"], rows["head"])
+    assert b.validation[0.1] == pytest.approx(float(mass_recall(preds, rows["mass"], rows["in_topk"], rows["group"])))

@@ -181,7 +181,7 @@ def ridge(
         out: output folder (predictor.safetensors, predictor.json); default
             <cache>/predictors/<model name>, where `--selectors [learned]` finds it.
         alphas: penalties to try (per row, on standardised inputs); the one with the best
-            validation mass recall is kept.
+            validation recall is kept (window recall over held-out full windows, else mass recall).
         validation_fraction: share of the windows held out to choose the penalty.
         seed: the train/validation split (as `atskv fit`'s data.seed).
         model: the base model (token-type table, config hash); default: the collection's.
@@ -193,10 +193,10 @@ def ridge(
     fit = fit_ridge(folder, alphas, validation_fraction, seed)
     recalls = {str(alpha): recall for alpha, recall in fit.validation.items()}
     training = {"stage": "ridge", "data": {"folder": str(folder), "seed": seed}, "alpha": fit.alpha,
-                "validation_mass_recall": recalls}
+                f"validation_{fit.metric}": recalls}
     loaded = load(model, "cpu", "float32") if model else None
     path = export_trained(fit.scorer, fit.collection, out, loaded, training, overwrite=overwrite)
-    print(f"alpha {fit.alpha} (validation mass recall by alpha: {recalls}); wrote {path}")
+    print(f"alpha {fit.alpha} (validation {fit.metric.replace('_', ' ')} by alpha: {recalls}); wrote {path}")
     return path
 
 

@@ -10,8 +10,8 @@ log(label score) as KVzap regresses log KVzip+ scores (the score floored at `LOG
 The fit accumulates, per (layer, KV head), the sums and the Gram matrix of the design over the
 training windows in float64 (memory: layers x KV heads x (d_model + F + types)^2 x 8 bytes,
 0.24 GB for SmolLM2-135M), then solves the centred normal equations for every penalty in
-`alphas` from one eigendecomposition each, and keeps the penalty with the best validation mass
-recall (the MLP's checkpoint metric, on the same validation windows as `atskv fit`). The penalty
+`alphas` from one eigendecomposition each, and keeps the penalty with the best validation recall
+(the MLP's checkpoint metric, on the same validation windows as `atskv fit`). The penalty
 is per row: the Gram matrix is divided by the rows, so `alpha` means the same for any amount of data.
 
 At run time `project_hidden` gives every (layer, KV head)'s hidden-state term at once, so the
@@ -94,12 +94,15 @@ def log_target(score: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class RidgeFit:
-    """A fitted scorer, its penalty and every penalty's validation mass recall."""
+    """A fitted scorer, its penalty and every penalty's validation recall (`metric`: the window
+    recall over held-out full windows, else the mass recall over the sampled rows, as `atskv fit`
+    checkpoints)."""
 
     scorer: RidgeScorer
     alpha: float
     validation: dict[float, float]
     collection: dict  # the collection's manifest meta
+    metric: str = "mass_recall"
 
 
 @dataclass
@@ -151,9 +154,10 @@ def fit_ridge(
     batch_rows: int = 32768,
 ) -> RidgeFit:
     """Fit a `RidgeScorer` on the collection in `folder` for every penalty in `alphas` and keep the
-    one with the best validation mass recall (windows split as `atskv fit` splits them with
-    `data.seed` = `seed`). Of a collection with full windows only the `sampled` rows are read, as
-    `atskv fit` trains on them."""
+    one with the best validation recall (windows split as `atskv fit` splits them with `data.seed`
+    = `seed`, full windows held out first; their window recall where some are, else the sampled
+    rows' mass recall). Of a collection with full windows only the `sampled` rows are trained on,
+    as `atskv fit` trains on them."""
     from atskv.predictor.shards import ShardDataset, label_column
     from atskv.predictor.training import mass_recall, training_columns
 
@@ -162,7 +166,10 @@ def fit_ridge(
     meta = ShardDataset(folder, []).meta
     if "feature_spec" not in meta:
         raise ValueError(f"{folder}'s manifest has no feature_spec: not a predictor collection")
-    train, held_out = ShardDataset(folder, training_columns(meta)).split_by_key(validation_fraction, seed)
+    train, held_out = ShardDataset(folder, training_columns(meta)).split_by_key(
+        validation_fraction, seed, meta.get("full_keys", ())
+    )
+    windows = "full" in held_out.columns and bool(held_out.column("full").any())
     label = label_column(meta)
     scorer = RidgeScorer(FeatureSpec.from_dict(meta["feature_spec"]))
     scalars = train.column("scalars").double()
@@ -171,10 +178,10 @@ def fit_ridge(
     scorer.scalar_mean.copy_(scalars.mean(0))
     scorer.scalar_std.copy_(scalars.std(0).clamp(min=1e-6))
 
-    def batches(data: ShardDataset):
+    def batches(data: ShardDataset, rows: str = "sampled"):
         for start in range(0, len(data), batch_rows):
             b = data.__getitems__(list(range(start, min(start + batch_rows, len(data)))))
-            yield {c: v[b["sampled"]] for c, v in b.items()} if "sampled" in b else b
+            yield {c: v[b[rows]] for c, v in b.items()} if rows in b else b
 
     spec = scorer.spec
     moments = _Moments.zeros(scorer.projected_width, spec.d_model + len(spec.scalar_features) + spec.num_token_types)
@@ -182,7 +189,7 @@ def fit_ridge(
         for b in batches(train):
             unit = b["layer"].long() * spec.num_kv_heads + b["head"].long()
             moments.add(unit, scorer.design(b["hidden"], b["scalars"], b["token_type"]), log_target(b[label]))
-        validation = list(batches(held_out))
+        validation = list(batches(held_out, "full" if windows else "sampled"))
         truth = [torch.cat([b[c] for b in validation]) for c in (label, "in_topk", "group")]
         recalls = {}
         for alpha, (weights, bias) in zip(alphas, moments.solutions(alphas)):
@@ -191,4 +198,4 @@ def fit_ridge(
             recalls[float(alpha)] = float(mass_recall(torch.cat(preds), *truth))
         best = max(recalls, key=lambda a: (recalls[a], a))  # ties: the stronger penalty
         scorer.set_weights(*moments.solutions([best])[0])
-    return RidgeFit(scorer.eval(), best, recalls, meta)
+    return RidgeFit(scorer.eval(), best, recalls, meta, "window_recall" if windows else "mass_recall")
