@@ -133,13 +133,13 @@ def random_predictor(model, dense_layers: int, folder: Path) -> Path:
     """A predictor of `model`'s shape with random weights (the default widths), exported to
     `folder`: what the learned selector costs does not depend on what it learned."""
     from atskv.models.geometry import model_geometry
+    from atskv.predictor.capture import managed_layers
     from atskv.predictor.export import export_predictor
     from atskv.predictor.features import SCALAR_FEATURES
     from atskv.predictor.model import FeatureSpec, RelevanceMLP
 
     text = model.config.get_text_config(decoder=True)
-    kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
-    managed = [i for i, kind in enumerate(kinds) if kind == "full_attention" and i >= dense_layers]
+    managed = managed_layers(model, dense_layers)
     spec = FeatureSpec(text.hidden_size, SCALAR_FEATURES, len(managed), text.num_key_value_heads)
     types = torch.zeros(text.vocab_size, dtype=torch.int8)
     export_predictor(RelevanceMLP(spec).eval(), types, folder, base_model="random", geometry=model_geometry(model.config),
@@ -152,15 +152,14 @@ def spaced_profile(model, dense_layers: int, anchors: int = 5):
     spaced over the managed ones (the paper's count for 32-layer models), every reuse head on the
     anchor head of its own index. What Kascade costs depends on how many anchors, not which."""
     from atskv.models.geometry import model_geometry
+    from atskv.predictor.capture import managed_layers
     from atskv.selectors.kascade.profile import KascadeProfile
 
-    text = model.config.get_text_config(decoder=True)
-    kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
-    managed = [i for i, kind in enumerate(kinds) if kind == "full_attention" and i >= dense_layers]
+    geometry, managed = model_geometry(model.config), managed_layers(model, dense_layers)
     chosen = sorted({managed[i * len(managed) // anchors] for i in range(min(anchors, len(managed)))})
-    heads = list(range(text.num_key_value_heads))
+    heads = list(range(geometry.num_kv_heads))
     n = len(managed)
-    return KascadeProfile("spaced", model_geometry(model.config), managed, chosen,
+    return KascadeProfile("spaced", geometry, managed, chosen,
                           {layer: heads for layer in managed if layer not in chosen}, [[1.0] * n for _ in managed],
                           [1.0] * n, topk=0, queries=0, dev_set="")  # fmt: skip
 
