@@ -39,9 +39,8 @@ def evict_lowest_reference(scores, slot_pos, context, budget: int | float, write
     held = slot_pos >= 0
     scores = scores.float().masked_fill(~held, torch.inf)
     if recent:
-        newest = slot_pos.amax(-1, keepdim=True)  # free slots hold -1
-        window = (kept_tokens(budget, context.view(-1, 1, 1)) * recent).long()
-        scores = scores.masked_fill(held & (slot_pos > newest - window), torch.inf)
+        scores = scores.masked_fill(newest_share(slot_pos, held, kept_tokens(budget, context.view(-1, 1, 1)), recent),
+                                    torch.inf)  # fmt: skip
     lowest = scores.amin(-1, keepdim=True)
     oldest = slot_pos.masked_fill(~(held & (scores == lowest)), torch.iinfo(slot_pos.dtype).max)
     victim = oldest.argmin(-1, keepdim=True)  # [B, Hkv, 1]
@@ -51,6 +50,13 @@ def evict_lowest_reference(scores, slot_pos, context, budget: int | float, write
     slot_pos.masked_fill_(drop if unwanted is None else drop | unwanted, -1)
     write_slot.copy_(torch.where(over[..., 0], victim[..., 0], first_free(slot_pos)))
     return victim_pos.masked_fill(~over, -1)[..., 0]
+
+
+def newest_share(slot_pos: torch.Tensor, usable: torch.Tensor, limit: torch.Tensor, share: float) -> torch.Tensor:
+    """`[B, Hkv, S]` bool: each row's newest `int(limit * share)` usable slots by position (H2O's
+    recent window; `limit` the row's budget in tokens, broadcast against `slot_pos`)."""
+    newest = slot_pos.masked_fill(~usable, -1).amax(-1, keepdim=True)
+    return usable & (slot_pos > newest - (limit * share).long())
 
 
 def first_free(slot_pos: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from atskv.kernels.evict import newest_share
 from atskv.selectors.base import LayerView, Selector, resolve_budget
 
 
@@ -32,9 +33,6 @@ class H2OSelector(Selector):
         return view.layer.slot_tensor("h2o"), self.recent_fraction
 
     def scores(self, view: LayerView):
-        valid = view.valid[:, :, -1]
         budget = resolve_budget(view.budget, view.context[:, :, -1:])
-        recent = (budget * self.recent_fraction).long()
-        newest = view.slot_pos.masked_fill(~valid, -1).amax(dim=-1, keepdim=True)
-        is_recent = valid & (view.slot_pos > newest - recent)
+        is_recent = newest_share(view.slot_pos, view.valid[:, :, -1], budget, self.recent_fraction)
         return torch.where(is_recent, torch.inf, view.layer.slot_tensor("h2o")).unsqueeze(2)
