@@ -99,25 +99,32 @@ def _step_scores_kernel(
         tl.store(lo_ptr + b * sl_b + h * sl_h + page * sl_p + d * sl_d, new_lo, mask=d_ok)
         tl.store(hi_ptr + b * sh_b + h * sh_h + page * sh_p + d * sh_d, new_hi, mask=d_ok)
         tl.store(held_ptr + b * sc_b + h * sc_h + page * sc_p, new_count)
-        low32, high32 = new_lo.to(tl.float32), new_hi.to(tl.float32)
-        page_best = tl.full([], float("-inf"), tl.float32)
-        for g in tl.static_range(GROUP):
-            qg = tl.load(q_ptr + b * sq_b + (h * GROUP + g) * sq_h + d * sq_d, mask=d_ok, other=0.0).to(tl.float32)
-            page_best = tl.maximum(page_best, tl.sum(tl.maximum(qg * low32, qg * high32), 0))
-        tl.store(out_ptr + bh.to(tl.int64) * n_pages + page, tl.where(new_count > 0, page_best, float("-inf")))
+        one = tl.arange(0, 1)
+        score = _bound_scores(q_ptr + b * sq_b + h * GROUP * sq_h, sq_h, d * sq_d, d_ok,
+                              new_lo.to(tl.float32)[None, :], new_hi.to(tl.float32)[None, :], GROUP)  # fmt: skip
+        tl.store(out_ptr + bh.to(tl.int64) * n_pages + page + one, tl.where(new_count > 0, score, float("-inf")))
     else:
         p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
         tile = (p < n_pages)[:, None] & d_ok[None, :]
         lo = tl.load(lo_ptr + b * sl_b + h * sl_h + p[:, None] * sl_p + d[None, :] * sl_d, mask=tile, other=0.0)
         hi = tl.load(hi_ptr + b * sh_b + h * sh_h + p[:, None] * sh_p + d[None, :] * sh_d, mask=tile, other=0.0)
-        lo, hi = lo.to(tl.float32), hi.to(tl.float32)
         count = tl.load(held_ptr + b * sc_b + h * sc_h + p * sc_p, mask=p < n_pages, other=0)
-        best = tl.full([BLOCK_P], float("-inf"), tl.float32)
-        for g in tl.static_range(GROUP):
-            q = tl.load(q_ptr + b * sq_b + (h * GROUP + g) * sq_h + d * sq_d, mask=d_ok, other=0.0).to(tl.float32)
-            best = tl.maximum(best, tl.sum(tl.maximum(q[None, :] * lo, q[None, :] * hi), axis=1))
+        best = _bound_scores(q_ptr + b * sq_b + h * GROUP * sq_h, sq_h, d * sq_d, d_ok, lo.to(tl.float32),
+                             hi.to(tl.float32), GROUP)  # fmt: skip
         best = tl.where(count > 0, best, float("-inf"))
         tl.store(out_ptr + bh.to(tl.int64) * n_pages + p, best, mask=(p < n_pages) & (p != page))
+
+
+@jit
+def _bound_scores(q_at, sq_h, d_offsets, d_ok, lo, hi, GROUP: tl.constexpr):
+    """Quest's score of pages `lo`/`hi` `[N, BLOCK_D]` (float32) for the GQA group whose first query
+    head is at `q_at`: the max over its heads of `sum_d max(q_d lo_d, q_d hi_d)`, `[N]`."""
+    q = tl.load(q_at + d_offsets, mask=d_ok, other=0.0).to(tl.float32)
+    best = tl.sum(tl.maximum(q[None, :] * lo, q[None, :] * hi), axis=1)
+    for g in tl.static_range(1, GROUP):
+        q = tl.load(q_at + g * sq_h + d_offsets, mask=d_ok, other=0.0).to(tl.float32)
+        best = tl.maximum(best, tl.sum(tl.maximum(q[None, :] * lo, q[None, :] * hi), axis=1))
+    return best
 
 
 def quest_step_scores_triton(query, low, high, held, keys, slot_pos, write_slot, page_size: int) -> torch.Tensor:
