@@ -169,7 +169,7 @@ def fit_ridge(
     train, held_out = ShardDataset(folder, training_columns(meta)).split_by_key(
         validation_fraction, seed, meta.get("full_keys", ())
     )
-    windows = "full" in held_out.columns and bool(held_out.column("full").any())
+    windows = held_out.has_full_groups()
     label = label_column(meta)
     scorer = RidgeScorer(FeatureSpec.from_dict(meta["feature_spec"]))
     scalars = train.column("scalars").double()

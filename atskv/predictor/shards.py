@@ -298,6 +298,11 @@ class ShardDataset(Dataset):
         """One column of every row, read shard by shard (e.g. the group ids a sampler needs)."""
         return torch.cat([self._handle(s["file"]).get_tensor(name) for s in self._shards])
 
+    def has_full_groups(self) -> bool:
+        """Whether some of these rows belong to a window kept whole (`atskv collect --full_windows`),
+        which the window recall is measured on."""
+        return "full" in self.columns and bool(self.column("full").any())
+
     def split_by_key(self, fraction: float, seed: int = 0,
                      first: Collection[str] = ()) -> tuple["ShardDataset", "ShardDataset"]:  # fmt: skip
         """(train, held-out) over disjoint shard keys, `fraction` of the keys held out, drawn from

@@ -206,7 +206,7 @@ class RelevanceData(L.LightningDataModule):
             fraction, seed = self.hparams.validation_fraction, self.hparams.seed
             first = self.collection.get("full_keys", ())  # the full windows go to validation first
             self.train_set, self.val_set = self.dataset.split_by_key(fraction, seed, first)
-            self.full_validation = "full" in self.val_set.columns and bool(self.val_set.column("full").any())
+            self.full_validation = self.val_set.has_full_groups()
 
     def _loader(self, dataset: ShardDataset, shuffle: bool, sampled_only: bool = False) -> DataLoader:
         """Batches of whole groups; `sampled_only`: only the rows of a sample (full groups' others skipped)."""
