@@ -61,3 +61,5 @@ def test_bench_refuses_unknown_geometry_and_bad_budget():
         bench_decode_attention(["oracle"], geometry="gpt5", device="cpu")
     with pytest.raises(ValueError, match="budget_fraction"):
         bench_decode_attention(["oracle"], budget_fraction=0, device="cpu")
+    with pytest.raises(ValueError, match="layers must be at least 1"):
+        bench_decode_attention(["oracle"], device="cpu", layers=0)

@@ -258,6 +258,8 @@ def bench_decode_attention(
         raise ValueError(f"unknown geometry {geometry!r}; choose one of: {', '.join(GEOMETRIES)}")
     if not 0 < budget_fraction < 1:
         raise ValueError(f"budget_fraction must lie in (0, 1), got {budget_fraction}")
+    if layers is not None and layers < 1:
+        raise ValueError(f"layers must be at least 1 (or left out: enough to exceed the L2 cache), got {layers}")
     check_selector_names([name.removeprefix(HOOK) for name in selectors])
     device = torch.device(device)
     records = []
@@ -269,7 +271,7 @@ def bench_decode_attention(
         for n, (batch, context) in enumerate(tqdm([cases[0], *cases], desc="bench", disable=not progress)):
             shape = Shape(batch, context, GEOMETRIES[geometry], dtype, device)
             budget = max(1, math.ceil(budget_fraction * context))
-            count = layers or rotation(shape, budget)
+            count = layers if layers is not None else rotation(shape, budget)
             step, backend = sdpa_step(shape, room, count)
             dense_ms = step_milliseconds(step, device, True, repeat, replays) / count
             del step
