@@ -79,3 +79,20 @@ def test_the_shipped_smollm2_predictor_loads_and_fits_the_embedded_model():
     assert predictor.header.base_model == "smollm2-135m"
     assert predictor.header.geometry.num_layers == 30 and predictor.header.managed_layers[0] == 2
     assert 100_000 <= predictor.mlp.parameter_count() <= 500_000
+
+
+def test_every_shipped_predictor_is_found_by_its_named_model():
+    """A shipped predictor's folder is the named model it serves (what `find_predictor` looks up),
+    and its header says so: Gemma 3's manages exactly the model's global layers."""
+    from atskv.models.loading import MODELS
+    from atskv.predictor.export import SHIPPED, find_predictor, load_predictor
+
+    folders = sorted(p.name for p in SHIPPED.iterdir() if (p / "predictor.safetensors").is_file())
+    assert folders == ["gemma3-270m", "smollm2-135m"]
+    for name in folders:
+        assert name in MODELS and find_predictor(name) == SHIPPED / name
+        header = load_predictor(SHIPPED / name).header
+        assert header.base_model == name
+    gemma = load_predictor(SHIPPED / "gemma3-270m").header
+    globals_ = [i for i, kind in enumerate(gemma.geometry.layer_types) if kind == "full_attention"]
+    assert list(gemma.managed_layers) == globals_ == [5, 11, 17]
