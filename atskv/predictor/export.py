@@ -118,8 +118,8 @@ def default_predictor_dir(model_name: str) -> Path:
 
 def find_predictor(model_name: str) -> Path:
     """The predictor the CLI uses for a model: the user's own export if there is one, else the
-    one shipped with atskv (SmolLM2-135M), else the export folder (whose absence `load_predictor`
-    then reports with how to make one)."""
+    one shipped with atskv (for the named models SmolLM2-135M and Gemma 3 270M), else the export
+    folder (whose absence `load_predictor` then reports with how to make one)."""
     own = default_predictor_dir(model_name)
     if (own / "predictor.safetensors").is_file():
         return own
