@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The relevance-predictor pipeline end to end for one base model: collect on the training corpus
 # (CORPUS, default Austen) and task prompts, fit three seeds, export each seed's best checkpoint
-# (by validation window recall), draw the training curves, then measure every seed on a held-out
-# corpus beside the baselines (benchmarks/predictor_measure.py).
+# by validation window recall (its last without --full_windows), draw the training curves, then
+# measure every seed on a held-out corpus beside the baselines (benchmarks/predictor_measure.py).
 #   bash benchmarks/predictor_pipeline.sh MODEL WORK_DIR [WINDOWS] [WINDOW_TOKENS] [EPOCHS] [MAX_TIME]
 # Extra arguments of the collection go in COLLECT_ARGS (e.g. "--full_windows 4 --decision_points
 # [0.3,0.5,0.7,0.9]"), of the measurement in MEASURE_ARGS (e.g. "--window_tokens 8192 --windows 4");
@@ -26,8 +26,10 @@ if [[ $stages == *fit* ]]; then
       --trainer.max_epochs "$epochs" --trainer.max_time "$max_time" --trainer.default_root_dir "$work/fit" \
       --trainer.logger.init_args.save_dir "$work/fit" --trainer.logger.init_args.name "$name" \
       --trainer.logger.init_args.version "seed$seed"
-    best=$(ls "$work/fit/$name/seed$seed/checkpoints/"epoch*.ckpt | head -1)  # fit keeps the best one
-    $atskv export "$best" --out "$work/predictor-s$seed" --model "$model"
+    # the best checkpoint by window recall (a collection with --full_windows), else the last
+    checkpoints="$work/fit/$name/seed$seed/checkpoints"
+    best=$(ls "$checkpoints"/epoch*-window_recall*.ckpt 2>/dev/null | head -1 || true)
+    $atskv export "${best:-$checkpoints/last.ckpt}" --out "$work/predictor-s$seed" --model "$model"
   done
   $python -c 'import sys; from atskv.predictor.training import training_curves as c; c(sys.argv[1], sys.argv[2])' \
     "$work/fit" "$work/training-curves.png"

@@ -16,7 +16,7 @@ from atskv.selectors import selectors_for_model
 from tests.conftest import COMMON, run_cli, tiny_bpe_tokenizer
 
 
-def test_collect_fit_export_then_the_learned_selector_by_name(tmp_path, monkeypatch):
+def test_collect_fit_export_then_the_learned_selector_by_name(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("ATSKV_CACHE", str(tmp_path / "cache"))
     model_dir, corpus = tmp_path / "tiny-llama", tmp_path / "corpus"
     tokenizer = tiny_bpe_tokenizer()
@@ -36,8 +36,9 @@ def test_collect_fit_export_then_the_learned_selector_by_name(tmp_path, monkeypa
                 "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
                 "--trainer.default_root_dir", str(tmp_path / "fit"),
                 "--trainer.logger.init_args.save_dir", str(tmp_path / "fit")]) == 0
-    checkpoint = next((tmp_path / "fit").rglob("last.ckpt"))
-    assert next((tmp_path / "fit").rglob("epoch0-window_recall*.ckpt"))  # every window full: kept by window recall
+    assert next((tmp_path / "fit").rglob("last.ckpt"))
+    checkpoint = next((tmp_path / "fit").rglob("epoch0-window_recall*.ckpt"))  # every window full: kept by window recall
+    assert f"next: atskv export {checkpoint}" in capsys.readouterr().out, "fit points at the best checkpoint"
     assert run_cli(["export", str(checkpoint), "--model", str(model_dir)]) == 0
     loaded = load_model(str(model_dir))
     (learned,) = selectors_for_model(["learned"], loaded.name)
@@ -96,3 +97,19 @@ def test_every_shipped_predictor_is_found_by_its_named_model():
     gemma = load_predictor(SHIPPED / "gemma3-270m").header
     globals_ = [i for i, kind in enumerate(gemma.geometry.layer_types) if kind == "full_attention"]
     assert list(gemma.managed_layers) == globals_ == [5, 11, 17]
+
+
+@pytest.mark.parametrize(
+    ("monitor", "best", "exported"),
+    [("val/window_recall", "b.ckpt", "b.ckpt"), ("val/mass_recall", "b.ckpt", "l.ckpt"), (None, "", "l.ckpt")],
+)
+def test_fit_points_at_the_best_checkpoint_only_where_whole_windows_chose_it(capsys, monitor, best, exported):
+    """The sampled mass recall a collection without full windows falls back on is near 1 throughout,
+    so its 'best' is no better than the last checkpoint; fine-tuning keeps no monitor."""
+    from types import SimpleNamespace
+
+    from atskv.cli.predictor import wrote_checkpoints
+
+    callback = SimpleNamespace(monitor=monitor, best_model_path=best, last_model_path="l.ckpt", dirpath="d")
+    wrote_checkpoints(SimpleNamespace(checkpoint_callback=callback))
+    assert capsys.readouterr().out.strip().endswith(f"next: atskv export {exported}")

@@ -136,12 +136,17 @@ def finetune(argv: list[str]) -> None:
 
 
 def wrote_checkpoints(trainer) -> None:
-    """The last line of `fit` and `finetune`: where the checkpoints are and what to run next."""
+    """The last line of `fit` and `finetune`: where the checkpoints are and what to run next: the
+    best checkpoint where it was chosen by recall over whole held-out windows (`collect
+    --full_windows`), else the last (the sampled mass recall it falls back on is near 1 throughout)."""
+    from atskv.predictor.training import MONITOR
+
     callback = trainer.checkpoint_callback
     if callback is not None and callback.last_model_path:
         best = f"best {callback.best_model_path}, " if callback.best_model_path else ""
+        chosen = callback.best_model_path if callback.best_model_path and callback.monitor == MONITOR else None
         print(f"wrote checkpoints into {callback.dirpath} ({best}last {callback.last_model_path}); "
-              f"next: atskv export {callback.last_model_path}")
+              f"next: atskv export {chosen or callback.last_model_path}")
 
 
 def export(checkpoint: Path, out: Path | None = None, model: str | None = None, overwrite: bool = False) -> Path:
