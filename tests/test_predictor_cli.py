@@ -90,11 +90,11 @@ def test_every_shipped_predictor_is_found_by_its_named_model():
 
     folders = sorted(p.name for p in SHIPPED.iterdir() if (p / "predictor.safetensors").is_file())
     assert folders == ["gemma3-270m", "smollm2-135m"]
-    for name in folders:
+    headers = {name: load_predictor(SHIPPED / name).header for name in folders}
+    for name, header in headers.items():
         assert name in MODELS and find_predictor(name) == SHIPPED / name
-        header = load_predictor(SHIPPED / name).header
         assert header.base_model == name
-    gemma = load_predictor(SHIPPED / "gemma3-270m").header
+    gemma = headers["gemma3-270m"]
     globals_ = [i for i, kind in enumerate(gemma.geometry.layer_types) if kind == "full_attention"]
     assert list(gemma.managed_layers) == globals_ == [5, 11, 17]
 
