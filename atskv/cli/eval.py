@@ -19,6 +19,8 @@ def recall(
     n_queries: int = 16,
     selectors: list[str] = ["oracle", "quest", "sparq", "sparcas", "h2o", "snapkv", "streaming_llm"],  # noqa: B006
     budgets: list[int] = [32, 64, 128, 256, 512, 1024],  # noqa: B006
+    tiered: list[str] = [],  # noqa: B006
+    tiering: dict | None = None,
     dense_layers: int = 2,
     batch_size: int = 4,
     out: Path = Path("results/recall"),
@@ -30,7 +32,9 @@ def recall(
     """Attention recall of each selector at each budget on held-out text windows.
 
     Beside them, the per-query oracle and the best-single-set ceilings; writes table.md,
-    recall.json and recall.png.
+    recall.json and recall.png. Selectors in `tiered` run through the two-tier store: what a
+    query reads is then its budget plus the parked tokens retrieval brings back (the table says
+    how many).
 
     Args:
         model: a named model, a Hugging Face directory or a .gguf file.
@@ -40,6 +44,9 @@ def recall(
         n_queries: the last tokens of each window, decoded one at a time and measured.
         selectors: selectors to measure (see `atskv selectors`).
         budgets: token budgets per layer and KV head.
+        tiered: selectors to measure through the two-tier store (`atskv.tiered`), for example
+            learned+sparq (its budget is then what a query attends among the GPU tier).
+        tiering: `TieringConfig` options of the tiered runs, for example {retrieve: 32, index: exact}.
         dense_layers: the first layers stay dense (and are not measured).
         batch_size: windows per forward.
         out: output folder.
@@ -51,10 +58,11 @@ def recall(
     from atskv.data import corpus_windows
     from atskv.eval.recall import attention_recall
 
-    loaded, chosen = load_with_selectors(model, device, dtype, selectors, budgets, predictor, selector_options)
+    names = selectors + tiered
+    loaded, chosen = load_with_selectors(model, device, dtype, names, budgets, predictor, selector_options)
     ids = corpus_windows(loaded.tokenizer, corpus, window_tokens, windows)
     report = attention_recall(
-        loaded.model, ids, chosen, budgets,
+        loaded.model, ids, chosen[: len(selectors)], budgets, tiered=chosen[len(selectors) :], tiering=tiering,
         n_queries=n_queries, dense_layers=dense_layers,
         batch_size=batch_size, model_name=loaded.name,
     )

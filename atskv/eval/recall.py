@@ -11,9 +11,15 @@ heads, and reports:
   `learned+sparq`, the slots its query-aware part attends at the budget, among those its
   residency part still holds: what it evicted is lost to every later query, as in the real run);
 - mask difference: the share of the kept slots that are not in the per-query oracle top-k;
+- reads: how many tokens a query attends, on average;
 - two ceilings, per budget: the per-query oracle top-k (any selector's limit) and the best single
   set for the window (top-k of the mass summed over the window's queries: the limit of any
   query-agnostic policy that must commit to one set).
+
+Selectors named in `tiered` run through the two-tier store instead (`TieredRecallProbe`): their
+tokens really move between the GPU tier and the host, and a query's kept set is what the tiered
+run reads for it, the active tokens it attends plus the parked ones retrieval brought back, so
+their reads exceed the budget by the retrieved count.
 """
 
 from __future__ import annotations
@@ -30,13 +36,15 @@ from tqdm.auto import tqdm
 
 from atskv.eval.figures import save_figure
 from atskv.eval.report import write_report
-from atskv.hook.sparse import SparseSession, SparsityConfig, attach
 from atskv.hook.gqa import grouped_probs, sdpa_attention
+from atskv.hook.sparse import SparseSession, SparsityConfig, attach
+from atskv.hook.tiered import TieredSession, tiered_configs
 from atskv.selectors import Selector, make_selector
 from atskv.selectors.base import LayerView
 
 ORACLE_CEILING = "ceiling: per-query oracle"
 WINDOW_CEILING = "ceiling: best single set"
+TIERED_SUFFIX = " (tiered)"  # a selector measured through the two-tier store
 
 
 @dataclass
@@ -49,6 +57,7 @@ class RecallRecord:
     recall: float
     mask_difference: float | None
     queries: int
+    reads: float | None = None  # tokens a query attends, on average
 
 
 def pooled_probs(view: LayerView, valid: torch.Tensor) -> torch.Tensor:
@@ -65,6 +74,45 @@ def topk_mass(mass: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torch.Te
     return (mass * keep).sum(-1), keep
 
 
+class RecallSums:
+    """Running sums of one probe run, per (selector, budget, layer): the mass kept, the mask
+    difference, the samples and the tokens read; with `ceiling_budgets`, the two ceilings too."""
+
+    def __init__(self, name: str, budget: int, ceiling_budgets: Sequence[int] = ()):
+        self.name, self.budget, self.ceiling_budgets = name, budget, list(ceiling_budgets)
+        self.sums: dict[tuple[str, int, int], list[float]] = defaultdict(lambda: [0.0, 0.0, 0, 0.0])
+        self.window_mass: dict[int, torch.Tensor] = {}  # per layer: mass summed over the decode queries
+
+    def add(self, layer_idx: int, mass: torch.Tensor, valid: torch.Tensor, kept: torch.Tensor) -> None:
+        """One decode query's exact `mass` `[B, Hkv, S]` over the `valid` slots and what was `kept`."""
+        n = mass.shape[0] * mass.shape[1]
+        _, oracle_keep = topk_mass(mass, valid, self.budget)
+        acc = self.sums[(self.name, self.budget, layer_idx)]
+        acc[0] += float((mass * kept).sum())
+        acc[1] += float(((kept & ~oracle_keep).sum(-1) / kept.sum(-1).clamp(min=1)).sum())
+        acc[2] += n
+        acc[3] += float(kept.sum())
+        for k in self.ceiling_budgets:
+            ceiling = self.sums[(ORACLE_CEILING, k, layer_idx)]
+            ceiling[0] += float(topk_mass(mass, valid, k)[0].sum())
+            ceiling[2] += n
+        if self.ceiling_budgets:
+            previous = self.window_mass.get(layer_idx)
+            if previous is not None:  # the window grows by one slot per decode step
+                mass[..., : previous.shape[-1]] += previous
+            self.window_mass[layer_idx] = mass
+
+    def close_window(self, n_queries: int) -> None:
+        """Close a window: the best single set's recall per budget, from the summed masses."""
+        for layer_idx, summed in self.window_mass.items():
+            everything = torch.ones_like(summed, dtype=torch.bool)
+            for k in self.ceiling_budgets:
+                acc = self.sums[(WINDOW_CEILING, k, layer_idx)]
+                acc[0] += float(topk_mass(summed, everything, k)[0].sum())
+                acc[2] += summed.shape[0] * summed.shape[1] * n_queries
+        self.window_mass.clear()
+
+
 class RecallProbe(SparseSession):
     """A `SparseSession` that selects like the real one but attends densely and records recall.
 
@@ -73,9 +121,7 @@ class RecallProbe(SparseSession):
 
     def __init__(self, model, selector: Selector, config: SparsityConfig, ceiling_budgets: Sequence[int] = ()):
         super().__init__(model, selector, config)
-        self.ceiling_budgets = list(ceiling_budgets)
-        self.sums: dict[tuple[str, int, int], list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
-        self.window_mass: dict[int, torch.Tensor] = {}  # per layer: mass summed over the decode queries
+        self.recorder = RecallSums(selector.name, config.budget, ceiling_budgets)
 
     def attend(self, module, query, keys, values, attention_mask, scaling: float) -> torch.Tensor:
         layer = self.cache.layers[module.layer_idx]
@@ -94,34 +140,70 @@ class RecallProbe(SparseSession):
         return sdpa_attention(query, keys, values, full.valid, scaling)
 
     def _record(self, layer_idx: int, full: LayerView, kept: torch.Tensor) -> None:
-        valid = full.valid[:, :, -1]
-        mass = pooled_probs(full, full.valid)
-        n = mass.shape[0] * mass.shape[1]
-        budget = self.config.budget
-        _, oracle_keep = topk_mass(mass, valid, budget)
-        acc = self.sums[(self.selector.name, budget, layer_idx)]
-        acc[0] += float((mass * kept).sum())
-        acc[1] += float(((kept & ~oracle_keep).sum(-1) / kept.sum(-1).clamp(min=1)).sum())
-        acc[2] += n
-        for k in self.ceiling_budgets:
-            ceiling = self.sums[(ORACLE_CEILING, k, layer_idx)]
-            ceiling[0] += float(topk_mass(mass, valid, k)[0].sum())
-            ceiling[2] += n
-        if self.ceiling_budgets:
-            previous = self.window_mass.get(layer_idx)
-            if previous is not None:  # the window grows by one slot per decode step
-                mass[..., : previous.shape[-1]] += previous
-            self.window_mass[layer_idx] = mass
+        self.recorder.add(layer_idx, pooled_probs(full, full.valid), full.valid[:, :, -1], kept)
 
-    def window_ceilings(self, n_queries: int) -> None:
-        """Close a window: the best single set's recall per budget, from the summed masses."""
-        for layer_idx, summed in self.window_mass.items():
-            everything = torch.ones_like(summed, dtype=torch.bool)
-            for k in self.ceiling_budgets:
-                acc = self.sums[(WINDOW_CEILING, k, layer_idx)]
-                acc[0] += float(topk_mass(summed, everything, k)[0].sum())
-                acc[2] += summed.shape[0] * summed.shape[1] * n_queries
-        self.window_mass.clear()
+
+class TieredRecallProbe(TieredSession):
+    """A `TieredSession` that moves tokens between the tiers as the real run does (demotion,
+    retrieval, promotion) but attends densely over a copy of the whole context it keeps in
+    position order, so it is judged on the same trajectory as every other selector. A decode
+    query's kept set is what the tiered run read for it: the active tokens it attended (a
+    composition's attention pick) and the parked candidates fetched for it. Windows are unpadded."""
+
+    def __init__(self, model, selector: Selector, config: SparsityConfig, tiering, recorder: RecallSums):
+        super().__init__(model, selector, config, tiering)
+        self.recorder = recorder
+        self.context: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per layer: every token's key, value
+        self._read: list[torch.Tensor] = []  # positions `[B, Hkv, n]` (-1: none) the step's query read
+
+    def new_cache(self):
+        self.context.clear()
+        return super().new_cache()
+
+    def attend(self, module, query, keys, values, attention_mask, scaling: float) -> torch.Tensor:
+        layer = self.cache.layers[module.layer_idx]
+        full_keys, full_values = self._grow_context(module.layer_idx, layer, keys, values, query.shape[2])
+        self._read = []
+        super().attend(module, query, keys, values, attention_mask, scaling)  # the real run's choices and moves
+        tq, seen = query.shape[2], full_keys.shape[2]
+        positions = torch.arange(seen, device=full_keys.device)
+        visible = (positions <= positions[seen - tq :].unsqueeze(-1)).expand(*full_keys.shape[:2], tq, seen)
+        if tq == 1:
+            mass = grouped_probs(query, full_keys, visible, scaling)[:, :, :, 0].mean(2)
+            read = torch.zeros(*mass.shape[:2], seen + 1, dtype=torch.bool, device=mass.device)
+            for chosen in self._read:
+                read.scatter_(-1, torch.where(chosen >= 0, chosen, seen), True)
+            self.recorder.add(module.layer_idx, mass, visible[:, :, -1], read[..., :seen])
+        return sdpa_attention(query, full_keys, full_values, visible, scaling)
+
+    def attended(self, view: LayerView, query: torch.Tensor) -> torch.Tensor:
+        keep = super().attended(view, query)
+        self._read.append(view.slot_pos.masked_fill(~keep[:, :, -1], -1))  # positions now: a rebalance moves slots
+        return keep
+
+    def _retrieve(self, layer, view: LayerView, log_normaliser: torch.Tensor):
+        positions, on_device = super()._retrieve(layer, view, log_normaliser)
+        self._read.append(on_device)
+        return positions, on_device
+
+    def _grow_context(self, layer_idx: int, layer, keys, values, tq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's whole context with this step's `tq` tokens appended, found in the active
+        tier (where every new token lands) by their positions."""
+        start = layer.seen - tq
+        slot_pos = layer.slot_pos[..., : layer.length]
+        order = torch.where(slot_pos >= start, slot_pos - start, tq).unsqueeze(-1)  # others to a spare row
+
+        def arrived(tensor: torch.Tensor) -> torch.Tensor:
+            b, h, _, d = tensor.shape
+            spare = tensor.new_zeros(b, h, tq + 1, d)
+            return spare.scatter_(2, order.expand(-1, -1, -1, d), tensor)[:, :, :tq]
+
+        new = arrived(keys), arrived(values)
+        previous = self.context.get(layer_idx)
+        if previous is not None:
+            new = tuple(torch.cat(pair, dim=2) for pair in zip(previous, new))
+        self.context[layer_idx] = new
+        return new
 
 
 @dataclass
@@ -142,14 +224,26 @@ class RecallReport:
         return {key: sum(v) / len(v) for key, v in grouped.items()}
 
     def markdown(self) -> str:
-        """Rows: selectors then the two ceilings; columns: budgets; cells: recall averaged over layers."""
+        """Rows: selectors then the two ceilings; columns: budgets; cells: recall averaged over
+        layers, and for a tiered run the tokens a query read (its budget plus what it retrieved)."""
         means = self.mean_over_layers()
+        reads: dict[tuple[str, int], list[float]] = defaultdict(list)
+        for r in self.records:
+            if r.selector.endswith(TIERED_SUFFIX):
+                reads[(r.selector, r.budget)].append(r.reads)
         budgets = sorted({b for _, b in means})
         names = list(dict.fromkeys(s for s, _ in means if not s.startswith("ceiling")))
         names += [ORACLE_CEILING, WINDOW_CEILING]
         lines = ["| selector | " + " | ".join(f"k={b}" for b in budgets) + " |", "|---" * (len(budgets) + 1) + "|"]
+
+        def cell(name: str, budget: int) -> str:
+            if (name, budget) not in means:
+                return ""
+            read = reads.get((name, budget))
+            return f"{means[(name, budget)]:.3f}" + (f" ({sum(read) / len(read):.0f} read)" if read else "")
+
         for name in names:
-            cells = [f"{means[(name, b)]:.3f}" if (name, b) in means else "" for b in budgets]
+            cells = [cell(name, b) for b in budgets]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         return "\n".join(lines)
 
@@ -194,13 +288,17 @@ def attention_recall(
     selectors: Sequence[str | Selector],
     budgets: Sequence[int],
     *,
+    tiered: Sequence[str | Selector] = (),
+    tiering: dict | None = None,
     n_queries: int = 16,
     dense_layers: int = 2,
     batch_size: int = 4,
     model_name: str = "",
     progress: bool = True,
 ) -> RecallReport:
-    """Recall of every selector at every budget on `windows` (`[N, T]` token ids, no padding).
+    """Recall of every selector at every budget on `windows` (`[N, T]` token ids, no padding):
+    `selectors` under `atskv.sparse`, `tiered` through the two-tier store with the `tiering`
+    options (`TieringConfig` fields), labelled with `TIERED_SUFFIX`.
 
     One probe run per (selector, budget) and window batch: evicting selectors' state depends on
     the budget, so nothing is shared between budgets except the ceilings, computed once."""
@@ -213,14 +311,23 @@ def attention_recall(
         raise ValueError(
             f"recall budgets must be token counts in [1, {context}) for {context}-token prompts: {too_big}"
         )
-    selectors = [make_selector(s) if isinstance(s, str) else s for s in selectors]
-    runs = [(make_selector("dense"), budgets[0], True)]
-    runs += [(s, b, False) for s in selectors for b in budgets]
+
+    def made(names):
+        return [make_selector(s) if isinstance(s, str) else s for s in names]
+
+    def tiered_probe(selector: Selector, budget: int) -> TieredRecallProbe:
+        configs = tiered_configs(selector, budget, dense_layers, tiering or {})
+        return TieredRecallProbe(model, selector, *configs, RecallSums(selector.name + TIERED_SUFFIX, budget))
+
+    # every probe is built before any runs: a bad budget or tiering option fails before the work
+    ceilings = RecallProbe(model, make_selector("dense"), SparsityConfig(budgets[0], dense_layers), budgets)
+    probes = [ceilings]
+    probes += [RecallProbe(model, s, SparsityConfig(b, dense_layers)) for s in made(selectors) for b in budgets]
+    probes += [tiered_probe(s, b) for s in made(tiered) for b in budgets]
     sums: dict[tuple[str, int, int], list[float]] = {}
     device = next(model.parameters()).device
-    bar = tqdm(total=len(runs) * math.ceil(len(windows) / batch_size), desc="recall", disable=not progress)
-    for selector, budget, ceilings in runs:
-        probe = RecallProbe(model, selector, SparsityConfig(budget, dense_layers), budgets if ceilings else ())
+    bar = tqdm(total=len(probes) * math.ceil(len(windows) / batch_size), desc="recall", disable=not progress)
+    for probe in probes:
         with attach(model, probe), torch.no_grad():
             for start in range(0, len(windows), batch_size):
                 batch = windows[start : start + batch_size].to(device)
@@ -228,17 +335,15 @@ def attention_recall(
                 model(batch[:, :context], past_key_values=cache, use_cache=True)
                 for t in range(context, batch.shape[1]):
                     model(batch[:, t : t + 1], past_key_values=cache, use_cache=True)
-                if ceilings:
-                    probe.window_ceilings(n_queries)
+                probe.recorder.close_window(n_queries)
                 bar.update()
-        for key, acc in probe.sums.items():
-            if not (ceilings and key[0] == "dense"):
-                sums[key] = acc
+        measured = probe.recorder.sums.items()
+        sums.update({key: acc for key, acc in measured if not (probe is ceilings and key[0] == "dense")})
     bar.close()
-    records = [
-        RecallRecord(
-            name, budget, layer, acc[0] / acc[2], None if name.startswith("ceiling") else acc[1] / acc[2], int(acc[2])
-        )
-        for (name, budget, layer), acc in sorted(sums.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2]))
-    ]
+    records = []
+    for (name, budget, layer), (mass, difference, n, reads) in sorted(sums.items()):
+        measured = not name.startswith("ceiling")
+        records.append(RecallRecord(
+            name, budget, layer, mass / n, difference / n if measured else None, int(n), reads / n if measured else None
+        ))  # fmt: skip
     return RecallReport(model_name, windows.shape[1], n_queries, len(windows), dense_layers, records)

@@ -338,17 +338,25 @@ def tiered(
     ...     out = model.generate(**inputs, max_new_tokens=64)
     """
     selector = resolve_selector(selector, model)
+    session = TieredSession(model, selector, *tiered_configs(selector, budget, dense_layers, tiering))
+    with attach(model, session):
+        yield session
+
+
+def tiered_configs(
+    selector: Selector, budget: int | float, dense_layers: int, tiering: dict
+) -> tuple[SparsityConfig, TieringConfig]:
+    """What a `TieredSession` of `selector` at `budget` is built from: where sparsity applies
+    (prefill dense, decode sparse) and the tiering options (`TieringConfig` fields) with the
+    active tier at `gpu_budget`. Bad options fail here, before any work."""
     config = SparsityConfig(budget, dense_layers, sparse_prefill=False, sparse_decode=True)
     active = gpu_budget(selector, check_budget(budget))
     try:
-        tiering_config = TieringConfig(active, **tiering)
+        return config, TieringConfig(active, **tiering)
     except ValueError as error:
         if not isinstance(selector, HybridSelector):
             raise
         raise ValueError(f"{selector.name} holds its residency budget {active} on the GPU: {error}") from None
-    session = TieredSession(model, selector, config, tiering_config)
-    with attach(model, session):
-        yield session
 
 
 def memory_session(
