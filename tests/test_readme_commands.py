@@ -40,7 +40,7 @@ TOY = {
     "profile kascade": [*CORPUS, "--windows", "2", "--window_tokens", "96", "--queries", "8", "--topk", "8",
                         "--n_anchors", "2", "--device", "cpu"],
     "eval recall": [*CORPUS, "--window_tokens", "96", "--windows", "2", "--n_queries", "4", "--budgets", "[16]",
-                    "--device", "cpu"],
+                    "--tiering", "{retrieve: 4, index: exact, recent: 8, refresh_every: 4}", "--device", "cpu"],
     "eval tasks": ["--tasks", "[passkey]", "--lengths", "[200]", "--depths", "[0.5]", "--trials", "1",
                    "--budgets", "[0.1]", "--device", "cpu"],
     "eval leaderboard": ["--methods", "[h2o,learned]", "--contexts", "[200]", "--ratios", "[0.9]",
