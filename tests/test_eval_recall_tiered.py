@@ -89,3 +89,18 @@ def test_a_gpu_tier_too_small_for_sinks_and_recent_is_refused():
     with pytest.raises(ValueError, match="cannot hold"):
         attention_recall(model, random_prompt(48), ["h2o"], [8], tiered=["h2o"], tiering={"index": "exact"},
                          n_queries=N_QUERIES, progress=False)  # fmt: skip
+
+
+def test_a_composition_retrieves_a_third_of_its_attention_budget_unless_told():
+    """Its default retrieval: a quarter of what a query reads comes back from the host (one
+    selector's default, 1/8 of the prompt, would read past the composition's budget)."""
+    hybrid = make_selector("h2o+sparq")
+    assert tiered_configs(hybrid, 96, 2, {})[1].retrieve == 32
+    assert tiered_configs(hybrid, 0.06, 2, {})[1].retrieve == pytest.approx(0.02)
+    assert tiered_configs(hybrid, 96, 2, {"retrieve": 5})[1].retrieve == 5
+    assert tiered_configs(make_selector("h2o"), 96, 2, {})[1].retrieve == 0.125
+    model = tiny_model("llama")
+    report = attention_recall(model, random_prompt(48, seed=7, batch=2), [], [6], tiered=[hybrid], tiering=TIGHT,
+                              n_queries=N_QUERIES, batch_size=2, progress=False)  # fmt: skip
+    for record in by_key(report, "h2o+sparq" + TIERED_SUFFIX).values():
+        assert record.reads == pytest.approx(6 + 2)  # its pick and two parked tokens, every query

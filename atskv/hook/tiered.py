@@ -35,7 +35,8 @@ would hold and evict the rest of, the tiered store holds on the GPU and parks th
 composition at one budget holds at most as many tokens on the GPU and reads as many of them per
 query in every runtime, and here a parked token can still come back: the retrieved candidates are
 attended beside the attention part's pick (ranked by the normaliser over that pick), and promotion
-compares their mass with what the active tokens received in the step (0 where not picked). Why
+compares their mass with what the active tokens received in the step (0 where not picked); by
+default a composition retrieves a third of its attention budget (`composition_retrieve`). Why
 not `budget` as the GPU tier: `learned+sparq` at 0.05 would then read 5% of the context per query
 under `atskv.sparse` and a quarter of that here.
 
@@ -75,7 +76,8 @@ class TieringConfig:
     and KV head (int), or a fraction of the prompt; `retrieve`: parked candidates fetched per
     retrieval (int, 0: retrieval off), or a fraction of the prompt, every `retrieve_every` decode
     steps (default 1/8 of the prompt through the exact index: on Gemma 3 at 32K with a 10%
-    budget that kept perplexity within about 1% of dense at a decode step faster than dense);
+    budget that kept perplexity within about 1% of dense at a decode step faster than dense; a
+    composition's default is a third of its attention budget, `composition_retrieve`);
     `index`: "lsh", "faiss" or "exact", built with `index_options`; `read_chunk`: candidates
     attended per block (what retrieval holds on the GPU at once); `normalise_heads`: rank
     candidates by attention probability (each query head's logits minus its log-normaliser)
@@ -152,6 +154,15 @@ def gpu_budget(selector: Selector, budget: int | float) -> int | float:
             f"or run {selector.attention.name} alone"
         )
     return residency
+
+
+def composition_retrieve(budget: int | float) -> int | float:
+    """A composition's default retrieval: a third of its attention budget, so that a quarter of
+    what a query reads comes back from the host (the default for one selector, 1/8 of the prompt,
+    would read far beyond the composition's budget). At 96 picked + 32 retrieved of 128 read,
+    `learned+sparq` beat SparQ alone on Gemma 3 at 16K and SmolLM2 at 8K
+    (docs/results/composition-retrieval-sotu)."""
+    return max(1, budget // 3) if isinstance(budget, int) else budget / 3
 
 
 class TieredSession(SparseSession):
@@ -348,9 +359,12 @@ def tiered_configs(
 ) -> tuple[SparsityConfig, TieringConfig]:
     """What a `TieredSession` of `selector` at `budget` is built from: where sparsity applies
     (prefill dense, decode sparse) and the tiering options (`TieringConfig` fields) with the
-    active tier at `gpu_budget`. Bad options fail here, before any work."""
+    active tier at `gpu_budget`, and a composition's retrieval at `composition_retrieve` unless
+    given. Bad options fail here, before any work."""
     config = SparsityConfig(budget, dense_layers, sparse_prefill=False, sparse_decode=True)
     active = gpu_budget(selector, check_budget(budget))
+    if isinstance(selector, HybridSelector) and "retrieve" not in tiering:
+        tiering = {**tiering, "retrieve": composition_retrieve(budget)}
     try:
         return config, TieringConfig(active, **tiering)
     except ValueError as error:
