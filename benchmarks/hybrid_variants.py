@@ -93,7 +93,7 @@ class VariantProbe(RecallProbe):
     def variants(self, full, view, probe_keep):
         k = self.config.budget
         all_valid, res = full.valid[:, :, -1], view.valid[:, :, -1]
-        mass = pooled_probs(full, full.valid)
+        mass = pooled_probs(full.query, full.keys, full.valid, full.scaling)
         self.add("probe:learned+sparq", mass, probe_keep)
         self.add("oracle", mass, topk_mass(mass, all_valid, k)[1])
         self.add("resident-oracle", mass, topk_mass(mass, res, k)[1])

@@ -60,10 +60,10 @@ class RecallRecord:
     reads: float | None = None  # tokens a query attends, on average
 
 
-def pooled_probs(view: LayerView, valid: torch.Tensor) -> torch.Tensor:
-    """Exact attention probabilities of the last query over the `valid` slots, averaged over the
-    query heads of each KV group: `[B, Hkv, S]` (each row sums to 1)."""
-    return grouped_probs(view.query[:, :, -1:], view.keys, valid[:, :, -1:], view.scaling)[:, :, :, 0].mean(2)
+def pooled_probs(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Exact attention probabilities of the last query over the `valid` (`[B, Hkv, Tq, S]`) slots,
+    averaged over the query heads of each KV group: `[B, Hkv, S]` (each row sums to 1)."""
+    return grouped_probs(query[:, :, -1:], keys, valid[:, :, -1:], scaling)[:, :, :, 0].mean(2)
 
 
 def topk_mass(mass: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,7 +140,8 @@ class RecallProbe(SparseSession):
         return sdpa_attention(query, keys, values, full.valid, scaling)
 
     def _record(self, layer_idx: int, full: LayerView, kept: torch.Tensor) -> None:
-        self.recorder.add(layer_idx, pooled_probs(full, full.valid), full.valid[:, :, -1], kept)
+        mass = pooled_probs(full.query, full.keys, full.valid, full.scaling)
+        self.recorder.add(layer_idx, mass, full.valid[:, :, -1], kept)
 
 
 class TieredRecallProbe(TieredSession):
@@ -169,7 +170,7 @@ class TieredRecallProbe(TieredSession):
         positions = torch.arange(seen, device=full_keys.device)
         visible = (positions <= positions[seen - tq :].unsqueeze(-1)).expand(*full_keys.shape[:2], tq, seen)
         if tq == 1:
-            mass = grouped_probs(query, full_keys, visible, scaling)[:, :, :, 0].mean(2)
+            mass = pooled_probs(query, full_keys, visible, scaling)
             read = torch.zeros(*mass.shape[:2], seen + 1, dtype=torch.bool, device=mass.device)
             for chosen in self._read:
                 read.scatter_(-1, torch.where(chosen >= 0, chosen, seen), True)
@@ -337,8 +338,8 @@ def attention_recall(
                     model(batch[:, t : t + 1], past_key_values=cache, use_cache=True)
                 probe.recorder.close_window(n_queries)
                 bar.update()
-        measured = probe.recorder.sums.items()
-        sums.update({key: acc for key, acc in measured if not (probe is ceilings and key[0] == "dense")})
+        recorded = probe.recorder.sums.items()
+        sums.update({key: acc for key, acc in recorded if not (probe is ceilings and key[0] == "dense")})
     bar.close()
     records = []
     for (name, budget, layer), (mass, difference, n, reads) in sorted(sums.items()):
