@@ -7,12 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from atskv.errors import InputError
 from atskv.eval.recall import TIERED_SUFFIX, RecallSums, TieredRecallProbe, attention_recall
 from atskv.hook.sparse import attach
 from atskv.hook.tiered import tiered_configs
 from atskv.memory.sparsity import LayerPolicy
 from atskv.selectors import make_selector
 from tests.conftest import EVERY_TOKEN, random_prompt, tiny_model
+from tests.test_hybrid import predictor_dir as hybrid_predictor_dir
+
+predictor_dir = hybrid_predictor_dir  # the fixture: an exported predictor for the tiny Llama
 
 N_QUERIES = 4
 TIGHT = dict(sinks=2, recent=4, refresh_every=2, index="exact")
@@ -104,3 +108,19 @@ def test_a_composition_retrieves_a_third_of_its_attention_budget_unless_told():
                               n_queries=N_QUERIES, batch_size=2, progress=False)  # fmt: skip
     for record in by_key(report, "h2o+sparq" + TIERED_SUFFIX).values():
         assert record.reads == pytest.approx(6 + 2)  # its pick and two parked tokens, every query
+
+
+def test_a_learned_selector_for_another_model_is_refused_before_any_forward(predictor_dir):
+    """Resolved against the model first, as a session does: the mismatch is reported before the
+    dense ceiling run, not after it."""
+    other = tiny_model("llama")
+    other.config.vocab_size += 1  # same geometry, another vocabulary: another config hash
+    other.atskv_name = "other-llama"
+    forwards = []
+    other.register_forward_pre_hook(lambda *args: forwards.append(1))
+    learned = make_selector("learned", predictor=predictor_dir)
+    with pytest.raises(InputError, match="cannot run on 'other-llama'"):
+        attention_recall(other, random_prompt(48), [learned], [16], n_queries=N_QUERIES, progress=False)
+    with pytest.raises(InputError, match="cannot run on 'other-llama'"):
+        attention_recall(other, random_prompt(48), [], [16], tiered=[learned], n_queries=N_QUERIES, progress=False)
+    assert not forwards

@@ -39,7 +39,7 @@ from atskv.eval.report import write_report
 from atskv.hook.gqa import grouped_probs, sdpa_attention
 from atskv.hook.sparse import SparseSession, SparsityConfig, attach
 from atskv.hook.tiered import TieredSession, tiered_configs
-from atskv.selectors import Selector, make_selector
+from atskv.selectors import Selector, make_selector, resolve_selector
 from atskv.selectors.base import LayerView
 
 ORACLE_CEILING = "ceiling: per-query oracle"
@@ -313,8 +313,8 @@ def attention_recall(
             f"recall budgets must be token counts in [1, {context}) for {context}-token prompts: {too_big}"
         )
 
-    def made(names):
-        return [make_selector(s) if isinstance(s, str) else s for s in names]
+    def made(names):  # a learned selector trained for another model fails here, before any run
+        return [resolve_selector(s, model) for s in names]
 
     def tiered_probe(selector: Selector, budget: int) -> TieredRecallProbe:
         configs = tiered_configs(selector, budget, dense_layers, tiering or {})
