@@ -239,6 +239,17 @@ def test_batched_run_equals_one_at_a_time(loaded):
     assert all(0.0 <= r.score <= 1.0 for r in batched)
 
 
+def test_each_example_records_its_gpu_kv_and_the_tiered_store_holds_less_than_dense(loaded):
+    plan = dict(tasks=["passkey"], lengths=[300], depths=[0.5], trials=2, selectors=["h2o"], budgets=[40],
+                dense_layers=1, max_new_tokens=3, progress=False)  # fmt: skip
+    sparse = evaluate_tasks(loaded, **plan)
+    tiered = evaluate_tasks(loaded, **plan, tiering={"sinks": 2, "recent": 8, "refresh_every": 4})
+    assert [r.label for r in tiered] == ["dense", "dense", "h2o@40", "h2o@40"]
+    assert all(r.kv_bytes > 0 for r in sparse + tiered)
+    dense = min(r.kv_bytes for r in tiered if r.selector is None)
+    assert max(r.kv_bytes for r in sparse + tiered if r.selector is not None) < dense
+
+
 def test_tasks_command_writes_table_json_and_plot(tmp_path, tokenizer, capsys):
     model_dir = tmp_path / "model"
     config = LlamaConfig(num_hidden_layers=3, num_key_value_heads=2, **{**COMMON, "vocab_size": len(tokenizer)})
@@ -252,7 +263,8 @@ def test_tasks_command_writes_table_json_and_plot(tmp_path, tokenizer, capsys):
     )  # fmt: skip
     table = (out / "table.md").read_text()
     assert table == markdown_from_json(out / "results.json") + "\n"
-    assert [line.split("|")[1].strip() for line in table.splitlines()[2:]] == [
+    scores = table.split("\n\n")[0]
+    assert [line.split("|")[1].strip() for line in scores.splitlines()[2:]] == [
         "dense",
         "streaming_llm@32",
         "streaming_llm@0.5",
@@ -260,6 +272,7 @@ def test_tasks_command_writes_table_json_and_plot(tmp_path, tokenizer, capsys):
     assert table.splitlines()[0] == "| setting | needle_single 300 |"
     records = json.loads((out / "results.json").read_text())
     assert len(records) == 2 * 3
+    assert all(r["kv_bytes"] > 0 for r in records)
     assert {r["seed"] for r in records} == {0, 1} and {r["depth"] for r in records} == {0.2}
     assert (out / "tasks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert table.strip() in capsys.readouterr().out
@@ -270,21 +283,28 @@ def markdown_from_json(path) -> str:
 
 
 def test_markdown_means_and_dense_first():
-    def result(label, task, length, score):
+    def result(label, task, length, score, mib):
         selector, budget = (None, None) if label == "dense" else label.split("@")
-        return TaskResult(task, length, 0.5, 0, selector, budget, score, "", ("1",), length)
+        return TaskResult(task, length, 0.5, 0, selector, budget, score, "", ("1",), length, int(mib * 2**20))
 
     results = [
-        result("h2o@64", "passkey", 1024, 1.0),
-        result("h2o@64", "passkey", 1024, 0.0),
-        result("dense", "passkey", 1024, 1.0),
-        result("dense", "common_words", 2048, 0.25),
+        result("h2o@64", "passkey", 1024, 1.0, 1.0),
+        result("h2o@64", "passkey", 1024, 0.0, 2.0),
+        result("dense", "passkey", 1024, 1.0, 16.0),
+        result("dense", "common_words", 2048, 0.25, 32.0),
     ]
     assert markdown(results).splitlines() == [
         "| setting | passkey 1024 | common_words 2048 |",
         "|---|---|---|",
         "| dense | 1.00 | 0.25 |",
         "| h2o@64 | 0.50 |  |",
+        "",
+        "GPU KV per example, MiB (mean over examples)",
+        "",
+        "| setting | passkey 1024 | common_words 2048 |",
+        "|---|---|---|",
+        "| dense | 16.00 | 32.00 |",
+        "| h2o@64 | 1.50 |  |",
     ]
 
 

@@ -3,7 +3,8 @@ example generated greedily with dense KV and with every selector at every budget
 
 Every (task, length, depth, seed) example is built once and reused for all settings; the seeds
 of one (task, length, depth) run together as a left-padded batch. Results come as records, a
-markdown table (mean score per task and length), JSON and a plot of score against budget.
+markdown table (mean score per task and length, then the GPU KV each example held), JSON and a
+plot of score against budget.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ DENSE = "dense"
 @dataclass(frozen=True)
 class TaskResult:
     """One example under one setting. `length` is the requested prompt length (`prompt_tokens`
-    the real one); `depth` is None for tasks without one; `selector`/`budget` None for dense."""
+    the real one); `depth` is None for tasks without one; `selector`/`budget` None for dense;
+    `kv_bytes`: the GPU KV of the example's share of its batch's cache (`GenerationRun.kv_bytes`)."""
 
     task: str
     length: int
@@ -39,6 +41,7 @@ class TaskResult:
     text: str
     answers: tuple[str, ...]
     prompt_tokens: int
+    kv_bytes: int
 
     @property
     def label(self) -> str:
@@ -131,7 +134,7 @@ def evaluate_tasks(
                 results += [
                     TaskResult(
                         task, length, depth, seed, getattr(selector, "name", selector), budget, run.score, run.text,
-                        ex.answers, run.prompt_tokens,
+                        ex.answers, run.prompt_tokens, run.kv_bytes,
                     )
                     for seed, ex, run in zip(seeds, examples, runs)
                 ]
@@ -140,20 +143,27 @@ def evaluate_tasks(
     return results
 
 
-def _means(results: Sequence[TaskResult], key) -> dict:
-    """Mean score per `key(result)`, in first-seen order."""
+def _means(results: Sequence[TaskResult], key, value=lambda r: r.score) -> dict:
+    """Mean `value(result)` (default: the score) per `key(result)`, in first-seen order."""
     groups = defaultdict(list)
     for r in results:
-        groups[key(r)].append(r.score)
+        groups[key(r)].append(value(r))
     return {k: sum(v) / len(v) for k, v in groups.items()}
 
 
 def markdown(results: Sequence[TaskResult]) -> str:
-    """Rows: dense first, then selector@budget; columns: task x length; cells: mean score over
-    depths and seeds."""
+    """The mean score, then below it the mean GPU KV per example in MiB (over depths and seeds):
+    a score is read beside the memory it cost (a learned selector with a threshold holds what it
+    wants, up to its budget)."""
+    mib = _table(results, lambda r: r.kv_bytes / 2**20)
+    return f"{_table(results, lambda r: r.score)}\n\nGPU KV per example, MiB (mean over examples)\n\n{mib}"
+
+
+def _table(results: Sequence[TaskResult], value) -> str:
+    """Rows: dense first, then selector@budget; columns: task x length; cells: the mean of `value`."""
     columns = list(dict.fromkeys((r.task, r.length) for r in results))
     rows = sorted(dict.fromkeys(r.label for r in results), key=lambda label: label != DENSE)
-    mean = _means(results, lambda r: (r.label, r.task, r.length))
+    mean = _means(results, lambda r: (r.label, r.task, r.length), value)
     lines = [
         "| setting | " + " | ".join(f"{task} {length}" for task, length in columns) + " |",
         "|---" * (len(columns) + 1) + "|",

@@ -25,6 +25,13 @@ One attention call of a managed layer (`TieredSession.attend`):
 The hard cap leaves `refresh_every` slots of headroom, so the tokens written between two
 refreshes never push the active tier past `budget`.
 
+A learned selector with a `threshold` keeps here what it keeps under `atskv.sparse`: the manager's
+momentum votes on `score > threshold` instead of its quantile, so the tier holds what the predictor
+wants (a fine-tuned predictor's learned share per layer and KV head), `budget` then being a cap;
+sinks and recent tokens stay. New tokens start at momentum 1.0 and need several refreshes below the
+threshold to leave; `policy={"momentum": 0}` makes the predictor's verdict take effect at the end of
+the prompt.
+
 A composition `residency+attention` (`learned+sparq`, `atskv.selectors.hybrid`) keeps the meaning
 its two budgets have under `atskv.sparse` and `atskv.generate`: `budget` is the attention budget,
 the active tokens each decode query reads, picked by the attention part as `atskv.sparse` picks
@@ -52,7 +59,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -82,7 +89,8 @@ class TieringConfig:
     attended per block (what retrieval holds on the GPU at once); `normalise_heads`: rank
     candidates by attention probability (each query head's logits minus its log-normaliser)
     rather than raw logit; `host_path`: a folder for memory-mapped host tiers instead of pinned
-    memory; `max_tokens`: the longest sequence the host tier holds."""
+    memory; `max_tokens`: the longest sequence the host tier holds; `policy`: the manager's
+    `LayerPolicy`, or a dict of its fields."""
 
     budget: int | float
     refresh_every: int = 16
@@ -100,6 +108,14 @@ class TieringConfig:
 
     def __post_init__(self):
         check_budget(self.budget)
+        if isinstance(self.policy, dict):
+            allowed = [f.name for f in fields(LayerPolicy)]
+            unknown = [key for key in self.policy if key not in allowed]
+            if unknown:
+                raise ValueError(f"unknown policy options {unknown}; allowed: {', '.join(allowed)}")
+            object.__setattr__(self, "policy", LayerPolicy(**self.policy))
+        elif not isinstance(self.policy, LayerPolicy):
+            raise TypeError(f"policy must be a LayerPolicy or a dict of its fields, got {type(self.policy).__name__}")
         if self.refresh_every < 1 or self.retrieve_every < 1 or self.retrieve < 0 or self.read_chunk < 1:
             raise ValueError(
                 "need refresh_every >= 1, retrieve_every >= 1, retrieve >= 0 and read_chunk >= 1, got "
@@ -319,7 +335,8 @@ class TieredSession(SparseSession):
             eligible = (fetched >= 0) & (fetched_mass > tau_promote)
             reserve = eligible.sum(-1)
         decision = self.manager.decide(
-            view.layer_idx, scores, active, positions, momentum, layer.seen, total=layer.seen, reserve=reserve
+            view.layer_idx, scores, active, positions, momentum, layer.seen, total=layer.seen, reserve=reserve,
+            keep_above=getattr(self.ranker, "threshold", None),  # a learned selector's: see the module docstring
         )
         momentum.copy_(decision.momentum)
         layer.demote(decision.demote)
