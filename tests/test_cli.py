@@ -171,6 +171,11 @@ def test_generate_tiered_from_the_command_line(tiny_model_dir, capsys):
             "--device", "cpu", "--chat", "false"]
     assert run_cli([*args, "--budget", "40", "--tiering", "{}"]) == 2
     assert "cannot hold" in capsys.readouterr().err
+    assert run_cli([*args, "--budget", "40", "--tiering", "{retreive: 8}"]) == 2  # a misspelt option
+    last = capsys.readouterr().err.rstrip("\n").split("\n")[-1]
+    assert last.startswith("atskv: error: tiering has no option 'retreive'; its options: host_path, index,")
+    assert run_cli([*args, "--budget", "40", "--tiering", "{policy: {momentum: 0.0, q: 1}}"]) == 2
+    assert "the tiering policy has no option 'q'" in capsys.readouterr().err
     tiering = "{sinks: 2, recent: 8, refresh_every: 4, retrieve: 8}"
     assert run_cli([*args, "--budget", "40", "--tiering", tiering, "--dense_layers", "0"]) == 0
     assert "KV held" in capsys.readouterr().err

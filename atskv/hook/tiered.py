@@ -64,6 +64,7 @@ from pathlib import Path
 
 import torch
 
+from atskv.errors import check_options
 from atskv.hook.sparse import SparseSession, SparsityConfig, attach, sparse
 from atskv.hook.gqa import StreamedAttention, grouped_attention, grouped_queries, sdpa_attention
 from atskv.memory.host_tier import HostTier
@@ -109,11 +110,8 @@ class TieringConfig:
     def __post_init__(self):
         check_budget(self.budget)
         if isinstance(self.policy, dict):
-            allowed = [f.name for f in fields(LayerPolicy)]
-            unknown = [key for key in self.policy if key not in allowed]
-            if unknown:
-                raise ValueError(f"unknown policy options {unknown}; allowed: {', '.join(allowed)}")
-            object.__setattr__(self, "policy", LayerPolicy(**self.policy))
+            check_options("the tiering policy", self.policy, [f.name for f in fields(LayerPolicy)])
+            object.__setattr__(self, "policy", LayerPolicy(**self.policy))  # frozen
         elif not isinstance(self.policy, LayerPolicy):
             raise TypeError(f"policy must be a LayerPolicy or a dict of its fields, got {type(self.policy).__name__}")
         if self.refresh_every < 1 or self.retrieve_every < 1 or self.retrieve < 0 or self.read_chunk < 1:
@@ -380,6 +378,7 @@ def tiered_configs(
     given. Bad options fail here, before any work."""
     config = SparsityConfig(budget, dense_layers, sparse_prefill=False, sparse_decode=True)
     active = gpu_budget(selector, check_budget(budget))
+    check_options("tiering", tiering, [f.name for f in fields(TieringConfig) if f.name != "budget"])
     if isinstance(selector, HybridSelector) and "retrieve" not in tiering:
         tiering = {**tiering, "retrieve": composition_retrieve(budget)}
     try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from atskv.errors import InputError
+from atskv.errors import InputError, check_options
 from atskv.selectors.base import LayerView, Selector
 from atskv.selectors.dense import DenseSelector
 from atskv.selectors.h2o import H2OSelector
@@ -127,9 +127,7 @@ def _check_options(name: str, given: dict) -> None:
         known |= set(parts)
         for part in parts:
             _check_options(part, dict(given.get(part) or {}))
-    if set(given) - known:
-        unknown = sorted(set(given) - known)[0]
-        raise InputError(f"selector {name!r} has no option {unknown!r}; its options: {', '.join(sorted(known))}")
+    check_options(f"selector {name!r}", given, known)
 
 
 def resolve_selector(selector: Selector | str, model) -> Selector:
