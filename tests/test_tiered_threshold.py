@@ -1,6 +1,6 @@
 """A learned selector's absolute `threshold` under `atskv.tiered`: the manager's momentum votes on
-`score > threshold` instead of its quantile, so the GPU tier holds what the predictor wants (the
-budget a cap), as `atskv.sparse` keeps it."""
+what the selector wants (`Selector.unwanted`: `score > threshold`) instead of its quantile, so the
+GPU tier holds what the predictor wants (the budget a cap), as `atskv.sparse` keeps it."""
 
 from __future__ import annotations
 
@@ -20,13 +20,14 @@ SCORES = torch.tensor([[[-3.0, 0.5, -1.0, 2.0, 0.0, 1.5, -0.2, 3.0, 0.1, -2.0, -
 PROTECTED = {0, 10, 11}
 
 
-def _decide(keep_above: float | None, max_active: int = 12):
+def _decide(threshold: float | None, max_active: int = 12):
     policy = LayerPolicy(q_min=0.5, q_max=0.5, momentum=0.0)
     manager = SparsityManager(policy, SparsityBudget(max_active, sinks=1, recent=2))
     n = SCORES.shape[-1]
     active = torch.ones_like(SCORES, dtype=torch.bool)
     positions = torch.arange(n).expand_as(SCORES)
-    return manager.decide(0, SCORES, active, positions, torch.ones_like(SCORES), seen=n, keep_above=keep_above)
+    unwanted = None if threshold is None else SCORES <= threshold  # what `LearnedSelector.unwanted` says
+    return manager.decide(0, SCORES, active, positions, torch.ones_like(SCORES), seen=n, unwanted=unwanted)
 
 
 def _kept(decision) -> set[int]:

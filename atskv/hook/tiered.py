@@ -25,9 +25,10 @@ One attention call of a managed layer (`TieredSession.attend`):
 The hard cap leaves `refresh_every` slots of headroom, so the tokens written between two
 refreshes never push the active tier past `budget`.
 
-A learned selector with a `threshold` keeps here what it keeps under `atskv.sparse`: the manager's
-momentum votes on `score > threshold` instead of its quantile, so the tier holds what the predictor
-wants (a fine-tuned predictor's learned share per layer and KV head), `budget` then being a cap;
+A selector that drops slots whatever its budget (`Selector.unwanted`: a learned selector with a
+`threshold`) keeps here what it keeps under `atskv.sparse`: the manager's momentum votes on what
+the selector wants instead of its quantile, so the tier holds what the predictor wants (a
+fine-tuned predictor's learned share per layer and KV head), `budget` then being a cap;
 sinks and recent tokens stay. New tokens start at momentum 1.0 and need several refreshes below the
 threshold to leave; `policy={"momentum": 0}` makes the predictor's verdict take effect at the end of
 the prompt.
@@ -323,7 +324,9 @@ class TieredSession(SparseSession):
         candidates that clear the promotion threshold get room under the cap first, so a needed
         parked token displaces the least relevant active one even when the tier is full."""
         active = layer.occupied
-        scores = self.ranker.scores(self._last(view))[:, :, 0].float()
+        last = self._last(view)
+        scores = self.ranker.scores(last)[:, :, 0].float()
+        unwanted = self.ranker.unwanted(last)  # read right after `scores`, on the same state
         scores = torch.nan_to_num(scores, posinf=torch.finfo(scores.dtype).max).masked_fill(~active, -math.inf)
         momentum = layer.slot_tensor(MOMENTUM, init=INITIAL_MOMENTUM)
         positions = layer.slot_pos[..., : layer.length]
@@ -334,7 +337,7 @@ class TieredSession(SparseSession):
             reserve = eligible.sum(-1)
         decision = self.manager.decide(
             view.layer_idx, scores, active, positions, momentum, layer.seen, total=layer.seen, reserve=reserve,
-            keep_above=getattr(self.ranker, "threshold", None),  # a learned selector's: see the module docstring
+            unwanted=unwanted,
         )
         momentum.copy_(decision.momentum)
         layer.demote(decision.demote)

@@ -16,7 +16,8 @@ As implemented, per layer l with its `LayerPolicy` and per (row, KV head):
 - `tau = beta * quantile(r over the active tokens, q)`, linear interpolation between order
   statistics (what `torch.quantile` does), so q is the fraction of active tokens counted low;
 - `M <- lambda * M + (1 - lambda) * 1[r > tau]` for every active token; a token stays if `M > 0.5`;
-- given an absolute level `keep_above` (the learned selector's `threshold`), the verdict is `1[r > keep_above]`;
+- given the slots the selector does not want (`Selector.unwanted`: the learned selector's `r <= threshold`),
+  the verdict is `1[not unwanted]` instead;
 - protected tokens (position < `sinks`, or position >= seen - `recent`) always stay;
 - hard cap: if more than `max_active` would stay, the protected ones plus the highest-scoring
   others up to `max_active` stay (ties: the newer token);
@@ -189,21 +190,22 @@ class SparsityManager:
         current: torch.Tensor | None = None,
         total: int | torch.Tensor | None = None,
         reserve: torch.Tensor | None = None,
-        keep_above: float | None = None,
+        unwanted: torch.Tensor | None = None,
     ) -> Decision:
         """Keep/demote the active tokens of one layer (`scores`, `active` bool, `positions` long,
         `momentum` float: all `[B, Hkv, S]`; `seen`: tokens written so far, for the recent window;
         `current`, `total`: see `thresholds`; `reserve` `[B, Hkv]`: slots to free under the cap
-        for promotions, taken from the unprotected tokens, lowest priority first; `keep_above`: an
-        absolute score level the momentum votes on instead of `tau`, for scores whose calibration
-        says how much to keep; `tau` is still computed and returned)."""
+        for promotions, taken from the unprotected tokens, lowest priority first; `unwanted` bool
+        `[B, Hkv, S]`: the slots the selector drops whatever its budget (`Selector.unwanted`), whose
+        complement the momentum votes on instead of `scores > tau`; `tau` is still computed and
+        returned)."""
         _check(scores, active=active, positions=positions, momentum=momentum)
         if positions.is_floating_point() or not momentum.is_floating_point():
             raise ValueError(f"positions must be integer and momentum float, got {positions.dtype}, {momentum.dtype}")
         lam, b = self.policy(layer).momentum, self.budget
         tau, tau_promote = self.thresholds(layer, scores, active, current, total)
-        level = tau if keep_above is None else keep_above
-        updated = lam * momentum + (1.0 - lam) * (scores > level).to(momentum.dtype)
+        wanted = scores > tau if unwanted is None else ~unwanted
+        updated = lam * momentum + (1.0 - lam) * wanted.to(momentum.dtype)
         momentum = torch.where(active, updated, momentum)
         protected = active & ((positions < b.sinks) | (positions >= seen - b.recent))
         want = active & (protected | (momentum > 0.5))
