@@ -228,7 +228,7 @@ def peer(
         lengths: prompt lengths in tokens.
         trials: examples per length (needle depths spread over the haystack).
         budgets: KV kept, as fractions of the prompt.
-        presses: kvpress presses (snapkv, streaming_llm, observed_attention, expected_attention, tova).
+        presses: kvpress presses (snapkv, streaming_llm, observed_attention, expected_attention, tova, kvzip).
         our_selectors: atskv selectors to run beside them.
         kvpress_python: the python of the kvpress venv (default: ~/.cache/atskv/venvs/kvpress).
         out: output folder (peer.md, peer.json, examples.json, kvpress.json).
@@ -284,7 +284,7 @@ def leaderboard(
     Args:
         model: a named model, a Hugging Face directory or a .gguf file.
         methods: atskv selectors by name (learned included) and kvpress:<press> (snapkv,
-            streaming_llm, observed_attention, expected_attention, tova); dense always runs.
+            streaming_llm, observed_attention, expected_attention, tova, kvzip); dense always runs.
         contexts: prompt lengths in tokens.
         ratios: compression ratios, the fraction of the KV removed, in (0, 1); budget = 1 - ratio.
         tasks: task names (see `atskv.data.tasks.TASKS`); a seed's score is their mean.

@@ -35,7 +35,7 @@ from atskv.selectors.base import Selector, check_budget
 PEER_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "peer_kvpress"
 KVPRESS_SCRIPT = PEER_DIR / "run_presses.py"
 KVPRESS_SETUP = PEER_DIR / "setup.sh"
-KVPRESS_PRESSES = ("snapkv", "streaming_llm", "observed_attention", "expected_attention", "tova")
+KVPRESS_PRESSES = ("snapkv", "streaming_llm", "observed_attention", "expected_attention", "tova", "kvzip")
 
 
 class KvpressNotInstalled(FileNotFoundError):

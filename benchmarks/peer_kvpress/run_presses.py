@@ -36,6 +36,7 @@ PRESSES = {
     "observed_attention": kvpress.ObservedAttentionPress,
     "expected_attention": kvpress.ExpectedAttentionPress,
     "tova": kvpress.TOVAPress,
+    "kvzip": kvpress.KVzipPress,  # scores by replaying the prompt: 2-3x the prefill (not for Gemma 3)
 }
 # ObservedAttentionPress scores with the attention weights the layer returns: eager attention only
 NEEDS_EAGER = {"observed_attention"}
