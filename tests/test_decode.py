@@ -152,6 +152,31 @@ def test_fast_generate_of_a_hybrid_gives_the_reference_tokens(monkeypatch, famil
     assert torch.equal(fast, _reference(model, ids, make(), 8, 10, mask))
 
 
+@pytest.mark.parametrize(
+    ("selector", "budget"), [("snapkv", 64), ("h2o+sparq", 0.3), ("learned+sparq with a threshold", 0.3)]
+)
+def test_fast_generate_with_a_budget_the_prompt_does_not_fill_gives_the_reference_tokens(
+    monkeypatch, tmp_path, selector, budget
+):
+    """An evicting layer whose budget is above the prompt (an int budget, or a composition whose
+    4x residency reaches the whole context) holds each new token until the budget is full: the
+    prompt's slots alone would leave the new tokens nowhere to go but over the first slot."""
+    model, ids, mask = left_padded("llama", 60, 10, seed=2)
+    options, threshold = {}, selector.endswith("threshold")
+    selector = selector.split()[0]
+    if threshold:
+        options["learned"] = {"predictor": _random_predictor(model, tmp_path, [1, 2, 3]),
+                              "threshold": THRESHOLD["llama"], "refresh_every": 4}  # fmt: skip
+    held = _held_around_evictions(monkeypatch)
+    fast = atskv.generate(model, ids, atskv.make_selector(selector, **options), budget,
+                          attention_mask=mask, max_new_tokens=10, dense_layers=1, prefill_chunk=64)  # fmt: skip
+    assert torch.equal(fast, _reference(model, ids, atskv.make_selector(selector, **options), budget, 10, mask))
+    if threshold:
+        _assert_a_threshold_dropped_tokens(held, 70)
+    else:  # row 0 (60 prompt tokens) grew past its prompt: to 64 + the new token, or every one of its 69
+        assert max(int(before[0].max()) for before, _ in held) == (65 if budget == 64 else 69)
+
+
 @pytest.mark.parametrize("selector", ["h2o", "snapkv", "quest", "sparcas", "h2o+sparq", "learned with a threshold"])
 def test_fast_generate_through_the_kernels_gives_the_reference_tokens(monkeypatch, tmp_path, selector):
     """The fast path as it runs on a GPU (its Triton kernels: decode write, eviction, attention

@@ -111,9 +111,8 @@ class StaticSession(SparseSession):
         self.keeper, self.keep_budget, self.chooser = selector, config.budget, None
         if isinstance(selector, HybridSelector):
             self.keeper, self.chooser = selector.residency, selector.attention
-            self.keep_budget = selector.budgets(config.budget).residency
-            if self.keep_budget is None:
-                raise ValueError(f"{selector.name} keeps every token at this budget: run {self.chooser.name} alone")
+            # None: the residency keeps every token (its budget reached the context), as the reference's does
+            self.keep_budget = selector.budgets(config.budget).residency or self.longest
         self.budget_cap = int(resolve_budget(self.keep_budget, torch.tensor([self.longest])))
         self.real: torch.Tensor | None = None  # [B, T] bool: the prompt's non-padding tokens
         self._identity: dict[tuple, torch.Tensor] = {}
@@ -134,8 +133,8 @@ class StaticSession(SparseSession):
         def capacity(layer_idx: int, window: int | None) -> int:
             if window is not None:
                 return min(self.longest, window - 1 + self.prefill_chunk)
-            if self.evicting(layer_idx):
-                return self.prompt_tokens
+            if self.evicting(layer_idx):  # the prompt, and room for new tokens up to the budget (+ 1)
+                return max(self.prompt_tokens, min(self.budget_cap + 1, self.longest))
             # per-slot rows (`slot_pos`, selector state) aligned for the kernels; the slots past
             # `longest` stay free
             return aligned_slots(self.longest)
