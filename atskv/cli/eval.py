@@ -267,6 +267,7 @@ def leaderboard(
     max_new_tokens: int | None = None,
     batch_size: int = 8,
     filler: str = "classic",
+    fast: bool = True,
     kvpress_python: Path | None = None,
     out: Path = Path("results/leaderboard"),
     predictor: Path | None = None,
@@ -295,6 +296,8 @@ def leaderboard(
         max_new_tokens: tokens to generate; default: twice the answer's length plus 4.
         batch_size: prompts generated together (left-padded).
         filler: the haystack: "classic", "varied", or a corpus (name, folder or hf:...).
+        fast: atskv's selectors run on the fast path (`atskv.generate`: static cache, CUDA graph),
+            as one serves with; false: the reference path (`atskv.sparse` under `model.generate`).
         kvpress_python: the python of the kvpress venv (default: ~/.cache/atskv/venvs/kvpress).
         out: output folder, also the record of finished cells (cells.jsonl, settings.json).
         predictor: {PREDICTOR_HELP}.
@@ -313,7 +316,7 @@ def leaderboard(
     paths = run_leaderboard(
         loaded, out, grid, examples=examples, dense_layers=dense_layers, sparse_prefill=sparse_prefill,
         filler=filler, max_new_tokens=max_new_tokens, batch_size=batch_size, kvpress_python=kvpress_python,
-        device=device, dtype=str(torch_dtype).removeprefix("torch."), selector_options=options,
+        device=device, dtype=str(torch_dtype).removeprefix("torch."), selector_options=options, fast=fast,
     )  # fmt: skip
     print(paths["markdown"].read_text())
     print(f"written to {out}/ (leaderboard.md, leaderboard.json, leaderboard.png; cells.jsonl for resuming)")

@@ -14,6 +14,8 @@ from transformers.generation.streamers import BaseStreamer
 from atskv.data import TaskExample
 from atskv.memory.slot_cache import kv_bytes
 from atskv.selectors import Selector
+from atskv.hook.decode import LAST_QUERIES
+from atskv.hook.decode import generate as generate_fast
 from atskv.hook.tiered import memory_session
 
 
@@ -24,7 +26,7 @@ class GenerationRun:
     label: str
     text: str
     score: float | None  # TaskExample.score of the text: the fraction of the answers found
-    kv_bytes: int
+    kv_bytes: int | None  # None on the fast path (its static cache is sized before the prompt)
     prompt_tokens: int
     new_tokens: int
     prefill_seconds: float  # prompt in, first token out
@@ -129,9 +131,12 @@ def generate_batch(
     max_new_tokens: int = 16,
     examples: Sequence[TaskExample | None] | None = None,
     tiering: dict | None = None,
+    fast: bool = False,
 ) -> list[GenerationRun]:
     """Greedy generation of a batch `[B, T]` (left-padded, see `pad_left`), one run per row, under
-    `atskv.sparse`, or `atskv.tiered` with the `tiering` options when given.
+    `atskv.sparse`, or `atskv.tiered` with the `tiering` options when given; with `fast`, a
+    selector runs on `atskv.generate`'s fast path instead (the prompt in one chunk, as the
+    reference prefills it: the same choices, bf16 rounding aside).
 
     A row's text ends at its first end-of-sequence token. The timings are the batch's; `kv_bytes`
     is the row's share of the batch cache (padding included)."""
@@ -154,6 +159,14 @@ def generate_batch(
             cache = DynamicCache(config=model.config)
             out = model.generate(ids, past_key_values=cache, **kwargs)
             label = "dense"
+        elif fast:
+            if sparse_prefill or tiering is not None:
+                raise ValueError("the fast path prefills densely and has no tiered store here; use fast=False")
+            out = generate_fast(
+                model, ids, selector, budget, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                dense_layers=dense_layers, prefill_chunk=max(ids.shape[1], LAST_QUERIES), streamer=clock,
+            )  # fmt: skip
+            cache, label = None, f"{getattr(selector, 'name', selector)}@{budget}"
         else:
             with memory_session(
                 model, selector, budget, dense_layers=dense_layers, sparse_prefill=sparse_prefill, tiering=tiering
@@ -174,7 +187,7 @@ def generate_batch(
                 label=label,
                 text=text,
                 score=example.score(text) if example is not None else None,
-                kv_bytes=kv_bytes(cache) // len(ids),
+                kv_bytes=None if cache is None else kv_bytes(cache) // len(ids),
                 prompt_tokens=int(attention_mask[row].sum()),
                 new_tokens=len(new),
                 prefill_seconds=first_token - start,

@@ -186,7 +186,7 @@ def kvpress_unavailable(python: Path, loaded) -> str | None:
     return None
 
 
-def _atskv_cell(loaded, examples, key, selector, budget, dense_layers, sparse_prefill, new_tokens, batch_size):
+def _atskv_cell(loaded, examples, key, selector, budget, dense_layers, sparse_prefill, new_tokens, batch_size, fast):
     """Greedy runs of `examples` in left-padded batches, as one cell."""
     tokenizer, runs = loaded.tokenizer, []
     for start in range(0, len(examples), batch_size):
@@ -195,7 +195,7 @@ def _atskv_cell(loaded, examples, key, selector, budget, dense_layers, sparse_pr
         runs += generate_batch(
             loaded.model, tokenizer, ids, mask, selector=selector, budget=budget,
             dense_layers=dense_layers, sparse_prefill=sparse_prefill,
-            max_new_tokens=new_tokens, examples=batch,
+            max_new_tokens=new_tokens, examples=batch, fast=fast and selector is not None,
         )  # fmt: skip
     context, task, seed, method, ratio = key
     prefill = "sparse" if sparse_prefill and selector is not None else "dense"
@@ -255,23 +255,32 @@ def run_leaderboard(
     device: str = "cpu",
     dtype: str = "float32",
     selector_options: dict[str, dict] | None = None,
+    fast: bool = True,
     progress: bool = True,
 ) -> dict[str, Path]:
     """Compute the grid's missing cells for `loaded` (a `LoadedModel`) into `out`, then write the
     report (see `write`). kvpress methods are skipped, with a message on stderr and in the table's
     notes, where kvpress cannot run (`kvpress_unavailable`). `selector_options`: constructor
     arguments by selector name (`atskv.selectors.selectors_for_model`), part of the settings a
-    rerun into `out` must share."""
+    rerun into `out` must share. `fast`: atskv's selectors run on `atskv.generate`'s fast path
+    (what a user serves with), else on the reference path (`atskv.sparse` under `model.generate`);
+    dense is always transformers' own `generate`."""
+    from atskv.hook.decode import has_fast_path
     from atskv.selectors import selectors_for_model
 
     settings = {
         "model": loaded.name, "examples": examples, "filler": filler, "dense_layers": dense_layers,
         "prefill": "sparse" if sparse_prefill else "dense", "max_new_tokens": max_new_tokens, "dtype": dtype,
+        "runtime": "fast" if fast else "reference",
         **({"selector_options": {k: {o: str(v) for o, v in opts.items()} for k, opts in selector_options.items()}}
            if selector_options else {}),
     }  # fmt: skip
-    store = CellStore(Path(out), settings)
     selectors = dict(zip(grid.selectors, selectors_for_model(grid.selectors, loaded.name, selector_options)))
+    if fast and (slow := [name for name, s in selectors.items() if not has_fast_path(s)]):
+        raise InputError(f"{', '.join(slow)} run on the reference path only; run the leaderboard with --fast false")
+    if fast and sparse_prefill:
+        raise InputError("the fast path prefills densely; sparse prefill needs --fast false")
+    store = CellStore(Path(out), settings)
     python = Path(kvpress_python) if kvpress_python else peer.default_kvpress_python()
     skipped = kvpress_unavailable(python, loaded) if grid.presses else None
     if skipped:
@@ -296,7 +305,7 @@ def run_leaderboard(
             store.add(
                 _atskv_cell(
                     loaded, batch, (*group, method, ratio), selectors.get(method), budget, dense_layers,
-                    sparse_prefill, new_tokens, batch_size,
+                    sparse_prefill, new_tokens, batch_size, fast,
                 )
             )  # fmt: skip
             bar.update()
@@ -412,7 +421,8 @@ def _notes(settings: dict, grid: Grid, skipped: str | None) -> str:
         f"{settings['filler']} filler, greedy). Ratio r: fraction of the KV removed; budget 1 - r of the context "
         "per layer and KV head, the question included. atskv: first "
         f"{settings['dense_layers']} layers dense, {settings['prefill']} prefill, then each selector reads (an "
-        "evicting one keeps) the budget at every decode step; kvpress: every layer compressed once after its "
+        f"evicting one keeps) the budget at every decode step, on the {settings.get('runtime', 'reference')} path; "
+        "dense is transformers' own generate; kvpress: every layer compressed once after its "
         "dense prefill, press defaults. "
         "The dense column is the row's own environment's full-KV run (kvpress:none for kvpress's presses)."
     )
