@@ -142,3 +142,19 @@ def test_bad_grids_are_refused_before_any_work(change, message, tmp_path, capsys
     args = [f"--{k}={json.dumps(v)}" for k, v in plan.items()]
     assert run_cli(["eval", "leaderboard", "--model", "/no/such/model", *args, "--out", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_folders_computed_in_parallel_merge_into_one_report(loaded, calls, tmp_path):
+    """Two processes' folders (one seed each) give the report of one run over both seeds, and
+    merging computes nothing; a folder made with other settings is refused."""
+    for seed in (0, 1):
+        run_leaderboard(loaded, tmp_path / f"seed{seed}", check_grid(**PLAN, seeds=[seed], examples=2), **RUN)
+    whole = run_leaderboard(loaded, tmp_path / "whole", check_grid(**PLAN, seeds=[0, 1], examples=2), **RUN)
+    calls.clear()
+    merged = leaderboard.merge_folders(tmp_path / "merged", [tmp_path / "seed0", tmp_path / "seed1", tmp_path / "seed1"])
+    assert calls == []
+    assert len(json.loads(merged["json"].read_text())["cells"]) == 2 * CELLS_PER_SEED
+    assert merged["markdown"].read_text() == whole["markdown"].read_text()
+    run_leaderboard(loaded, tmp_path / "other", check_grid(**PLAN, seeds=[2], examples=2), **{**RUN, "dense_layers": 2})
+    with pytest.raises(InputError, match="other settings"):
+        leaderboard.merge_folders(tmp_path / "merged", [tmp_path / "other"])

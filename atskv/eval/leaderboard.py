@@ -325,6 +325,31 @@ def run_leaderboard(
     return write(cells, store.out, grid, loaded.name, notes, settings)
 
 
+def merge_folders(out: str | Path, sources: Sequence[str | Path]) -> dict[str, Path]:
+    """Gather the cells of folders computed in parallel (one process per context and task, say)
+    into `out` and write its report from them, computing nothing. The sources must share their
+    settings; a cell in several is taken once. The grid is what the cells cover, and a row
+    averages over the seeds that have all its tasks (rows may rest on different seeds: the JSON
+    lists them)."""
+    sources = [Path(s) for s in sources]
+    if not sources or not all((s / "settings.json").is_file() for s in sources):
+        raise InputError(f"each source must be a leaderboard folder (with settings.json): {[str(s) for s in sources]}")
+    settings = json.loads((sources[0] / "settings.json").read_text())
+    store = CellStore(Path(out), settings)
+    for source in sources:
+        for key, cell in CellStore(source, settings).cells.items():  # refuses other settings
+            if key not in store:
+                store.add(cell)
+    cells = list(store.cells.values())
+    methods = [m for m in dict.fromkeys(c.method for c in cells) if m not in (DENSE, KVPRESS_DENSE)]
+    grid = Grid(
+        tuple(sorted({c.context for c in cells})), tuple(sorted({c.ratio for c in cells if c.ratio is not None})),
+        tuple(sorted(methods, key=lambda m: m.startswith(KVPRESS))), tuple(dict.fromkeys(c.task for c in cells)),
+        tuple(sorted({c.seed for c in cells})),
+    )  # fmt: skip
+    return write(cells, store.out, grid, settings["model"], _notes(settings, grid, None), settings)
+
+
 # --- the report --------------------------------------------------------------------------------
 
 
@@ -394,10 +419,12 @@ def markdown(summaries: Sequence[Summary], grid: Grid, model: str) -> str:
 def plot(summaries: Sequence[Summary], grid: Grid, model: str, path: Path) -> None:
     """Score against compression ratio, one panel per context, one line per method (kvpress's
     dotted; std over seeds as error bars), dense as a horizontal line."""
+    import matplotlib
     from matplotlib.figure import Figure  # renders with Agg; no pyplot, no display
 
     at = {(s.context, s.method, s.ratio): s for s in summaries}
-    fig = Figure(figsize=(4.5 * len(grid.contexts), 3.8), layout="constrained")
+    colors = dict(zip(grid.methods, matplotlib.colormaps["tab20"].colors * 2))  # 20 before one repeats
+    fig = Figure(figsize=(4.5 * len(grid.contexts) + 2.5, 4.2), layout="constrained")
     for ax, context in zip(fig.subplots(1, len(grid.contexts), squeeze=False)[0], grid.contexts):
         if (dense := at.get((context, DENSE, None))) is not None:
             ax.axhline(100 * dense.mean, color="black", linestyle="--", label=DENSE)
@@ -406,11 +433,13 @@ def plot(summaries: Sequence[Summary], grid: Grid, model: str, path: Path) -> No
             if points:
                 ax.errorbar(
                     [r for r, _ in points], [100 * s.mean for _, s in points], yerr=[100 * s.std for _, s in points],
-                    marker="o", capsize=2, label=method, linestyle=":" if method.startswith(KVPRESS) else "-",
+                    marker="o", capsize=2, label=method, color=colors[method],
+                    linestyle=":" if method.startswith(KVPRESS) else "-",
                 )  # fmt: skip
         ax.set(title=f"{model}, {context} tokens", xlabel="compression ratio", ylabel="score (points)", ylim=(-3, 103))
-        ax.set_xticks(grid.ratios, [f"{r:g}" for r in grid.ratios])
-    fig.axes[0].legend(fontsize="small")
+        ax.set_xticks(grid.ratios, [f"{r:g}" for r in grid.ratios], rotation=45)
+    handles, labels = fig.axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right center", fontsize="small")
     fig.savefig(path, dpi=120)
 
 

@@ -1,0 +1,14 @@
+"""Merge leaderboard folders computed in parallel into one and write its report, computing
+nothing (`atskv.eval.leaderboard.merge_folders`):
+
+    python benchmarks/leaderboard_merge.py OUT SOURCE [SOURCE ...]
+"""
+
+import sys
+
+from atskv.eval.leaderboard import merge_folders
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3:
+        sys.exit(__doc__.strip())
+    print(merge_folders(sys.argv[1], sys.argv[2:])["markdown"].read_text())
