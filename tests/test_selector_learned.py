@@ -157,6 +157,10 @@ def test_a_predictor_for_another_model_or_layout_is_refused(predictor_dir):
     with pytest.raises(ValueError, match="trained for 'tiny-llama'"):
         with atskv.sparse(other, LearnedSelector(predictor=predictor_dir)), torch.no_grad():
             other(random_prompt(8))
+    with pytest.raises(ValueError, match="trained for 'tiny-llama'"):  # the fast path checks alike
+        atskv.generate(other, random_prompt(8), LearnedSelector(predictor=predictor_dir), 4, max_new_tokens=2)
+    with pytest.raises(InputError, match="has no name to find it by"):  # a name: the model's own predictor
+        atskv.generate(other, random_prompt(8), "learned", 4, max_new_tokens=2)
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="run with the dense_layers"):
         with atskv.sparse(model, LearnedSelector(predictor=predictor_dir), dense_layers=1), torch.no_grad():

@@ -47,7 +47,7 @@ from atskv.memory.host_pages import HostPages, HostRetrieval
 from atskv.memory.static_cache import StaticKVCache, StaticSlotLayer
 from atskv.memory.slot_cache import slot_index
 from atskv.models.geometry import decoder_layers
-from atskv.selectors import make_selector
+from atskv.selectors import resolve_selector
 from atskv.selectors.base import LayerView, Selector, resolve_budget
 from atskv.selectors.hybrid import HybridSelector
 from atskv.selectors.spark import SparKSelector
@@ -451,8 +451,7 @@ def generate(
     the model's own norms, rotary embedding and MLP glue fused (8B shape, 32K: 7.6 -> 6.0 ms per
     step on an H200); the first call in a process compiles, ~15 s at that shape. Rounding then
     differs from the eager reference in bf16, as any fused kernel's does."""
-    if isinstance(selector, str):
-        selector = make_selector(selector)
+    selector = resolve_selector(selector, model)  # as atskv.sparse: a name finds the model's own predictor
     if max_new_tokens < 1 or prefill_chunk < LAST_QUERIES:
         raise ValueError(
             f"need max_new_tokens >= 1 and prefill_chunk >= {LAST_QUERIES}, got {max_new_tokens}, {prefill_chunk}"
