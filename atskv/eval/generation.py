@@ -14,8 +14,7 @@ from transformers.generation.streamers import BaseStreamer
 from atskv.data import TaskExample
 from atskv.memory.slot_cache import kv_bytes
 from atskv.selectors import Selector
-from atskv.hook.decode import LAST_QUERIES
-from atskv.hook.decode import generate as generate_fast
+from atskv.hook.decode import LAST_QUERIES, generate as generate_fast
 from atskv.hook.tiered import memory_session
 
 

@@ -195,7 +195,7 @@ def _atskv_cell(loaded, examples, key, selector, budget, dense_layers, sparse_pr
         runs += generate_batch(
             loaded.model, tokenizer, ids, mask, selector=selector, budget=budget,
             dense_layers=dense_layers, sparse_prefill=sparse_prefill,
-            max_new_tokens=new_tokens, examples=batch, fast=fast and selector is not None,
+            max_new_tokens=new_tokens, examples=batch, fast=fast,
         )  # fmt: skip
     context, task, seed, method, ratio = key
     prefill = "sparse" if sparse_prefill and selector is not None else "dense"
