@@ -249,3 +249,16 @@ def test_profile_matches_a_direct_computation_and_round_trips(tmp_path):
         KascadeProfile.load(path, model=other)
     with pytest.raises(FileNotFoundError, match="atskv profile kascade"):
         KascadeProfile.load(tmp_path / "missing.json")
+
+
+def test_default_anchors_are_the_papers_five_or_every_managed_layer_where_fewer():
+    """Gemma 3 270M manages only its 3 global layers: the paper's 5 anchors cannot be had, so the
+    default takes every managed layer; an explicit count above the managed layers still fails."""
+    model = six_layer_llama()
+    windows = [random_prompt(32, seed=20)[0]]
+    fewer = compute_kascade_profile(model, windows, topk=6, sparse=atskv.sparse, queries=5, dense_layers=3)
+    assert fewer.managed_layers == [3, 4, 5] and fewer.anchors == [3, 4, 5] and not fewer.head_map
+    five = compute_kascade_profile(model, windows, topk=6, sparse=atskv.sparse, queries=5, dense_layers=0)
+    assert len(five.anchors) == 5 and five.anchors[0] == 0 and len(five.head_map) == 1
+    with pytest.raises(ValueError, match="between 1 and the 3 managed layers, got 5"):
+        compute_kascade_profile(model, windows, n_anchors=5, topk=6, sparse=atskv.sparse, queries=5, dense_layers=3)

@@ -13,7 +13,7 @@ def kascade(
     corpus: str = "austen",
     windows: int = 16,
     window_tokens: int = 2048,
-    n_anchors: int = 5,
+    n_anchors: int | None = None,
     topk: int = 64,
     queries: int = 64,
     dense_layers: int = 2,
@@ -30,7 +30,8 @@ def kascade(
         corpus: development text: a corpus name, a folder of .txt files or hf:<dataset>.
         windows: token windows to measure on, spread evenly over the corpus.
         window_tokens: tokens per window.
-        n_anchors: anchor layers to choose, the first managed layer included (the paper: 5).
+        n_anchors: anchor layers to choose, the first managed layer included; default the paper's 5,
+            or every managed layer where there are fewer.
         topk: tokens per top-k set when measuring similarity (the paper: 64).
         queries: the last queries of each window whose attention is measured.
         dense_layers: the first layers the hook keeps dense; use the same value at run time.

@@ -118,6 +118,9 @@ HOW_TO_COMPUTE = (
 )
 
 
+PAPER_ANCHORS = 5  # anchor layers the Kascade paper chooses
+
+
 def choose_anchors(weighted: torch.Tensor, n_anchors: int) -> list[int]:
     """The paper's dynamic program (Algorithm 1): `n_anchors` indices, the first being 0, that
     maximise `sum_b weighted[anchor(b), b]`, where anchor(b) is the nearest anchor at or before b.
@@ -189,7 +192,7 @@ class AttentionCapture(Selector):
 def compute_kascade_profile(
     model,
     windows: Sequence[torch.Tensor],
-    n_anchors: int,
+    n_anchors: int | None = None,
     topk: int = 64,
     *,
     sparse: Callable[..., AbstractContextManager],
@@ -200,6 +203,8 @@ def compute_kascade_profile(
 ) -> KascadeProfile:
     """Run `model` densely over token `windows` (1-D id tensors) and derive its Kascade profile
     (see the module docstring). `dense_layers` must match the hook's setting at run time.
+    `n_anchors`: None takes the paper's `PAPER_ANCHORS`, or every managed layer where a model has
+    fewer (Gemma 3 270M manages only its 3 global layers).
 
     `sparse` runs the model with a selector and gives the session: pass `atskv.sparse` (it is
     passed in, not imported, because the hook imports the selector registry, which imports this)."""
@@ -231,6 +236,7 @@ def compute_kascade_profile(
     importance = (importance_sum / len(windows)).float().cpu()
     best, best_head = heads.max(dim=1)  # over the anchor's heads: [L, L, H]
     similarity = best.mean(-1)  # [a, b]
+    n_anchors = min(PAPER_ANCHORS, len(managed)) if n_anchors is None else n_anchors
     chosen = choose_anchors(similarity * importance[None, :], n_anchors)
     anchor_index = {b: max(a for a in chosen if a <= b) for b in range(len(managed))}
     head_map = {managed[b]: best_head[anchor_index[b], b].tolist() for b in range(len(managed)) if b not in chosen}
