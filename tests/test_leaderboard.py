@@ -117,9 +117,13 @@ def test_summaries_mean_and_std_over_seeds():
     assert leaderboard.markdown(list(summaries.values()), grid, "m").splitlines()[2:] == [
         "| method | dense | 0.5 | 0.9 |",
         "|---|---|---|---|",
-        "| dense | 100.0 |  |  |",
-        "| h2o | 100.0 | 50.0 ± 35.4 |  |",
+        "| dense | 100.0 (1 of 2 seeds) |  |  |",
+        "| h2o | 100.0 (1 of 2 seeds) | 50.0 ± 35.4 |  |",
     ]
+    three = Grid((100,), (0.5,), ("h2o",), ("a", "b"), (0, 1, 2))  # seed 2 lacks a task: said, not hidden
+    assert "| h2o | 100.0 (1 of 3 seeds) | 50.0 ± 35.4 (2 of 3 seeds) |" in leaderboard.markdown(
+        list(summaries.values()), three, "m"
+    )
 
 
 @pytest.mark.parametrize(

@@ -389,9 +389,12 @@ def summarize(cells: Sequence[Cell], tasks: Sequence[str]) -> list[Summary]:
     return summaries
 
 
-def _points(summary: Summary) -> str:
-    """Score in points (0-100): mean ± std over seeds (the mean alone for one seed)."""
-    return f"{100 * summary.mean:.1f}" + (f" ± {100 * summary.std:.1f}" if len(summary.seeds) > 1 else "")
+def _points(summary: Summary, seeds: int) -> str:
+    """Score in points (0-100): mean ± std over seeds (the mean alone for one seed), saying over
+    how many where fewer than the grid's `seeds` have every task."""
+    n = len(summary.seeds)
+    return (f"{100 * summary.mean:.1f}" + (f" ± {100 * summary.std:.1f}" if n > 1 else "")
+            + (f" ({n} of {seeds} seeds)" if n < seeds else ""))  # fmt: skip
 
 
 def markdown(summaries: Sequence[Summary], grid: Grid, model: str) -> str:
@@ -410,8 +413,9 @@ def markdown(summaries: Sequence[Summary], grid: Grid, model: str) -> str:
         for method in rows:
             dense = at.get((context, KVPRESS_DENSE if method.startswith(KVPRESS) else DENSE, None))
             scored = [None if method == DENSE else at.get((context, method, r)) for r in grid.ratios]
-            cells = ["" if s is None else _points(s) for s in scored]
-            lines.append(f"| {method} | {_points(dense) if dense else ''} | " + " | ".join(cells) + " |")
+            cells = ["" if s is None else _points(s, len(grid.seeds)) for s in scored]
+            dense_points = _points(dense, len(grid.seeds)) if dense else ""
+            lines.append(f"| {method} | {dense_points} | " + " | ".join(cells) + " |")
         tables.append("\n".join(lines))
     return "\n\n".join(tables)
 
@@ -446,8 +450,9 @@ def plot(summaries: Sequence[Summary], grid: Grid, model: str, path: Path) -> No
 def _notes(settings: dict, grid: Grid, skipped: str | None) -> str:
     notes = (
         f"Score: mean exact-match score in points (0-100) over the tasks {', '.join(grid.tasks)}, then mean ± "
-        f"sample std over seeds {list(grid.seeds)} ({settings['examples']} prompts per task, context and seed, "
-        f"{settings['filler']} filler, greedy). Ratio r: fraction of the KV removed; budget 1 - r of the context "
+        f"sample std over seeds {list(grid.seeds)}, those with every task ({settings['examples']} prompts per "
+        f"task, context and seed, {settings['filler']} filler, greedy; a cell over fewer seeds says so). Ratio r: "
+        "fraction of the KV removed; budget 1 - r of the context "
         "per layer and KV head, the question included. atskv: first "
         f"{settings['dense_layers']} layers dense, {settings['prefill']} prefill, then each selector reads (an "
         f"evicting one keeps) the budget at every decode step, on the {settings.get('runtime', 'reference')} path; "
