@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# On the GPU machine, after `. benchmarks/device/env.sh` with the model assembled in /tmp/mdl and
+# .device/head.tar and .device/kvw carried: start the leaderboard in the background (setsid: it
+# outlives this call; keep the machine with `collect.sh` calls) as one process per (context, task),
+# each into /tmp/lb/NAME/cC-T (cells already there, e.g. carried from an earlier run, are kept).
+#   bash benchmarks/device/leaderboard.sh NAME LIMIT_S SEEDS CONTEXT... [-- ARGS...]
+# NAME: /tmp/mdl/NAME.gguf; LIMIT_S: each process's time limit; SEEDS e.g. "[0,1,2]"; ARGS go to
+# `atskv eval leaderboard` (e.g. --methods '[...]'); METHODS_<C> overrides --methods for context C;
+# FROM: a leaderboard folder (cells.jsonl, settings.json; e.g. docs/results/leaderboard-*) each
+# process starts from, so a rerun with more seeds computes only what it lacks.
+set -uo pipefail
+name=$1 limit=$2 seeds=$3; shift 3
+contexts=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do contexts+=("$1"); shift; done; [ $# -gt 0 ] && shift
+mkdir -p "/tmp/lb/$name"
+[ -n "${FROM:-}" ] && export FROM=$(realpath "$FROM")
+cd /tmp/head && setsid nohup bash -c '
+  export PYTHONPATH=/tmp/site:/tmp/head OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+  name=$1 limit=$2 seeds=$3 contexts=$4; shift 4
+  m=/tmp/mdl/$name.gguf
+  python3 -m atskv.cli profile kascade --model "$m" --device cuda > "/tmp/lb/$name/profile.log" 2>&1
+  for c in $contexts; do
+    var=METHODS_$c
+    for t in needle_single needle_multikey needle_multivalue variable_tracking common_words qa; do
+      d=/tmp/lb/$name/c$c-$t; mkdir -p "$d"
+      [ -n "${FROM:-}" ] && [ ! -f "$d/cells.jsonl" ] && cp "$FROM/cells.jsonl" "$FROM/settings.json" "$d/"
+      timeout "$limit" python3 -m atskv.cli eval leaderboard --config configs/leaderboard.yaml --model "$m" \
+        --contexts "[$c]" --tasks "[$t]" --seeds "$seeds" --out "$d" --kvpress_python /tmp/kvpy/python \
+        --device cuda "$@" ${!var:+--methods "${!var}"} >> "$d/log" 2>&1 &
+    done
+  done
+  wait; touch "/tmp/lb/$name/DONE"' _ "$name" "$limit" "$seeds" "${contexts[*]}" "$@" \
+  > "/tmp/lb/$name/launch.log" 2>&1 < /dev/null &
+echo "started $name: contexts ${contexts[*]}, seeds $seeds, ${limit}s a process; logs in /tmp/lb/$name"
