@@ -134,6 +134,7 @@ def test_summaries_mean_and_std_over_seeds():
         ({"ratios": [-0.25]}, "in (0, 1); got -0.25"),
         ({"methods": ["kvpress:nope"]}, "unknown kvpress press 'nope'"),
         ({"methods": ["nope"]}, "unknown selector 'nope'"),
+        ({"methods": ["tiered:nope"]}, "unknown selector 'nope'"),
         ({"methods": ["sparq+quest"]}, "'sparq' cannot decide residency"),
         ({"tasks": ["nope"]}, "unknown task 'nope'"),
         ({"seeds": []}, "--seeds is empty"),
@@ -146,6 +147,37 @@ def test_bad_grids_are_refused_before_any_work(change, message, tmp_path, capsys
     args = [f"--{k}={json.dumps(v)}" for k, v in plan.items()]
     assert run_cli(["eval", "leaderboard", "--model", "/no/such/model", *args, "--out", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_tiered_row_reads_parked_tokens_back(loaded, monkeypatch, tmp_path, capsys):
+    """tiered:<selector> runs the selector in the two-tier store at the same GPU budget: reading
+    every parked token back at each step it writes dense's text, where the selector alone does
+    not; its tiering options are settings a rerun must share, and bad ones fail before any work."""
+    runs, real = [], leaderboard.generate_batch
+
+    def spy(*args, **kwargs):
+        runs.append((kwargs["selector"] is not None, kwargs["fast"], kwargs["tiering"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(leaderboard, "generate_batch", spy)
+    plan = {**PLAN, "contexts": [260], "ratios": [0.75], "methods": ["streaming_llm", "tiered:streaming_llm"]}
+    grid = check_grid(**plan, seeds=[0], examples=2)
+    every = {"retrieve": 100_000, "recent": 8, "refresh_every": 4}  # a 65-token GPU tier; all parked read back
+    paths = run_leaderboard(loaded, tmp_path, grid, tiering=every, **{**RUN, "max_new_tokens": 6})
+    assert runs == [(False, True, None), (True, True, None), (True, False, every)]  # the tier: reference path
+    texts = {c["method"]: c["texts"] for c in json.loads(paths["json"].read_text())["cells"]}
+    assert texts["tiered:streaming_llm"] == texts["dense"] != texts["streaming_llm"]
+    assert "tiered:<selector>: the selector in atskv.tiered" in paths["markdown"].read_text()
+    with pytest.raises(InputError, match="other settings .*'retrieve': '100000'.* there, .*'retrieve': '64'.* now"):
+        run_leaderboard(loaded, tmp_path, grid, tiering={**every, "retrieve": 64}, **{**RUN, "max_new_tokens": 6})
+    with pytest.raises(InputError, match="--tiering: .*unexpected keyword argument 'nope'"):
+        run_leaderboard(loaded, tmp_path / "bad", grid, tiering={"nope": 1}, **RUN)
+    with pytest.raises(InputError, match="prefills densely; drop --sparse_prefill"):
+        run_leaderboard(loaded, tmp_path / "bad", grid, sparse_prefill=True, **{**RUN, "fast": False})
+    assert not (tmp_path / "bad").exists()
+    args = ["--methods=[tiered:h2o]", "--tiering={nope: 1}", "--out", str(tmp_path / "bad")]
+    assert run_cli(["eval", "leaderboard", "--model", "/no/such/model", *args]) == 2  # before the model loads
+    assert "--tiering: " in capsys.readouterr().err
 
 
 def test_folders_computed_in_parallel_merge_into_one_report(loaded, calls, tmp_path):

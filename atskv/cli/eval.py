@@ -272,6 +272,7 @@ def leaderboard(
     out: Path = Path("results/leaderboard"),
     predictor: Path | None = None,
     selector_options: dict | None = None,
+    tiering: dict | None = None,
     device: str = "auto",
     dtype: str = "auto",
 ) -> None:
@@ -284,8 +285,10 @@ def leaderboard(
 
     Args:
         model: a named model, a Hugging Face directory or a .gguf file.
-        methods: atskv selectors by name (learned included) and kvpress:<press> (snapkv,
-            streaming_llm, observed_attention, expected_attention, tova, kvzip); dense always runs.
+        methods: atskv selectors by name (learned and compositions included), tiered:<selector>
+            (the selector in the two-tier store: the budget on the GPU, the rest in host memory,
+            retrieved when needed), and kvpress:<press> (snapkv, streaming_llm,
+            observed_attention, expected_attention, tova, kvzip); dense always runs.
         contexts: prompt lengths in tokens.
         ratios: compression ratios, the fraction of the KV removed, in (0, 1); budget = 1 - ratio.
         tasks: task names (see `atskv.data.tasks.TASKS`); a seed's score is their mean.
@@ -302,21 +305,25 @@ def leaderboard(
         out: output folder, also the record of finished cells (cells.jsonl, settings.json).
         predictor: {PREDICTOR_HELP}.
         selector_options: {OPTIONS_HELP}.
+        tiering: the tiered: rows' `TieringConfig` options, e.g. '{retrieve: 64, index: exact}'
+            (none: its defaults).
         device: cpu, cuda, or auto.
         dtype: float32, bfloat16, float16, or auto.
     """
-    from atskv.eval.leaderboard import check_grid, run_leaderboard
+    from atskv.eval.leaderboard import check_grid, check_tiering, run_leaderboard
     from atskv.models import load_model
     from atskv.selectors import selector_options as by_name
 
     grid = check_grid(contexts, ratios, methods, tasks, seeds, examples)
-    options = by_name(list(grid.selectors), selector_options, predictor)
+    check_tiering(grid, tiering, sparse_prefill)
+    options = by_name(grid.selector_names, selector_options, predictor)
     device, torch_dtype = resolve_device(device, dtype)
     loaded = load_model(model, dtype=torch_dtype, device=device)
     paths = run_leaderboard(
         loaded, out, grid, examples=examples, dense_layers=dense_layers, sparse_prefill=sparse_prefill,
         filler=filler, max_new_tokens=max_new_tokens, batch_size=batch_size, kvpress_python=kvpress_python,
-        device=device, dtype=str(torch_dtype).removeprefix("torch."), selector_options=options, fast=fast,
+        device=device, dtype=str(torch_dtype).removeprefix("torch."), selector_options=options, tiering=tiering,
+        fast=fast,
     )  # fmt: skip
     print(paths["markdown"].read_text())
     print(f"written to {out}/ (leaderboard.md, leaderboard.json, leaderboard.png; cells.jsonl for resuming)")

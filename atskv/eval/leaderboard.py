@@ -4,7 +4,10 @@ prompts, at several context lengths, over several seeds.
 
 A compression ratio r removes that fraction of the KV: atskv runs at budget 1 - r (a fraction of
 the context), kvpress at `compression_ratio` r, through the peer check's venv and script
-(`atskv.eval.peer`). Seed s of a (task, context) is `examples` prompts built from seeds
+(`atskv.eval.peer`). A `tiered:<selector>` row runs the selector in the two-tier store
+(`atskv.tiered`): the GPU tier holds the budget, as an evicting selector would, but the rest is
+parked in host memory and retrieved when a query needs it, so it frees the same GPU memory
+without losing what it parks. Seed s of a (task, context) is `examples` prompts built from seeds
 1000 s + i, needles at depths spread evenly over (0, 1); the score of a cell is their mean exact
 score, a seed's score the mean over tasks, and the table gives mean ± std over seeds.
 
@@ -36,6 +39,7 @@ from atskv.eval.tasks import answer_room
 from atskv.selectors import check_selector_names
 
 DENSE = "dense"
+TIERED = "tiered:"
 KVPRESS = "kvpress:"
 KVPRESS_DENSE = "kvpress:none"  # kvpress's own full-KV run: the dense beside its presses
 
@@ -68,8 +72,8 @@ class Cell:
 
 @dataclass(frozen=True)
 class Grid:
-    """What to run; `methods` are atskv selector names and `kvpress:<press>` names (dense is
-    always run, it is the reference)."""
+    """What to run; `methods` are atskv selector names, `tiered:<selector>` and `kvpress:<press>`
+    names (dense is always run, it is the reference)."""
 
     contexts: tuple[int, ...]
     ratios: tuple[float, ...]
@@ -80,6 +84,11 @@ class Grid:
     @property
     def selectors(self) -> list[str]:
         return [m for m in self.methods if not m.startswith(KVPRESS) and m != DENSE]
+
+    @property
+    def selector_names(self) -> list[str]:
+        """The selectors the atskv rows build, each once (a `tiered:` row's without its prefix)."""
+        return list(dict.fromkeys(m.removeprefix(TIERED) for m in self.selectors))
 
     @property
     def presses(self) -> list[str]:
@@ -113,14 +122,32 @@ def check_grid(
             raise InputError(f"unknown kvpress press {press!r}; choose from: {', '.join(peer.KVPRESS_PRESSES)}")
         if not method.startswith(KVPRESS) and method != DENSE:
             try:
-                check_selector_names([method])  # compositions (learned+sparq) included
+                check_selector_names([method.removeprefix(TIERED)])  # compositions (learned+sparq) included
             except ValueError as error:
-                raise InputError(f"{error} (or kvpress:<press>: {', '.join(peer.KVPRESS_PRESSES)})") from None
+                raise InputError(
+                    f"{error} (or tiered:<selector>, or kvpress:<press>: {', '.join(peer.KVPRESS_PRESSES)})"
+                ) from None
     return Grid(
         tuple(dict.fromkeys(contexts)), tuple(dict.fromkeys(float(r) for r in ratios)),
         tuple(dict.fromkeys(m for m in methods if m != DENSE)), tuple(dict.fromkeys(tasks)),
         tuple(dict.fromkeys(seeds)),
     )  # fmt: skip
+
+
+def check_tiering(grid: Grid, tiering: dict | None, sparse_prefill: bool) -> None:
+    """An `InputError` before any model loads for `tiered:` rows the two-tier store cannot run:
+    options `TieringConfig` does not take, or sparse prefill (the store prefills densely)."""
+    from atskv.hook.tiered import TieringConfig
+
+    tiered_rows = [m for m in grid.selectors if m.startswith(TIERED)]
+    if not tiered_rows:
+        return
+    if sparse_prefill:
+        raise InputError(f"{', '.join(tiered_rows)}: the two-tier store prefills densely; drop --sparse_prefill")
+    try:
+        TieringConfig(budget=0.5, **(tiering or {}))
+    except (TypeError, ValueError) as error:
+        raise InputError(f"--tiering: {error}") from None
 
 
 def build_examples(tokenizer, task: str, context: int, seed: int, n: int, filler: str | None) -> list[TaskExample]:
@@ -186,8 +213,11 @@ def kvpress_unavailable(python: Path, loaded) -> str | None:
     return None
 
 
-def _atskv_cell(loaded, examples, key, selector, budget, dense_layers, sparse_prefill, new_tokens, batch_size, fast):
-    """Greedy runs of `examples` in left-padded batches, as one cell."""
+def _atskv_cell(
+    loaded, examples, key, selector, budget, dense_layers, sparse_prefill, new_tokens, batch_size, fast, tiering
+):
+    """Greedy runs of `examples` in left-padded batches, as one cell (in the two-tier store with
+    `tiering`'s options when given)."""
     tokenizer, runs = loaded.tokenizer, []
     for start in range(0, len(examples), batch_size):
         batch = examples[start : start + batch_size]
@@ -195,7 +225,7 @@ def _atskv_cell(loaded, examples, key, selector, budget, dense_layers, sparse_pr
         runs += generate_batch(
             loaded.model, tokenizer, ids, mask, selector=selector, budget=budget,
             dense_layers=dense_layers, sparse_prefill=sparse_prefill,
-            max_new_tokens=new_tokens, examples=batch, fast=fast,
+            max_new_tokens=new_tokens, examples=batch, fast=fast, tiering=tiering,
         )  # fmt: skip
     context, task, seed, method, ratio = key
     prefill = "sparse" if sparse_prefill and selector is not None else "dense"
@@ -255,6 +285,7 @@ def run_leaderboard(
     device: str = "cpu",
     dtype: str = "float32",
     selector_options: dict[str, dict] | None = None,
+    tiering: dict | None = None,
     fast: bool = True,
     progress: bool = True,
 ) -> dict[str, Path]:
@@ -262,11 +293,16 @@ def run_leaderboard(
     report (see `write`). kvpress methods are skipped, with a message on stderr and in the table's
     notes, where kvpress cannot run (`kvpress_unavailable`). `selector_options`: constructor
     arguments by selector name (`atskv.selectors.selectors_for_model`), part of the settings a
-    rerun into `out` must share. `fast`: atskv's selectors run on `atskv.generate`'s fast path
-    (what a user serves with), else on the reference path (`atskv.sparse` under `model.generate`);
-    dense is always transformers' own `generate`."""
+    rerun into `out` must share, as is `tiering`: the `TieringConfig` options of the `tiered:` rows
+    (none: its defaults). `fast`: atskv's selectors run on `atskv.generate`'s fast path (what a
+    user serves with), else on the reference path (`atskv.sparse` under `model.generate`); the
+    `tiered:` rows run `atskv.tiered` under `model.generate` either way; dense is always
+    transformers' own `generate`."""
     from atskv.hook.decode import has_fast_path
     from atskv.selectors import selectors_for_model
+
+    check_tiering(grid, tiering, sparse_prefill)
+    tiered_rows = [m for m in grid.selectors if m.startswith(TIERED)]
 
     settings = {
         "model": loaded.name, "examples": examples, "filler": filler, "dense_layers": dense_layers,
@@ -274,9 +310,11 @@ def run_leaderboard(
         "runtime": "fast" if fast else "reference",
         **({"selector_options": {k: {o: str(v) for o, v in opts.items()} for k, opts in selector_options.items()}}
            if selector_options else {}),
+        **({"tiering": {k: str(v) for k, v in tiering.items()}} if tiering else {}),
     }  # fmt: skip
-    selectors = dict(zip(grid.selectors, selectors_for_model(grid.selectors, loaded.name, selector_options)))
-    if fast and (slow := [name for name, s in selectors.items() if not has_fast_path(s)]):
+    names = [m.removeprefix(TIERED) for m in grid.selectors]
+    selectors = dict(zip(grid.selectors, selectors_for_model(names, loaded.name, selector_options)))
+    if fast and (slow := [m for m, s in selectors.items() if m not in tiered_rows and not has_fast_path(s)]):
         raise InputError(f"{', '.join(slow)} run on the reference path only; run the leaderboard with --fast false")
     if fast and sparse_prefill:
         raise InputError("the fast path prefills densely; sparse prefill needs --fast false")
@@ -302,10 +340,11 @@ def run_leaderboard(
         for method, ratio in (k for k in pending[group] if k in atskv_keys[group]):
             bar.set_postfix_str(f"{context} {task} seed {seed} {method} {ratio or ''}")
             budget = None if ratio is None else peer.budget_fraction(ratio)
+            tier = (tiering or {}) if method in tiered_rows else None
             store.add(
                 _atskv_cell(
                     loaded, batch, (*group, method, ratio), selectors.get(method), budget, dense_layers,
-                    sparse_prefill, new_tokens, batch_size, fast,
+                    sparse_prefill, new_tokens, batch_size, fast and tier is None, tier,
                 )
             )  # fmt: skip
             bar.update()
@@ -462,6 +501,13 @@ def _notes(settings: dict, grid: Grid, skipped: str | None) -> str:
         "dense prefill, press defaults. "
         "The dense column is the row's own environment's full-KV run (kvpress:none for kvpress's presses)."
     )
+    if any(m.startswith(TIERED) for m in grid.methods):
+        options = settings.get("tiering") or "its defaults"
+        notes += (
+            f" tiered:<selector>: the selector in atskv.tiered ({options}) under transformers' generate: the GPU "
+            "tier holds the budget, the rest waits in host memory and the best parked tokens are read back at "
+            "each step."
+        )
     if skipped:
         notes += f"\n\nkvpress methods skipped: {skipped}"
     return notes
