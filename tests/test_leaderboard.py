@@ -5,6 +5,10 @@ kvpress part skipped with its message where kvpress is not installed."""
 from __future__ import annotations
 
 import json
+import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -147,6 +151,46 @@ def test_bad_grids_are_refused_before_any_work(change, message, tmp_path, capsys
     args = [f"--{k}={json.dumps(v)}" for k, v in plan.items()]
     assert run_cli(["eval", "leaderboard", "--model", "/no/such/model", *args, "--out", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
+
+
+FAKE_KVPRESS = """\
+import json, os, sys
+argv = sys.argv[2:]
+value = lambda flag: argv[argv.index(flag) + 1]
+presses = argv[argv.index("--presses") + 1 : argv.index("--compression-ratios")]
+ratios = [float(r) for r in argv[argv.index("--compression-ratios") + 1 : argv.index("--out")]]
+with open(sys.argv[0] + ".log", "a") as log:
+    log.write(" ".join(presses) + "\\n")
+if os.path.exists(sys.argv[0] + ".fail") and open(sys.argv[0] + ".fail").read() in presses:
+    sys.exit(1)  # as a run killed by a time limit
+examples = json.load(open(value("--examples")))
+json.dump([{"id": e["id"], "press": p, "compression_ratio": r, "prompt_tokens": e["n_tokens"], "kept_tokens": 0,
+            "kv_bytes": 0, "new_tokens": 1, "text": e["answer"] if p == "none" else ""}
+           for p in presses for r in ([0.0] if p == "none" else ratios) for e in examples], open(value("--out"), "w"))
+"""
+
+
+def test_kvpress_runs_a_process_a_press_so_a_killed_run_keeps_the_presses_done(loaded, monkeypatch, tmp_path):
+    """kvpress (a stand-in for its venv's python here) runs one process per press; when one fails
+    the cells of the presses before it are kept, and the rerun runs only what is missing."""
+    python = tmp_path / "python"
+    python.write_text(f"#!{sys.executable}\n" + FAKE_KVPRESS)
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    monkeypatch.setattr(loaded.model, "name_or_path", str(tmp_path / "model"))
+    plan = {**PLAN, "contexts": [200], "ratios": [0.5, 0.9], "methods": ["kvpress:snapkv", "kvpress:tova"]}
+    grid = check_grid(**plan, seeds=[0], examples=2)
+    Path(str(python) + ".fail").write_text("tova")
+    with pytest.raises(subprocess.CalledProcessError):
+        run_leaderboard(loaded, tmp_path / "lb", grid, kvpress_python=python, **RUN)
+    done = {json.loads(line)["method"] for line in (tmp_path / "lb" / "cells.jsonl").read_text().splitlines()}
+    assert done == {"dense", "kvpress:none", "kvpress:snapkv"}
+    Path(str(python) + ".fail").unlink()
+    paths = run_leaderboard(loaded, tmp_path / "lb", grid, kvpress_python=python, **RUN)
+    assert Path(str(python) + ".log").read_text().splitlines() == ["none", "snapkv", "tova", "tova"]
+    cells = {(c["method"], c["ratio"]): c["score"] for c in json.loads(paths["json"].read_text())["cells"]}
+    assert cells[("kvpress:none", None)] == 1.0 and cells[("kvpress:tova", 0.9)] == 0.0 and len(cells) == 6
 
 
 def test_a_tiered_row_reads_parked_tokens_back(loaded, monkeypatch, tmp_path, capsys):

@@ -137,7 +137,7 @@ def test_run_kvpress_passes_ratios_and_reads_records(tmp_path):
     )
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
     records = peer.run_kvpress(
-        fake, tmp_path / "ex.json", tmp_path / "model", ["snapkv", "tova"], [0.1, 0.25], tmp_path / "kv.json",
+        fake, tmp_path / "ex.json", tmp_path / "model", ["none", "snapkv", "tova"], [0.1, 0.25], tmp_path / "kv.json",
         max_new_tokens=5, device="cpu", dtype="float32",
     )  # fmt: skip
     assert records == [{"compression_ratio": 0.9}, {"compression_ratio": 0.75}]
@@ -164,7 +164,7 @@ def test_real_kvpress_on_smollm2(tmp_path):
     examples = peer.build_examples(loaded.tokenizer, "passkey", [384], trials=1, filler=filler_text("classic"))
     peer.write_examples(tmp_path / "ex.json", examples)
     records = peer.run_kvpress(
-        python, tmp_path / "ex.json", SMOLLM2_DIR, ["snapkv"], [0.5], tmp_path / "kv.json",
+        python, tmp_path / "ex.json", SMOLLM2_DIR, ["none", "snapkv"], [0.5], tmp_path / "kv.json",
         max_new_tokens=8, device="cpu", dtype="float32",
     )  # fmt: skip
     key, example = examples[0].id, examples[0].example

@@ -236,23 +236,19 @@ def _atskv_cell(
     )  # fmt: skip
 
 
-def _kvpress_cells(loaded, python, folder, examples, group, presses, ratios, new_tokens, device, dtype) -> list[Cell]:
-    """kvpress's presses (and its full-KV run) on `examples` through `peer.run_kvpress`, scored
-    like atskv's runs; `group` is (context, task, seed)."""
+def _kvpress_cells(loaded, python, folder, examples, group, press, ratios, new_tokens, device, dtype) -> list[Cell]:
+    """kvpress's `press` (`none`: its full-KV run) at `ratios` on `examples` through
+    `peer.run_kvpress`, scored like atskv's runs; `group` is (context, task, seed)."""
     context, task, seed = group
     tagged = [peer.PeerExample(f"{task}-{context}-{seed}-{i}", context, ex) for i, ex in enumerate(examples)]
     peer.write_examples(folder / "examples.json", tagged)
     budgets = [peer.budget_fraction(r) for r in ratios]
     records = peer.run_kvpress(
-        python, folder / "examples.json", Path(loaded.model.name_or_path), presses, budgets,
+        python, folder / "examples.json", Path(loaded.model.name_or_path), [press], budgets,
         folder / "kvpress.json", max_new_tokens=new_tokens, device=device, dtype=dtype,
     )  # fmt: skip
-    full = {r["id"]: r for r in records if r["press"] == "none"}
-    per_token = {
-        i: peer.dense_bytes_per_token(r["kv_bytes"], r["prompt_tokens"], r["new_tokens"]) for i, r in full.items()
-    }
     runs = defaultdict(list)
-    for run in peer.score_kvpress(records, tagged, per_token):
+    for run in peer.score_kvpress(records, tagged, None):
         runs[run.method, None if run.budget is None else peer.compression_ratio(run.budget)].append(run)
     order = {e.id: i for i, e in enumerate(tagged)}
     cells = []
@@ -349,15 +345,14 @@ def run_leaderboard(
             )  # fmt: skip
             bar.update()
         wanted = [k for k in pending[group] if k in press_keys[group]]
-        if wanted:
-            bar.set_postfix_str(f"{context} {task} seed {seed} kvpress")
-            names = list(dict.fromkeys(m.removeprefix(KVPRESS) for m, r in wanted if r is not None))
-            ratios = list(dict.fromkeys(r for _, r in wanted if r is not None))
-            folder = store.out / "kvpress" / f"{task}-{context}-seed{seed}"
-            for cell in _kvpress_cells(loaded, python, folder, batch, group, names, ratios, new_tokens, device, dtype):
-                if cell.key[3:] in wanted:
-                    store.add(cell)
-                    bar.update()
+        for name in dict.fromkeys(m.removeprefix(KVPRESS) for m, _ in wanted):  # one process a press: a
+            # kill (a call's time limit) loses at most the press under way
+            bar.set_postfix_str(f"{context} {task} seed {seed} kvpress:{name}")
+            ratios = [r for m, r in wanted if m == KVPRESS + name and r is not None]
+            folder = store.out / "kvpress" / f"{task}-{context}-seed{seed}" / name
+            for cell in _kvpress_cells(loaded, python, folder, batch, group, name, ratios, new_tokens, device, dtype):
+                store.add(cell)
+                bar.update()
     bar.close()
     cells = [store.cells[(*g, *k)] for g in groups for k in atskv_keys[g] + press_keys[g] if (*g, *k) in store.cells]
     notes = _notes(settings, grid, skipped)

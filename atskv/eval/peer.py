@@ -147,14 +147,14 @@ def run_kvpress(
     device: str,
     dtype: str,
 ) -> list[dict]:
-    """Run `run_presses.py` in the kvpress venv (plus its full-KV run, press `none`) and return its
-    records; its output streams through so that progress shows."""
+    """Run `run_presses.py` in the kvpress venv on `presses` (`none`: its full-KV run) at each
+    budget and return its records; its output streams through so that progress shows."""
     check_kvpress(python)
     command = [
         str(python), str(KVPRESS_SCRIPT),
         "--examples", str(examples_path),
         "--model", str(model_dir),
-        "--presses", "none", *presses,
+        "--presses", *presses,
         "--compression-ratios", *(str(compression_ratio(b)) for b in budgets),
         "--out", str(out_path),
         "--max-new-tokens", str(max_new_tokens),
@@ -172,14 +172,14 @@ def run_kvpress(
 class PeerRun:
     """One generation of one example: `method` is `dense`, `atskv:NAME` or `kvpress:NAME`;
     `score` is `TaskExample.score` (the fraction of the answers found); `kv_fraction` the KV held
-    after generation over what full KV holds for as many tokens."""
+    after generation over what full KV holds for as many tokens (None where not measured)."""
 
     method: str
     budget: float | None
     example_id: str
     length: int  # requested prompt length
     score: float
-    kv_fraction: float
+    kv_fraction: float | None
     text: str
 
     @property
@@ -203,10 +203,11 @@ def held_fraction(kv_bytes: int, prompt_tokens: int, new_tokens: int, bytes_per_
 
 
 def score_kvpress(
-    records: list[dict], examples: list[PeerExample], bytes_per_token: dict[str, float]
+    records: list[dict], examples: list[PeerExample], bytes_per_token: dict[str, float] | None
 ) -> list[PeerRun]:
-    """kvpress's records scored like ours; `bytes_per_token`: full KV per token, by example id.
-    Refuses records whose prompt was tokenized to a different length than atskv's."""
+    """kvpress's records scored like ours; `bytes_per_token`: full KV per token, by example id
+    (None: `kv_fraction` is left None). Refuses records whose prompt was tokenized to a different
+    length than atskv's."""
     by_id = {e.id: e for e in examples}
     runs = []
     for r in records:
@@ -225,7 +226,9 @@ def score_kvpress(
                 example_id=r["id"],
                 length=peer_example.length,
                 score=example.score(r["text"]),
-                kv_fraction=held_fraction(r["kv_bytes"], r["prompt_tokens"], r["new_tokens"], bytes_per_token[r["id"]]),
+                kv_fraction=None if bytes_per_token is None else held_fraction(
+                    r["kv_bytes"], r["prompt_tokens"], r["new_tokens"], bytes_per_token[r["id"]]
+                ),
                 text=r["text"],
             )
         )
@@ -358,7 +361,7 @@ def compare_with_kvpress(
             print(f"{runs[-1].label:>28} {e.id}: score {run.score:.2f} {run.text.strip()[:32]!r}", flush=True)
 
     records = run_kvpress(
-        python, out / "examples.json", model_dir, presses, budgets, out / "kvpress.json",
+        python, out / "examples.json", model_dir, ["none", *presses], budgets, out / "kvpress.json",
         max_new_tokens=new_tokens, device=device, dtype=dtype,
     )  # fmt: skip
     runs += score_kvpress(records, examples, bytes_per_token)

@@ -47,12 +47,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--examples", type=Path, required=True, help="JSON list of {id, prompt, answer}")
     parser.add_argument("--model", type=Path, required=True, help="a Hugging Face model directory")
     parser.add_argument("--presses", nargs="+", default=sorted(set(PRESSES) - {"none"}), choices=sorted(PRESSES))
-    parser.add_argument("--compression-ratios", nargs="+", type=float, required=True)
+    parser.add_argument("--compression-ratios", nargs="*", type=float, default=[], help="for every press but none")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--max-new-tokens", type=int, default=12)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not args.compression_ratios and set(args.presses) - {"none"}:
+        parser.error("--compression-ratios is needed for any press but none")
+    return args
 
 
 def greedy_with_press(model, tokenizer, ids: torch.Tensor, press, max_new_tokens: int) -> dict:
