@@ -14,9 +14,9 @@ query head reads r / D of its KV head's keys (a KV head at most the union of its
   `keys_t`, a tile at a time, give the head's approximate logits and a running max and sum of
   exps per span.
 - `_probs_kernel` (row x block): each head's log-sum-exp from the spans' partials, each slot's
-  probability summed over the GQA group as an order-preserving int32 key (-1: free slot), and
-  a per-row histogram of the keys' top 12 bits; the row's last program finds the bin holding
-  the budget's last slot.
+  probability summed over the GQA group as an order-preserving int32 key (-1: free slot; the
+  `recent` newest positions: keys above every probability's), and a per-row histogram of the
+  keys' top 12 bits; the row's last program finds the bin holding the budget's last slot.
 - `_collect_kernel` (row x block): slots above that bin go to the list, those in it to the
   candidates, at places reserved by atomics; the row's last program picks the candidates the
   budget still needs by a radix search over (key, slot) in registers.
@@ -28,11 +28,12 @@ reads 32 x 16 channel rows of 64 KB (34 MB requested; the union of a group's cha
 random queries, from DRAM), writes and rereads 4 MB of logits and 1 MB of keys.
 
 The choice is `SparQSelector.scores` ranked as `select_top_indices` ranks it: the `lengths`
-highest pooled probabilities among held slots (`slot_pos >= 0`); exactly equal probabilities go
-to the higher slot (the newer token, where slots are filled in position order). The kernel and
-the reference round `exp` and divisions differently, so the two lists can differ only between
-slots whose probabilities agree to rounding. The list holds the chosen slots first, in no
-particular order (attention over them does not depend on it), then in-range filler up to `k`.
+highest pooled probabilities among held slots (`slot_pos >= 0`), after the newest `recent`
+positions, newest first (`recent_first`); exactly equal probabilities go to the higher slot (the
+newer token, where slots are filled in position order). The kernel and the reference round `exp`
+and divisions differently, so the two lists can differ only between slots whose probabilities
+agree to rounding. The list holds the chosen slots first, in no particular order (attention over
+them does not depend on it), then in-range filler up to `k`.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import math
 import torch
 from atskv.kernels.backend import aligned_slots, dependent_launch, jit, tl, triton, use_triton, wait_for_inputs
 from atskv.kernels.budget import budget_limit, kept_tokens
+from atskv.kernels.evict import newest_share
 
 from atskv.kernels.partial_scores import partial_scores, partial_scores_reference
 
@@ -87,8 +89,21 @@ def sparq_probs(query, keys, valid, scaling: float, rank: int, partial=partial_s
     return pooled_probs(logits * (scaling / share.sqrt()).unsqueeze(-1), valid)
 
 
+def recent_first(probs: torch.Tensor, slot_pos: torch.Tensor, usable: torch.Tensor, recent: int,
+                 group: int) -> torch.Tensor:  # fmt: skip
+    """`probs` pooled over groups of `group` query heads (so at most `group`), with each row's
+    newest `recent` usable positions (`newest_share`) raised above them all in position order: a
+    ranking takes those first, the newest first, within its budget. `slot_pos` broadcasts
+    against `usable`."""
+    if not recent:
+        return probs
+    fresh = newest_share(slot_pos, usable, torch.tensor(recent), 1.0)
+    return torch.where(fresh, slot_pos + (group + 1.0), probs)
+
+
 def sparq_decode(query, keys, keys_t, slot_pos, write_slot, context, scaling: float, rank: int,
-                 budget: int | float, k: int, channels=None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                 budget: int | float, k: int, channels=None,
+                 recent: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One decode step: first the new token's key (`keys[b, h, write_slot[b, h]]`) is copied into
     `keys_t` `[B, Hkv, D, S]` in place; then slot ids `[B, Hkv, k]` (int32) whose first `lengths`
     `[B, Hkv]` (int32) are the held slots of highest pooled SparQ probability for `query` `[B, Hq, D]`
@@ -98,16 +113,19 @@ def sparq_decode(query, keys, keys_t, slot_pos, write_slot, context, scaling: fl
     With `channels` `[B, Hkv, R]` (SparCas: channels fixed per KV head, `rank` = R), `keys_t` is the
     compact copy `[B, Hkv, R, S]` (any strides) whose row i holds channel `channels[..., i]`, the
     new token's entry already written by the caller, and the logits are those channels' partial
-    sums times `scaling` (no temperature correction); the rest is the same."""
+    sums times `scaling` (no temperature correction); the rest is the same.
+
+    `recent`: the row's newest `recent` positions, up to the token at `write_slot` (the newest),
+    count first (`recent_first`)."""
     args = (query, keys, keys_t, slot_pos, write_slot, context, scaling, rank, budget, k)
     if use_triton(query):
-        return sparq_decode_triton(*args, channels=channels)
-    return sparq_decode_reference(*args, channels=channels)
+        return sparq_decode_triton(*args, channels=channels, recent=recent)
+    return sparq_decode_reference(*args, channels=channels, recent=recent)
 
 
 def sparq_decode_reference(query, keys, keys_t, slot_pos, write_slot, context, scaling: float, rank: int,
-                           budget: int | float, k: int,
-                           channels=None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                           budget: int | float, k: int, channels=None,
+                           recent: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     b, hkv, d, s = keys_t.shape
     held = slot_pos >= 0
     if channels is None:
@@ -119,6 +137,7 @@ def sparq_decode_reference(query, keys, keys_t, slot_pos, write_slot, context, s
         dims = channels.long().repeat_interleave(query.shape[1] // hkv, dim=1).unsqueeze(2)  # [B, Hq, 1, R]
         logits = partial_scores_reference(query.unsqueeze(2), keys_t.transpose(2, 3), dims, compact=True)
         probs = pooled_probs(logits * scaling, held.unsqueeze(2))[:, :, 0]
+    probs = recent_first(probs, slot_pos, held, recent, query.shape[1] // hkv)
     newest_first = probs.masked_fill(~held, -math.inf).flip(-1)  # a stable sort then ranks equals by slot, high first
     best = s - 1 - newest_first.sort(dim=-1, descending=True, stable=True).indices[..., :k]
     lengths = kept_tokens(budget, context.view(-1, 1)).minimum(held.sum(-1)).clamp(max=k)
@@ -248,17 +267,23 @@ def _cut(count, need, N: tl.constexpr):
 
 @jit
 def _probs_kernel(
-    logit_ptr, stat_ptr, key_ptr, hist_ptr, count_ptr, ctx_ptr, len_ptr, n_kv_heads, width, n_out, budget, n_parts,
+    logit_ptr, stat_ptr, key_ptr, hist_ptr, count_ptr, ctx_ptr, len_ptr, pos_ptr, w_ptr, n_kv_heads, n_read, width,
+    n_out, budget, n_parts, recent,
+    sp_b, sp_h, sp_s,
+    sw_b, sw_h,
     FRACTION: tl.constexpr, GROUP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr,
     N_BINS: tl.constexpr, SHIFT: tl.constexpr, WINDOW: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     """One (row, KV head) and BLOCK_S slots (`n_parts`: the logits kernel's spans, whose partials
     give each head's log-sum-exp): pooled probabilities as int32 keys (a non-negative float's bits
-    keep its order; free slots -1, below all) and their top bits counted into the row's histogram.
-    The bins within WINDOW of the block's highest are counted here (`tl.histogram`, whose cost
-    grows with its bins: over all 4096 it took 32 us at 32K slots) and added by one atomic per
-    bin; the slots below them, a tail, by one atomic each (per-slot atomics on the crowded bins
+    keep its order; free slots -1, below all; the `recent` newest positions, up to the one at the
+    write slot, keys above every finite float's, newer higher) and their top bits counted into the
+    row's histogram. `recent` is a runtime argument: at 0 its loads are masked off (the caller
+    passes `n_read`, the slots whose positions are read, as 0). The bins within WINDOW of the
+    block's highest probability are counted here (`tl.histogram`, whose cost grows with its bins:
+    over all 4096 it took 32 us at 32K slots) and added by one atomic per bin; the slots below
+    them and the recent ones, a tail, by one atomic each (per-slot atomics on the crowded bins
     alone took 12 us). The row's last program to finish (a counter with release / acquire order)
     reads the histogram: the row's length (its budget, at most its held slots and `n_out`), the
     bin holding its last slot and how many lie above that bin, for the collection."""
@@ -279,10 +304,18 @@ def _probs_kernel(
         held = held & (logit > float("-inf"))
         prob += tl.div_rn(tl.exp(logit - top), norm)
     key = tl.where(held, prob.to(tl.int32, bitcast=True), -1)
+    wanted = recent > 0
+    pos_row = pos_ptr + (row // n_kv_heads) * sp_b + (row % n_kv_heads) * sp_h
+    newest = tl.load(pos_row + tl.load(w_ptr + (row // n_kv_heads) * sw_b + (row % n_kv_heads) * sw_h,
+                                       mask=wanted, other=0) * sp_s, mask=wanted, other=0)  # fmt: skip
+    pos = tl.load(pos_row + s * sp_s, mask=s < n_read, other=-1)
+    fresh = held & (pos > newest - recent) & (pos <= newest)
+    age = tl.minimum(tl.where(fresh, newest - pos, 0), 8388607).to(tl.int32)
+    key = tl.where(fresh, 2147483647 - age, key)  # +inf's bits and up
     tl.store(key_ptr + row * width + s, key, mask=in_range)
     bins = key >> SHIFT
-    low = tl.max(tl.where(held, bins, 0), 0) - (WINDOW - 1)
-    inside = held & (bins >= low)
+    low = tl.max(tl.where(held & ~fresh, bins, 0), 0) - (WINDOW - 1)
+    inside = held & ~fresh & (bins >= low)
     count = tl.histogram(tl.where(inside, bins - low, 0), WINDOW)
     w = tl.arange(0, WINDOW)
     count -= tl.where(w == 0, tl.sum((~inside).to(tl.int32), 0), 0)  # the others were put in bin 0
@@ -383,12 +416,12 @@ def sparq_decode_triton(query, keys, keys_t, slot_pos, write_slot, context, scal
                         budget: int | float, k: int, block_s: int = 2048, parts: int | None = None,
                         probs_block: int = 1024, window: int = 128, collect_block: int = 2048, block_c: int = 256,
                         radix: int = 3, warps: tuple[int, int, int, int] = (8, 4, 8, 8), channels=None,
-                        ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The four kernels (`channels`: see `sparq_decode`). `block_s`: slots per step of the logits
-    kernel; `parts`: its programs per query head (None: about LOGITS_WAVES per SM over the grid;
-    two off CUDA); `probs_block`: slots per program of the probabilities, `window` the bins each
-    counts before adding them; `collect_block`: slots per program of the collection; `block_c`:
-    candidates held in registers by its last one,
+                        recent: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The four kernels (`channels`, `recent`: see `sparq_decode`). `block_s`: slots per step of
+    the logits kernel; `parts`: its programs per query head (None: about LOGITS_WAVES per SM over
+    the grid; two off CUDA); `probs_block`: slots per program of the probabilities, `window` the
+    bins each counts before adding them; `collect_block`: slots per program of the collection;
+    `block_c`: candidates held in registers by its last one,
     `radix` bits per pass of its search; `warps`: each kernel's warps, in launch order.
     Smaller values cover the loops in tests."""
     b, hq, d = query.shape
@@ -430,7 +463,8 @@ def sparq_decode_triton(query, keys, keys_t, slot_pos, write_slot, context, scal
     shift = 31 - _BINS_BITS
     grid = (rows, triton.cdiv(width, probs_block))
     _probs_kernel[grid](
-        logits, stats, keys32, hist, counters, context.reshape(-1).contiguous(), lengths, hkv, width, k, budget, parts,
+        logits, stats, keys32, hist, counters, context.reshape(-1).contiguous(), lengths, slot_pos, write_slot, hkv,
+        slots if recent > 0 else 0, width, k, budget, parts, recent, *slot_pos.stride(), *write_slot.stride(),
         FRACTION=isinstance(budget, float), GROUP=group, BLOCK_S=probs_block, BLOCK_B=triton.next_power_of_2(parts),
         N_BINS=1 << _BINS_BITS, SHIFT=shift, WINDOW=window, num_warps=warps[2],
         **dependent_launch(query, grid),

@@ -43,12 +43,12 @@ def chosen(indices, lengths):
     return [[set(row[: int(n)].tolist()) for row, n in zip(ri, li)] for ri, li in zip(indices, lengths)]
 
 
-def both(args, budget, k, rank=RANK, **knobs):
+def both(args, budget, k, rank=RANK, recent=0, **knobs):
     """Reference and kernel on their own copies of the arguments (the step writes `keys_t`)."""
     ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     tri_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-    ref = sparq_decode_reference(*ref_args, rank, budget, k)
-    tri = sparq_decode_triton(*tri_args, rank, budget, k, **knobs)
+    ref = sparq_decode_reference(*ref_args, rank, budget, k, recent=recent)
+    tri = sparq_decode_triton(*tri_args, rank, budget, k, recent=recent, **knobs)
     return ref, tri, ref_args, tri_args
 
 
@@ -134,6 +134,29 @@ def test_reference_keeps_what_the_selector_ranking_keeps(budget):
 
 
 @pytest.mark.parametrize("knobs", [SMALL, {}])
+@pytest.mark.parametrize("budget,k", [(40, 64), (0.1, 28)])
+@pytest.mark.parametrize("recent", [0, 8, 50])
+def test_recent_positions_come_first_in_kernel_and_reference(recent, budget, k, knobs):
+    """`recent`: the last positions up to the token at the write slot are chosen whatever their
+    probabilities, within the budget (50: more than it, the newest first). One row holds its
+    positions shuffled over the slots, another has free slots among them; both take the same slots."""
+    query, keys, keys_t, slot_pos, write_slot, context, scaling = static_layer(group=4, seed=2)
+    g = torch.Generator().manual_seed(6)
+    slot_pos[0, 1, :280] = slot_pos[0, 1, torch.randperm(280, generator=g)]
+    write_slot = slot_pos.argmax(-1)  # the decode token: the newest
+    args = (query, keys, keys_t, slot_pos, write_slot, context, scaling)
+    (ref_idx, ref_len), (tri_idx, tri_len), _, _ = both(args, budget, k, recent=recent, **knobs)
+    assert torch.equal(tri_len, ref_len) and chosen(tri_idx, tri_len) == chosen(ref_idx, ref_len)
+    plain = chosen(*sparq_decode_reference(*args, RANK, budget, k))
+    for b in range(2):
+        for h in range(2):
+            n, pos = int(ref_len[b, h]), slot_pos[b, h]
+            window = (pos > pos.max() - recent).sum()  # free slots (-1) sort last, below the window
+            assert set(pos.argsort(descending=True)[: min(window, n)].tolist()) <= chosen(tri_idx, tri_len)[b][h]
+            assert (chosen(tri_idx, tri_len)[b][h] == plain[b][h]) == (recent == 0)  # else some came in
+
+
+@pytest.mark.parametrize("knobs", [SMALL, {}])
 def test_equal_probabilities_go_to_the_higher_slot(knobs):
     """Exact ties the same in both: every slot equal (a zero query), and a run of identical best keys
     longer than the budget, which the budget cuts."""
@@ -159,11 +182,13 @@ def test_dispatch_picks_the_kernel_by_backend(monkeypatch):
     assert chosen(*tri) == chosen(*ref)
 
 
-def test_fast_generate_through_the_kernel_gives_the_reference_tokens(monkeypatch):
+@pytest.mark.parametrize("recent", [0, 8])
+def test_fast_generate_through_the_kernel_gives_the_reference_tokens(monkeypatch, recent):
     """SparQ's fused step inside `atskv.generate` (left-padded batch, every step checked for host
-    reads) gives the reference session's tokens."""
+    reads) gives the reference session's tokens; so it does with the newest tokens always chosen
+    (the padded row's positions start after its padding)."""
     model, ids, mask = left_padded("llama", 100, 20, seed=3)
-    expected = _reference(model, ids, "sparq", 0.2, 6, mask)
+    expected = _reference(model, ids, atskv.make_selector("sparq", recent=recent), 0.2, 6, mask)
     calls = []
     original = decode.GraphedStep.__call__
 
@@ -174,8 +199,8 @@ def test_fast_generate_through_the_kernel_gives_the_reference_tokens(monkeypatch
 
     monkeypatch.setattr(decode.GraphedStep, "__call__", guarded)
     monkeypatch.setenv("ATSKV_KERNELS", "triton")
-    fast = atskv.generate(model, ids, "sparq", 0.2, attention_mask=mask, max_new_tokens=6, dense_layers=1,
-                          prefill_chunk=64)  # fmt: skip
+    fast = atskv.generate(model, ids, atskv.make_selector("sparq", recent=recent), 0.2, attention_mask=mask,
+                          max_new_tokens=6, dense_layers=1, prefill_chunk=64)  # fmt: skip
     assert torch.equal(fast, expected) and len(calls) == 5
 
 

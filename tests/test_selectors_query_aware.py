@@ -238,3 +238,55 @@ def test_sparq_breaks_equal_query_magnitudes_towards_the_lower_dimension():
     dims, share = top_channels(query, 3)
     assert dims.tolist() == [[1, 4, 2]]
     assert share.item() == pytest.approx(5.0 / 7.5)
+
+
+def _shuffled_view(recent_queries: int, seed: int = 0) -> LayerView:
+    """A random layer of 40 slots (two KV heads of groups of 2, head dim 16) holding positions 0..35
+    shuffled over the slots per row, 4 of them free, seen by the newest `recent_queries` queries."""
+    from atskv.memory.slot_cache import SlotLayer
+
+    g = torch.Generator().manual_seed(seed)
+    b, hkv, s, tq = 2, 2, 40, recent_queries
+    slot_pos = torch.stack([torch.randperm(s, generator=g) for _ in range(b * hkv)]).view(b, hkv, s)
+    slot_pos = slot_pos.masked_fill(slot_pos >= 36, -1)
+    query_pos = torch.arange(36 - tq, 36)
+    valid = (slot_pos >= 0).unsqueeze(2) & (slot_pos.unsqueeze(2) <= query_pos.view(1, 1, tq, 1))
+    layer = SlotLayer()
+    layer.seen = 36
+    return LayerView(0, torch.randn(b, 2 * hkv, tq, 16, generator=g), torch.randn(b, hkv, s, 16, generator=g), valid,
+                     slot_pos, (query_pos + 1).view(1, 1, tq), 16**-0.5, BUDGET, layer)  # fmt: skip
+
+
+@pytest.mark.parametrize("recent", [5, 20])
+def test_sparq_recent_positions_are_chosen_within_the_budget(recent):
+    """`recent`: each query's last positions (up to its own) are kept whatever SparQ's scores say,
+    and the budget's count stays exact; past the budget (20 > 12) the newest. The mask path over
+    three queries and the index path's decode step."""
+    selector = atskv.make_selector("sparq", recent=recent)
+    view = _shuffled_view(3)
+    keep = select_top_budget(selector.scores(view), view.valid, BUDGET, view.slot_pos, view.context)
+    plain = select_top_budget(atskv.make_selector("sparq").scores(view), view.valid, BUDGET, view.slot_pos,
+                              view.context)  # fmt: skip
+    pos = view.slot_pos.unsqueeze(2).expand_as(keep)
+    newest = view.context.unsqueeze(-1) - 1  # [1, 1, Tq, 1]: each query's own position
+    window = view.valid & (pos > newest - min(recent, BUDGET))
+    assert torch.equal(keep.sum(-1), torch.full(keep.shape[:3], BUDGET)) and not torch.equal(keep, plain)
+    assert bool((keep | ~window).all())
+    decode = _shuffled_view(1)
+    indices, lengths = selector.decode_indices(decode)
+    assert torch.equal(lengths, torch.full((2, 2), BUDGET))
+    for b in range(2):
+        for h in range(2):
+            picked = decode.slot_pos[b, h, indices[b, h, :BUDGET]]
+            assert set(range(35, 35 - min(recent, BUDGET), -1)) <= set(picked.tolist())
+
+
+def test_sparq_recent_is_a_selector_option():
+    """`recent` reaches SparQ by name, through the command line's options and inside a composition."""
+    from atskv.selectors import selector_options, selectors_for_model
+
+    assert atskv.make_selector("sparq", recent=32).recent == 32
+    assert atskv.make_selector("sparq").recent == 0  # the paper's SparQ
+    options = selector_options(["sparq", "h2o+sparq"], {"sparq": {"recent": 32}, "h2o+sparq": {"sparq": {"recent": 8}}})
+    alone, hybrid = selectors_for_model(["sparq", "h2o+sparq"], "tiny", options)
+    assert alone.recent == 32 and hybrid.attention.recent == 8

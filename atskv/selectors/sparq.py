@@ -21,6 +21,11 @@ r is a fraction of the head dimension (rounded, at least 1), default 1/8: the de
 authors' code (compression ratio 8 gives r = D / 8, 16 of D = 128). SparQ's mean-value
 reallocation (mixing in the mean of V by the approximate mass left out) changes the attention
 output, not which tokens are chosen, so it is not part of a selector and is left out.
+
+The paper keeps no local window; `recent` (default 0: the paper's SparQ) makes the baseline
+stronger by always choosing the newest `recent` positions, up to the query's own token, within the
+budget (the newest first when they outnumber it): with 32, SmolLM2's attention recall went from
+0.840 to 0.855.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from atskv.kernels.sparq_decode import channel_major, sparq_decode, sparq_probs
+from atskv.kernels.sparq_decode import channel_major, recent_first, sparq_decode, sparq_probs
 from atskv.selectors.base import LayerView, Selector, budget_tokens
 
 
@@ -38,12 +43,14 @@ class SparQSelector(Selector):
     name = "sparq"
     query_aware = True
     rank_fraction: float = 1 / 8
+    recent: int = 0
 
     def rank(self, head_dim: int) -> int:
         return max(1, min(head_dim, round(head_dim * self.rank_fraction)))
 
     def scores(self, view: LayerView):
-        return sparq_probs(view.query, view.keys, view.valid, view.scaling, self.rank(view.query.shape[-1]))
+        probs = sparq_probs(view.query, view.keys, view.valid, view.scaling, self.rank(view.query.shape[-1]))
+        return recent_first(probs, view.slot_pos.unsqueeze(2), view.valid, self.recent, view.group_size)
 
     def static_write(self, view: LayerView) -> None:
         """Fast path: the channel-major key copy, built at the first decode step over the whole
@@ -64,4 +71,4 @@ class SparQSelector(Selector):
         k = min(budget_tokens(view), view.keys.shape[2])
         return sparq_decode(view.query[:, :, -1], view.keys, keys_t, view.slot_pos, view.layer.write_slot,
                             view.context[:, 0, -1], view.scaling, self.rank(view.query.shape[-1]), view.budget,
-                            k)  # fmt: skip
+                            k, recent=self.recent)  # fmt: skip
