@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
@@ -327,6 +328,7 @@ def run_leaderboard(
     pending = {g: [k for k in atskv_keys[g] + press_keys[g] if (*g, *k) not in store] for g in groups}
     text = filler_text(filler)
     bar = tqdm(total=sum(map(len, pending.values())), desc="leaderboard", disable=not progress)
+    failed: list[str] = []
     for group in groups:
         if not pending[group]:
             continue
@@ -346,16 +348,25 @@ def run_leaderboard(
             bar.update()
         wanted = [k for k in pending[group] if k in press_keys[group]]
         for name in dict.fromkeys(m.removeprefix(KVPRESS) for m, _ in wanted):  # one process a press: a
-            # kill (a call's time limit) loses at most the press under way
+            # kill (a call's time limit) loses at most the press under way, a failure only that press
             bar.set_postfix_str(f"{context} {task} seed {seed} kvpress:{name}")
             ratios = [r for m, r in wanted if m == KVPRESS + name and r is not None]
             folder = store.out / "kvpress" / f"{task}-{context}-seed{seed}" / name
-            for cell in _kvpress_cells(loaded, python, folder, batch, group, name, ratios, new_tokens, device, dtype):
+            try:
+                made = _kvpress_cells(loaded, python, folder, batch, group, name, ratios, new_tokens, device, dtype)
+            except subprocess.CalledProcessError as error:
+                failed.append(f"kvpress:{name} on {task} at {context} tokens, seed {seed} (exit {error.returncode})")
+                print(f"{failed[-1]} failed (its output is above); its cells stay empty and a rerun tries again",
+                      file=sys.stderr)  # fmt: skip
+                continue
+            for cell in made:
                 store.add(cell)
                 bar.update()
     bar.close()
     cells = [store.cells[(*g, *k)] for g in groups for k in atskv_keys[g] + press_keys[g] if (*g, *k) in store.cells]
     notes = _notes(settings, grid, skipped)
+    if failed:
+        notes += "\n\nkvpress runs that failed (their cells are empty; a rerun tries again): " + "; ".join(failed)
     return write(cells, store.out, grid, loaded.name, notes, settings)
 
 
