@@ -87,6 +87,11 @@ class Grid:
         return [m for m in self.methods if not m.startswith(KVPRESS) and m != DENSE]
 
     @property
+    def tiered(self) -> list[str]:
+        """The `tiered:<selector>` rows (run in the two-tier store)."""
+        return [m for m in self.selectors if m.startswith(TIERED)]
+
+    @property
     def selector_names(self) -> list[str]:
         """The selectors the atskv rows build, each once (a `tiered:` row's without its prefix)."""
         return list(dict.fromkeys(m.removeprefix(TIERED) for m in self.selectors))
@@ -140,11 +145,10 @@ def check_tiering(grid: Grid, tiering: dict | None, sparse_prefill: bool) -> Non
     options `TieringConfig` does not take, or sparse prefill (the store prefills densely)."""
     from atskv.hook.tiered import TieringConfig
 
-    tiered_rows = [m for m in grid.selectors if m.startswith(TIERED)]
-    if not tiered_rows:
+    if not grid.tiered:
         return
     if sparse_prefill:
-        raise InputError(f"{', '.join(tiered_rows)}: the two-tier store prefills densely; drop --sparse_prefill")
+        raise InputError(f"{', '.join(grid.tiered)}: the two-tier store prefills densely; drop --sparse_prefill")
     try:
         TieringConfig(budget=0.5, **(tiering or {}))
     except (TypeError, ValueError) as error:
@@ -299,7 +303,6 @@ def run_leaderboard(
     from atskv.selectors import selectors_for_model
 
     check_tiering(grid, tiering, sparse_prefill)
-    tiered_rows = [m for m in grid.selectors if m.startswith(TIERED)]
 
     settings = {
         "model": loaded.name, "examples": examples, "filler": filler, "dense_layers": dense_layers,
@@ -311,7 +314,7 @@ def run_leaderboard(
     }  # fmt: skip
     names = [m.removeprefix(TIERED) for m in grid.selectors]
     selectors = dict(zip(grid.selectors, selectors_for_model(names, loaded.name, selector_options)))
-    if fast and (slow := [m for m, s in selectors.items() if m not in tiered_rows and not has_fast_path(s)]):
+    if fast and (slow := [m for m, s in selectors.items() if m not in grid.tiered and not has_fast_path(s)]):
         raise InputError(f"{', '.join(slow)} run on the reference path only; run the leaderboard with --fast false")
     if fast and sparse_prefill:
         raise InputError("the fast path prefills densely; sparse prefill needs --fast false")
@@ -338,7 +341,7 @@ def run_leaderboard(
         for method, ratio in (k for k in pending[group] if k in atskv_keys[group]):
             bar.set_postfix_str(f"{context} {task} seed {seed} {method} {ratio or ''}")
             budget = None if ratio is None else peer.budget_fraction(ratio)
-            tier = (tiering or {}) if method in tiered_rows else None
+            tier = (tiering or {}) if method in grid.tiered else None
             store.add(
                 _atskv_cell(
                     loaded, batch, (*group, method, ratio), selectors.get(method), budget, dense_layers,
@@ -507,7 +510,7 @@ def _notes(settings: dict, grid: Grid, skipped: str | None) -> str:
         "dense prefill, press defaults. "
         "The dense column is the row's own environment's full-KV run (kvpress:none for kvpress's presses)."
     )
-    if any(m.startswith(TIERED) for m in grid.methods):
+    if grid.tiered:
         options = settings.get("tiering") or "its defaults"
         notes += (
             f" tiered:<selector>: the selector in atskv.tiered ({options}) under transformers' generate: the GPU "
