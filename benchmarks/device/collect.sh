@@ -3,8 +3,9 @@
 # packing every worker folder of /tmp/lb into $OUT/lb.tgz each minute and at the end (a call
 # returns at most 8 files, and one cut short by the session's budget still returns the last pack),
 # then print each folder's cell count and any error lines. A call of this holds the machine while
-# jobs run.
+# jobs run; on a machine where nothing was started (a fresh one, after a loss) it stops at once.
 #   bash benchmarks/device/collect.sh WAIT_S
+[ -d /tmp/lb ] || { echo "no /tmp/lb on this machine: nothing was started here (a fresh machine?)"; exit 1; }
 pack() { (cd /tmp/lb && tar czf "$OUT/lb.tgz.new" */ && mv "$OUT/lb.tgz.new" "$OUT/lb.tgz"); }
 end=$((SECONDS + ${1:-0})) next=0
 while [ $SECONDS -lt $end ]; do
