@@ -4,7 +4,9 @@
 # outlives this call; keep the machine with `collect.sh` calls) as one process per (context, task),
 # each into /tmp/lb/NAME/cC-T (cells already there, e.g. carried from an earlier run, are kept).
 #   bash benchmarks/device/leaderboard.sh NAME LIMIT_S SEEDS CONTEXT... [-- ARGS...]
-# NAME: /tmp/mdl/NAME.gguf; LIMIT_S: each process's time limit; SEEDS e.g. "[0,1,2]"; ARGS go to
+# NAME: /tmp/mdl/NAME.gguf; LIMIT_S: every process ends by then (seconds from now); JOBS (default
+# 12): processes at once, the rest wait their turn (session 20: 36 at once, SmolLM2 at 4-8 GiB and
+# Gemma 3 at 32K up to 20 GiB each, overran the H200's 140 GB); SEEDS e.g. "[0,1,2]"; ARGS go to
 # `atskv eval leaderboard` (e.g. --methods '[...]'); METHODS_<C> overrides --methods for context C;
 # FROM: a leaderboard folder (cells.jsonl, settings.json; e.g. docs/results/leaderboard-*) each
 # process starts from, so a rerun with more seeds computes only what it lacks.
@@ -15,7 +17,8 @@ mkdir -p "/tmp/lb/$name"
 [ -n "${FROM:-}" ] && export FROM=$(realpath "$FROM")
 cd /tmp/head && setsid nohup bash -c '
   export PYTHONPATH=/tmp/site:/tmp/head OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-  name=$1 limit=$2 seeds=$3 contexts=$4; shift 4
+  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  name=$1 deadline=$((SECONDS + $2)) seeds=$3 contexts=$4; shift 4
   m=/tmp/mdl/$name.gguf
   python3 -m atskv.cli profile kascade --model "$m" --device cuda > "/tmp/lb/$name/profile.log" 2>&1
   for c in $contexts; do
@@ -23,11 +26,13 @@ cd /tmp/head && setsid nohup bash -c '
     for t in needle_single needle_multikey needle_multivalue variable_tracking common_words qa; do
       d=/tmp/lb/$name/c$c-$t; mkdir -p "$d"
       [ -n "${FROM:-}" ] && [ ! -f "$d/cells.jsonl" ] && cp "$FROM/cells.jsonl" "$FROM/settings.json" "$d/"
-      timeout "$limit" python3 -m atskv.cli eval leaderboard --config configs/leaderboard.yaml --model "$m" \
+      while [ "$(jobs -rp | wc -l)" -ge "${JOBS:-12}" ]; do wait -n; done
+      [ $SECONDS -lt $deadline ] || continue
+      timeout $((deadline - SECONDS)) python3 -m atskv.cli eval leaderboard --config configs/leaderboard.yaml --model "$m" \
         --contexts "[$c]" --tasks "[$t]" --seeds "$seeds" --out "$d" --kvpress_python /tmp/kvpy/python \
         --device cuda "$@" ${!var:+--methods "${!var}"} >> "$d/log" 2>&1 &
     done
   done
   wait; touch "/tmp/lb/$name/DONE"' _ "$name" "$limit" "$seeds" "${contexts[*]}" "$@" \
   > "/tmp/lb/$name/launch.log" 2>&1 < /dev/null &
-echo "started $name: contexts ${contexts[*]}, seeds $seeds, ${limit}s a process; logs in /tmp/lb/$name"
+echo "started $name: contexts ${contexts[*]}, seeds $seeds, ${JOBS:-12} processes at once, all done within ${limit}s; logs in /tmp/lb/$name"
