@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU machine, after `. benchmarks/device/env.sh` with the model assembled in /tmp/mdl and
 # .device/head.tar and .device/kvw carried: start the leaderboard in the background (setsid: it
-# outlives this call; keep the machine with `collect.sh` calls) as one process per (context, task),
-# each into /tmp/lb/NAME/cC-T (cells already there, e.g. carried from an earlier run, are kept).
+# outlives this call; keep the machine with `collect.sh` calls) as one process per (seed, context,
+# task), each into /tmp/lb/NAME/cC-T-sS (cells already there are kept), seed by seed, so a deadline
+# leaves whole seeds rather than every seed half done.
 #   bash benchmarks/device/leaderboard.sh NAME LIMIT_S SEEDS CONTEXT... [-- ARGS...]
 # NAME: /tmp/mdl/NAME.gguf; LIMIT_S: every process ends by then (seconds from now); JOBS (default
 # 12): processes at once, the rest wait their turn (session 20: 36 at once, SmolLM2 at 4-8 GiB and
@@ -21,18 +22,18 @@ cd /tmp/head && setsid nohup bash -c '
   name=$1 deadline=$((SECONDS + $2)) seeds=$3 contexts=$4; shift 4
   m=/tmp/mdl/$name.gguf
   python3 -m atskv.cli profile kascade --model "$m" --device cuda > "/tmp/lb/$name/profile.log" 2>&1
-  for c in $contexts; do
+  for s in $(echo "$seeds" | tr -d "[] " | tr , " "); do for c in $contexts; do
     var=METHODS_$c
     for t in needle_single needle_multikey needle_multivalue variable_tracking common_words qa; do
-      d=/tmp/lb/$name/c$c-$t; mkdir -p "$d"
+      d=/tmp/lb/$name/c$c-$t-s$s; mkdir -p "$d"
       [ -n "${FROM:-}" ] && [ ! -f "$d/cells.jsonl" ] && cp "$FROM/cells.jsonl" "$FROM/settings.json" "$d/"
       while [ "$(jobs -rp | wc -l)" -ge "${JOBS:-12}" ]; do wait -n; done
       [ $SECONDS -lt $deadline ] || continue
       timeout $((deadline - SECONDS)) python3 -m atskv.cli eval leaderboard --config configs/leaderboard.yaml --model "$m" \
-        --contexts "[$c]" --tasks "[$t]" --seeds "$seeds" --out "$d" --kvpress_python /tmp/kvpy/python \
+        --contexts "[$c]" --tasks "[$t]" --seeds "[$s]" --out "$d" --kvpress_python /tmp/kvpy/python \
         --device cuda "$@" ${!var:+--methods "${!var}"} >> "$d/log" 2>&1 &
     done
-  done
+  done; done
   wait; touch "/tmp/lb/$name/DONE"' _ "$name" "$limit" "$seeds" "${contexts[*]}" "$@" \
   > "/tmp/lb/$name/launch.log" 2>&1 < /dev/null &
 echo "started $name: contexts ${contexts[*]}, seeds $seeds, ${JOBS:-12} processes at once, all done within ${limit}s; logs in /tmp/lb/$name"
