@@ -377,12 +377,13 @@ def _random_predictor(model, folder, managed):
 @pytest.mark.parametrize(
     "family,padded,threshold",
     [("llama", False, False), ("llama", True, False), ("gemma3", False, False), ("llama", False, True),
-     ("llama", True, True), ("gemma3", True, True)],
+     ("llama", True, True), ("gemma3", True, True), ("llama", True, "window"), ("gemma3", False, "window")],
 )  # fmt: skip
 def test_the_learned_selector_on_the_fast_path_gives_the_reference_tokens(monkeypatch, tmp_path, family, padded,
                                                                           threshold):  # fmt: skip
     """With a threshold the budget is a cap: rows hold different amounts, under the budget, and a
-    refresh drops several tokens in one step."""
+    refresh drops several tokens in one step. "window": half the budget pinned to the prompt
+    tokens its last queries attend most (`window_share`)."""
     model = tiny_model(family)
     model.generation_config.eos_token_id = None
     managed = [1, 2, 3] if family == "llama" else [2, 5]
@@ -391,7 +392,7 @@ def test_the_learned_selector_on_the_fast_path_gives_the_reference_tokens(monkey
     if padded:
         mask = torch.ones_like(ids)
         mask[1, :20] = 0
-    options = {"threshold": THRESHOLD[family]} if threshold else {}
+    options = {"window_share": 0.5} if threshold == "window" else {"threshold": THRESHOLD[family]} if threshold else {}
 
     def selector():  # refreshes on steps 4 and 8 of the 10
         return LearnedSelector(predictor=predictor, refresh_every=4, **options)
@@ -401,7 +402,7 @@ def test_the_learned_selector_on_the_fast_path_gives_the_reference_tokens(monkey
                           prefill_chunk=64)  # fmt: skip
     with torch.no_grad(), atskv.sparse(model, selector(), 24, dense_layers=1):
         reference = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
-    if threshold:
+    if threshold is True:
         _assert_a_threshold_dropped_tokens(held, 24)
     assert torch.equal(fast, reference)
 

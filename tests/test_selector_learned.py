@@ -107,6 +107,38 @@ def test_scores_refresh_every_n_steps_and_new_tokens_wait_at_plus_inf(predictor_
     assert torch.isfinite(snapshots[2]).all()
 
 
+def test_window_share_keeps_what_the_prompts_last_queries_attend_most_through_every_refresh(predictor_dir):
+    """The pinned tokens are SnapKV's top votes (the window first), held at +inf after refreshes
+    that rescore everything else; with no share the same predictor drops some of them, so the
+    option changes what is kept rather than agreeing with the predictor by chance."""
+    from atskv.selectors.snapkv import SnapKVSelector
+
+    model = tiny_model("llama")
+    ids = random_prompt(60, seed=7)
+    budget, share = 16, 0.5
+
+    def held_positions(selector):
+        with atskv.sparse(model, selector, budget=budget) as s, torch.no_grad():
+            model.generate(ids, max_new_tokens=9, min_new_tokens=9, do_sample=False, pad_token_id=0)
+            layer = s.cache.layers[3]
+            held = layer.slot_pos[0, :, : layer.occupied.shape[-1]]
+            return [set(held[h][layer.occupied[0, h]].tolist()) for h in range(held.shape[0])]
+
+    with atskv.sparse(model, SnapKVSelector(window=4), budget=EVERY_TOKEN) as s, torch.no_grad():
+        model(ids)
+        votes = s.cache.layers[3].slot_tensor("snapkv")[0]  # [Hkv, T]: SnapKV's score, slot = position
+    pinned = [set(votes[h].topk(int(share * budget)).indices.tolist()) for h in range(votes.shape[0])]
+    shared = held_positions(LearnedSelector(predictor=predictor_dir, refresh_every=3, window_share=share, window=4))
+    plain = held_positions(LearnedSelector(predictor=predictor_dir, refresh_every=3))
+    assert all(p <= held for p, held in zip(pinned, shared))
+    assert not all(p <= held for p, held in zip(pinned, plain))
+
+
+def test_a_window_share_outside_zero_to_one_is_refused(predictor_dir):
+    with pytest.raises(ValueError, match="window_share"):
+        LearnedSelector(predictor=predictor_dir, window_share=1.5)
+
+
 def _state_by_position(layer, positions: int) -> torch.Tensor:
     """`[B, Hkv, positions, 4]`: each held token's hidden-state norm, kind, received attention and
     score, by position (NaN where not held): the two paths' slot layouts differ."""

@@ -20,6 +20,7 @@ from positions, keys and the stored hidden-state norms.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +38,8 @@ from atskv.kernels.learned_features import (
 from atskv.predictor.export import LoadedPredictor, load_predictor
 from atskv.predictor.features import SCALAR_FEATURES
 from atskv.predictor.model import RelevanceMLP
-from atskv.selectors.base import LayerView, Selector, check_view_fits
+from atskv.selectors.base import LayerView, Selector, budget_tokens, check_view_fits
+from atskv.selectors.snapkv import window_votes
 
 # Per-slot state in two slot tensors, not five: the reference cache resets every slot tensor of a
 # slot it writes, one kernel per tensor (on the fast path the features kernel of `static_write`
@@ -45,6 +47,7 @@ from atskv.selectors.base import LayerView, Selector, check_view_fits
 # bfloat16 pairs, then the hidden-state norm, 1 + the token type (0: not entered yet) and the
 # attention received; `_SCORE` waits at +inf.
 _STATE, _SCORE = "learned_state", "learned_score"
+_PINNED = "learned_pinned"  # bool: kept whatever the predictor says (`window_share`)
 # the projected hidden state is as wide per token and KV head as a head's K+V in bf16 (64 floats):
 # kept in bfloat16 it costs half of that, not as much GPU memory as the KV it serves
 _PROJECTED_DTYPE = torch.bfloat16
@@ -74,6 +77,12 @@ class LearnedSelector(Selector):
     # predictor's calibration, which is what policy-gradient fine-tuning learns (docs/results.md).
     # None: fill the budget, the same amount in every layer and KV head.
     threshold: float | None = None
+    # Share of the budget kept for the prompt tokens its last `window` queries attend most (SnapKV's
+    # vote, `window_votes`): the predictor scores a token from one pass in which the question at
+    # the prompt's end is one query among thousands, so the passage it asks about can be evicted
+    # (QA on the leaderboard). Those tokens are pinned by position: they score +inf at every refresh.
+    window_share: float = 0.0
+    window: int = 32
     # the last managed layer refreshed and its `attention_by_position`, for the next one
     _previous: tuple[int, torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -95,12 +104,16 @@ class LearnedSelector(Selector):
             )
         if self.refresh_every < 1:
             raise ValueError(f"refresh_every must be >= 1, got {self.refresh_every}")
+        if not 0.0 <= self.window_share <= 1.0 or self.window < 1:
+            raise ValueError(f"need 0 <= window_share <= 1 and window >= 1, got {self.window_share}, {self.window}")
         self._layer_index = {layer: i for i, layer in enumerate(self.predictor.header.managed_layers)}
 
     # --- the selector protocol ---------------------------------------------------------------
     def prefill(self, view: LayerView) -> None:
         self._check(view)
         self._enter(view)
+        if self.window_share > 0:
+            self._pin_window_pick(view)
         self._refresh(view)
         view.layer.state[self.name]["prompt_end"] = view.layer.seen
 
@@ -229,7 +242,19 @@ class LearnedSelector(Selector):
             self._previous = (view.layer_idx, sums)
         else:
             score_slots(mlp, index, self.features(view), slots.projected, slots.kind, view.slot_pos, score)
+        if self.window_share > 0:
+            score.masked_fill_(layer.slot_tensor(_PINNED, init=False, dtype=torch.bool), torch.inf)
         layer.state.setdefault(self.name, {})["refreshed_at"] = layer.seen
+
+    def _pin_window_pick(self, view: LayerView) -> None:
+        """Pin the `window_share` of the budget that the prompt's last queries attend most (the
+        window itself first): a slot flag that moves with its token and clears when the slot
+        takes a new one."""
+        votes = window_votes(view, self.window).masked_fill(view.slot_pos < 0, -torch.inf)
+        n = min(math.ceil(self.window_share * budget_tokens(view)), votes.shape[-1])
+        top, slots = votes.topk(n, dim=-1)
+        pinned = view.layer.slot_tensor(_PINNED, init=False, dtype=torch.bool)
+        pinned.zero_().scatter_(-1, slots, top > -torch.inf)
 
 
 def _fused(mlp) -> bool:

@@ -25,15 +25,20 @@ class SnapKVSelector(Selector):
     kernel: int = 7
 
     def prefill(self, view: LayerView) -> None:
-        w = min(self.window, view.query.shape[2])
-        probs = grouped_probs(view.query[:, :, -w:], view.keys, view.valid[:, :, -w:], view.scaling)
-        votes = probs.sum(dim=(2, 3))  # [B, Hkv, S]
-        b, h, s = votes.shape
-        pooled = F.max_pool1d(votes.view(b * h, 1, s), self.kernel, stride=1, padding=self.kernel // 2)
-        newest = view.slot_pos.amax(dim=-1, keepdim=True)
-        in_window = view.slot_pos > newest - w
-        score = view.layer.slot_tensor("snapkv", init=torch.inf)
-        score.copy_(torch.where(in_window, torch.inf, pooled.view(b, h, s)))
+        view.layer.slot_tensor("snapkv", init=torch.inf).copy_(window_votes(view, self.window, self.kernel))
 
     def scores(self, view: LayerView):
         return view.layer.slot_tensor("snapkv", init=torch.inf).unsqueeze(2)
+
+
+def window_votes(view: LayerView, window: int = 32, kernel: int = 7) -> torch.Tensor:
+    """SnapKV's score of every slot `[B, Hkv, S]` from a prompt `view`: the attention of its last
+    `window` queries, summed over them and the group's heads and max-pooled over `kernel`
+    neighbours; +inf for the window's own tokens."""
+    w = min(window, view.query.shape[2])
+    probs = grouped_probs(view.query[:, :, -w:], view.keys, view.valid[:, :, -w:], view.scaling)
+    votes = probs.sum(dim=(2, 3))  # [B, Hkv, S]
+    b, h, s = votes.shape
+    pooled = F.max_pool1d(votes.view(b * h, 1, s), kernel, stride=1, padding=kernel // 2)
+    newest = view.slot_pos.amax(dim=-1, keepdim=True)
+    return torch.where(view.slot_pos > newest - w, torch.inf, pooled.view(b, h, s))
