@@ -134,9 +134,16 @@ def test_window_share_keeps_what_the_prompts_last_queries_attend_most_through_ev
     assert not all(p <= held for p, held in zip(pinned, plain))
 
 
-def test_a_window_share_outside_zero_to_one_is_refused(predictor_dir):
+def test_a_window_share_outside_zero_to_one_or_a_window_the_fast_path_lacks_is_refused(predictor_dir):
+    from atskv.selectors.snapkv import SnapKVSelector
+
     with pytest.raises(ValueError, match="window_share"):
         LearnedSelector(predictor=predictor_dir, window_share=1.5)
+    for window in (0, 65):  # the fast path shows `prefill` the prompt's last 64 queries
+        with pytest.raises(ValueError, match="1 to 64"):
+            LearnedSelector(predictor=predictor_dir, window_share=0.5, window=window)
+        with pytest.raises(ValueError, match="1 to 64"):
+            SnapKVSelector(window=window)
 
 
 def _state_by_position(layer, positions: int) -> torch.Tensor:

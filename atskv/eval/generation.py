@@ -12,10 +12,11 @@ from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 from atskv.data import TaskExample
+from atskv.hook.decode import generate as generate_fast
+from atskv.hook.tiered import memory_session
 from atskv.memory.slot_cache import kv_bytes
 from atskv.selectors import Selector
-from atskv.hook.decode import LAST_QUERIES, generate as generate_fast
-from atskv.hook.tiered import memory_session
+from atskv.selectors.base import LAST_QUERIES
 
 
 @dataclass(frozen=True)

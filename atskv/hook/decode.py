@@ -48,12 +48,10 @@ from atskv.memory.static_cache import StaticKVCache, StaticSlotLayer
 from atskv.memory.slot_cache import slot_index
 from atskv.models.geometry import decoder_layers
 from atskv.selectors import resolve_selector
-from atskv.selectors.base import LayerView, Selector, resolve_budget
+from atskv.selectors.base import LAST_QUERIES, LayerView, Selector, resolve_budget
 from atskv.selectors.hybrid import HybridSelector
 from atskv.selectors.spark import SparKSelector
 
-# queries a selector's `prefill` sees at the end of the prompt (SnapKV's window is 32)
-LAST_QUERIES = 64
 # selectors whose decode state is written by the hook alone (slot tensors, in place) or by a
 # `static_write`; the others still need host-side bookkeeping per step
 FAST_SELECTORS = (

@@ -163,6 +163,9 @@ def check_view_fits(view: LayerView, geometry, layers, made_for: str, remedy: st
         )
 
 
+# the prompt's last queries a selector's `prefill` sees on the fast path (the reference path shows
+# it the whole prompt): a window of queries (SnapKV's, the learned selector's) must fit in it
+LAST_QUERIES = 64
 BUDGET_RULE = (
     "a budget is an int, the tokens kept per layer and KV head (at least 1 token), or a float "
     "strictly between 0 and 1, that fraction of each row's context"

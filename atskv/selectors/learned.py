@@ -39,7 +39,7 @@ from atskv.predictor.export import LoadedPredictor, load_predictor
 from atskv.predictor.features import SCALAR_FEATURES
 from atskv.predictor.model import RelevanceMLP
 from atskv.selectors.base import LayerView, Selector, budget_tokens, check_view_fits
-from atskv.selectors.snapkv import window_votes
+from atskv.selectors.snapkv import check_window, window_votes
 
 # Per-slot state in two slot tensors, not five: the reference cache resets every slot tensor of a
 # slot it writes, one kernel per tensor (on the fast path the features kernel of `static_write`
@@ -104,8 +104,9 @@ class LearnedSelector(Selector):
             )
         if self.refresh_every < 1:
             raise ValueError(f"refresh_every must be >= 1, got {self.refresh_every}")
-        if not 0.0 <= self.window_share <= 1.0 or self.window < 1:
-            raise ValueError(f"need 0 <= window_share <= 1 and window >= 1, got {self.window_share}, {self.window}")
+        if not 0.0 <= self.window_share <= 1.0:
+            raise ValueError(f"window_share is a share of the budget, in [0, 1]; got {self.window_share}")
+        check_window(self.window)
         self._layer_index = {layer: i for i, layer in enumerate(self.predictor.header.managed_layers)}
 
     # --- the selector protocol ---------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from atskv.hook.gqa import grouped_probs
-from atskv.selectors.base import LayerView, Selector
+from atskv.selectors.base import LAST_QUERIES, LayerView, Selector
 
 
 @dataclass
@@ -23,6 +23,9 @@ class SnapKVSelector(Selector):
     evicts = True
     window: int = 32
     kernel: int = 7
+
+    def __post_init__(self):
+        check_window(self.window)
 
     def prefill(self, view: LayerView) -> None:
         view.layer.slot_tensor("snapkv", init=torch.inf).copy_(window_votes(view, self.window, self.kernel))
@@ -42,3 +45,10 @@ def window_votes(view: LayerView, window: int = 32, kernel: int = 7) -> torch.Te
     pooled = F.max_pool1d(votes.view(b * h, 1, s), kernel, stride=1, padding=kernel // 2)
     newest = view.slot_pos.amax(dim=-1, keepdim=True)
     return torch.where(view.slot_pos > newest - w, torch.inf, pooled.view(b, h, s))
+
+
+def check_window(window: int) -> None:
+    """Refuse a window of queries the fast path would not show a selector's `prefill`."""
+    if not 1 <= window <= LAST_QUERIES:
+        raise ValueError(f"the window of last queries must be 1 to {LAST_QUERIES} (the fast path keeps so many); "
+                         f"got {window}")  # fmt: skip
