@@ -312,8 +312,8 @@ def run_leaderboard(
            if selector_options else {}),
         **({"tiering": {k: str(v) for k, v in tiering.items()}} if tiering else {}),
     }  # fmt: skip
-    names = [m.removeprefix(TIERED) for m in grid.selectors]
-    selectors = dict(zip(grid.selectors, selectors_for_model(names, loaded.name, selector_options)))
+    built = dict(zip(grid.selector_names, selectors_for_model(grid.selector_names, loaded.name, selector_options)))
+    selectors = {m: built[m.removeprefix(TIERED)] for m in grid.selectors}  # a tiered: row shares its selector
     if fast and (slow := [m for m, s in selectors.items() if m not in grid.tiered and not has_fast_path(s)]):
         raise InputError(f"{', '.join(slow)} run on the reference path only; run the leaderboard with --fast false")
     if fast and sparse_prefill:
