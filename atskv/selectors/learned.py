@@ -80,7 +80,8 @@ class LearnedSelector(Selector):
     # Share of the budget kept for the prompt tokens its last `window` queries attend most (SnapKV's
     # vote, `window_votes`): the predictor scores a token from one pass in which the question at
     # the prompt's end is one query among thousands, so the passage it asks about can be evicted
-    # (QA on the leaderboard). Those tokens are pinned by position: they score +inf at every refresh.
+    # (QA on the leaderboard). Those tokens are pinned (a slot flag that moves with the token): they
+    # score +inf at every refresh.
     window_share: float = 0.0
     window: int = 32
     # the last managed layer refreshed and its `attention_by_position`, for the next one

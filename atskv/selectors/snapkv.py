@@ -34,7 +34,7 @@ class SnapKVSelector(Selector):
         return view.layer.slot_tensor("snapkv", init=torch.inf).unsqueeze(2)
 
 
-def window_votes(view: LayerView, window: int = 32, kernel: int = 7) -> torch.Tensor:
+def window_votes(view: LayerView, window: int, kernel: int = 7) -> torch.Tensor:
     """SnapKV's score of every slot `[B, Hkv, S]` from a prompt `view`: the attention of its last
     `window` queries, summed over them and the group's heads and max-pooled over `kernel`
     neighbours; +inf for the window's own tokens."""
