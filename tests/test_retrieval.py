@@ -267,6 +267,39 @@ def test_many_small_adds_and_removes(index):
     assert torch.equal(index.search(queries, 50), reference(index, keys, positions, queries, 50))
 
 
+def whole_capacity(search):
+    """`search` as it was before indexes kept `end`: every slot of the capacity scored."""
+
+    def scan(index, *args, **kwargs):
+        end, index.end = index.end, index.slot_pos.shape[-1]
+        try:
+            return search(index, *args, **kwargs)
+        finally:
+            index.end = end
+
+    return scan
+
+
+@pytest.mark.parametrize("cls", [LSHIndex, ExactIndex])
+def test_a_search_below_end_returns_what_a_scan_of_the_capacity_did(cls):
+    """Free slots below `end` and a capacity grown past it; half the keys repeat others, so
+    scores tie and `ExactIndex` must keep `topk`'s order among them too."""
+    index = cls(D)
+    keys, positions, queries = random_entries(120, hole=0.0)
+    keys[:, :, 60:] = keys[:, :, :60]
+    index.add(keys[:, :, :100], positions[:, :, :100])
+    index.remove(positions[:, :, :60])
+    back = list(range(60)) + list(range(100, 120))  # 60 into the freed slots, 20 past the capacity
+    index.add(keys[:, :, back], positions[:, :, back])
+    index.remove(positions[:, :, 50:70])
+    assert index.end == 120 < index.slot_pos.shape[-1]
+    offsets = torch.randn(B, H, G)
+    for n in (5, 40, 100, 150):
+        for shift in (None, offsets):
+            expected = whole_capacity(cls.search)(index, queries, n, shift)
+            assert torch.equal(index.search(queries, n, shift), expected), (n, shift is None)
+
+
 def test_lsh_storage_grows_geometrically_and_reuses_free_slots():
     index = LSHIndex(D, tables=4)
     keys, positions, _ = random_entries(300, hole=0.0)

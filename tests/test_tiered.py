@@ -9,10 +9,11 @@ import torch
 
 import atskv
 from atskv.memory.host_tier import HostTier
-from atskv.memory.retrieval import FaissIndex, make_index
+from atskv.memory.retrieval import INDEXES, FaissIndex, make_index
 from atskv.memory.sparsity import LayerPolicy
 from atskv.memory.tiered_cache import MOMENTUM, TieredLayer, TierStats
 from tests.conftest import random_prompt, tiny_model
+from tests.test_retrieval import whole_capacity
 from tests.test_selector_learned import predictor_dir as learned_predictor_dir
 
 B, H, D = 2, 3, 8
@@ -235,6 +236,30 @@ def test_streamed_reads_of_retrieved_tokens_equal_one_block():
     torch.testing.assert_close(streamed, whole, rtol=1e-5, atol=1e-5)
     assert vars(session_streamed.cache.stats) == vars(session_whole.cache.stats)
     assert session_whole.cache.stats.promoted_tokens > 0
+
+
+@pytest.mark.parametrize("index", ["exact", "lsh"])
+def test_searching_below_the_index_end_generates_what_a_scan_of_its_capacity_did(monkeypatch, index):
+    """An index scores its slots below `end`, not the room a growth added: the same tokens, and
+    bit-identical logits, as when every slot of the capacity was scored."""
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    prompt = random_prompt(96, seed=7, batch=2)
+    options = dict(budget=40, sinks=2, recent=8, refresh_every=4, retrieve=16, index=index)
+
+    def generate():
+        with torch.no_grad(), atskv.tiered(model, "h2o", **options) as session:
+            out = model.generate(prompt, max_new_tokens=40, do_sample=False, output_scores=True,
+                                 return_dict_in_generate=True)  # fmt: skip
+        return out.sequences, torch.stack(out.scores), session
+
+    tokens, scores, session = generate()
+    grown = [session.cache.layers[i].index for i in session.cache.managed_layers]
+    assert all(ix.end < ix.slot_pos.shape[-1] for ix in grown) and session.cache.stats.promoted_tokens > 0
+    cls = INDEXES[index]
+    monkeypatch.setattr(cls, "search", whole_capacity(cls.search))
+    full_tokens, full_scores, _ = generate()
+    assert torch.equal(tokens, full_tokens) and torch.equal(scores, full_scores)
 
 
 predictor_dir = learned_predictor_dir  # the fixture: an exported predictor for the tiny Llama

@@ -110,8 +110,12 @@ class _Groups:
 class _SlotStore(_Groups):
     """Entries of every (row, KV head) group in one set of tensors: `payload[B, Hkv, capacity, ...]`
     (what the index keeps of each key) and `slot_pos[B, Hkv, capacity]` (its position, -1 for a
-    free slot). Free slots are reused by later adds and the capacity grows geometrically (it never
-    shrinks); `add`/`remove` synchronise with the host (uniqueness checks, free-slot claims)."""
+    free slot). Free slots are reused by later adds, lowest first, and the capacity grows
+    geometrically (it never shrinks); a search scores only the slots below `end`, the highest ever
+    taken (`held`), not the room a growth made for later adds (it doubles the capacity: SmolLM2's
+    shape at 4K tokens, batch 4, decoded at 200 ms a step on the CPU under `atskv.tiered` once the
+    first refresh had grown the exact index, 174 ms scoring below `end`). `add`/`remove`
+    synchronise with the host (uniqueness checks, free-slot claims)."""
 
     min_capacity = 16
 
@@ -120,19 +124,24 @@ class _SlotStore(_Groups):
         self.device = torch.device(device)
         self.payload = torch.empty(0, 0, 0, *payload_shape, dtype=payload_dtype, device=self.device)
         self.slot_pos = torch.empty(0, 0, 0, dtype=torch.long, device=self.device)
+        self.end = 0  # slots [0, end) may hold entries (host side: no sync to read)
 
     def encode(self, keys: torch.Tensor) -> torch.Tensor:
         """The payload of `keys` `[..., D]`."""
         raise NotImplementedError
 
     def _best(self, queries: torch.Tensor, n: int, offsets: torch.Tensor | None) -> torch.Tensor:
-        """Positions `[B, Hkv, n]` of the best entries (-1 where fewer qualify); the store is not empty."""
+        """Positions `[B, Hkv, <= n]` of the best entries (-1 where fewer qualify); `end` > 0."""
         raise NotImplementedError
+
+    def held(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`payload` and `slot_pos` of the slots below `end`: all a search needs to score."""
+        return self.payload[:, :, : self.end], self.slot_pos[..., : self.end]
 
     def search(self, queries: torch.Tensor, n: int, offsets: torch.Tensor | None = None) -> torch.Tensor:
         self._check_queries(queries, n)
         out = torch.full((*queries.shape[:2], int(n)), -1, dtype=torch.long, device=self.device)
-        if self.slot_pos.shape[-1] > 0:
+        if self.end > 0:
             best = self._best(queries, min(int(n), self.slot_pos.shape[-1]), offsets)
             out[..., : best.shape[-1]] = best
         return out
@@ -146,6 +155,7 @@ class _SlotStore(_Groups):
         if self.slot_pos.shape[:2] != self.groups:
             self.payload = self.payload.new_empty(*self.groups, 0, *self.payload.shape[3:])
             self.slot_pos = self.slot_pos.new_empty(*self.groups, 0)
+            self.end = 0
         valid = positions >= 0
         self._check_unique(positions)
         if bool(self._locate(positions)[1].any()):
@@ -159,6 +169,8 @@ class _SlotStore(_Groups):
         slot = free_first[row, head, rank[row, head, i]]
         self.payload[row, head, slot] = self.encode(keys[valid.to(keys.device)])  # same row-major order
         self.slot_pos[row, head, slot] = positions[row, head, i]
+        if slot.numel():
+            self.end = max(self.end, int(slot.max()) + 1)
 
     def remove(self, positions: torch.Tensor) -> None:
         if positions.dim() != 3:
@@ -271,16 +283,17 @@ class LSHIndex(_SlotStore):
 
     def _best(self, queries: torch.Tensor, n: int, offsets: torch.Tensor | None) -> torch.Tensor:
         """`offsets` are ignored: the estimate is angular, there is no logit to shift."""
+        codes, slot_pos = self.held()
         q = self.encode(queries).unsqueeze(3)  # [B, Hkv, G, 1, L]
-        k = self.codes.unsqueeze(2)  # [B, Hkv, 1, cap, L]
-        score = self.tables * self.bits - _popcount(torch.bitwise_xor(q, k)).sum(-1)  # agreeing bits [B, Hkv, G, cap]
+        k = codes.unsqueeze(2)  # [B, Hkv, 1, end, L]
+        score = self.tables * self.bits - _popcount(torch.bitwise_xor(q, k)).sum(-1)  # agreeing bits [B, Hkv, G, end]
         if self.rank == "collisions":
             collisions = (q == k).sum(-1)
             score = (collisions * (self.tables * self.bits + 1) + score).masked_fill(collisions == 0, -1)
         score = score.amax(2)
-        key = (score << self._position_bits) | self.slot_pos
-        key = key.masked_fill((score < 0) | (self.slot_pos < 0), -1)
-        best = key.topk(n, dim=-1).values
+        key = (score << self._position_bits) | slot_pos
+        key = key.masked_fill((score < 0) | (slot_pos < 0), -1)
+        best = key.topk(min(n, self.end), dim=-1).values  # keys are unique but for -1: any width ranks alike
         return torch.where(best >= 0, best & ((1 << self._position_bits) - 1), -1)
 
     @property
@@ -406,11 +419,15 @@ class ExactIndex(_SlotStore):
         return keys.to(self.device, torch.float32)
 
     def _best(self, queries: torch.Tensor, n: int, offsets: torch.Tensor | None) -> torch.Tensor:
-        scores = torch.matmul(queries.to(self.device, torch.float32), self.keys.transpose(-1, -2))  # [B, Hkv, G, cap]
+        keys, slot_pos = self.held()
+        scores = torch.matmul(queries.to(self.device, torch.float32), keys.transpose(-1, -2))  # [B, Hkv, G, end]
         if offsets is not None:
             scores = scores - offsets.to(self.device, torch.float32).unsqueeze(-1)
-        scores = scores.amax(2).masked_fill(self.slot_pos < 0, -torch.inf)
-        best = scores.topk(n, dim=-1)
+        # ranked at the capacity's width, -inf above `end`: `topk` orders tied scores (common among
+        # the best: q·k minus the offset is coarse in float32) differently at another width
+        ranked = torch.full(self.slot_pos.shape, -torch.inf, device=self.device)
+        ranked[..., : self.end] = scores.amax(2).masked_fill(slot_pos < 0, -torch.inf)
+        best = ranked.topk(n, dim=-1)
         return torch.where(best.values > -torch.inf, self.slot_pos.gather(-1, best.indices), -1)
 
 
