@@ -240,3 +240,31 @@ def test_folders_computed_in_parallel_merge_into_one_report(loaded, calls, tmp_p
     run_leaderboard(loaded, tmp_path / "other", check_grid(**PLAN, seeds=[2], examples=2), **{**RUN, "dense_layers": 2})
     with pytest.raises(InputError, match="other settings"):
         leaderboard.merge_folders(tmp_path / "merged", [tmp_path / "other"])
+
+
+def test_a_run_with_other_selector_options_joins_the_report_as_labelled_rows(loaded, calls, tmp_path):
+    """A variant folder (StreamingLLM with one sink instead of four, same prompts) adds its rows as
+    "streaming_llm (one sink)" beside the plain ones, and its dense cells stay out; a variant that
+    changes more than the selector options is refused."""
+    plan = dict(PLAN, methods=["streaming_llm"], contexts=[200])
+    run_leaderboard(loaded, tmp_path / "main", check_grid(**plan, seeds=[0], examples=2), **RUN)
+    variant = run_leaderboard(
+        loaded, tmp_path / "sink1", check_grid(**plan, seeds=[0], examples=2),
+        selector_options={"streaming_llm": {"sinks": 1}}, **RUN,
+    )  # fmt: skip
+    merged = leaderboard.merge_folders(tmp_path / "merged", [tmp_path / "main"], {"one sink": tmp_path / "sink1"})
+    data = json.loads(merged["json"].read_text())
+    assert data["grid"]["methods"] == ["streaming_llm", "streaming_llm (one sink)"]
+    assert data["settings"]["variants"] == {"one sink": {"selector_options": {"streaming_llm": {"sinks": "1"}}}}
+    by_method = {(c["method"], c["ratio"]): c for c in data["cells"]}
+    assert sum(c["method"] == "dense" for c in data["cells"]) == 1
+    for cell in json.loads(variant["json"].read_text())["cells"]:
+        if cell["method"] != "dense":
+            assert by_method["streaming_llm (one sink)", cell["ratio"]]["texts"] == cell["texts"]
+    assert "| streaming_llm (one sink) |" in merged["markdown"].read_text()
+    other = tmp_path / "deeper"
+    other.mkdir()
+    settings = json.loads((tmp_path / "sink1" / "settings.json").read_text())
+    (other / "settings.json").write_text(json.dumps({**settings, "dense_layers": 2}))
+    with pytest.raises(InputError, match="other settings .*dense_layers"):
+        leaderboard.merge_folders(tmp_path / "merged2", [tmp_path / "main"], {"deeper": other})

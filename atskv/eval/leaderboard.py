@@ -25,8 +25,8 @@ import statistics
 import subprocess
 import sys
 from collections import defaultdict
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -43,6 +43,7 @@ DENSE = "dense"
 TIERED = "tiered:"
 KVPRESS = "kvpress:"
 KVPRESS_DENSE = "kvpress:none"  # kvpress's own full-KV run: the dense beside its presses
+VARIANT_SETTINGS = ("selector_options", "tiering")  # what a variant folder may change (see merge_folders)
 
 
 @dataclass(frozen=True)
@@ -373,21 +374,42 @@ def run_leaderboard(
     return write(cells, store.out, grid, loaded.name, notes, settings)
 
 
-def merge_folders(out: str | Path, sources: Sequence[str | Path]) -> dict[str, Path]:
+def merge_folders(
+    out: str | Path, sources: Sequence[str | Path], variants: Mapping[str, str | Path] | None = None
+) -> dict[str, Path]:
     """Gather the cells of folders computed in parallel (one process per context and task, say)
     into `out` and write its report from them, computing nothing. The sources must share their
     settings; a cell in several is taken once. The grid is what the cells cover, and a row
     averages over the seeds that have all its tasks (rows may rest on different seeds: the JSON
-    lists them)."""
+    lists them). `variants`: label -> a folder run with other `selector_options` or `tiering`
+    (nothing else may differ): its atskv rows join as "METHOD (label)", so one table and plot show
+    a selector under two settings on the same prompts; its dense and kvpress cells are left out
+    (the sources hold those)."""
     sources = [Path(s) for s in sources]
-    if not sources or not all((s / "settings.json").is_file() for s in sources):
-        raise InputError(f"each source must be a leaderboard folder (with settings.json): {[str(s) for s in sources]}")
+    variants = {label: Path(folder) for label, folder in (variants or {}).items()}
+    if not sources or not all((s / "settings.json").is_file() for s in [*sources, *variants.values()]):
+        raise InputError(
+            f"each source must be a leaderboard folder (with settings.json): "
+            f"{[str(s) for s in [*sources, *variants.values()]]}"
+        )
     settings = json.loads((sources[0] / "settings.json").read_text())
-    store = CellStore(Path(out), settings)
+    base = {k: v for k, v in settings.items() if k not in VARIANT_SETTINGS}
+    varied = {}
+    for label, folder in variants.items():
+        theirs = json.loads((folder / "settings.json").read_text())
+        varied[label] = {k: theirs[k] for k in VARIANT_SETTINGS if k in theirs}
+        CellStore(folder, {**base, **varied[label]})  # refuses a variant that changes anything else
+    merged = {**settings, **({"variants": varied} if varied else {})}
+    store = CellStore(Path(out), merged)
     for source in sources:
         for key, cell in CellStore(source, settings).cells.items():  # refuses other settings
             if key not in store:
                 store.add(cell)
+    for label, folder in variants.items():
+        for cell in CellStore(folder, {**base, **varied[label]}).cells.values():
+            if cell.method not in (DENSE, KVPRESS_DENSE) and not cell.method.startswith(KVPRESS):
+                if (renamed := replace(cell, method=f"{cell.method} ({label})")).key not in store:
+                    store.add(renamed)
     cells = list(store.cells.values())
     methods = [m for m in dict.fromkeys(c.method for c in cells) if m not in (DENSE, KVPRESS_DENSE)]
     grid = Grid(
@@ -395,7 +417,10 @@ def merge_folders(out: str | Path, sources: Sequence[str | Path]) -> dict[str, P
         tuple(sorted(methods, key=lambda m: m.startswith(KVPRESS))), tuple(dict.fromkeys(c.task for c in cells)),
         tuple(sorted({c.seed for c in cells})),
     )  # fmt: skip
-    return write(cells, store.out, grid, settings["model"], _notes(settings, grid, None), settings)
+    notes = _notes(settings, grid, None)
+    for label, options in varied.items():
+        notes += f" METHOD ({label}): the same prompts, run with {json.dumps(options)}."
+    return write(cells, store.out, grid, settings["model"], notes, merged)
 
 
 # --- the report --------------------------------------------------------------------------------
