@@ -63,6 +63,7 @@ def test_grid_json_table_and_resume(loaded, calls, tmp_path):
         assert c["dense_layers"] == (None if c["method"] == "dense" else 1)
     assert data["settings"]["dense_layers"] == 1 and data["settings"]["prefill"] == "dense"
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert paths["png_top"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # a random model: every row near dense
 
     table = paths["markdown"].read_text()
     for context in (200, 260):
@@ -268,3 +269,17 @@ def test_a_run_with_other_selector_options_joins_the_report_as_labelled_rows(loa
     (other / "settings.json").write_text(json.dumps({**settings, "dense_layers": 2}))
     with pytest.raises(InputError, match="other settings .*dense_layers"):
         leaderboard.merge_folders(tmp_path / "merged2", [tmp_path / "main"], {"deeper": other})
+
+
+def test_the_top_plot_holds_the_rows_near_their_own_dense():
+    """A row that loses 2 points on average (one ratio 4 below) is near; one that loses 4 is not;
+    a kvpress row is measured against kvpress's own dense."""
+    grid = Grid((4096,), (0.5, 0.9), ("close", "far", "kvpress:p"), ("qa",), (0,))
+
+    def at(method, ratio, mean):
+        return leaderboard.Summary(4096, method, ratio, (0,), (mean,), mean, 0.0, {"qa": mean})
+
+    summaries = [at("dense", None, 0.5), at("kvpress:none", None, 0.3), at("close", 0.5, 0.5), at("close", 0.9, 0.46),
+                 at("far", 0.5, 0.46), at("far", 0.9, 0.46), at("kvpress:p", 0.5, 0.29), at("kvpress:p", 0.9, 0.29)]  # fmt: skip
+    assert leaderboard.near_dense(summaries, grid) == ["close", "kvpress:p"]
+

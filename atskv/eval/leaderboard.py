@@ -493,21 +493,26 @@ def markdown(summaries: Sequence[Summary], grid: Grid, model: str) -> str:
     return "\n\n".join(tables)
 
 
-def plot(summaries: Sequence[Summary], grid: Grid, model: str, path: Path) -> None:
+def plot(
+    summaries: Sequence[Summary], grid: Grid, model: str, path: Path, methods: Sequence[str] | None = None
+) -> None:
     """Score against compression ratio, one panel per context, one line per method (kvpress's
     dotted; std over seeds as error bars), dense as a horizontal line. Ratios sit evenly spaced,
-    in order: the grid's 0.875 and 0.9 would overlap on a linear axis."""
+    in order: the grid's 0.875 and 0.9 would overlap on a linear axis. A context where no row has
+    every task gets no panel. `methods`: only these (colours as in the full plot), on a y axis
+    fitted to them rather than 0-100."""
     import matplotlib
     from matplotlib.figure import Figure  # renders with Agg; no pyplot, no display
 
     at = {(s.context, s.method, s.ratio): s for s in summaries}
     position = {r: i for i, r in enumerate(grid.ratios)}
     colors = dict(zip(grid.methods, matplotlib.colormaps["tab20"].colors * 2))  # 20 before one repeats
-    fig = Figure(figsize=(4.5 * len(grid.contexts) + 2.5, 4.2), layout="constrained")
-    for ax, context in zip(fig.subplots(1, len(grid.contexts), squeeze=False)[0], grid.contexts):
+    contexts = [c for c in grid.contexts if any(s.context == c for s in summaries)] or list(grid.contexts)
+    fig = Figure(figsize=(4.5 * len(contexts) + 2.5, 4.2), layout="constrained")
+    for ax, context in zip(fig.subplots(1, len(contexts), squeeze=False)[0], contexts):
         if (dense := at.get((context, DENSE, None))) is not None:
             ax.axhline(100 * dense.mean, color="black", linestyle="--", label=DENSE)
-        for method in grid.methods:
+        for method in methods if methods is not None else grid.methods:
             points = [(r, at[context, method, r]) for r in grid.ratios if (context, method, r) in at]
             if points:
                 ax.errorbar(
@@ -515,10 +520,14 @@ def plot(summaries: Sequence[Summary], grid: Grid, model: str, path: Path) -> No
                     yerr=[100 * s.std for _, s in points], marker="o", capsize=2, label=method, color=colors[method],
                     linestyle=":" if method.startswith(KVPRESS) else "-",
                 )  # fmt: skip
-        ax.set(title=f"{model}, {context} tokens", xlabel="compression ratio", ylabel="score (points)", ylim=(-3, 103))
+        ax.set(title=f"{model}, {context} tokens", xlabel="compression ratio", ylabel="score (points)")
+        if methods is None:
+            ax.set_ylim(-3, 103)
         ax.set_xticks(range(len(grid.ratios)), [f"{r:g}" for r in grid.ratios])
-    handles, labels = fig.axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside right center", fontsize="small")
+    legend = {}  # every panel's lines, once each: a panel may lack a row
+    for ax in fig.axes:
+        legend |= {label: handle for handle, label in zip(*ax.get_legend_handles_labels()) if label not in legend}
+    fig.legend(legend.values(), legend.keys(), loc="outside right center", fontsize="small")
     fig.savefig(path, dpi=120)
 
 
@@ -551,10 +560,29 @@ def write(
     cells: Sequence[Cell], out: Path, grid: Grid, model: str, notes: str, settings: dict
 ) -> dict[str, Path]:
     """leaderboard.md (a table per context, then the notes), leaderboard.json (settings, grid,
-    every cell, the summaries) and leaderboard.png under `out`."""
+    every cell, the summaries), leaderboard.png (every row) and leaderboard-top.png (the rows near
+    dense, `near_dense`, on a fitted axis) under `out`."""
     summaries = summarize(cells, grid.tasks)
     data = {"settings": settings, "grid": asdict(grid), "notes": notes, "summaries": summaries, "cells": list(cells)}
-    return write_report(
+    paths = write_report(
         out, markdown(summaries, grid, model), data, json_name="leaderboard.json", markdown_name="leaderboard.md",
         notes=notes, plot=lambda path: plot(summaries, grid, model, path), png_name="leaderboard.png",
     )  # fmt: skip
+    if close := near_dense(summaries, grid):
+        paths["png_top"] = Path(out) / "leaderboard-top.png"
+        plot(summaries, grid, model, paths["png_top"], close)
+    return paths
+
+
+def near_dense(summaries: Sequence[Summary], grid: Grid, points: float = 3.0) -> list[str]:
+    """The methods that lose at most `points` to their own dense on average over the contexts and
+    ratios they have: the rows the full plot crowds together at its top, for a plot of their own."""
+    at = {(s.context, s.method, s.ratio): s.mean for s in summaries}
+    close = []
+    for method in grid.methods:
+        dense = KVPRESS_DENSE if method.startswith(KVPRESS) else DENSE
+        losses = [at[c, dense, None] - at[c, method, r] for c in grid.contexts for r in grid.ratios
+                  if (c, method, r) in at and (c, dense, None) in at]  # fmt: skip
+        if losses and 100 * statistics.fmean(losses) <= points:
+            close.append(method)
+    return close
