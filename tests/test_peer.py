@@ -178,3 +178,27 @@ def test_real_kvpress_on_smollm2(tmp_path):
     scored = peer.score_kvpress(records, examples, per_token)
     assert scored[0].kv_fraction == pytest.approx(1.0)
     assert scored[1].kv_fraction == pytest.approx(0.5, abs=0.02)
+
+
+@pytest.mark.slow
+def test_kvpress_compresses_only_gemma3_global_layers(tmp_path):
+    """kvpress's Gemma 3 rule (sliding-window layers keep their own cache) holds for the text-only
+    Gemma3ForCausalLM too (`run_presses.press_on`): at ratio 0.5 only the 2 global layers of the
+    tiny 6-layer Gemma 3 lose half the prompt, so the mean kept per layer drops by 2/6 of that."""
+    from tests.conftest import tiny_model
+
+    python = peer.default_kvpress_python()
+    if not python.is_file():
+        pytest.skip("needs the kvpress venv (benchmarks/peer_kvpress/setup.sh)")
+    model, tokenizer = tiny_model("gemma3"), tiny_bpe_tokenizer()
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    model.save_pretrained(tmp_path / "gemma3")
+    tokenizer.save_pretrained(tmp_path / "gemma3")
+    examples = peer.build_examples(tokenizer, "passkey", [256], trials=1)
+    peer.write_examples(tmp_path / "ex.json", examples)
+    none, snap = peer.run_kvpress(
+        python, tmp_path / "ex.json", tmp_path / "gemma3", ["none", "snapkv"], [0.5], tmp_path / "kv.json",
+        max_new_tokens=2, device="cpu", dtype="float32",
+    )  # fmt: skip
+    tokens = none["prompt_tokens"]
+    assert snap["kept_tokens"] == pytest.approx(none["kept_tokens"] - 2 * (tokens - int(tokens * 0.5)) / 6)

@@ -6,7 +6,8 @@ because kvpress pins an older transformers than atskv's.
 For each example and press, the whole prompt is prefilled under the press, so the compression
 covers the question too (the prompt ends with the question, as atskv runs it); kvpress's own
 pipeline would instead compress only a context and append the question uncompressed. Every
-layer is compressed, after that layer's (dense) prefill attention, as kvpress does; then greedy
+layer is compressed, after that layer's (dense) prefill attention, as kvpress does (Gemma 3: its
+global layers only, kvpress's rule, see `press_on`); then greedy
 decoding continues on the compressed cache at the original positions, as kvpress's pipeline
 does, until EOS or `--max-new-tokens`. Press parameters are kvpress's defaults.
 
@@ -58,13 +59,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+@contextlib.contextmanager
+def press_on(press, model):
+    """`press(model)`, with kvpress's Gemma 3 rule (compress only the layers without a sliding
+    window) for the text-only `Gemma3ForCausalLM` too: kvpress 0.5.5 applies it only to
+    `Gemma3ForConditionalGeneration` and otherwise prunes the 512-token sliding caches as well
+    (every needle lost at any ratio, 0.5 included). The press hooks the layers it finds in
+    `model.model.layers` when entered, so it is shown the global ones only, then the list is put back."""
+    inner = model.model
+    layers = inner.layers
+    with contextlib.ExitStack() as stack:
+        inner.layers = torch.nn.ModuleList([x for x in layers if not getattr(x.self_attn, "is_sliding", False)])
+        try:
+            stack.enter_context(press(model))
+        finally:
+            inner.layers = layers
+        yield
+
+
 def greedy_with_press(model, tokenizer, ids: torch.Tensor, press, max_new_tokens: int) -> dict:
     """Prefill `ids` `[1, T]` under `press` (None: full KV), then greedy decode without it."""
     cache = DynamicCache()
     stop = model.generation_config.eos_token_id
     stop = set(stop if isinstance(stop, list) else [stop])
     with torch.inference_mode():
-        with press(model) if press is not None else contextlib.nullcontext():
+        with press_on(press, model) if press is not None else contextlib.nullcontext():
             out = model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
         kept = [cache.get_seq_length(i) for i in range(len(cache))]
         new = [int(out.logits[0, -1].argmax())]
