@@ -58,7 +58,7 @@ def test_fast_generate_gives_the_reference_tokens(family, selector, budget):
 
 
 @pytest.mark.parametrize(
-    "selector,budget", [c for c in CASES if c[0] in ("dense", "sparq", "sparcas", "snapkv", "h2o", "spark")]
+    "selector,budget", [c for c in CASES if c[0] in ("dense", "quest", "sparq", "sparcas", "snapkv", "h2o", "spark")]
 )
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_fast_generate_of_a_left_padded_batch(family, selector, budget):
@@ -66,6 +66,16 @@ def test_fast_generate_of_a_left_padded_batch(family, selector, budget):
     fast = atskv.generate(model, ids, _selector(selector), budget, attention_mask=mask, max_new_tokens=10,
                           dense_layers=1, prefill_chunk=64)  # fmt: skip
     assert torch.equal(fast, _reference(model, ids, _selector(selector), budget, 10, mask))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_quest_on_the_reference_path_gives_a_padded_row_its_tokens_alone(family):
+    """A padded row's pages start at its first real token (20 pads: not a whole page), as they do
+    when it runs alone."""
+    model, ids, mask = left_padded(family, 150, 20, seed=2)
+    batched = _reference(model, ids, _selector("quest"), 16, 10, mask)
+    alone = _reference(model, ids[1:, 20:], _selector("quest"), 16, 10)
+    assert torch.equal(batched[1, 20:], alone[0])
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -181,10 +191,8 @@ def test_fast_generate_with_a_budget_the_prompt_does_not_fill_gives_the_referenc
 def test_fast_generate_through_the_kernels_gives_the_reference_tokens(monkeypatch, tmp_path, selector):
     """The fast path as it runs on a GPU (its Triton kernels: decode write, eviction, attention
     with mass, Quest's pick, SparCas's partial logits, the learned selector's features and refresh;
-    Triton's interpreter on the CPU), a left-padded batch, against the reference session in torch.
-    (Quest unpadded: the reference's first page mixes pad keys into its bounds, the fast path's
-    does not.)"""
-    model, ids, mask = left_padded("llama", 100, 0 if selector == "quest" else 20, seed=3)
+    Triton's interpreter on the CPU), a left-padded batch, against the reference session in torch."""
+    model, ids, mask = left_padded("llama", 100, 20, seed=3)
     budget = 0.2 if "+" not in selector else 12
     options = {"residency_budget": 24} if "+" in selector else OPTIONS.get(selector, {})
     if selector.startswith("learned"):  # refreshing on steps 2 and 4 of the 5

@@ -231,7 +231,7 @@ def test_recall_of_a_composition_with_every_token_resident_is_the_query_aware_pa
 
 def test_left_padding_does_not_change_a_rows_choice():
     """The attention part sees each row's resident tokens packed from the front, so even Quest's
-    pages (which alone take in a padded row's pad keys) are those of the row run alone."""
+    pages are those of the row run alone."""
     model = tiny_model("llama")
     ids = random_prompt(30, seed=8, batch=2)
 

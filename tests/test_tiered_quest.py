@@ -1,8 +1,8 @@
 """Quest's page bounds when slots below the covered count change: under `atskv.tiered` demotion
 frees slots and promotion and new tokens refill them, so bounds cached by slot go stale unless
 the pages whose slots changed are bounded again. Every scoring must equal Quest's scores from
-bounds built from scratch on the same view, over the slots it may attend only (pad keys of a
-left-padded row and free slots never enter a bound)."""
+bounds built from scratch on the same view and page grid, over the slots it may attend only (pad
+keys of a left-padded row and free slots never enter a bound)."""
 
 from __future__ import annotations
 
@@ -14,19 +14,31 @@ import torch
 import atskv
 from atskv.kernels.quest import masked_page_bounds, quest_page_scores
 from atskv.selectors.base import LayerView, select_top_budget
-from atskv.selectors.quest import QuestSelector, _page_counts
+from atskv.selectors.quest import QuestSelector, _grid_shift, _page_counts
 from tests.conftest import random_prompt, tiny_model
 
 # moves on a 64-token prompt: the GPU tier holds 24 per layer and KV head, 8 candidates come back a step
 TIGHT = dict(sinks=2, recent=4, refresh_every=4, retrieve=8)
 
 
+def rows_on_the_grid(view: LayerView, size: int, held: torch.Tensor):
+    """Per row: its keys `[1, Hkv, shift + S, D]` and `held` slots (`[B, Hkv, S]`) after the `shift`
+    empty slots that put it on Quest's page grid (`_grid_shift`), and the shift."""
+    shifts = _grid_shift(view, size).flatten().expand(view.keys.shape[0]).tolist()
+    for b, shift in enumerate(shifts):
+        keys = torch.nn.functional.pad(view.keys[b : b + 1], (0, 0, shift, 0))
+        yield keys, torch.nn.functional.pad(held[b : b + 1], (shift, 0)), shift
+
+
 def from_scratch(view: LayerView, size: int) -> torch.Tensor:
-    """Quest's token scores `[B, Hkv, Tq, S]` from bounds built anew over the slots some query of
-    `view` may attend."""
-    low, high = masked_page_bounds(view.keys, view.valid.any(2), size)
-    pages = quest_page_scores(view.query, low, high)
-    return pages.repeat_interleave(size, dim=-1)[..., : view.keys.shape[2]]
+    """Quest's token scores `[B, Hkv, Tq, S]` from bounds built anew, row by row, over the slots
+    some query of `view` may attend."""
+    rows = []
+    for b, (keys, held, shift) in enumerate(rows_on_the_grid(view, size, view.valid.any(2))):
+        low, high = masked_page_bounds(keys, held, size)
+        pages = quest_page_scores(view.query[b : b + 1], low, high)
+        rows.append(pages.repeat_interleave(size, dim=-1)[..., shift : shift + view.keys.shape[2]])
+    return torch.cat(rows)
 
 
 @dataclass
@@ -52,12 +64,12 @@ class Checked(QuestSelector):
     def decode_indices(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference's decode pick ranks pages by the same bounds: those of every page that holds
         a slot the query may attend equal bounds built from scratch."""
-        valid = view.valid[:, :, -1]
-        low, high = self._bounds(view)
-        expected = masked_page_bounds(view.keys, valid, self.page_size)
-        used = _page_counts(valid, self.page_size) > 0
-        for bound, truth in zip((low, high), expected):
-            assert torch.equal(bound[used], truth[used])
+        low, high, _ = self._bounds(view)
+        for b, (keys, held, _) in enumerate(rows_on_the_grid(view, self.page_size, view.valid[:, :, -1])):
+            expected = masked_page_bounds(keys, held, self.page_size)
+            used = _page_counts(held, self.page_size) > 0  # [1, Hkv, pages of the row]
+            for bound, truth in zip((low[b : b + 1], high[b : b + 1]), expected):
+                assert torch.equal(bound[:, :, : used.shape[-1]][used], truth[used])
         self.checked += 1
         return super().decode_indices(view)
 
