@@ -42,6 +42,7 @@ def no_model_loading(monkeypatch):
         (["passkey", "--budget", "1.0"], "bad budget 1.0"),
         (["demo", "--passkey_budget", "1.0"], "bad budget 1.0"),
         (["demo", "--baselines", "[quest2]"], "unknown selector 'quest2'"),
+        (["demo", "--window_share", "1.5"], "window_share is a share of the budget, in [0, 1]; got 1.5"),
         (["eval", "tasks", "--budgets", "[64,1.0]"], "bad budget 1.0"),
         (["eval", "ppl", "--budgets", "[0.1,-2]"], "bad budget -2"),
         (["eval", "recall", "--budgets", "[64,0]"], "bad budget 0"),

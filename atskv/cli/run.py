@@ -21,6 +21,7 @@ def demo(
     baselines: list[str] = ["snapkv", "h2o"],  # noqa: B006 (jsonargparse reads it)
     passkey_budget: int | float = 256,
     recall_budgets: list[int] = [64, 256],  # noqa: B006
+    window_share: float = 0.5,
     device: str = "auto",
     dtype: str = "auto",
 ) -> Path:
@@ -41,13 +42,15 @@ def demo(
         baselines: selectors the predictor is compared with.
         passkey_budget: KV tokens kept per layer and KV head in the pass-key runs (or a fraction).
         recall_budgets: budgets (tokens) of the recall comparison.
+        window_share: share of the learned selector's budget pinned to what the prompt's last 32
+            queries attend most (`LearnedSelector.window_share`; 0: the predictor alone).
         device: cpu, cuda, or auto.
         dtype: float32, bfloat16, float16, or auto (bfloat16 on GPU, float32 on CPU).
     """
     from atskv.eval.pipeline import DemoPlan, run_demo
 
     plan = DemoPlan(corpus, windows, window_tokens, epochs, heldout, recall_budgets=tuple(recall_budgets),
-                    passkey_budget=passkey_budget, baselines=tuple(baselines))
+                    passkey_budget=passkey_budget, baselines=tuple(baselines), window_share=window_share)
     plan.check()
     quiet_lightning()
     loaded = load(model, device, dtype)

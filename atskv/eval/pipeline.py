@@ -42,12 +42,18 @@ class DemoPlan:
     baselines: Sequence[str] = ("snapkv", "h2o")
     dense_layers: int = 2
     seed: int = 0
+    # the learned selector's question window (`LearnedSelector.window_share`): its predictor scores
+    # a token from one pass, in which a pass key asked at the prompt's end is one query among
+    # thousands; without it the demo's predictor missed the key that SnapKV found
+    window_share: float = 0.5
 
     def check(self) -> None:
         """Refuse a bad plan before any work."""
         check_selector_names(list(self.baselines))
         for budget in (*self.recall_budgets, self.passkey_budget):
             check_budget(budget)
+        if not 0.0 <= self.window_share <= 1.0:
+            raise InputError(f"window_share is a share of the budget, in [0, 1]; got {self.window_share}")
         if self.windows < 2 or min(self.epochs, self.recall_windows, self.passkey_trials) < 1:
             raise InputError("the demo needs windows >= 2 (one is held out for validation) and at least one epoch, "
                              "recall window and pass-key trial")
@@ -76,7 +82,7 @@ def run_demo(loaded, out: str | Path, plan: DemoPlan = DemoPlan(), progress: boo
                                validation_fraction=validation)  # fmt: skip
     log(f"3/4 export -> {out / 'predictor'}")
     predictor = export_checkpoint(checkpoint, out / "predictor", loaded).parent
-    learned = LearnedSelector(predictor=predictor)
+    learned = LearnedSelector(predictor=predictor, window_share=plan.window_share)
     learned.check_model(loaded.model)
     selectors = [learned, *plan.baselines]
     log(f"4/4 compare: learned, {', '.join(plan.baselines)} and dense on pass key and held-out recall ({plan.heldout})")
@@ -111,5 +117,6 @@ def summary(passkey: list, recall: dict[tuple[str, int], float], plan: DemoPlan)
         key = f"{sum(accuracy[name]) / len(accuracy[name]):.2f}" if name in accuracy else ""
         dense = "1.000" if name == "dense" else ""  # dense attention reads every token
         cells = [f"{recall[(name, b)]:.3f}" if (name, b) in recall else dense for b in budgets]
-        lines.append(f"| {name} | {key} | " + " | ".join(cells) + " |")
+        label = f"learned (window_share {plan.window_share:g})" if name == "learned" and plan.window_share else name
+        lines.append(f"| {label} | {key} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
