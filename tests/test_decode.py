@@ -11,7 +11,7 @@ from tests.conftest import left_padded, random_prompt, tiny_model
 
 import atskv
 from atskv.hook import decode
-from atskv.hook.decode import masked_attention_lse
+from atskv.hook.decode import masked_attention, masked_attention_lse
 from atskv.hook.gqa import grouped_attention, prefix_causal_attention, received_mass
 from atskv.eval.speed import spaced_profile
 from atskv.hook.sparse import attach
@@ -313,10 +313,13 @@ def test_prefix_causal_attention_matches_masked_attention():
 
 
 def test_masked_attention_and_received_mass_match_the_dense_reference():
+    """Both masked paths (with the log-sum-exp, and SDPA's output alone) against the dense
+    reference, over several query blocks; a query that may see nothing gets zeros."""
     torch.manual_seed(1)
     b, hq, hkv, s, d = 1, 4, 1, 30, 16
     q, k, v = torch.randn(b, hq, s, d), torch.randn(b, hkv, s, d), torch.randn(b, hkv, s, d)
     mask = (torch.arange(s).view(s, 1) >= torch.arange(s)) & (torch.arange(s).view(s, 1) - torch.arange(s) < 5)
+    mask[7] = False
 
     def allowed(start, stop):
         return mask[start:stop].view(1, 1, stop - start, s)
@@ -325,6 +328,9 @@ def test_masked_attention_and_received_mass_match_the_dense_reference():
     ref, mass = grouped_attention(q, k, v, mask.expand(b, hkv, s, s), 0.25, want_mass=True)
     torch.testing.assert_close(out.transpose(1, 2), ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(received_mass(q, k, lse, allowed, 0.25, max_elements=200), mass, atol=1e-5, rtol=1e-5)
+    only = masked_attention(q, k, v, allowed, 0.25, max_elements=200)
+    torch.testing.assert_close(only, out, atol=1e-5, rtol=1e-5)
+    assert not only[:, :, 7].any() and not out[:, :, 7].any()
 
 
 def test_unsupported_selectors_and_chunks_are_refused():

@@ -37,7 +37,7 @@ from dataclasses import replace
 
 import torch
 
-from atskv.hook.gqa import group_matmul, grouped_attention, prefix_causal_attention, received_mass
+from atskv.hook.gqa import group_matmul, grouped_attention, prefix_causal_attention, received_mass, sdpa_attention
 from atskv.hook.sparse import STATIC_ATTENTION_NAME, SparseSession, SparsityConfig, attach
 from atskv.kernels.backend import aligned_slots
 from atskv.kernels.evict import evict_lowest
@@ -171,8 +171,10 @@ class StaticSession(SparseSession):
 
         if layer.window is None and self.real is None:
             out, lse = prefix_causal_attention(query, keys, values, stop - c, scaling)
-        else:
+        elif self.is_managed(layer_idx) and self.selector.needs_attention:  # its mass needs the log-sum-exps
             out, lse = masked_attention_lse(query, keys, values, allowed, scaling)
+        else:
+            out = masked_attention(query, keys, values, allowed, scaling)
         if self.is_managed(layer_idx):
             view = self._prompt_view(layer_idx, layer, query, scaling)
             self.selector.static_write(view)
@@ -358,6 +360,22 @@ class StaticSession(SparseSession):
         if key not in self._identity:
             self._identity[key] = torch.arange(s, dtype=torch.int32, device=layer.slot_pos.device).expand(b, h, s)
         return self._identity[key]
+
+
+def masked_attention(query, keys, values, allowed: Callable[[int, int], torch.Tensor], scaling: float,
+                     max_elements: int = 1 << 27) -> torch.Tensor:
+    """`masked_attention_lse`'s output alone, through fused SDPA (`sdpa_attention`), for the layers
+    whose received mass no selector reads (a sliding-window layer, a padded batch's unmanaged
+    layers): no float32 `[n, S]` logits in torch (Gemma 3 270M, 2 x 4096 tokens on the CPU:
+    its 15 sliding-window layers took 77% of the prefill that way)."""
+    b, hq, tq, _ = query.shape
+    out = query.new_empty(b, hq, tq, values.shape[-1])
+    step = max(1, max_elements // max(1, b * hq * keys.shape[2]))
+    for start in range(0, tq, step):
+        stop = min(start + step, tq)
+        out[:, :, start:stop] = sdpa_attention(query[:, :, start:stop], keys, values, allowed(start, stop),
+                                               scaling).transpose(1, 2)  # fmt: skip
+    return out
 
 
 def masked_attention_lse(query, keys, values, allowed: Callable[[int, int], torch.Tensor], scaling: float,
