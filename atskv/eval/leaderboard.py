@@ -394,19 +394,19 @@ def merge_folders(
         )
     settings = json.loads((sources[0] / "settings.json").read_text())
     base = {k: v for k, v in settings.items() if k not in VARIANT_SETTINGS}
-    varied = {}
+    varied, variant_stores = {}, {}
     for label, folder in variants.items():
         theirs = json.loads((folder / "settings.json").read_text())
         varied[label] = {k: theirs[k] for k in VARIANT_SETTINGS if k in theirs}
-        CellStore(folder, {**base, **varied[label]})  # refuses a variant that changes anything else
+        variant_stores[label] = CellStore(folder, {**base, **varied[label]})  # refuses any other change
     merged = {**settings, **({"variants": varied} if varied else {})}
     store = CellStore(Path(out), merged)
     for source in sources:
         for key, cell in CellStore(source, settings).cells.items():  # refuses other settings
             if key not in store:
                 store.add(cell)
-    for label, folder in variants.items():
-        for cell in CellStore(folder, {**base, **varied[label]}).cells.values():
+    for label, variant in variant_stores.items():
+        for cell in variant.cells.values():
             if cell.method not in (DENSE, KVPRESS_DENSE) and not cell.method.startswith(KVPRESS):
                 if (renamed := replace(cell, method=f"{cell.method} ({label})")).key not in store:
                     store.add(renamed)

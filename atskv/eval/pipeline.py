@@ -21,7 +21,7 @@ from atskv.predictor.export import export_checkpoint
 from atskv.predictor.training import fit_predictor
 from atskv.selectors import check_selector_names
 from atskv.selectors.base import check_budget
-from atskv.selectors.learned import LearnedSelector
+from atskv.selectors.learned import LearnedSelector, check_window_share
 
 PASSKEY_DEPTH = 0.5  # SmolLM2-135M finds a 2K-token pass key there when dense, not at 0.1 or 0.9
 
@@ -52,8 +52,7 @@ class DemoPlan:
         check_selector_names(list(self.baselines))
         for budget in (*self.recall_budgets, self.passkey_budget):
             check_budget(budget)
-        if not 0.0 <= self.window_share <= 1.0:
-            raise InputError(f"window_share is a share of the budget, in [0, 1]; got {self.window_share}")
+        check_window_share(self.window_share)
         if self.windows < 2 or min(self.epochs, self.recall_windows, self.passkey_trials) < 1:
             raise InputError("the demo needs windows >= 2 (one is held out for validation) and at least one epoch, "
                              "recall window and pass-key trial")

@@ -105,8 +105,7 @@ class LearnedSelector(Selector):
             )
         if self.refresh_every < 1:
             raise ValueError(f"refresh_every must be >= 1, got {self.refresh_every}")
-        if not 0.0 <= self.window_share <= 1.0:
-            raise ValueError(f"window_share is a share of the budget, in [0, 1]; got {self.window_share}")
+        check_window_share(self.window_share)
         check_window(self.window)
         self._layer_index = {layer: i for i, layer in enumerate(self.predictor.header.managed_layers)}
 
@@ -257,6 +256,12 @@ class LearnedSelector(Selector):
         top, slots = votes.topk(n, dim=-1)
         pinned = view.layer.slot_tensor(_PINNED, init=False, dtype=torch.bool)
         pinned.zero_().scatter_(-1, slots, top > -torch.inf)
+
+
+def check_window_share(share: float) -> None:
+    """Refuse a `window_share` that is not a share of the budget (before a predictor is at hand)."""
+    if not 0.0 <= share <= 1.0:
+        raise InputError(f"window_share is a share of the budget, in [0, 1]; got {share}")
 
 
 def _fused(mlp) -> bool:
