@@ -229,7 +229,8 @@ def test_a_tiered_row_reads_parked_tokens_back(loaded, monkeypatch, tmp_path, ca
 
 def test_folders_computed_in_parallel_merge_into_one_report(loaded, calls, tmp_path):
     """Two processes' folders (one seed each) give the report of one run over both seeds, and
-    merging computes nothing; a folder made with other settings is refused."""
+    merging computes nothing; a folder made with other settings, or one that is not a leaderboard's,
+    is refused."""
     for seed in (0, 1):
         run_leaderboard(loaded, tmp_path / f"seed{seed}", check_grid(**PLAN, seeds=[seed], examples=2), **RUN)
     whole = run_leaderboard(loaded, tmp_path / "whole", check_grid(**PLAN, seeds=[0, 1], examples=2), **RUN)
@@ -241,6 +242,8 @@ def test_folders_computed_in_parallel_merge_into_one_report(loaded, calls, tmp_p
     run_leaderboard(loaded, tmp_path / "other", check_grid(**PLAN, seeds=[2], examples=2), **{**RUN, "dense_layers": 2})
     with pytest.raises(InputError, match="other settings"):
         leaderboard.merge_folders(tmp_path / "merged", [tmp_path / "other"])
+    with pytest.raises(InputError, match=f"not a leaderboard folder .*: {tmp_path}$"):  # names the folder at fault
+        leaderboard.merge_folders(tmp_path / "merged", [tmp_path / "seed0", tmp_path])
 
 
 def test_a_run_with_other_selector_options_joins_the_report_as_labelled_rows(loaded, calls, tmp_path):

@@ -387,11 +387,10 @@ def merge_folders(
     (the sources hold those)."""
     sources = [Path(s) for s in sources]
     variants = {label: Path(folder) for label, folder in (variants or {}).items()}
-    if not sources or not all((s / "settings.json").is_file() for s in [*sources, *variants.values()]):
-        raise InputError(
-            f"each source must be a leaderboard folder (with settings.json): "
-            f"{[str(s) for s in [*sources, *variants.values()]]}"
-        )
+    if not sources:
+        raise InputError("merge_folders needs at least one source folder")
+    if missing := [str(s) for s in [*sources, *variants.values()] if not (s / "settings.json").is_file()]:
+        raise InputError(f"not a leaderboard folder (no settings.json; merge its workers first): {', '.join(missing)}")
     settings = json.loads((sources[0] / "settings.json").read_text())
     base = {k: v for k, v in settings.items() if k not in VARIANT_SETTINGS}
     varied, variant_stores = {}, {}
