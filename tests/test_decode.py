@@ -332,6 +332,16 @@ def test_masked_attention_and_received_mass_match_the_dense_reference():
     torch.testing.assert_close(only, out, atol=1e-5, rtol=1e-5)
     assert not only[:, :, 7].any() and not out[:, :, 7].any()
 
+    def window(start, stop):  # the slots the block's queries can see at all
+        return slice(max(0, start - 4), stop)
+
+    for blocks in (200, 1 << 27):  # one query a block; one block of every query
+        spanned, spanned_lse = masked_attention_lse(q, k, v, allowed, 0.25, window, max_elements=blocks)
+        torch.testing.assert_close(spanned, out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(spanned_lse, lse, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(masked_attention(q, k, v, allowed, 0.25, window, max_elements=blocks), out,
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+
 
 def test_unsupported_selectors_and_chunks_are_refused():
     model = tiny_model("llama")

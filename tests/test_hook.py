@@ -10,6 +10,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import atskv
 from atskv.memory.slot_cache import SlotLayer
+from atskv.models.cache_names import returned_cache, with_cache
 from tests.conftest import EVERY_TOKEN, random_prompt, tiny_model
 
 DECODE_STEPS = 32
@@ -156,9 +157,9 @@ def test_evicting_selectors_hold_budget_and_keep_tokens_intact(selector):
 
     def prefill_and_decode(cache=None):  # the same calls, so the same float arithmetic
         with torch.no_grad():
-            cache = model(ids, past_key_values=cache).past_key_values
+            cache = returned_cache(model(ids, **with_cache(model, cache)))
             for t in range(8):  # teacher-forced decode steps
-                model(ids[:, t : t + 1], past_key_values=cache)
+                model(ids[:, t : t + 1], **with_cache(model, cache))
         return cache
 
     dense_cache = prefill_and_decode()

@@ -243,3 +243,23 @@ def test_gguf_file_path_loads_like_the_named_model(smollm2_cache, tmp_path):
     tokens = named.tokenizer("The quick brown fox", return_tensors="pt")
     with torch.no_grad():
         torch.testing.assert_close(by_path.model(**tokens).logits, named.model(**tokens).logits, rtol=0, atol=0)
+
+
+def test_the_cache_goes_in_and_comes_out_under_the_installed_transformers_names():
+    """`with_cache` names the keyword the model's forward declares (`cache` where transformers has
+    renamed it), and `returned_cache` reads the same cache back from the output."""
+    import inspect
+
+    from transformers import DynamicCache
+
+    from atskv.models.cache_names import returned_cache, with_cache
+    from tests.conftest import random_prompt, tiny_model
+
+    model = tiny_model("llama")
+    cache = DynamicCache(config=model.config)
+    (name,) = with_cache(model, cache)
+    declared = inspect.signature(model.forward).parameters
+    assert name in declared and (name == "cache") == ("cache" in declared)
+    with torch.no_grad():
+        out = model(random_prompt(12), **with_cache(model, cache), use_cache=True)
+    assert returned_cache(out) is cache and cache.get_seq_length() == 12

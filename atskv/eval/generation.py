@@ -8,8 +8,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import transformers
-from packaging.version import Version
 from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
@@ -19,11 +17,7 @@ from atskv.hook.tiered import memory_session
 from atskv.memory.slot_cache import kv_bytes
 from atskv.selectors import Selector
 from atskv.selectors.base import LAST_QUERIES
-
-# the name `generate` takes a cache by: 5.24 renamed `past_key_values` to `cache` (warning on the
-# old name); earlier versions refuse the new one
-CACHE_ARGUMENT = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
-
+from atskv.models.cache_names import with_cache
 
 @dataclass(frozen=True)
 class GenerationRun:
@@ -163,7 +157,7 @@ def generate_batch(
     with torch.inference_mode():
         if selector is None:
             cache = DynamicCache(config=model.config)
-            out = model.generate(ids, **{CACHE_ARGUMENT: cache}, **kwargs)
+            out = model.generate(ids, **with_cache(model, cache), **kwargs)
             label = "dense"
         elif fast:
             if sparse_prefill or tiering is not None:

@@ -41,6 +41,7 @@ from atskv.hook.sparse import SparseSession, SparsityConfig, attach
 from atskv.hook.tiered import TieredSession, tiered_configs
 from atskv.selectors import Selector, make_selector, resolve_selector
 from atskv.selectors.base import LayerView
+from atskv.models.cache_names import with_cache
 
 ORACLE_CEILING = "ceiling: per-query oracle"
 WINDOW_CEILING = "ceiling: best single set"
@@ -333,9 +334,9 @@ def attention_recall(
             for start in range(0, len(windows), batch_size):
                 batch = windows[start : start + batch_size].to(device)
                 cache = probe.new_cache()
-                model(batch[:, :context], past_key_values=cache, use_cache=True)
+                model(batch[:, :context], **with_cache(model, cache), use_cache=True)
                 for t in range(context, batch.shape[1]):
-                    model(batch[:, t : t + 1], past_key_values=cache, use_cache=True)
+                    model(batch[:, t : t + 1], **with_cache(model, cache), use_cache=True)
                 probe.recorder.close_window(n_queries)
                 bar.update()
         recorded = probe.recorder.sums.items()

@@ -51,6 +51,7 @@ from atskv.selectors import resolve_selector
 from atskv.selectors.base import LAST_QUERIES, LayerView, Selector, resolve_budget
 from atskv.selectors.hybrid import HybridSelector
 from atskv.selectors.spark import SparKSelector
+from atskv.models.cache_names import with_cache
 
 # selectors whose decode state is written by the hook alone (slot tensors, in place) or by a
 # `static_write`; the others still need host-side bookkeeping per step
@@ -169,12 +170,16 @@ class StaticSession(SparseSession):
                 ok = ok & self.real.gather(1, slot_pos[:, 0].clamp(min=0)).view(-1, 1, 1, stop)
             return ok
 
+        def span(start: int, end: int) -> slice:  # prompt slots hold positions in order: query i sits at slot stop - c + i
+            first = stop - c + start - layer.window + 1 if layer.window is not None else 0
+            return slice(max(0, first), stop - c + end)
+
         if layer.window is None and self.real is None:
             out, lse = prefix_causal_attention(query, keys, values, stop - c, scaling)
         elif self.is_managed(layer_idx) and self.selector.needs_attention:  # its mass needs the log-sum-exps
-            out, lse = masked_attention_lse(query, keys, values, allowed, scaling)
+            out, lse = masked_attention_lse(query, keys, values, allowed, scaling, span)
         else:
-            out = masked_attention(query, keys, values, allowed, scaling)
+            out = masked_attention(query, keys, values, allowed, scaling, span)
         if self.is_managed(layer_idx):
             view = self._prompt_view(layer_idx, layer, query, scaling)
             self.selector.static_write(view)
@@ -363,41 +368,54 @@ class StaticSession(SparseSession):
 
 
 def masked_attention(query, keys, values, allowed: Callable[[int, int], torch.Tensor], scaling: float,
-                     max_elements: int = 1 << 27) -> torch.Tensor:
+                     span: Callable[[int, int], slice] | None = None, max_elements: int = 1 << 27) -> torch.Tensor:  # fmt: skip
     """`masked_attention_lse`'s output alone, through fused SDPA (`sdpa_attention`), for the layers
     whose received mass no selector reads (a sliding-window layer, a padded batch's unmanaged
     layers): no float32 `[n, S]` logits in torch (Gemma 3 270M, 2 x 4096 tokens on the CPU:
     its 15 sliding-window layers took 77% of the prefill that way)."""
     b, hq, tq, _ = query.shape
     out = query.new_empty(b, hq, tq, values.shape[-1])
-    step = max(1, max_elements // max(1, b * hq * keys.shape[2]))
-    for start in range(0, tq, step):
-        stop = min(start + step, tq)
-        out[:, :, start:stop] = sdpa_attention(query[:, :, start:stop], keys, values, allowed(start, stop),
-                                               scaling).transpose(1, 2)  # fmt: skip
+    for start, stop, cols in _query_blocks(tq, b * hq * keys.shape[2], span, max_elements):
+        out[:, :, start:stop] = sdpa_attention(query[:, :, start:stop], keys[:, :, cols], values[:, :, cols],
+                                               allowed(start, stop)[..., cols], scaling).transpose(1, 2)  # fmt: skip
     return out
 
 
 def masked_attention_lse(query, keys, values, allowed: Callable[[int, int], torch.Tensor], scaling: float,
-                         max_elements: int = 1 << 27):  # fmt: skip
+                         span: Callable[[int, int], slice] | None = None, max_elements: int = 1 << 27):  # fmt: skip
     """Attention of `query` `[B, Hq, Tq, D]` over `keys` `[B, Hkv, S, D]` where `allowed(start, stop)`
     (`[B, 1, n, S]`) permits, a block of queries at a time (sliding windows, padded batches).
-    Returns `[B, Hq, Tq, D]` and the log-sum-exp `[B, Hq, Tq]`; a query with nothing allowed gets zeros."""
+    `span(start, stop)`: the slots a block can be allowed at all, the only ones read (a causal
+    prefix, a sliding window; none: every slot). Returns `[B, Hq, Tq, D]` and the log-sum-exp
+    `[B, Hq, Tq]`; a query with nothing allowed gets zeros."""
     b, hq, tq, d = query.shape
-    hkv, s = keys.shape[1], keys.shape[2]
+    hkv = keys.shape[1]
     out = query.new_empty(b, hq, tq, values.shape[-1])
     lse = torch.empty(b, hq, tq, dtype=torch.float32, device=query.device)
-    step = max(1, max_elements // max(1, b * hq * s))
     k = keys.transpose(-1, -2)
-    for start in range(0, tq, step):
-        stop = min(start + step, tq)
+    for start, stop, cols in _query_blocks(tq, b * hq * keys.shape[2], span, max_elements):
         q = query[:, :, start:stop].reshape(b, hkv, hq // hkv, stop - start, d)
-        logits = (group_matmul(q, k).float() * scaling).masked_fill(~allowed(start, stop).unsqueeze(2), -torch.inf)
+        logits = group_matmul(q, k[..., cols]).float() * scaling
+        logits = logits.masked_fill(~allowed(start, stop)[..., cols].unsqueeze(2), -torch.inf)
         block_lse = logits.logsumexp(-1)
         probs = torch.exp(logits - block_lse.nan_to_num(neginf=0.0).unsqueeze(-1))
-        out[:, :, start:stop] = group_matmul(probs.to(values.dtype), values).reshape(b, hq, stop - start, -1)
+        out[:, :, start:stop] = group_matmul(probs.to(values.dtype), values[:, :, cols]).reshape(b, hq, stop - start, -1)
         lse[:, :, start:stop] = block_lse.reshape(b, hq, stop - start)
     return out, lse
+
+
+SPAN_BLOCK = 1024  # queries a block when a span bounds the keys: each block reads its queries' span, not the cache
+
+
+def _query_blocks(tq: int, row_elements: int, span, max_elements: int):
+    """`(start, stop, slots)` for each block of queries: at most `max_elements` logits a block
+    over every slot (`row_elements` a query), or `SPAN_BLOCK` queries over their `span`."""
+    step = max(1, max_elements // max(1, row_elements))
+    if span is not None:
+        step = min(step, SPAN_BLOCK)
+    for start in range(0, tq, step):
+        stop = min(start + step, tq)
+        yield start, stop, span(start, stop) if span is not None else slice(None)
 
 
 class GraphedStep:
@@ -524,7 +542,7 @@ def _prefill(model, session: StaticSession, ids, positions, real, chunk: int,
     session.real, session.row = real, row
     cache = session.new_cache()
     for start, stop in prompt_chunks(t, chunk):
-        logits = model(input_ids=ids[:, start:stop], position_ids=positions[:, start:stop], past_key_values=cache,
+        logits = model(input_ids=ids[:, start:stop], position_ids=positions[:, start:stop], **with_cache(model, cache),
                        use_cache=True, logits_to_keep=1).logits  # fmt: skip
     session.finish_prompt(real)
     session.real = None
@@ -557,7 +575,7 @@ def _generate(model, session, input_ids, attention_mask, max_new_tokens, prefill
     counted = session.step_counters(cache)
 
     def step() -> torch.Tensor:
-        return counted(lambda: model(input_ids=ids_in, position_ids=pos_in, past_key_values=cache,
+        return counted(lambda: model(input_ids=ids_in, position_ids=pos_in, **with_cache(model, cache),
                                      use_cache=True).logits[:, -1])  # fmt: skip
 
     run = GraphedStep(step, device, cuda_graph)

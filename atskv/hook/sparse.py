@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -24,6 +23,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from atskv.hook.gqa import grouped_attention, sdpa_attention
 from atskv.memory.slot_cache import SlotLayer, SparseKVCache
+from atskv.models.cache_names import cache_argument, pop_cache
 from atskv.models.geometry import attention_modules
 from atskv.selectors import resolve_selector
 from atskv.selectors.base import LayerView, Selector, check_budget, select_top_budget, without_unwanted
@@ -88,7 +88,7 @@ class SparseSession:
         elif not isinstance(cache, SparseKVCache):
             raise TypeError(
                 f"under atskv.sparse the cache must be a SparseKVCache (got {type(cache).__name__}); "
-                "pass none, or `past_key_values=session.new_cache()`"
+                "pass none, or `session.new_cache()` (as `cache=`; `past_key_values=` before transformers 5.24)"
             )
         self.cache = cache
         return cache
@@ -200,19 +200,6 @@ def atskv_attention_forward(module, query, key, value, attention_mask, dropout=0
 AttentionInterface.register(ATTENTION_NAME, atskv_attention_forward)
 AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 AttentionInterface.register(STATIC_ATTENTION_NAME, atskv_attention_forward)
-
-
-def cache_argument(forward) -> str:
-    """The name a model's forward takes its cache under: `cache` from transformers 5.24 on,
-    `past_key_values` before (5.24 still accepts the old name, with a deprecation warning)."""
-    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
-
-
-def pop_cache(kwargs: dict):
-    """Remove and return the cache a caller passed under either name (None: none)."""
-    cache = kwargs.pop("cache", None)
-    old = kwargs.pop("past_key_values", None)
-    return cache if cache is not None else old
 
 
 @contextlib.contextmanager

@@ -52,6 +52,7 @@ from atskv.rl.items import CORPUS, RolloutItem, corpus_items, task_items
 from atskv.rl.policy import BernoulliPolicy, GumbelTopKPolicy
 from atskv.rl.rollout import RolloutResult, context_features, continuation_scores, predictor_logits, rollout
 from atskv.selectors.base import Selector
+from atskv.models.cache_names import returned_cache, with_cache
 
 HELDOUT_TASK_SEED_BASE = 2_000_000
 DENSE, THRESHOLD = "dense", "threshold"
@@ -152,8 +153,8 @@ def selector_rollout(model, item: RolloutItem, selector, budget: int | float, de
     device = next(model.parameters()).device
     ids = item.ids.to(device)[None]
     with atskv.sparse(model, selector, budget=budget, dense_layers=dense_layers) as session:
-        prefill = model(ids[:, : item.context], past_key_values=session.new_cache(), logits_to_keep=1)
-        rest = model(ids[:, item.context : -1], past_key_values=prefill.past_key_values).logits
+        prefill = model(ids[:, : item.context], **with_cache(model, session.new_cache()), logits_to_keep=1)
+        rest = model(ids[:, item.context : -1], **with_cache(model, returned_cache(prefill))).logits
     return continuation_scores(prefill.logits[0, -1], rest, ids[0, item.context :])
 
 

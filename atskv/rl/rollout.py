@@ -38,6 +38,7 @@ from atskv.predictor.attention_bias import attention_biases
 from atskv.predictor.capture import decision_features
 from atskv.predictor.model import RelevanceMLP
 from atskv.rl.items import RolloutItem
+from atskv.models.cache_names import returned_cache, with_cache
 
 DROPPED = torch.finfo(torch.float32).min  # the bias on a dropped token's logits: the mask's own fill value
 
@@ -110,7 +111,7 @@ def rollout(model, item: RolloutItem, keep: torch.Tensor, layers: Sequence[int])
     device = next(model.parameters()).device
     ids = item.ids.to(device)
     out = model(ids[None, :t], use_cache=True, logits_to_keep=1)
-    cache = out.past_key_values
+    cache = returned_cache(out)
     cache.batch_repeat_interleave(k)
     keep = keep.to(device)
     biases = {
@@ -118,5 +119,5 @@ def rollout(model, item: RolloutItem, keep: torch.Tensor, layers: Sequence[int])
         for i, layer in enumerate(layers)
     }
     with attention_biases(model, biases):
-        rest = model(ids[None, t:-1].expand(k, -1), past_key_values=cache).logits
+        rest = model(ids[None, t:-1].expand(k, -1), **with_cache(model, cache)).logits
     return continuation_scores(out.logits[0, -1], rest, ids[t:])

