@@ -11,7 +11,7 @@ from tests.conftest import left_padded, random_prompt, tiny_model
 
 import atskv
 from atskv.hook import decode
-from atskv.hook.decode import masked_attention, masked_attention_lse
+from atskv.hook.decode import causal_attention_from, causal_mass_from, masked_attention, masked_attention_lse
 from atskv.hook.gqa import grouped_attention, prefix_causal_attention, received_mass
 from atskv.eval.speed import spaced_profile
 from atskv.hook.sparse import attach
@@ -341,6 +341,29 @@ def test_masked_attention_and_received_mass_match_the_dense_reference():
         torch.testing.assert_close(spanned_lse, lse, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(masked_attention(q, k, v, allowed, 0.25, window, max_elements=blocks), out,
                                    atol=1e-5, rtol=1e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize("pad", [0, 5, 14, 20])  # none; inside the earlier slots; at the chunk; past it
+def test_a_left_padded_rows_causal_part_matches_the_masked_path(pad):
+    """A chunk of 6 queries over 20 slots whose first `pad` are padding: attention and received
+    mass from the real part alone equal the masked path's (pad queries: zeros, no mass)."""
+    torch.manual_seed(2)
+    b, hq, hkv, s, c, d = 1, 4, 2, 20, 6, 16
+    q, k, v = torch.randn(b, hq, c, d), torch.randn(b, hkv, s, d), torch.randn(b, hkv, s, d)
+    position = torch.arange(s - c, s).view(c, 1)
+    mask = (torch.arange(s) <= position) & (torch.arange(s) >= pad)
+
+    def allowed(start, stop):
+        return mask[start:stop].view(1, 1, stop - start, s)
+
+    out, lse = masked_attention_lse(q, k, v, allowed, 0.25)
+    first, start = min(c, max(0, pad - (s - c))), pad
+    got, got_lse = causal_attention_from(q, k, v, first, start, 0.25)
+    torch.testing.assert_close(got, out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_lse, lse, atol=1e-5, rtol=1e-5)
+    mass = causal_mass_from(q, k, got_lse, first, start, 0.25)
+    torch.testing.assert_close(mass, received_mass(q, k, lse, allowed, 0.25), atol=1e-5, rtol=1e-5)
+    assert not mass[..., :pad].any() and (pad >= s or bool(mass[..., pad:].sum() > 0))
 
 
 def test_unsupported_selectors_and_chunks_are_refused():

@@ -15,9 +15,10 @@ from atskv.data import TaskExample
 from atskv.hook.decode import generate as generate_fast
 from atskv.hook.tiered import memory_session
 from atskv.memory.slot_cache import kv_bytes
+from atskv.models.cache_names import with_cache
 from atskv.selectors import Selector
 from atskv.selectors.base import LAST_QUERIES
-from atskv.models.cache_names import with_cache
+
 
 @dataclass(frozen=True)
 class GenerationRun:

@@ -39,9 +39,9 @@ from atskv.eval.report import write_report
 from atskv.hook.gqa import grouped_probs, sdpa_attention
 from atskv.hook.sparse import SparseSession, SparsityConfig, attach
 from atskv.hook.tiered import TieredSession, tiered_configs
+from atskv.models.cache_names import with_cache
 from atskv.selectors import Selector, make_selector, resolve_selector
 from atskv.selectors.base import LayerView
-from atskv.models.cache_names import with_cache
 
 ORACLE_CEILING = "ceiling: per-query oracle"
 WINDOW_CEILING = "ceiling: best single set"

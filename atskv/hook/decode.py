@@ -46,12 +46,12 @@ from atskv.kernels.sparse_decode import sparse_decode_attention
 from atskv.memory.host_pages import HostPages, HostRetrieval
 from atskv.memory.static_cache import StaticKVCache, StaticSlotLayer
 from atskv.memory.slot_cache import slot_index
+from atskv.models.cache_names import with_cache
 from atskv.models.geometry import decoder_layers
 from atskv.selectors import resolve_selector
 from atskv.selectors.base import LAST_QUERIES, LayerView, Selector, resolve_budget
 from atskv.selectors.hybrid import HybridSelector
 from atskv.selectors.spark import SparKSelector
-from atskv.models.cache_names import with_cache
 
 # selectors whose decode state is written by the hook alone (slot tensors, in place) or by a
 # `static_write`; the others still need host-side bookkeeping per step
@@ -114,6 +114,7 @@ class StaticSession(SparseSession):
             self.keep_budget = selector.budgets(config.budget).residency or self.longest
         self.budget_cap = int(resolve_budget(self.keep_budget, torch.tensor([self.longest])))
         self.real: torch.Tensor | None = None  # [B, T] bool: the prompt's non-padding tokens
+        self.pad: int | None = None  # one row with its pads all leading: how many (`left_padding`)
         self._identity: dict[tuple, torch.Tensor] = {}
         self.tier = tier
         self.hosts: dict[int, HostPages] = {}  # managed layer -> its host tier (with `tier`)
@@ -170,12 +171,13 @@ class StaticSession(SparseSession):
                 ok = ok & self.real.gather(1, slot_pos[:, 0].clamp(min=0)).view(-1, 1, 1, stop)
             return ok
 
-        def span(start: int, end: int) -> slice:  # prompt slots hold positions in order: query i sits at slot stop - c + i
+        def span(start: int, end: int) -> slice:  # prompt slots hold positions in order: query i at slot stop - c + i
             first = stop - c + start - layer.window + 1 if layer.window is not None else 0
             return slice(max(0, first), stop - c + end)
 
-        if layer.window is None and self.real is None:
-            out, lse = prefix_causal_attention(query, keys, values, stop - c, scaling)
+        causal = self._causal_part(layer, stop, c)
+        if causal is not None:
+            out, lse = causal_attention_from(query, keys, values, *causal, scaling)
         elif self.is_managed(layer_idx) and self.selector.needs_attention:  # its mass needs the log-sum-exps
             out, lse = masked_attention_lse(query, keys, values, allowed, scaling, span)
         else:
@@ -184,14 +186,24 @@ class StaticSession(SparseSession):
             view = self._prompt_view(layer_idx, layer, query, scaling)
             self.selector.static_write(view)
             if self.selector.needs_attention:
-                if layer.window is None and self.real is None:  # causal: slots 0 .. stop - 1 in position order
-                    mass = prefix_received_mass(query, keys, lse, stop - c, scaling)
+                if causal is not None:
+                    mass = causal_mass_from(query, keys, lse, *causal, scaling)
                 else:
                     mass = received_mass(query, keys, lse, allowed, scaling)
                 self.selector.observe(view, torch.nn.functional.pad(mass, (0, layer.capacity - stop)))
             if layer.seen == self.prompt_tokens:
                 self.selector.prefill(self._last_queries_view(view, allowed))
         return out.transpose(1, 2)
+
+    def _causal_part(self, layer: StaticSlotLayer, stop: int, c: int) -> tuple[int, int] | None:
+        """Where a global layer's chunk needs no mask: `(first query, first slot)` of its real part
+        (its slots 0 .. stop - 1 hold positions 0 .. stop - 1): all of it unpadded; from the first
+        real token for a left-padded row prefilled alone (`pad`). None: a sliding window or a
+        padded batch, the masked path."""
+        if layer.window is not None or (self.real is not None and self.pad is None):
+            return None
+        pad = min(self.pad or 0, stop)
+        return min(c, max(0, pad - (stop - c))), pad
 
     def _prompt_view(self, layer_idx, layer, query, scaling) -> LayerView:
         """The whole slot buffer as a selector sees it during the prompt (free slots invalid)."""
@@ -368,7 +380,8 @@ class StaticSession(SparseSession):
 
 
 def masked_attention(query, keys, values, allowed: Callable[[int, int], torch.Tensor], scaling: float,
-                     span: Callable[[int, int], slice] | None = None, max_elements: int = 1 << 27) -> torch.Tensor:  # fmt: skip
+                     span: Callable[[int, int], slice] | None = None,
+                     max_elements: int = 1 << 27) -> torch.Tensor:  # fmt: skip
     """`masked_attention_lse`'s output alone, through fused SDPA (`sdpa_attention`), for the layers
     whose received mass no selector reads (a sliding-window layer, a padded batch's unmanaged
     layers): no float32 `[n, S]` logits in torch (Gemma 3 270M, 2 x 4096 tokens on the CPU:
@@ -399,9 +412,37 @@ def masked_attention_lse(query, keys, values, allowed: Callable[[int, int], torc
         logits = logits.masked_fill(~allowed(start, stop)[..., cols].unsqueeze(2), -torch.inf)
         block_lse = logits.logsumexp(-1)
         probs = torch.exp(logits - block_lse.nan_to_num(neginf=0.0).unsqueeze(-1))
-        out[:, :, start:stop] = group_matmul(probs.to(values.dtype), values[:, :, cols]).reshape(b, hq, stop - start, -1)
+        block = group_matmul(probs.to(values.dtype), values[:, :, cols])
+        out[:, :, start:stop] = block.reshape(b, hq, stop - start, -1)
         lse[:, :, start:stop] = block_lse.reshape(b, hq, stop - start)
     return out, lse
+
+
+def causal_attention_from(query, keys, values, first: int, start: int, scaling: float):
+    """A causal chunk's attention (`prefix_causal_attention`: the C queries are the last C of the
+    S slots) for its queries from `first` over the slots from `start`, a left-padded row's real
+    part; the pad queries before `first` get zeros and a log-sum-exp of -inf, as under a mask."""
+    b, hq, c, _ = query.shape
+    if (first, start) == (0, 0):
+        return prefix_causal_attention(query, keys, values, keys.shape[2] - c, scaling)
+    out = query.new_zeros(b, hq, c, values.shape[-1])
+    lse = torch.full((b, hq, c), -torch.inf, dtype=torch.float32, device=query.device)
+    if first < c:
+        out[:, :, first:], lse[:, :, first:] = prefix_causal_attention(
+            query[:, :, first:], keys[:, :, start:], values[:, :, start:], keys.shape[2] - start - (c - first), scaling
+        )
+    return out, lse
+
+
+def causal_mass_from(query, keys, lse, first: int, start: int, scaling: float) -> torch.Tensor:
+    """The mass `[B, Hkv, S]` each slot receives from `causal_attention_from`'s queries (the pad
+    slots before `start` none)."""
+    c = query.shape[2]
+    if first >= c:
+        return torch.zeros(keys.shape[:3], dtype=torch.float32, device=keys.device)
+    mass = prefix_received_mass(query[:, :, first:], keys[:, :, start:], lse[:, :, first:],
+                                keys.shape[2] - start - (c - first), scaling)  # fmt: skip
+    return torch.nn.functional.pad(mass, (start, 0))
 
 
 SPAN_BLOCK = 1024  # queries a block when a span bounds the keys: each block reads its queries' span, not the cache
@@ -539,14 +580,23 @@ def _prefill(model, session: StaticSession, ids, positions, real, chunk: int,
     decoding; returns it and the last position's logits `[B, vocab]`. `row`: which row of the
     call `ids` is, when rows are prefilled one at a time (a host tier parks it there)."""
     t = ids.shape[1]
-    session.real, session.row = real, row
+    session.real, session.pad, session.row = real, left_padding(real), row
     cache = session.new_cache()
     for start, stop in prompt_chunks(t, chunk):
         logits = model(input_ids=ids[:, start:stop], position_ids=positions[:, start:stop], **with_cache(model, cache),
                        use_cache=True, logits_to_keep=1).logits  # fmt: skip
     session.finish_prompt(real)
-    session.real = None
+    session.real = session.pad = None
     return cache, logits[:, -1]
+
+
+def left_padding(real: torch.Tensor | None) -> int | None:
+    """How many pad tokens lead the one row of `real` `[1, T]`, when no pad follows a real token
+    (None: no mask, several rows, or pads inside the row)."""
+    if real is None or real.shape[0] != 1:
+        return None
+    pad = int((~real[0]).sum())
+    return pad if bool(real[0, pad:].all()) else None
 
 
 def _generate(model, session, input_ids, attention_mask, max_new_tokens, prefill_chunk, cuda_graph, eos_token_id,

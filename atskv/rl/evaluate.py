@@ -47,12 +47,12 @@ from tqdm.auto import tqdm
 
 from atskv.eval import report
 from atskv.eval.figures import save_figure
+from atskv.models.cache_names import returned_cache, with_cache
 from atskv.predictor.model import RelevanceMLP
 from atskv.rl.items import CORPUS, RolloutItem, corpus_items, task_items
 from atskv.rl.policy import BernoulliPolicy, GumbelTopKPolicy
 from atskv.rl.rollout import RolloutResult, context_features, continuation_scores, predictor_logits, rollout
 from atskv.selectors.base import Selector
-from atskv.models.cache_names import returned_cache, with_cache
 
 HELDOUT_TASK_SEED_BASE = 2_000_000
 DENSE, THRESHOLD = "dense", "threshold"

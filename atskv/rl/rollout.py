@@ -34,11 +34,11 @@ import torch
 import torch.nn.functional as F
 
 from atskv.models import model_geometry
+from atskv.models.cache_names import returned_cache, with_cache
 from atskv.predictor.attention_bias import attention_biases
 from atskv.predictor.capture import decision_features
 from atskv.predictor.model import RelevanceMLP
 from atskv.rl.items import RolloutItem
-from atskv.models.cache_names import returned_cache, with_cache
 
 DROPPED = torch.finfo(torch.float32).min  # the bias on a dropped token's logits: the mask's own fill value
 
