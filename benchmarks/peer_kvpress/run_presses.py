@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 from pathlib import Path
 
@@ -39,7 +40,9 @@ PRESSES = {
     "tova": kvpress.TOVAPress,
     "kvzip": kvpress.KVzipPress,  # scores by replaying the prompt: 2-3x the prefill (not for Gemma 3)
 }
-# ObservedAttentionPress scores with the attention weights the layer returns: eager attention only
+# ObservedAttentionPress scores with the attention weights the layer returns: an eager prefill.
+# Its decode runs on SDPA: eager attention adds the full-length mask to a compressed layer's
+# keys (Gemma 3: "size of tensor a (3073) must match ... (4097)"), SDPA needs no mask there.
 NEEDS_EAGER = {"observed_attention"}
 
 
@@ -65,7 +68,8 @@ def press_on(press, model):
     window) for the text-only `Gemma3ForCausalLM` too: kvpress 0.5.5 applies it only to
     `Gemma3ForConditionalGeneration` and otherwise prunes the 512-token sliding caches as well
     (every needle lost at any ratio, 0.5 included). The press hooks the layers it finds in
-    `model.model.layers` when entered, so it is shown the global ones only, then the list is put back."""
+    `model.model.layers` when entered, so it is shown the global ones only, then the list is put
+    back; their rotary embedding is the global layers' (`global_rotary`)."""
     inner = model.model
     layers = inner.layers
     with contextlib.ExitStack() as stack:
@@ -74,17 +78,50 @@ def press_on(press, model):
             stack.enter_context(press(model))
         finally:
             inner.layers = layers
+        stack.enter_context(global_rotary(inner))
         yield
 
 
-def greedy_with_press(model, tokenizer, ids: torch.Tensor, press, max_new_tokens: int) -> dict:
-    """Prefill `ids` `[1, T]` under `press` (None: full KV), then greedy decode without it."""
+@contextlib.contextmanager
+def global_rotary(inner):
+    """Gemma 3's rotary embedding takes the layer type it rotates for; kvpress's expected attention
+    calls it without one (`'Gemma3RotaryEmbedding' object has no attribute 'None_inv_freq'`). Only
+    global layers are pressed (`press_on`), so inside the block a call without a type gets theirs."""
+    rotary = getattr(inner, "rotary_emb", None)
+    if rotary is None or "layer_type" not in inspect.signature(rotary.forward).parameters:
+        yield
+        return
+    typed = rotary.forward
+    rotary.forward = lambda x, position_ids, layer_type=None: typed(x, position_ids, layer_type or "full_attention")
+    try:
+        yield
+    finally:
+        del rotary.forward  # the class's own again
+
+
+@contextlib.contextmanager
+def attention(model, implementation: str):
+    """`model` attends with `implementation` inside the block, with its own outside."""
+    own = model.config._attn_implementation
+    model.set_attn_implementation(implementation)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(own)
+
+
+def greedy_with_press(
+    model, tokenizer, ids: torch.Tensor, press, max_new_tokens: int, eager_prefill: bool = False
+) -> dict:
+    """Prefill `ids` `[1, T]` under `press` (None: full KV; `eager_prefill`: through eager
+    attention), then greedy decode without it."""
     cache = DynamicCache()
     stop = model.generation_config.eos_token_id
     stop = set(stop if isinstance(stop, list) else [stop])
     with torch.inference_mode():
         with press_on(press, model) if press is not None else contextlib.nullcontext():
-            out = model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
+            with attention(model, "eager") if eager_prefill else contextlib.nullcontext():
+                out = model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
         kept = [cache.get_seq_length(i) for i in range(len(cache))]
         new = [int(out.logits[0, -1].argmax())]
         position = ids.shape[1]
@@ -107,16 +144,9 @@ def main(args: argparse.Namespace) -> None:
     hf_logging.disable_progress_bar()
     examples = json.loads(args.examples.read_text())
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    models: dict[str, torch.nn.Module] = {}
-
-    def model_for(press_name: str):
-        attn = "eager" if press_name in NEEDS_EAGER else "sdpa"
-        if attn not in models:
-            models[attn] = AutoModelForCausalLM.from_pretrained(
-                args.model, dtype=getattr(torch, args.dtype), attn_implementation=attn
-            ).to(args.device).eval()
-        return models[attn]
-
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model, dtype=getattr(torch, args.dtype), attn_implementation="sdpa"
+    ).to(args.device).eval()
     records = []
     for name in args.presses:
         ratios = [0.0] if PRESSES[name] is None else args.compression_ratios
@@ -124,7 +154,7 @@ def main(args: argparse.Namespace) -> None:
             press = None if PRESSES[name] is None else PRESSES[name](compression_ratio=ratio)
             for example in examples:
                 ids = tokenizer(example["prompt"], return_tensors="pt").input_ids.to(args.device)
-                result = greedy_with_press(model_for(name), tokenizer, ids, press, args.max_new_tokens)
+                result = greedy_with_press(model, tokenizer, ids, press, args.max_new_tokens, name in NEEDS_EAGER)
                 records.append({"id": example["id"], "press": name, "compression_ratio": ratio, **result})
                 print(f"{name}@{ratio:g} {example['id']}: {result['text'].strip()[:40]!r}", flush=True)
     args.out.write_text(json.dumps(records, indent=1))
