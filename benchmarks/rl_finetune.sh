@@ -9,7 +9,9 @@
 # SUPERVISED may name one predictor per seed with `{seed}` in it (fine-tuning seed S starts from
 # that supervised seed; all of them are evaluated), e.g. SUPERVISED='work/predictor-s{seed}'.
 # LR overrides the config's learning rate; TASKS (e.g. "[needle_single, passkey]") and TASK_METRIC
-# (nll or exact_match) the training tasks and how their answers are scored. MAX_TIME (Lightning's DD:HH:MM:SS) stops each run there even before STEPS. PARALLEL=1 runs every
+# (nll or exact_match) the training tasks and how their answers are scored; RETRIEVE (tokens, or a
+# fraction of the context) trains and evaluates for a two-tier store (dropped tokens each query
+# rates highest are read back). MAX_TIME (Lightning's DD:HH:MM:SS) stops each run there even before STEPS. PARALLEL=1 runs every
 # alpha x seed at once (nine 2K-token runs shared one H100 at ~1.5 s a step each); logs in
 # WORK_DIR/logs. STAGES picks stages (default "finetune evaluate").
 set -euo pipefail
@@ -30,6 +32,7 @@ finetune_one() {  # finetune_one ALPHA SEED: train, then export to WORK/predicto
     --model.predictor "${supervised//\{seed\}/$seed}" --model.model "$model" --model.policy "$policy" \
     --model.alpha "$alpha" --model.samples "$samples" ${LR:+--model.lr "$LR"} \
     ${TASK_METRIC:+--model.task_metric "$TASK_METRIC"} ${TASKS:+--data.tasks "$TASKS"} \
+    ${RETRIEVE:+--model.retrieve "$RETRIEVE"} \
     --data.windows "$windows" --data.context_tokens "$context" --data.continuation_tokens "$continuation" \
     --data.task_examples "$task_examples" --data.batch_size "$batch" --trainer.max_steps "$steps" \
     ${MAX_TIME:+--trainer.max_time "$MAX_TIME"} --trainer.enable_progress_bar false \
@@ -58,5 +61,6 @@ if [[ $stages == *evaluate* ]]; then
   $atskv eval heldout --model "$model" --supervised "[$starts]" --finetuned "$work/predictors" \
     --out "$work/heldout" --windows "$eval_windows" --context_tokens "$context" \
     --continuation_tokens "$continuation" --task_examples "$eval_tasks" --budgets "$budgets" ${TASKS:+--tasks "$TASKS"} \
+    ${RETRIEVE:+--retrieve "$RETRIEVE"} \
     --shared_budgets "$shared"
 fi

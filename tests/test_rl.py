@@ -16,8 +16,11 @@ from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
+import atskv
 from atskv.data import synthetic_filler
 from atskv.models import load_model, model_geometry
+from atskv.models.cache_names import returned_cache, with_cache
+from atskv.predictor.attention_bias import DROPPED, BiasSession
 from atskv.predictor.export import export_predictor, load_predictor
 from atskv.predictor.features import SCALAR_FEATURES
 from atskv.predictor.model import FeatureSpec, RelevanceMLP
@@ -30,13 +33,13 @@ from atskv.rl.evaluate import (
     evaluate_predictors,
     evaluate_selectors,
     keep_mask,
-    selector_rollout,
+    selector_keep,
     summary,
 )
 from atskv.rl.items import CORPUS, RolloutItem, task_items
 from atskv.rl.policy import BernoulliPolicy, GumbelTopKPolicy, RowLevelPolicy, Selection, marginal_kl
 from atskv.rl.reward import leave_one_out, reward
-from atskv.rl.rollout import context_features, predictor_logits, rollout
+from atskv.rl.rollout import RolloutResult, context_features, continuation_scores, predictor_logits, rollout
 from atskv.rl.training import PolicyGradientModule, policy_loss
 from atskv.selectors.learned import LearnedSelector
 from tests.conftest import COMMON, random_prompt, run_cli, tiny_bpe_tokenizer, tiny_model
@@ -322,7 +325,20 @@ def tiny(tmp_path_factory):
     return root
 
 
-def test_greedy_rollout_equals_the_learned_selector_in_the_hook(tiny):
+def _hooked_continuation(model, item: RolloutItem, selector, budget) -> RolloutResult:
+    """The reference: the context prefilled through the hook (which evicts at its end), then the
+    continuation as one more step through it, over what the selector kept."""
+    ids = item.ids[None]
+    with torch.no_grad(), atskv.sparse(model, selector, budget=budget, dense_layers=2) as session:
+        prefill = model(ids[:, : item.context], **with_cache(model, session.new_cache()), logits_to_keep=1)
+        rest = model(ids[:, item.context : -1], **with_cache(model, returned_cache(prefill))).logits
+    return continuation_scores(prefill.logits[0, -1], rest, ids[0, item.context :])
+
+
+def test_greedy_rollout_and_a_selectors_kept_set_equal_the_hook(tiny):
+    """The rollout of the predictor's greedy top-b, and of the set the learned selector keeps in the
+    hook (`selector_keep`), score the continuation as the hook itself does; reading back every
+    dropped token gives dense's scores."""
     lm = load_model(str(tiny / "tiny-llama"))
     predictor = load_predictor(tiny / "supervised")
     item = RolloutItem(
@@ -331,10 +347,38 @@ def test_greedy_rollout_equals_the_learned_selector_in_the_hook(tiny):
     features = context_features(lm.model, item.ids[:48], MANAGED, predictor.token_types)
     with torch.no_grad():
         keep = GumbelTopKPolicy(12).greedy(predictor_logits(predictor.mlp, features))
-    ours = rollout(lm.model, item, keep[None], MANAGED)
-    hooked = selector_rollout(lm.model, item, LearnedSelector(predictor=predictor), 12, dense_layers=2)
-    assert ours.nll.item() == pytest.approx(hooked.nll.item(), rel=1e-5)
-    assert bool(ours.exact) == bool(hooked.exact)
+    selector = LearnedSelector(predictor=predictor)
+    kept = selector_keep(lm.model, item, selector, 12, MANAGED)
+    assert torch.equal(kept, keep) and int(kept.sum()) == 12 * kept.shape[0] * kept.shape[1]
+    hooked = _hooked_continuation(lm.model, item, selector, 12)
+    ours = rollout(lm.model, item, torch.stack([keep, kept, torch.ones_like(keep)]), MANAGED)
+    for k in (0, 1):
+        assert ours.nll[k].item() == pytest.approx(hooked.nll.item(), rel=1e-5)
+        assert bool(ours.exact[k]) == bool(hooked.exact)
+    everything = rollout(lm.model, item, keep[None], MANAGED, retrieve=48)
+    assert everything.nll.item() == pytest.approx(ours.nll[2].item(), rel=1e-5)  # all 36 dropped read back
+    assert ours.nll[2].item() != pytest.approx(ours.nll[0].item(), rel=1e-3)  # and dropping them mattered
+
+
+def test_retrieval_reads_back_each_querys_best_dropped_tokens():
+    """A query reads back the `retrieve` dropped tokens with the highest q·k (max over its group's
+    heads) and no others; nothing dropped, nothing read; the kept ones stay as they were."""
+    torch.manual_seed(3)
+    b, hq, hkv, tq, s, d = 1, 4, 2, 3, 10, 8
+    query, key = torch.randn(b, hq, tq, d), torch.randn(b, hkv, s, d)
+    dropped = torch.zeros(b, hkv, tq, s, dtype=torch.bool)
+    dropped[..., 2:7] = True
+    bias = torch.zeros(b, hkv, tq, s).masked_fill(dropped, DROPPED)
+    mask = torch.ones(b, 1, tq, s, dtype=torch.bool)
+    out = BiasSession({}, retrieve=2)._read_back(query, key, mask, bias)
+    rating = torch.einsum("bhgqd,bhsd->bhgqs", query.view(b, hkv, 2, tq, d), key).amax(2)
+    best = rating.masked_fill(~dropped, -torch.inf).topk(2, dim=-1).indices
+    expected = bias.scatter(-1, best, 0.0)
+    assert torch.equal(out, expected) and int((out == DROPPED).sum()) == 3 * b * hkv * tq
+    assert torch.equal(BiasSession({}, retrieve=2)._read_back(query, key, mask, torch.zeros_like(bias)),
+                       torch.zeros_like(bias))  # fmt: skip
+    with pytest.raises(ValueError, match="retrieve must be"):
+        BiasSession({}, retrieve=-1)
 
 
 def test_evaluation_records_and_summary(tiny):
@@ -351,7 +395,7 @@ def test_evaluation_records_and_summary(tiny):
         [0.25, THRESHOLD],
         progress=False,
     )
-    records += evaluate_selectors(lm.model, ["h2o"], items, [0.25], dense_layers=2, progress=False)
+    records += evaluate_selectors(lm.model, ["h2o"], items, [0.25], MANAGED, progress=False)
     assert len(records) == 3 * (1 + 2) + 3
     for r in records:
         expected = {DENSE: 1.0, "top0.25": math.ceil(0.25 * r["context"]) / r["context"]}.get(r["retention"])
@@ -364,7 +408,7 @@ def test_evaluation_records_and_summary(tiny):
         expected = statistics.fmean(r["memory"] for r in threshold if r["source"] == source)
         assert rows["supervised", THRESHOLD][key][0] == pytest.approx(expected)
     with pytest.raises(ValueError, match="not an evicting"):
-        evaluate_selectors(lm.model, ["quest"], items, [0.25], dense_layers=2)
+        evaluate_selectors(lm.model, ["quest"], items, [0.25], MANAGED)
 
 
 def test_eval_heldout_runs_learned_among_the_baselines_with_the_given_predictor(tiny, tmp_path, caplog, capsys):
@@ -375,6 +419,11 @@ def test_eval_heldout_runs_learned_among_the_baselines_with_the_given_predictor(
             "--budgets", "[0.25]", "--baselines", "[learned]", "--predictor", str(tiny / "supervised"),
             "--selector_options", "{learned: {refresh_every: 4}}", "--device", "cpu"]
     check_learned_gets_its_options(args, tiny / "supervised", "| learned | top0.25 |", caplog, capsys)
+
+
+def test_eval_heldout_refuses_a_negative_retrieve_before_loading(capsys):
+    assert run_cli(["eval", "heldout", "--model", "/no/such/model", "--retrieve", "-1"]) != 0
+    assert "retrieve must be tokens (int >= 0)" in capsys.readouterr().err
 
 
 # --- the module and the command line ------------------------------------------------------------
@@ -483,12 +532,14 @@ def test_finetune_then_export_then_the_learned_selector(tiny, tmp_path):
     torch.testing.assert_close(tuned.mlp.scalar_norm.running_var, supervised.mlp.scalar_norm.running_var)
     resumed = PolicyGradientModule(predictor=str(checkpoint), model=str(tiny / "tiny-llama"))  # a .ckpt starts too
     torch.testing.assert_close(resumed.model.w1.weight, tuned.mlp.w1.weight)
-    again = _finetune_args(tiny, tmp_path / "again", "--model.predictor", str(checkpoint), "--trainer.max_steps", "1")
-    assert run_cli(again) == 0  # and through the CLI (its instantiation once lost the checkpoint's collection)
+    again = _finetune_args(tiny, tmp_path / "again", "--model.predictor", str(checkpoint), "--trainer.max_steps", "1",
+                           "--model.retrieve", "0.25")  # fmt: skip
+    assert run_cli(again) == 0  # and through the CLI (its instantiation once lost the checkpoint's collection),
+    # for a two-tier store (a quarter of the context read back)
     lm = load_model(str(tiny / "tiny-llama"))
     item = RolloutItem(random_prompt(40, seed=5)[0], 32, CORPUS)
-    result = selector_rollout(lm.model, item, LearnedSelector(predictor=tmp_path / "exported"), 8, dense_layers=2)
-    assert torch.isfinite(result.nll).all()
+    kept = selector_keep(lm.model, item, LearnedSelector(predictor=tmp_path / "exported"), 8, MANAGED)
+    assert torch.isfinite(rollout(lm.model, item, kept[None], MANAGED).nll).all()
 
 
 def test_finetune_progress_bar_counts_steps_of_max_steps(tiny, tmp_path, monkeypatch):

@@ -344,6 +344,7 @@ def heldout(
     shared_budgets: list[float] = [],  # noqa: B006
     offsets: list[float] = [],  # noqa: B006
     baselines: list[str] = ["h2o", "snapkv", "streaming_llm"],  # noqa: B006
+    retrieve: int | float = 0,
     predictor: Path | None = None,
     selector_options: dict | None = None,
     device: str = "auto",
@@ -370,6 +371,9 @@ def heldout(
             (`shared<b>`), e.g. the fine-tuned predictors' threshold memories.
         offsets: logit thresholds c for `above<c>` (the threshold moved by c).
         baselines: evicting selectors run through the hook at the same budgets (learned too).
+        retrieve: judged as a two-tier store's GPU tier: each continuation query reads back this
+            many dropped tokens per layer and KV head, those it rates highest (int: tokens; float:
+            a fraction of the context), for predictors and baselines alike; 0: dropped is gone.
         predictor: {PREDICTOR_HELP}; for `learned` among the baselines (the predictors compared
             top-b are SUPERVISED and FINETUNED).
         selector_options: {OPTIONS_HELP}; for the baselines.
@@ -378,7 +382,9 @@ def heldout(
     """
     from atskv.predictor.export import find_predictor, load_predictor
     from atskv.rl.evaluate import heldout_records, write_report
+    from atskv.rl.rollout import retrieved_tokens
 
+    retrieved_tokens(retrieve, 1)  # a bad value fails before the model loads
     lm, chosen = load_with_selectors(model, device, dtype, baselines, budgets, predictor, selector_options)
     device, _ = resolve_device(device, dtype)
     runs = {}
@@ -390,7 +396,7 @@ def heldout(
     records = heldout_records(
         lm, runs, corpus=corpus, windows=windows, context_tokens=context_tokens,
         continuation_tokens=continuation_tokens, tasks=tasks, task_examples=task_examples, budgets=budgets,
-        shared_budgets=shared_budgets, offsets=offsets, baselines=chosen,
+        shared_budgets=shared_budgets, offsets=offsets, baselines=chosen, retrieve=retrieve,
     )  # fmt: skip
     table = write_report(records, out)
     print(table)

@@ -18,9 +18,10 @@ Every predictor decides deterministically at the end of each held-out context (t
 - `dense`: everything kept (the ceiling, memory 1).
 All of them run through `atskv.rl.rollout` (one batched continuation pass per context for every
 predictor and retention). Baselines (H2O, SnapKV, StreamingLLM: the selectors that evict, so
-that the continuation sees exactly what they kept) run through the real hook, `atskv.sparse`,
-with a dense prefill of the context and the continuation as one further dense step over the
-kept tokens, which is what the rollouts compute.
+that the continuation sees exactly what they kept) keep what they keep in the real hook,
+`atskv.sparse`, after a dense prefill of the context (`selector_keep`), and their kept sets go
+through the same rollout (the tests check it scores as the hook's own continuation does), with
+the same read-back of dropped tokens (`retrieve`) as the predictors'.
 
 Held-out data: corpus windows of a corpus not trained on (Moby-Dick by default; fine-tuning
 trains on Austen) and task prompts from the seeds `HELDOUT_TASK_SEED_BASE` on, a range
@@ -47,11 +48,12 @@ from tqdm.auto import tqdm
 
 from atskv.eval import report
 from atskv.eval.figures import save_figure
-from atskv.models.cache_names import returned_cache, with_cache
+from atskv.models import model_geometry
+from atskv.models.cache_names import with_cache
 from atskv.predictor.model import RelevanceMLP
 from atskv.rl.items import CORPUS, RolloutItem, corpus_items, task_items
 from atskv.rl.policy import BernoulliPolicy, GumbelTopKPolicy
-from atskv.rl.rollout import RolloutResult, context_features, continuation_scores, predictor_logits, rollout
+from atskv.rl.rollout import RolloutResult, context_features, predictor_logits, retrieved_tokens, rollout
 from atskv.selectors.base import Selector
 
 HELDOUT_TASK_SEED_BASE = 2_000_000
@@ -124,9 +126,11 @@ def evaluate_predictors(
     items: Sequence[RolloutItem],
     modes: Sequence[Retention] = (0.1, THRESHOLD),
     *,
+    retrieve: int | float = 0,
     progress: bool = True,
 ) -> list[dict]:
-    """One record per (predictor, retention mode, item), plus the dense model's ("dense")."""
+    """One record per (predictor, retention mode, item), plus the dense model's ("dense");
+    `retrieve`: what each continuation query reads back of the dropped tokens (`rollout`)."""
     records = []
     for index, item in enumerate(tqdm(items, desc="predictors", unit="context", disable=not progress)):
         features = context_features(model, item.ids[: item.context], layers, type_table)
@@ -137,25 +141,29 @@ def evaluate_predictors(
             for mode in modes:
                 runs.append((name, mode))
                 keeps.append(keep_mask(mode, scores))
-        result = rollout(model, item, torch.stack(keeps), layers)
+        result = rollout(model, item, torch.stack(keeps), layers, retrieved_tokens(retrieve, item.context))
         for k, ((name, mode), keep) in enumerate(zip(runs, keeps)):
             records.append(_record(name, mode, index, item, keep.float().mean().item(), result, k))
     return records
 
 
 @torch.no_grad()
-def selector_rollout(model, item: RolloutItem, selector, budget: int | float, dense_layers: int) -> RolloutResult:
-    """Score `item`'s continuation with an evicting `selector` at `budget` through the hook: a dense
-    prefill of the context (after which it evicts to its budget), then the continuation as one
-    dense step over the tokens it kept."""
+def selector_keep(model, item: RolloutItem, selector, budget: int | float, layers: Sequence[int]) -> torch.Tensor:
+    """The context tokens `[L, Hkv, T]` an evicting `selector` keeps at `budget` in `layers` (the
+    hook's managed layers from `layers[0]` on) after a dense prefill of `item`'s context through
+    the hook, what its continuation would attend to."""
     import atskv
 
     device = next(model.parameters()).device
-    ids = item.ids.to(device)[None]
-    with atskv.sparse(model, selector, budget=budget, dense_layers=dense_layers) as session:
-        prefill = model(ids[:, : item.context], **with_cache(model, session.new_cache()), logits_to_keep=1)
-        rest = model(ids[:, item.context : -1], **with_cache(model, returned_cache(prefill))).logits
-    return continuation_scores(prefill.logits[0, -1], rest, ids[0, item.context :])
+    t = item.context
+    with atskv.sparse(model, selector, budget=budget, dense_layers=layers[0]) as session:
+        cache = session.new_cache()
+        model(item.ids[None, :t].to(device), **with_cache(model, cache), logits_to_keep=1)
+    keep = torch.zeros(len(layers), model_geometry(model.config).num_kv_heads, t + 1, dtype=torch.bool, device=device)
+    for i, layer in enumerate(layers):
+        held = cache.layers[layer].slot_pos[0]  # [Hkv, S], -1: free
+        keep[i].scatter_(-1, held.clamp(min=0).where(held >= 0, t), True)  # free slots to the spare column
+    return keep[..., :t]
 
 
 def evaluate_selectors(
@@ -163,12 +171,15 @@ def evaluate_selectors(
     selectors: Sequence[str | Selector],
     items: Sequence[RolloutItem],
     budgets: Sequence[float],
-    dense_layers: int,
+    layers: Sequence[int],
     *,
+    retrieve: int | float = 0,
     progress: bool = True,
 ) -> list[dict]:
-    """One record per (evicting selector, budget fraction, item), through the hook. `selectors`:
-    names, or selectors built with their options (`selectors_for_model`: learned with its predictor)."""
+    """One record per (evicting selector, budget fraction, item): what the selector keeps in the
+    managed `layers` (`selector_keep`), scored by the rollout the predictors' retentions get, with
+    the same `retrieve`. `selectors`: names, or selectors built with their options
+    (`selectors_for_model`: learned with its predictor)."""
     from atskv.selectors import make_selector
 
     built = [make_selector(s) if isinstance(s, str) else s for s in selectors]
@@ -179,11 +190,12 @@ def evaluate_selectors(
             )
     records = []
     for index, item in enumerate(tqdm(items, desc="baselines", unit="context", disable=not progress)):
-        for selector in built:
-            for budget in budgets:
-                result = selector_rollout(model, item, selector, budget, dense_layers)
-                memory = math.ceil(budget * item.context) / item.context
-                records.append(_record(selector.name, budget, index, item, memory, result, 0))
+        runs = [(selector, budget) for selector in built for budget in budgets]
+        keeps = torch.stack([selector_keep(model, item, selector, budget, layers) for selector, budget in runs])
+        result = rollout(model, item, keeps, layers, retrieved_tokens(retrieve, item.context))
+        for k, (selector, budget) in enumerate(runs):
+            memory = math.ceil(budget * item.context) / item.context
+            records.append(_record(selector.name, budget, index, item, memory, result, k))
     return records
 
 
@@ -326,10 +338,12 @@ def heldout_records(
     shared_budgets: Sequence[float] = (),
     offsets: Sequence[float] = (),
     baselines: Sequence[str | Selector] = EVICTING_BASELINES,
+    retrieve: int | float = 0,
 ) -> list[dict]:
     """The records of `runs` (name -> loaded predictor, all over the same managed layers) and of
     the evicting `baselines` on held-out data of `lm` (an `atskv.models.LoadedModel`): corpus
-    windows and task prompts, every retention mode (see the module docstring)."""
+    windows and task prompts, every retention mode (see the module docstring), each continuation
+    query reading back `retrieve` dropped tokens (`rollout`)."""
     from atskv.predictor.token_types import token_type_table
 
     headers = {p.header.managed_layers for p in runs.values()}
@@ -342,8 +356,8 @@ def heldout_records(
     types = token_type_table(lm.tokenizer, lm.model.config.get_text_config(decoder=True).vocab_size)
     mlps = {name: p.mlp for name, p in runs.items()}
     modes = [*budgets, THRESHOLD, *(SharedTop(b) for b in shared_budgets), *(Above(c) for c in offsets)]
-    records = evaluate_predictors(lm.model, mlps, layers, types, items, modes)
-    records += evaluate_selectors(lm.model, baselines, items, budgets, dense_layers=layers[0])
+    records = evaluate_predictors(lm.model, mlps, layers, types, items, modes, retrieve=retrieve)
+    records += evaluate_selectors(lm.model, baselines, items, budgets, layers, retrieve=retrieve)
     return records
 
 

@@ -13,7 +13,9 @@ learned selector takes it at the end of a prompt after a dense prefill:
    a bias of float32's lowest value (probability exactly 0) on the continuation's queries. The
    first `dense_layers` layers and the layers the model restricts itself (sliding windows) stay as
    they are. Running the context once instead of K times gives the same numbers: the masks only
-   change what queries after t see.
+   change what queries after t see. With `retrieve` r, each continuation query also reads back
+   the r dropped tokens it rates highest, per layer and KV head: the retention judged as a
+   two-tier store's GPU tier, whose parked tokens the host tier fetches per query.
 
 Scores (choices):
 - NLL: mean over the continuation tokens T+1..T+C-1, those predicted by the queries the
@@ -27,6 +29,7 @@ Scores (choices):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,12 +38,17 @@ import torch.nn.functional as F
 
 from atskv.models import model_geometry
 from atskv.models.cache_names import returned_cache, with_cache
-from atskv.predictor.attention_bias import attention_biases
+from atskv.predictor.attention_bias import DROPPED, attention_biases
 from atskv.predictor.capture import decision_features
 from atskv.predictor.model import RelevanceMLP
 from atskv.rl.items import RolloutItem
 
-DROPPED = torch.finfo(torch.float32).min  # the bias on a dropped token's logits: the mask's own fill value
+
+def retrieved_tokens(retrieve: int | float, context: int) -> int:
+    """Tokens a query reads back: `retrieve` tokens (int) or that fraction of the context (float)."""
+    if isinstance(retrieve, bool) or not isinstance(retrieve, int | float) or retrieve < 0:
+        raise ValueError(f"retrieve must be tokens (int >= 0) or a fraction of the context (float), got {retrieve!r}")
+    return retrieve if isinstance(retrieve, int) else math.ceil(retrieve * context)
 
 
 @dataclass(frozen=True)
@@ -101,9 +109,10 @@ def continuation_scores(first: torch.Tensor, rest: torch.Tensor, continuation: t
 
 
 @torch.no_grad()
-def rollout(model, item: RolloutItem, keep: torch.Tensor, layers: Sequence[int]) -> RolloutResult:
+def rollout(model, item: RolloutItem, keep: torch.Tensor, layers: Sequence[int], retrieve: int = 0) -> RolloutResult:
     """Score `item`'s continuation under K retentions `keep` `[K, L, Hkv, T]` of its context in
-    the managed `layers`: one dense pass of the context, one batched pass of the continuation."""
+    the managed `layers` (each query reading back `retrieve` dropped tokens): one dense pass of
+    the context, one batched pass of the continuation."""
     hkv = model_geometry(model.config).num_kv_heads
     t, k = item.context, keep.shape[0]
     if keep.shape[1:] != (len(layers), hkv, t):
@@ -118,6 +127,6 @@ def rollout(model, item: RolloutItem, keep: torch.Tensor, layers: Sequence[int])
         layer: [(t - 1, torch.zeros(keep.shape[0], hkv, t, device=device).masked_fill(~keep[:, i], DROPPED))]
         for i, layer in enumerate(layers)
     }
-    with attention_biases(model, biases):
+    with attention_biases(model, biases, retrieve):
         rest = model(ids[None, t:-1].expand(k, -1), **with_cache(model, cache)).logits
     return continuation_scores(out.logits[0, -1], rest, ids[t:])

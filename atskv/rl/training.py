@@ -83,7 +83,7 @@ from atskv.predictor.token_types import token_type_table
 from atskv.rl.items import RolloutItem, corpus_items, task_items
 from atskv.rl.policy import Policy, Selection, make_policy, marginal_kl
 from atskv.rl.reward import check_alpha, leave_one_out, reward
-from atskv.rl.rollout import context_features, predictor_logits, rollout
+from atskv.rl.rollout import context_features, predictor_logits, retrieved_tokens, rollout
 
 TASK_METRICS = ("nll", "exact_match")
 STATISTICS = ("loss", "reward", "entropy", "kl", "expected_memory", "nll", "memory", "exact")  # logged per step
@@ -193,6 +193,7 @@ class PolicyGradientModule(L.LightningModule):
         alpha: float = 0.5,
         samples: int = 8,
         task_metric: str = "nll",
+        retrieve: int | float = 0,
         lr: float = 1e-4,
         weight_decay: float = 0.0,
         entropy_weight: float = 1e-3,
@@ -216,6 +217,9 @@ class PolicyGradientModule(L.LightningModule):
             alpha: reward = alpha * performance - (1 - alpha) * memory, alpha in [0, 1].
             samples: K, retentions sampled per context (>= 2, for the leave-one-out baseline).
             task_metric: performance on task prompts: nll (-NLL of the answer) or exact_match.
+            retrieve: training for a two-tier store: each continuation query reads back this many
+                of the tokens a sample drops, per layer and KV head, those it rates highest
+                (int: tokens; float: a fraction of the context); 0: what is dropped is gone.
             lr: AdamW learning rate.
             weight_decay: AdamW weight decay.
             entropy_weight: reward per nat of the policy's mean entropy per token decision.
@@ -232,6 +236,7 @@ class PolicyGradientModule(L.LightningModule):
             raise ValueError(f"samples must be >= 2 (the leave-one-out baseline), got {samples}")
         if task_metric not in TASK_METRICS:
             raise ValueError(f"task_metric must be one of {TASK_METRICS}, got {task_metric!r}")
+        retrieved_tokens(retrieve, 1)  # checked before the model loads
         self.save_hyperparameters()
         from atskv.models import load_model  # looked up at call time (tests check nothing loads before the checks)
 
@@ -273,7 +278,8 @@ class PolicyGradientModule(L.LightningModule):
         with torch.no_grad():
             reference = predictor_logits(self.frozen.reference, features)
         selection = self.policy.sample(logits, hp.samples)
-        result = rollout(self.frozen.base, item, selection.keep, self.layers)
+        retrieve = retrieved_tokens(hp.retrieve, item.context)
+        result = rollout(self.frozen.base, item, selection.keep, self.layers, retrieve)
         exact = item.is_task and hp.task_metric == "exact_match"
         performance = result.exact.float() if exact else -result.nll
         loss, stats = policy_loss(
