@@ -31,6 +31,28 @@ def test_decode_speed_records_every_method_against_plain(tmp_path):
     assert len(saved["records"]) == 16 and (tmp_path / "speed.png").stat().st_size > 0
 
 
+def test_ragged_batches_pad_each_row_more_and_every_method_gets_the_mask(monkeypatch):
+    """Row i of a batch of 3 at padding 0.5 of 96 tokens starts with 0, 24, 48 pad positions; plain
+    transformers, the hook and the fast path all run with that mask (no mask at padding 0)."""
+    mask = speed.ragged_mask(3, 96, 0.5)
+    assert (96 - mask.sum(-1)).tolist() == [0, 24, 48] and bool(mask[:, -1].all())
+    assert speed.ragged_mask(1, 96, 0.5) is None and speed.ragged_mask(3, 96, 0.0) is None
+    seen = []
+    for owner in (speed.atskv, type(tiny_model("llama"))):
+        plain = owner.generate
+
+        def spy(*args, _plain=plain, **kwargs):
+            seen.append(None if kwargs.get("attention_mask") is None else kwargs["attention_mask"].sum(-1).tolist())
+            return _plain(*args, **kwargs)
+
+        monkeypatch.setattr(owner, "generate", spy)
+    model = tiny_model("llama")
+    run = speed.DecodeRun(16, new_tokens=2, prefill_chunk=64, padding=0.5)
+    records = speed.measure(model, "tiny", ("plain", "hook:h2o", "h2o"), [96], [3], run)
+    assert all(r.ms_per_step is not None for r in records), [r.error for r in records]
+    assert seen == [[96, 72, 48]] * 3
+
+
 def test_shape_models_have_the_published_geometry():
     model = speed.shape_model("smollm2-135m-shape", device="cpu")
     config = model.config
@@ -80,6 +102,7 @@ def _run(options: dict) -> speed.DecodeRun:
         (["--retrieve", "1.5"], "budget"),  # the tokens read back follow the budget's rule
         (["--tier_cache", "0.5"], "cache >= 1"),
         (["--gpu_memory", "0"], "gpu_memory > 0"),
+        (["--padding", "1.0"], "padding must be in [0, 1)"),
     ],
 )
 def test_bad_decode_settings_exit_in_one_line_before_a_model_is_built(args, message, capsys, monkeypatch):

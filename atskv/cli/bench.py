@@ -81,6 +81,7 @@ def decode(
     predictor: Path | None = None,
     selector_options: dict | None = None,
     compile: bool = False,
+    padding: float = 0.0,
 ) -> None:
     """End-to-end decode speed against plain transformers, in one run on one GPU.
 
@@ -114,6 +115,9 @@ def decode(
         selector_options: options per selector name, e.g. '{quest: {page_size: 32}}'.
         compile: atskv's fast path decodes through `torch.compile`d decoder layers
             (`atskv.generate(compile=True)`); its one-time compile is not in ms/step.
+        padding: unequal prompts in a batch: row i is left-padded by padding x context x i /
+            (batch - 1) tokens (the first whole, the last `padding` shorter), the same attention
+            mask for every method; 0: equal prompts.
     """
     import datetime
     import sys
@@ -123,7 +127,8 @@ def decode(
 
     names = [m.split(":")[-1] for m in methods if m not in (speed.PLAIN, speed.PLAIN_STATIC)]
     options = options_for(sorted(set(names)), selector_options, predictor)
-    run = speed.DecodeRun(budget, new_tokens, prefill_chunk, dense_layers, retrieve, options, tier_cache, compile)
+    run = speed.DecodeRun(budget, new_tokens, prefill_chunk, dense_layers, retrieve, options, tier_cache, compile,
+                          padding)  # fmt: skip
     if gpu_memory is not None and (gpu_memory <= 0 or max_batch < 1):
         raise ValueError(f"need gpu_memory > 0 GiB and max_batch >= 1, got {gpu_memory} and {max_batch}")
     if not torch.cuda.is_available():

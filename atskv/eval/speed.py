@@ -75,7 +75,8 @@ class DecodeRun:
     KV head), decode steps, prompt chunk, dense first layers, `retrieve` (tokens a `tiered:` method
     reads back per step, whole pages; `tier_cache`: the GPU page cache, in reads) and per-selector
     options (`{"learned": {"predictor": ...}}`; learned without a predictor gets a random one of
-    the model's shape); `compile`: the fast path's decoder layers `torch.compile`d."""
+    the model's shape); `compile`: the fast path's decoder layers `torch.compile`d; `padding`:
+    ragged prompts (`ragged_mask`), every method given the same attention mask."""
 
     budget: int | float = 0.05
     new_tokens: int = 64
@@ -85,10 +86,13 @@ class DecodeRun:
     selector_options: dict = field(default_factory=dict)
     tier_cache: float = 2.0
     compile: bool = False
+    padding: float = 0.0
 
     def __post_init__(self):  # bad settings fail here, before a model is built
         check_budget(self.budget)
         self.tier()
+        if not 0.0 <= self.padding < 1.0:
+            raise ValueError(f"padding must be in [0, 1), got {self.padding}")
 
     def tier(self) -> HostRetrieval:
         """The host tier a `tiered:` method runs with."""
@@ -176,24 +180,35 @@ def _selector(model, method: str, run: DecodeRun, folder: Path):
     return make_selector(name, **options)
 
 
+def ragged_mask(batch: int, context: int, padding: float, device=None) -> torch.Tensor | None:
+    """Left padding for a batch of unequal prompts, as they are served together: row i starts with
+    round(padding x context x i / (batch - 1)) pad positions (the first row whole, the last one
+    `padding` shorter); None when nothing is padded."""
+    pads = [round(padding * context * i / max(1, batch - 1)) for i in range(batch)]
+    if not any(pads):
+        return None
+    return (torch.arange(context).unsqueeze(0) >= torch.tensor(pads).unsqueeze(1)).long().to(device)
+
+
 def run_method(model, method: str, ids: torch.Tensor, run: DecodeRun) -> tuple[float, float]:
     """One timed generation; returns (ms per step, prefill seconds)."""
     clock = TokenClock(ids.device)
-    new = run.new_tokens
+    plain = dict(max_new_tokens=run.new_tokens, min_new_tokens=run.new_tokens, do_sample=False, streamer=clock,
+                 attention_mask=ragged_mask(*ids.shape, run.padding, ids.device))  # fmt: skip
     start = time.perf_counter()
     with torch.no_grad(), tempfile.TemporaryDirectory() as folder:
         if method == PLAIN:
-            model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, streamer=clock)
+            model.generate(ids, **plain)
         elif method == PLAIN_STATIC:  # transformers' static cache, whose decode step it compiles (CUDA graphs)
-            model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, streamer=clock,
-                           cache_implementation="static")  # fmt: skip
+            model.generate(ids, **plain, cache_implementation="static")
         elif method.startswith(HOOK):
             with atskv.sparse(model, _selector(model, method, run, Path(folder)), run.budget,
                               dense_layers=run.dense_layers):  # fmt: skip
-                model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, streamer=clock)
+                model.generate(ids, **plain)
         else:
             tier = run.tier() if method.startswith(TIERED) else None
-            atskv.generate(model, ids, _selector(model, method, run, Path(folder)), run.budget, max_new_tokens=new,
+            atskv.generate(model, ids, _selector(model, method, run, Path(folder)), run.budget,
+                           max_new_tokens=run.new_tokens, attention_mask=plain["attention_mask"],
                            dense_layers=run.dense_layers, prefill_chunk=run.prefill_chunk, streamer=clock,
                            tier=tier, compile=run.compile)  # fmt: skip
     return 1000 * statistics.median(clock.decode_gaps()), clock.times[1] - start
