@@ -582,9 +582,10 @@ def _prefill(model, session: StaticSession, ids, positions, real, chunk: int,
     t = ids.shape[1]
     session.real, session.pad, session.row = real, left_padding(real), row
     cache = session.new_cache()
+    given = with_cache(model, cache)
     for start, stop in prompt_chunks(t, chunk):
-        logits = model(input_ids=ids[:, start:stop], position_ids=positions[:, start:stop], **with_cache(model, cache),
-                       use_cache=True, logits_to_keep=1).logits  # fmt: skip
+        logits = model(input_ids=ids[:, start:stop], position_ids=positions[:, start:stop], **given, use_cache=True,
+                       logits_to_keep=1).logits  # fmt: skip
     session.finish_prompt(real)
     session.real = session.pad = None
     return cache, logits[:, -1]
@@ -623,10 +624,10 @@ def _generate(model, session, input_ids, attention_mask, max_new_tokens, prefill
     pos_in = positions[:, -1:] + 1
 
     counted = session.step_counters(cache)
+    given = with_cache(model, cache)
 
     def step() -> torch.Tensor:
-        return counted(lambda: model(input_ids=ids_in, position_ids=pos_in, **with_cache(model, cache),
-                                     use_cache=True).logits[:, -1])  # fmt: skip
+        return counted(lambda: model(input_ids=ids_in, position_ids=pos_in, **given, use_cache=True).logits[:, -1])
 
     run = GraphedStep(step, device, cuda_graph)
     out = [token]
