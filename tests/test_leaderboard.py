@@ -13,6 +13,7 @@ import pytest
 
 from atskv.data.tasks import TASKS
 from atskv.errors import InputError
+from atskv.memory.host_pages import HostRetrieval
 from atskv.eval import leaderboard
 from atskv.eval.leaderboard import Cell, Grid, check_grid, run_leaderboard
 from atskv.models.loading import LoadedModel
@@ -219,12 +220,45 @@ def test_a_tiered_row_reads_parked_tokens_back(loaded, monkeypatch, tmp_path, ca
         run_leaderboard(loaded, tmp_path, grid, tiering={**every, "retrieve": 64}, **{**RUN, "max_new_tokens": 6})
     with pytest.raises(InputError, match="--tiering: .*unexpected keyword argument 'nope'"):
         run_leaderboard(loaded, tmp_path / "bad", grid, tiering={"nope": 1}, **RUN)
-    with pytest.raises(InputError, match="prefills densely; drop --sparse_prefill"):
+    with pytest.raises(InputError, match=r"prefill densely \(drop --sparse_prefill\)"):
         run_leaderboard(loaded, tmp_path / "bad", grid, sparse_prefill=True, **{**RUN, "fast": False})
     assert not (tmp_path / "bad").exists()
     args = ["--methods=[tiered:h2o]", "--tiering={nope: 1}", "--out", str(tmp_path / "bad")]
     assert run_cli(["eval", "leaderboard", "--model", "/no/such/model", *args]) == 2  # before the model loads
     assert "--tiering: " in capsys.readouterr().err
+
+
+def test_a_host_row_reads_parked_pages_back_on_the_fast_path(loaded, monkeypatch, tmp_path, capsys):
+    """host:<selector> runs the selector on the fast path with its host tier: reading back every
+    parked page at each step it writes dense's text, where the selector alone does not; its
+    options are settings a rerun must share; a bad option or a selector that keeps everything fails
+    before any work."""
+    runs, real = [], leaderboard.generate_batch
+
+    def spy(*args, **kwargs):
+        runs.append((kwargs["fast"], kwargs["host"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(leaderboard, "generate_batch", spy)
+    plan = {**PLAN, "contexts": [260], "ratios": [0.75], "methods": ["streaming_llm", "host:streaming_llm"]}
+    grid = check_grid(**plan, seeds=[0], examples=2)
+    every = {"tokens": 4096, "page_size": 8}  # more than the prompt: every parked page read back
+    paths = run_leaderboard(loaded, tmp_path, grid, host_tier=every, **{**RUN, "max_new_tokens": 6})
+    assert [fast for fast, _ in runs] == [True, True, True] and runs[2][1] == HostRetrieval(4096, 8)
+    texts = {c["method"]: c["texts"] for c in json.loads(paths["json"].read_text())["cells"]}
+    assert texts["host:streaming_llm"] == texts["dense"] != texts["streaming_llm"]
+    assert "host:<selector>: the selector on the fast path with its host tier" in paths["markdown"].read_text()
+    with pytest.raises(InputError, match="other settings .*'tokens': '4096'.* there, .*'tokens': '64'.* now"):
+        run_leaderboard(loaded, tmp_path, grid, host_tier={**every, "tokens": 64}, **{**RUN, "max_new_tokens": 6})
+    with pytest.raises(InputError, match="--host_tier: .*unexpected keyword argument 'nope'"):
+        run_leaderboard(loaded, tmp_path / "bad", grid, host_tier={"nope": 1}, **RUN)
+    quest = check_grid(**{**plan, "methods": ["host:quest"]}, seeds=[0], examples=2)
+    with pytest.raises(InputError, match="host:quest: a host tier parks what an evicting selector drops"):
+        run_leaderboard(loaded, tmp_path / "bad", quest, **RUN)
+    assert not (tmp_path / "bad").exists()
+    args = ["--methods=[host:h2o]", "--host_tier={cache: 0.5}", "--out", str(tmp_path / "bad")]
+    assert run_cli(["eval", "leaderboard", "--model", "/no/such/model", *args]) == 2  # before the model loads
+    assert "--host_tier: " in capsys.readouterr().err
 
 
 def test_folders_computed_in_parallel_merge_into_one_report(loaded, calls, tmp_path):

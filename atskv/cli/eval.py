@@ -273,6 +273,7 @@ def leaderboard(
     predictor: Path | None = None,
     selector_options: dict | None = None,
     tiering: dict | None = None,
+    host_tier: dict | None = None,
     device: str = "auto",
     dtype: str = "auto",
 ) -> None:
@@ -287,7 +288,9 @@ def leaderboard(
         model: a named model, a Hugging Face directory or a .gguf file.
         methods: atskv selectors by name (learned and compositions included), tiered:<selector>
             (the selector in the two-tier store: the budget on the GPU, the rest in host memory,
-            retrieved when needed), and kvpress:<press> (snapkv, streaming_llm,
+            retrieved when needed), host:<selector> (the fast path's host tier: an evicting
+            selector's budget on the GPU, each step reading back the pages of the parked tokens
+            a query rates highest), and kvpress:<press> (snapkv, streaming_llm,
             observed_attention, expected_attention, tova, kvzip); dense always runs.
         contexts: prompt lengths in tokens.
         ratios: compression ratios, the fraction of the KV removed, in (0, 1); budget = 1 - ratio.
@@ -307,6 +310,8 @@ def leaderboard(
         selector_options: {OPTIONS_HELP}.
         tiering: the tiered: rows' `TieringConfig` options, e.g. '{retrieve: 64, index: exact}'
             (none: its defaults).
+        host_tier: the host: rows' `HostRetrieval` options, e.g. '{tokens: 0.125, cache: 2}'
+            (tokens read back per step: an int, or a fraction of the prompt; none: its defaults).
         device: cpu, cuda, or auto.
         dtype: float32, bfloat16, float16, or auto.
     """
@@ -315,7 +320,7 @@ def leaderboard(
     from atskv.selectors import selector_options as by_name
 
     grid = check_grid(contexts, ratios, methods, tasks, seeds, examples)
-    check_tiering(grid, tiering, sparse_prefill)
+    check_tiering(grid, tiering, sparse_prefill, host_tier)
     options = by_name(grid.selector_names, selector_options, predictor)
     device, torch_dtype = resolve_device(device, dtype)
     loaded = load_model(model, dtype=torch_dtype, device=device)
@@ -323,7 +328,7 @@ def leaderboard(
         loaded, out, grid, examples=examples, dense_layers=dense_layers, sparse_prefill=sparse_prefill,
         filler=filler, max_new_tokens=max_new_tokens, batch_size=batch_size, kvpress_python=kvpress_python,
         device=device, dtype=str(torch_dtype).removeprefix("torch."), selector_options=options, tiering=tiering,
-        fast=fast,
+        host_tier=host_tier, fast=fast,
     )  # fmt: skip
     print(paths["markdown"].read_text())
     print(f"written to {out}/ (leaderboard.md, leaderboard.json, leaderboard.png; cells.jsonl for resuming)")

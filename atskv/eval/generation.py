@@ -14,6 +14,7 @@ from transformers.generation.streamers import BaseStreamer
 from atskv.data import TaskExample
 from atskv.hook.decode import generate as generate_fast
 from atskv.hook.tiered import memory_session
+from atskv.memory.host_pages import HostRetrieval
 from atskv.memory.slot_cache import kv_bytes
 from atskv.models.cache_names import with_cache
 from atskv.selectors import Selector
@@ -133,11 +134,13 @@ def generate_batch(
     examples: Sequence[TaskExample | None] | None = None,
     tiering: dict | None = None,
     fast: bool = False,
+    host: HostRetrieval | None = None,
 ) -> list[GenerationRun]:
     """Greedy generation of a batch `[B, T]` (left-padded, see `pad_left`), one run per row, under
     `atskv.sparse`, or `atskv.tiered` with the `tiering` options when given; with `fast`, a
     selector runs on `atskv.generate`'s fast path instead (the prompt in one chunk, as the
-    reference prefills it: the same choices, bf16 rounding aside).
+    reference prefills it: the same choices, bf16 rounding aside), with the host tier `host`
+    when given.
 
     A row's text ends at its first end-of-sequence token. The timings are the batch's; `kv_bytes`
     is the row's share of the batch cache (padding included)."""
@@ -165,10 +168,12 @@ def generate_batch(
                 raise ValueError("the fast path prefills densely and has no tiered store here; use fast=False")
             out = generate_fast(
                 model, ids, selector, budget, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                dense_layers=dense_layers, prefill_chunk=max(ids.shape[1], LAST_QUERIES), streamer=clock,
+                dense_layers=dense_layers, prefill_chunk=max(ids.shape[1], LAST_QUERIES), streamer=clock, tier=host,
             )  # fmt: skip
             cache, label = None, f"{getattr(selector, 'name', selector)}@{budget}"
         else:
+            if host is not None:
+                raise ValueError("a host tier runs on the fast path: use fast=True")
             with memory_session(
                 model, selector, budget, dense_layers=dense_layers, sparse_prefill=sparse_prefill, tiering=tiering
             ) as session:

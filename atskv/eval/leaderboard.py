@@ -7,7 +7,10 @@ the context), kvpress at `compression_ratio` r, through the peer check's venv an
 (`atskv.eval.peer`). A `tiered:<selector>` row runs the selector in the two-tier store
 (`atskv.tiered`): the GPU tier holds the budget, as an evicting selector would, but the rest is
 parked in host memory and retrieved when a query needs it, so it frees the same GPU memory
-without losing what it parks. Seed s of a (task, context) is `examples` prompts built from seeds
+without losing what it parks. A `host:<selector>` row is the fast path's own two-tier decode
+(`atskv.HostRetrieval`): the evicting selector's budget on the GPU, every token in pinned host
+memory, and each step reads back the pages of parked tokens the query rates highest (the GPU also
+keeps page bounds and a page cache). Seed s of a (task, context) is `examples` prompts built from seeds
 1000 s + i, needles at depths spread evenly over (0, 1); the score of a cell is their mean exact
 score, a seed's score the mean over tasks, and the table gives mean ± std over seeds.
 
@@ -41,9 +44,10 @@ from atskv.selectors import check_selector_names
 
 DENSE = "dense"
 TIERED = "tiered:"
+HOST = "host:"
 KVPRESS = "kvpress:"
 KVPRESS_DENSE = "kvpress:none"  # kvpress's own full-KV run: the dense beside its presses
-VARIANT_SETTINGS = ("selector_options", "tiering")  # what a variant folder may change (see merge_folders)
+VARIANT_SETTINGS = ("selector_options", "tiering", "host_tier")  # what a variant folder may change (merge_folders)
 
 
 @dataclass(frozen=True)
@@ -74,8 +78,8 @@ class Cell:
 
 @dataclass(frozen=True)
 class Grid:
-    """What to run; `methods` are atskv selector names, `tiered:<selector>` and `kvpress:<press>`
-    names (dense is always run, it is the reference)."""
+    """What to run; `methods` are atskv selector names, `tiered:<selector>`, `host:<selector>` and
+    `kvpress:<press>` names (dense is always run, it is the reference)."""
 
     contexts: tuple[int, ...]
     ratios: tuple[float, ...]
@@ -93,13 +97,23 @@ class Grid:
         return [m for m in self.selectors if m.startswith(TIERED)]
 
     @property
+    def hosted(self) -> list[str]:
+        """The `host:<selector>` rows (the fast path with its host tier)."""
+        return [m for m in self.selectors if m.startswith(HOST)]
+
+    @property
     def selector_names(self) -> list[str]:
-        """The selectors the atskv rows build, each once (a `tiered:` row's without its prefix)."""
-        return list(dict.fromkeys(m.removeprefix(TIERED) for m in self.selectors))
+        """The selectors the atskv rows build, each once (a `tiered:` or `host:` row's without its prefix)."""
+        return list(dict.fromkeys(selector_of(m) for m in self.selectors))
 
     @property
     def presses(self) -> list[str]:
         return [m.removeprefix(KVPRESS) for m in self.methods if m.startswith(KVPRESS)]
+
+
+def selector_of(method: str) -> str:
+    """The selector an atskv row runs: its name without a `tiered:` or `host:` prefix."""
+    return method.removeprefix(TIERED).removeprefix(HOST)
 
 
 def check_grid(
@@ -129,10 +143,11 @@ def check_grid(
             raise InputError(f"unknown kvpress press {press!r}; choose from: {', '.join(peer.KVPRESS_PRESSES)}")
         if not method.startswith(KVPRESS) and method != DENSE:
             try:
-                check_selector_names([method.removeprefix(TIERED)])  # compositions (learned+sparq) included
+                check_selector_names([selector_of(method)])  # compositions (learned+sparq) included
             except ValueError as error:
                 raise InputError(
-                    f"{error} (or tiered:<selector>, or kvpress:<press>: {', '.join(peer.KVPRESS_PRESSES)})"
+                    f"{error} (or tiered:<selector>, host:<selector>, or kvpress:<press>: "
+                    f"{', '.join(peer.KVPRESS_PRESSES)})"
                 ) from None
     return Grid(
         tuple(dict.fromkeys(contexts)), tuple(dict.fromkeys(float(r) for r in ratios)),
@@ -141,19 +156,29 @@ def check_grid(
     )  # fmt: skip
 
 
-def check_tiering(grid: Grid, tiering: dict | None, sparse_prefill: bool) -> None:
-    """An `InputError` before any model loads for `tiered:` rows the two-tier store cannot run:
-    options `TieringConfig` does not take, or sparse prefill (the store prefills densely)."""
+def check_tiering(grid: Grid, tiering: dict | None, sparse_prefill: bool, host_tier: dict | None = None) -> None:
+    """An `InputError` before any model loads for `tiered:` or `host:` rows their store cannot
+    run: options `TieringConfig` or `HostRetrieval` does not take, a `host:` row whose selector
+    does not evict (the host tier parks what it drops), or sparse prefill (both prefill densely)."""
     from atskv.hook.tiered import TieringConfig
+    from atskv.memory.host_pages import HostRetrieval
+    from atskv.selectors import SELECTORS, name_parts
 
-    if not grid.tiered:
-        return
-    if sparse_prefill:
-        raise InputError(f"{', '.join(grid.tiered)}: the two-tier store prefills densely; drop --sparse_prefill")
-    try:
-        TieringConfig(budget=0.5, **(tiering or {}))
-    except (TypeError, ValueError) as error:
-        raise InputError(f"--tiering: {error}") from None
+    if (grid.tiered or grid.hosted) and sparse_prefill:
+        rows = ", ".join(grid.tiered + grid.hosted)
+        raise InputError(f"{rows}: the two-tier stores prefill densely (drop --sparse_prefill)")
+    checks = ([("--tiering", lambda: TieringConfig(budget=0.5, **(tiering or {})))] if grid.tiered else []) + (
+        [("--host_tier", lambda: HostRetrieval(**(host_tier or {})))] if grid.hosted else []
+    )
+    for option, build in checks:
+        try:
+            build()
+        except (TypeError, ValueError) as error:
+            raise InputError(f"{option}: {error}") from None
+    for method in grid.hosted:
+        if not SELECTORS[name_parts(selector_of(method))[0]].evicts:  # a composition: its residency part
+            raise InputError(f"{method}: a host tier parks what an evicting selector drops (h2o, snapkv, "
+                             f"streaming_llm, learned, or a composition with one of them first)")  # fmt: skip
 
 
 def build_examples(tokenizer, task: str, context: int, seed: int, n: int, filler: str | None) -> list[TaskExample]:
@@ -220,10 +245,11 @@ def kvpress_unavailable(python: Path, loaded) -> str | None:
 
 
 def _atskv_cell(
-    loaded, examples, key, selector, budget, dense_layers, sparse_prefill, new_tokens, batch_size, fast, tiering
-):
+    loaded, examples, key, selector, budget, dense_layers, sparse_prefill, new_tokens, batch_size, fast, tiering,
+    host=None,
+):  # fmt: skip
     """Greedy runs of `examples` in left-padded batches, as one cell (in the two-tier store with
-    `tiering`'s options when given)."""
+    `tiering`'s options when given; on the fast path with the host tier `host`)."""
     tokenizer, runs = loaded.tokenizer, []
     for start in range(0, len(examples), batch_size):
         batch = examples[start : start + batch_size]
@@ -231,7 +257,7 @@ def _atskv_cell(
         runs += generate_batch(
             loaded.model, tokenizer, ids, mask, selector=selector, budget=budget,
             dense_layers=dense_layers, sparse_prefill=sparse_prefill,
-            max_new_tokens=new_tokens, examples=batch, fast=fast, tiering=tiering,
+            max_new_tokens=new_tokens, examples=batch, fast=fast, tiering=tiering, host=host,
         )  # fmt: skip
     context, task, seed, method, ratio = key
     prefill = "sparse" if sparse_prefill and selector is not None else "dense"
@@ -288,6 +314,7 @@ def run_leaderboard(
     dtype: str = "float32",
     selector_options: dict[str, dict] | None = None,
     tiering: dict | None = None,
+    host_tier: dict | None = None,
     fast: bool = True,
     progress: bool = True,
 ) -> dict[str, Path]:
@@ -295,15 +322,18 @@ def run_leaderboard(
     report (see `write`). kvpress methods are skipped, with a message on stderr and in the table's
     notes, where kvpress cannot run (`kvpress_unavailable`). `selector_options`: constructor
     arguments by selector name (`atskv.selectors.selectors_for_model`), part of the settings a
-    rerun into `out` must share, as is `tiering`: the `TieringConfig` options of the `tiered:` rows
-    (none: its defaults). `fast`: atskv's selectors run on `atskv.generate`'s fast path (what a
-    user serves with), else on the reference path (`atskv.sparse` under `model.generate`); the
-    `tiered:` rows run `atskv.tiered` under `model.generate` either way; dense is always
-    transformers' own `generate`."""
+    rerun into `out` must share, as are `tiering` (the `TieringConfig` options of the `tiered:`
+    rows; none: its defaults) and `host_tier` (the `HostRetrieval` options of the `host:` rows).
+    `fast`: atskv's selectors run on `atskv.generate`'s fast path (what a user serves with), else
+    on the reference path (`atskv.sparse` under `model.generate`); the `tiered:` rows run
+    `atskv.tiered` under `model.generate` and the `host:` rows the fast path either way; dense is
+    always transformers' own `generate`."""
     from atskv.hook.decode import has_fast_path
     from atskv.selectors import selectors_for_model
 
-    check_tiering(grid, tiering, sparse_prefill)
+    from atskv.memory.host_pages import HostRetrieval
+
+    check_tiering(grid, tiering, sparse_prefill, host_tier)
 
     settings = {
         "model": loaded.name, "examples": examples, "filler": filler, "dense_layers": dense_layers,
@@ -312,13 +342,16 @@ def run_leaderboard(
         **({"selector_options": {k: {o: str(v) for o, v in opts.items()} for k, opts in selector_options.items()}}
            if selector_options else {}),
         **({"tiering": {k: str(v) for k, v in tiering.items()}} if tiering else {}),
+        **({"host_tier": {k: str(v) for k, v in host_tier.items()}} if host_tier else {}),
     }  # fmt: skip
     built = dict(zip(grid.selector_names, selectors_for_model(grid.selector_names, loaded.name, selector_options)))
-    selectors = {m: built[m.removeprefix(TIERED)] for m in grid.selectors}  # a tiered: row shares its selector
+    selectors = {m: built[selector_of(m)] for m in grid.selectors}  # a tiered: or host: row shares its selector
     if fast and (slow := [m for m, s in selectors.items() if m not in grid.tiered and not has_fast_path(s)]):
         raise InputError(f"{', '.join(slow)} run on the reference path only; run the leaderboard with --fast false")
     if fast and sparse_prefill:
         raise InputError("the fast path prefills densely; sparse prefill needs --fast false")
+    if no_host := [m for m in grid.hosted if not has_fast_path(selectors[m])]:
+        raise InputError(f"{', '.join(no_host)}: the host tier lives on the fast path, which this selector lacks")
     store = CellStore(Path(out), settings)
     python = Path(kvpress_python) if kvpress_python else peer.default_kvpress_python()
     skipped = kvpress_unavailable(python, loaded) if grid.presses else None
@@ -343,10 +376,11 @@ def run_leaderboard(
             bar.set_postfix_str(f"{context} {task} seed {seed} {method} {ratio or ''}")
             budget = None if ratio is None else peer.budget_fraction(ratio)
             tier = (tiering or {}) if method in grid.tiered else None
+            host = HostRetrieval(**(host_tier or {})) if method in grid.hosted else None
             store.add(
                 _atskv_cell(
                     loaded, batch, (*group, method, ratio), selectors.get(method), budget, dense_layers,
-                    sparse_prefill, new_tokens, batch_size, fast and tier is None, tier,
+                    sparse_prefill, new_tokens, batch_size, (fast and tier is None) or host is not None, tier, host,
                 )
             )  # fmt: skip
             bar.update()
@@ -549,6 +583,13 @@ def _notes(settings: dict, grid: Grid, skipped: str | None) -> str:
             f" tiered:<selector>: the selector in atskv.tiered ({options}) under transformers' generate: the GPU "
             "tier holds the budget, the rest waits in host memory and the best parked tokens are read back at "
             "each step."
+        )
+    if grid.hosted:
+        options = settings.get("host_tier") or "its defaults"
+        notes += (
+            f" host:<selector>: the selector on the fast path with its host tier (HostRetrieval, {options}): the "
+            "budget on the GPU, every token in pinned host memory, and the pages of the parked tokens each query "
+            "rates highest read back at each step."
         )
     if skipped:
         notes += f"\n\nkvpress methods skipped: {skipped}"
