@@ -89,6 +89,18 @@ def test_triton_matches_reference_fp32(group, d, offset):
     assert (out[..., offset + 45 :] == 0).all()
 
 
+def test_triton_on_views_that_start_past_a_rows_padding():
+    """A left-padded row's real part (`causal_mass_from`): the queries from the first real one and
+    the keys from the first real slot, views into the chunk's tensors, as the reference gives."""
+    query, keys, lse, scaling = make_chunk(1, 2, 4, 64, tq=45, offset=37, spare=0, seed=5)
+    first, start = 6, 40  # the chunk's first 6 queries and the first 40 slots are padding
+    q, k, part_lse = query[:, :, first:], keys[:, :, start:], lse[:, :, first:]
+    offset = k.shape[2] - q.shape[2]
+    expected = prefix_received_mass_reference(q.contiguous(), k.contiguous(), part_lse.contiguous(), offset, scaling)
+    out = prefix_received_mass_triton(q, k, part_lse, offset, scaling, **SMALL_BLOCKS)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(("block_n", "block_m"), [(16, 16), (32, 16), (16, 32)])
 def test_triton_every_alignment_of_offset_and_blocks(block_n, block_m):
     """Every offset modulo the blocks: which query blocks the kernel skips, masks on the diagonal
