@@ -13,7 +13,6 @@ import pytest
 
 from atskv.data.tasks import TASKS
 from atskv.errors import InputError
-from atskv.memory.host_pages import HostRetrieval
 from atskv.eval import leaderboard
 from atskv.eval.leaderboard import Cell, Grid, check_grid, run_leaderboard
 from atskv.models.loading import LoadedModel
@@ -197,68 +196,55 @@ def test_kvpress_runs_a_process_a_press_so_a_failed_press_loses_only_itself(load
     assert "failed" not in paths["markdown"].read_text()
 
 
-def test_a_tiered_row_reads_parked_tokens_back(loaded, monkeypatch, tmp_path, capsys):
-    """tiered:<selector> runs the selector in the two-tier store at the same GPU budget: reading
-    every parked token back at each step it writes dense's text, where the selector alone does
-    not; its tiering options are settings a rerun must share, and bad ones fail before any work."""
+# the two stores that park what the GPU tier drops: (prefix, option, options reading every parked
+# token back, an option changed, where the row runs, what its report note says)
+STORES = [
+    ("tiered", "tiering", {"retrieve": 100_000, "recent": 8, "refresh_every": 4}, ("retrieve", 64), "reference",
+     "tiered:<selector>: the selector in atskv.tiered"),
+    ("host", "host_tier", {"tokens": 4096, "page_size": 8}, ("tokens", 64), "fast",
+     "host:<selector>: the selector on the fast path with its host tier"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("prefix,option,every,changed,path,note", STORES)
+def test_a_row_with_a_host_store_reads_parked_tokens_back(loaded, monkeypatch, tmp_path, capsys, prefix, option,
+                                                          every, changed, path, note):  # fmt: skip
+    """tiered:<selector> (the two-tier store, reference path) and host:<selector> (the fast path's
+    host tier) run the selector at the same GPU budget: reading every parked token back at each
+    step they write dense's text, where the selector alone does not; their options are settings a
+    rerun must share, and bad ones fail before any work, as sparse prefill and a host: row whose
+    selector keeps everything do."""
     runs, real = [], leaderboard.generate_batch
 
     def spy(*args, **kwargs):
-        runs.append((kwargs["selector"] is not None, kwargs["fast"], kwargs["tiering"]))
+        runs.append("fast" if kwargs["fast"] else "reference")
         return real(*args, **kwargs)
 
     monkeypatch.setattr(leaderboard, "generate_batch", spy)
-    plan = {**PLAN, "contexts": [260], "ratios": [0.75], "methods": ["streaming_llm", "tiered:streaming_llm"]}
+    row = f"{prefix}:streaming_llm"
+    plan = {**PLAN, "contexts": [260], "ratios": [0.75], "methods": ["streaming_llm", row]}
     grid = check_grid(**plan, seeds=[0], examples=2)
-    every = {"retrieve": 100_000, "recent": 8, "refresh_every": 4}  # a 65-token GPU tier; all parked read back
-    paths = run_leaderboard(loaded, tmp_path, grid, tiering=every, **{**RUN, "max_new_tokens": 6})
-    assert runs == [(False, True, None), (True, True, None), (True, False, every)]  # the tier: reference path
+    paths = run_leaderboard(loaded, tmp_path, grid, **{option: every}, **{**RUN, "max_new_tokens": 6})
+    assert runs == ["fast", "fast", path]  # dense (transformers' generate), the selector alone, the row
     texts = {c["method"]: c["texts"] for c in json.loads(paths["json"].read_text())["cells"]}
-    assert texts["tiered:streaming_llm"] == texts["dense"] != texts["streaming_llm"]
-    assert "tiered:<selector>: the selector in atskv.tiered" in paths["markdown"].read_text()
-    with pytest.raises(InputError, match="other settings .*'retrieve': '100000'.* there, .*'retrieve': '64'.* now"):
-        run_leaderboard(loaded, tmp_path, grid, tiering={**every, "retrieve": 64}, **{**RUN, "max_new_tokens": 6})
-    with pytest.raises(InputError, match="--tiering: .*unexpected keyword argument 'nope'"):
-        run_leaderboard(loaded, tmp_path / "bad", grid, tiering={"nope": 1}, **RUN)
+    assert texts[row] == texts["dense"] != texts["streaming_llm"]
+    assert note in paths["markdown"].read_text()
+    key, value = changed
+    refused = f"other settings .*'{key}': '{every[key]}'.* there, .*'{key}': '{value}'.* now"
+    with pytest.raises(InputError, match=refused):
+        run_leaderboard(loaded, tmp_path, grid, **{option: {**every, key: value}}, **{**RUN, "max_new_tokens": 6})
+    with pytest.raises(InputError, match=f"--{option}: .*unexpected keyword argument 'nope'"):
+        run_leaderboard(loaded, tmp_path / "bad", grid, **{option: {"nope": 1}}, **RUN)
     with pytest.raises(InputError, match=r"prefill densely \(drop --sparse_prefill\)"):
         run_leaderboard(loaded, tmp_path / "bad", grid, sparse_prefill=True, **{**RUN, "fast": False})
+    if prefix == "host":
+        quest = check_grid(**{**plan, "methods": ["host:quest"]}, seeds=[0], examples=2)
+        with pytest.raises(InputError, match="host:quest: a host tier parks what an evicting selector drops"):
+            run_leaderboard(loaded, tmp_path / "bad", quest, **RUN)
     assert not (tmp_path / "bad").exists()
-    args = ["--methods=[tiered:h2o]", "--tiering={nope: 1}", "--out", str(tmp_path / "bad")]
+    args = [f"--methods=[{prefix}:h2o]", f"--{option}={{nope: 1}}", "--out", str(tmp_path / "bad")]
     assert run_cli(["eval", "leaderboard", "--model", "/no/such/model", *args]) == 2  # before the model loads
-    assert "--tiering: " in capsys.readouterr().err
-
-
-def test_a_host_row_reads_parked_pages_back_on_the_fast_path(loaded, monkeypatch, tmp_path, capsys):
-    """host:<selector> runs the selector on the fast path with its host tier: reading back every
-    parked page at each step it writes dense's text, where the selector alone does not; its
-    options are settings a rerun must share; a bad option or a selector that keeps everything fails
-    before any work."""
-    runs, real = [], leaderboard.generate_batch
-
-    def spy(*args, **kwargs):
-        runs.append((kwargs["fast"], kwargs["host"]))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(leaderboard, "generate_batch", spy)
-    plan = {**PLAN, "contexts": [260], "ratios": [0.75], "methods": ["streaming_llm", "host:streaming_llm"]}
-    grid = check_grid(**plan, seeds=[0], examples=2)
-    every = {"tokens": 4096, "page_size": 8}  # more than the prompt: every parked page read back
-    paths = run_leaderboard(loaded, tmp_path, grid, host_tier=every, **{**RUN, "max_new_tokens": 6})
-    assert [fast for fast, _ in runs] == [True, True, True] and runs[2][1] == HostRetrieval(4096, 8)
-    texts = {c["method"]: c["texts"] for c in json.loads(paths["json"].read_text())["cells"]}
-    assert texts["host:streaming_llm"] == texts["dense"] != texts["streaming_llm"]
-    assert "host:<selector>: the selector on the fast path with its host tier" in paths["markdown"].read_text()
-    with pytest.raises(InputError, match="other settings .*'tokens': '4096'.* there, .*'tokens': '64'.* now"):
-        run_leaderboard(loaded, tmp_path, grid, host_tier={**every, "tokens": 64}, **{**RUN, "max_new_tokens": 6})
-    with pytest.raises(InputError, match="--host_tier: .*unexpected keyword argument 'nope'"):
-        run_leaderboard(loaded, tmp_path / "bad", grid, host_tier={"nope": 1}, **RUN)
-    quest = check_grid(**{**plan, "methods": ["host:quest"]}, seeds=[0], examples=2)
-    with pytest.raises(InputError, match="host:quest: a host tier parks what an evicting selector drops"):
-        run_leaderboard(loaded, tmp_path / "bad", quest, **RUN)
-    assert not (tmp_path / "bad").exists()
-    args = ["--methods=[host:h2o]", "--host_tier={cache: 0.5}", "--out", str(tmp_path / "bad")]
-    assert run_cli(["eval", "leaderboard", "--model", "/no/such/model", *args]) == 2  # before the model loads
-    assert "--host_tier: " in capsys.readouterr().err
+    assert f"--{option}: " in capsys.readouterr().err
 
 
 def test_folders_computed_in_parallel_merge_into_one_report(loaded, calls, tmp_path):
