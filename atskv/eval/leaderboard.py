@@ -329,9 +329,8 @@ def run_leaderboard(
     `atskv.tiered` under `model.generate` and the `host:` rows the fast path either way; dense is
     always transformers' own `generate`."""
     from atskv.hook.decode import has_fast_path
-    from atskv.selectors import selectors_for_model
-
     from atskv.memory.host_pages import HostRetrieval
+    from atskv.selectors import selectors_for_model
 
     check_tiering(grid, tiering, sparse_prefill, host_tier)
 
@@ -339,10 +338,10 @@ def run_leaderboard(
         "model": loaded.name, "examples": examples, "filler": filler, "dense_layers": dense_layers,
         "prefill": "sparse" if sparse_prefill else "dense", "max_new_tokens": max_new_tokens, "dtype": dtype,
         "runtime": "fast" if fast else "reference",
-        **({"selector_options": {k: {o: str(v) for o, v in opts.items()} for k, opts in selector_options.items()}}
+        **({"selector_options": {k: _as_setting(opts) for k, opts in selector_options.items()}}
            if selector_options else {}),
-        **({"tiering": {k: str(v) for k, v in tiering.items()}} if tiering else {}),
-        **({"host_tier": {k: str(v) for k, v in host_tier.items()}} if host_tier else {}),
+        **({"tiering": _as_setting(tiering)} if tiering else {}),
+        **({"host_tier": _as_setting(host_tier)} if host_tier else {}),
     }  # fmt: skip
     built = dict(zip(grid.selector_names, selectors_for_model(grid.selector_names, loaded.name, selector_options)))
     selectors = {m: built[selector_of(m)] for m in grid.selectors}  # a tiered: or host: row shares its selector
@@ -352,6 +351,7 @@ def run_leaderboard(
         raise InputError("the fast path prefills densely; sparse prefill needs --fast false")
     if no_host := [m for m in grid.hosted if not has_fast_path(selectors[m])]:
         raise InputError(f"{', '.join(no_host)}: the host tier lives on the fast path, which this selector lacks")
+    host = HostRetrieval(**(host_tier or {}))  # the host: rows' tier options (a call builds its own store)
     store = CellStore(Path(out), settings)
     python = Path(kvpress_python) if kvpress_python else peer.default_kvpress_python()
     skipped = kvpress_unavailable(python, loaded) if grid.presses else None
@@ -376,11 +376,12 @@ def run_leaderboard(
             bar.set_postfix_str(f"{context} {task} seed {seed} {method} {ratio or ''}")
             budget = None if ratio is None else peer.budget_fraction(ratio)
             tier = (tiering or {}) if method in grid.tiered else None
-            host = HostRetrieval(**(host_tier or {})) if method in grid.hosted else None
+            hosted = method in grid.hosted
             store.add(
                 _atskv_cell(
                     loaded, batch, (*group, method, ratio), selectors.get(method), budget, dense_layers,
-                    sparse_prefill, new_tokens, batch_size, (fast and tier is None) or host is not None, tier, host,
+                    sparse_prefill, new_tokens, batch_size, (fast and tier is None) or hosted, tier,
+                    host if hosted else None,
                 )
             )  # fmt: skip
             bar.update()
@@ -408,6 +409,11 @@ def run_leaderboard(
     return write(cells, store.out, grid, loaded.name, notes, settings)
 
 
+def _as_setting(options: Mapping) -> dict[str, str]:
+    """Options as `settings.json` keeps them (values as text), so a rerun compares like with like."""
+    return {k: str(v) for k, v in options.items()}
+
+
 def merge_folders(
     out: str | Path, sources: Sequence[str | Path], variants: Mapping[str, str | Path] | None = None
 ) -> dict[str, Path]:
@@ -415,8 +421,8 @@ def merge_folders(
     into `out` and write its report from them, computing nothing. The sources must share their
     settings; a cell in several is taken once. The grid is what the cells cover, and a row
     averages over the seeds that have all its tasks (rows may rest on different seeds: the JSON
-    lists them). `variants`: label -> a folder run with other `selector_options` or `tiering`
-    (nothing else may differ): its atskv rows join as "METHOD (label)", so one table and plot show
+    lists them). `variants`: label -> a folder run with other `selector_options`, `tiering` or
+    `host_tier` (nothing else may differ): its atskv rows join as "METHOD (label)", so one table and plot show
     a selector under two settings on the same prompts; its dense and kvpress cells are left out
     (the sources hold those)."""
     sources = [Path(s) for s in sources]

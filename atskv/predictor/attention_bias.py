@@ -66,7 +66,6 @@ class BiasSession:
         out = torch.matmul(probs.to(value.dtype), value.unsqueeze(2))
         return out.view(b, -1, tq, value.shape[-1]).transpose(1, 2)
 
-
     def _read_back(self, query, key, mask, bias) -> torch.Tensor:
         """`bias` with each query's `retrieve` best dropped tokens let through (bias 0)."""
         dropped = (bias == DROPPED) & mask  # [B, Hkv, Tq, S]
