@@ -68,6 +68,20 @@ def test_fast_generate_of_a_left_padded_batch(family, selector, budget):
     assert torch.equal(fast, _reference(model, ids, _selector(selector), budget, 10, mask))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("selector", ["snapkv", "h2o"])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_left_padded_batch_on_the_gpu_gives_the_reference_tokens(family, selector):
+    """An evicting selector prefills a padded row alone from its first real token: on CUDA that is
+    the flash call on a query slice and the received-mass kernel on views (float32: no rounding)."""
+    model, ids, mask = left_padded(family, 150, 30, seed=2)
+    model, ids, mask = model.cuda(), ids.cuda(), mask.cuda()
+    budget = dict(CASES)[selector]
+    fast = atskv.generate(model, ids, _selector(selector), budget, attention_mask=mask, max_new_tokens=10,
+                          dense_layers=1, prefill_chunk=64)  # fmt: skip
+    assert torch.equal(fast, _reference(model, ids, _selector(selector), budget, 10, mask))
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_quest_on_the_reference_path_gives_a_padded_row_its_tokens_alone(family):
     """A padded row's pages start at its first real token (20 pads: not a whole page), as they do
