@@ -20,6 +20,7 @@ the first managed layer is always an anchor.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
@@ -90,11 +91,14 @@ class KascadeProfile:
         )
 
     def save(self, path: str | Path) -> Path:
-        """Write the profile as JSON (parent folders created)."""
+        """Write the profile as JSON (parent folders created), whole or not at all: a process loading it
+        while another rewrites it (parallel leaderboard workers) reads the old file or the new one."""
         path = Path(path).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
         data = {"format": PROFILE_FORMAT, **asdict(self), "geometry": self.geometry.to_dict()}
-        path.write_text(json.dumps(data, indent=1))
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps(data, indent=1))
+        os.replace(partial, path)
         return path
 
     @classmethod
