@@ -286,6 +286,13 @@ def test_a_run_with_other_selector_options_joins_the_report_as_labelled_rows(loa
         if cell["method"] != "dense":
             assert by_method["streaming_llm (one sink)", cell["ratio"]]["texts"] == cell["texts"]
     assert "| streaming_llm (one sink) |" in merged["markdown"].read_text()
+    # the merged folder (its settings record the variant) merges again with a second variant: both labels stay
+    run_leaderboard(loaded, tmp_path / "sink2", check_grid(**plan, seeds=[0], examples=2),
+                    selector_options={"streaming_llm": {"sinks": 2}}, **RUN)  # fmt: skip
+    again = leaderboard.merge_folders(tmp_path / "again", [tmp_path / "merged"], {"two sinks": tmp_path / "sink2"})
+    data = json.loads(again["json"].read_text())
+    assert data["grid"]["methods"] == ["streaming_llm", "streaming_llm (one sink)", "streaming_llm (two sinks)"]
+    assert set(data["settings"]["variants"]) == {"one sink", "two sinks"}
     other = tmp_path / "deeper"
     other.mkdir()
     settings = json.loads((tmp_path / "sink1" / "settings.json").read_text())

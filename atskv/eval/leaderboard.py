@@ -432,12 +432,14 @@ def merge_folders(
     if missing := [str(s) for s in [*sources, *variants.values()] if not (s / "settings.json").is_file()]:
         raise InputError(f"not a leaderboard folder (no settings.json; merge its workers first): {', '.join(missing)}")
     settings = json.loads((sources[0] / "settings.json").read_text())
-    base = {k: v for k, v in settings.items() if k not in VARIANT_SETTINGS}
+    # a merged source records its variants' settings: not a setting of its own cells
+    base = {k: v for k, v in settings.items() if k not in (*VARIANT_SETTINGS, "variants")}
     varied, variant_stores = {}, {}
     for label, folder in variants.items():
         theirs = json.loads((folder / "settings.json").read_text())
         varied[label] = {k: theirs[k] for k in VARIANT_SETTINGS if k in theirs}
         variant_stores[label] = CellStore(folder, {**base, **varied[label]})  # refuses any other change
+    varied = {**settings.get("variants", {}), **varied}  # a merged source's labels stay
     merged = {**settings, **({"variants": varied} if varied else {})}
     store = CellStore(Path(out), merged)
     for source in sources:

@@ -3,8 +3,8 @@
 # of it: wheels for the device image's Python 3.12 (.whl/: transformers, gguf, jsonargparse;
 # .device/wh/: fit's jsonargparse extras; .device/kvw/: kvpress with its own transformers;
 # .device/pt/: pytest and hypothesis, for the GPU tests: install with --target /tmp/pt), the
-# two models' GGUFs in parts of 50 MiB, one folder a part (a call carries at most 64 MiB:
-# .device/s1-s2 SmolLM2-135M, .device/g1-g5 Gemma 3 270M), the corpora and a snapshot of HEAD
+# two models' GGUFs in parts of 40 MiB, one folder a part (a call carries at most 64 MiB, the
+# ~14 MiB tree included: .device/s1-s3 SmolLM2-135M, .device/g1-g7 Gemma 3 270M), the corpora and a snapshot of HEAD
 # (.device/head.tar, so background jobs run from a tree no later call rewrites).
 # All from the configured package index. Both folders are git-ignored.
 #   bash benchmarks/device/stage.sh
@@ -19,9 +19,9 @@ mkdir -p .whl .device/wh .device/kvw .device/pt
   termcolor cachetools
 "${get[@]}" -d .device/pt pytest iniconfig pluggy packaging hypothesis attrs sortedcontainers
 
-parts() {  # parts FILE PREFIX: FILE in 50 MiB parts, .device/PREFIX1/, PREFIX2/, ...
+parts() {  # parts FILE PREFIX: FILE in 40 MiB parts, .device/PREFIX1/, PREFIX2/, ...
   local i=1 part tmp; tmp=$(mktemp -d)
-  split -b 50M "$1" "$tmp/$(basename "$1").part."
+  split -b 40M "$1" "$tmp/$(basename "$1").part."
   for part in "$tmp"/*; do rm -rf ".device/$2$i"; mkdir -p ".device/$2$i"; mv "$part" ".device/$2$i/"; i=$((i + 1)); done
   rmdir "$tmp"
 }
