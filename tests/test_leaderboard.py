@@ -293,6 +293,8 @@ def test_a_run_with_other_selector_options_joins_the_report_as_labelled_rows(loa
     data = json.loads(again["json"].read_text())
     assert data["grid"]["methods"] == ["streaming_llm", "streaming_llm (one sink)", "streaming_llm (two sinks)"]
     assert set(data["settings"]["variants"]) == {"one sink", "two sinks"}
+    for sources in ([tmp_path / "main", tmp_path / "merged"], [tmp_path / "merged", tmp_path / "main"]):  # any order
+        assert leaderboard.merge_folders(tmp_path / f"mixed-{sources[0].name}", sources)["json"].is_file()
     other = tmp_path / "deeper"
     other.mkdir()
     settings = json.loads((tmp_path / "sink1" / "settings.json").read_text())

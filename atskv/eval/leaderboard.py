@@ -432,8 +432,8 @@ def merge_folders(
     if missing := [str(s) for s in [*sources, *variants.values()] if not (s / "settings.json").is_file()]:
         raise InputError(f"not a leaderboard folder (no settings.json; merge its workers first): {', '.join(missing)}")
     settings = json.loads((sources[0] / "settings.json").read_text())
-    # a merged source records its variants' settings: not a setting of its own cells
-    base = {k: v for k, v in settings.items() if k not in (*VARIANT_SETTINGS, "variants")}
+    own = {k: v for k, v in settings.items() if k != "variants"}  # a merged source's record, not its cells' setting
+    base = {k: v for k, v in own.items() if k not in VARIANT_SETTINGS}
     varied, variant_stores = {}, {}
     for label, folder in variants.items():
         theirs = json.loads((folder / "settings.json").read_text())
@@ -443,7 +443,7 @@ def merge_folders(
     merged = {**settings, **({"variants": varied} if varied else {})}
     store = CellStore(Path(out), merged)
     for source in sources:
-        for key, cell in CellStore(source, settings).cells.items():  # refuses other settings
+        for key, cell in CellStore(source, own).cells.items():  # refuses other settings
             if key not in store:
                 store.add(cell)
     for label, variant in variant_stores.items():
