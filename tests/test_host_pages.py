@@ -102,23 +102,25 @@ def test_a_decode_token_is_written_resident_and_released_when_evicted():
     assert torch.equal(pages.host_keys[:, :, 22], new_k[:, :, 0])
     assert torch.equal(pages.host_values[:, :, 22], new_v[:, :, 0])
     assert bool(pages.resident[:, :, 22].all()) and int(pages.resident.sum()) == B * H
-    assert bool((pages.high[:, :, 22 // PAGE] == 100).all())  # the page's bound widened to the new key
+    assert bool((pages.summary.high[:, :, 22 // PAGE] == 100).all())  # the page's bound widened to the new key
     positions = torch.tensor([22, 22 + 3]).view(B, 1, 1).expand(B, H, 1)  # row 1's positions are offset by 3
     pages.release(positions, torch.tensor([True, False]).view(B, 1, 1).expand(B, H, 1))
     assert pages.resident[:, :, 22].tolist() == [[False, False], [True, True]]
 
 
+@pytest.mark.parametrize("summary", ["bounds", "int4"])
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("selector", ["snapkv", "h2o", "streaming_llm"])
-def test_reading_back_every_parked_page_gives_dense_tokens(family, selector):
-    """Resident slots plus every parked token is the whole context, each once: dense attention."""
+def test_reading_back_every_parked_page_gives_dense_tokens(family, selector, summary):
+    """Resident slots plus every parked token is the whole context, each once: dense attention,
+    whatever summary ranks the pages."""
     model = tiny_model(family)
     ids = random_prompt(150, seed=2, batch=2)
     mask = torch.ones_like(ids)
     mask[1, :30] = 0
     run = dict(attention_mask=mask, max_new_tokens=12, dense_layers=1, prefill_chunk=64)
     dense = atskv.generate(model, ids, "dense", 0.5, **run)
-    tiered = atskv.generate(model, ids, selector, 12, tier=HostRetrieval(tokens=10_000), **run)
+    tiered = atskv.generate(model, ids, selector, 12, tier=HostRetrieval(tokens=10_000, summary=summary), **run)
     assert torch.equal(tiered, dense)
 
 
@@ -172,7 +174,7 @@ def test_fetches_through_pinned_memory_and_the_kernel_equal_the_cpu_ones():
     for row in range(B):
         gpu.park(row, keys[row : row + 1].cuda(), values[row : row + 1].cuda(), first_position=3 * row, count=22)
         for pages in (cpu, gpu):
-            pages.mark_resident(row, torch.tensor([[0, 1, 5]] * H, device=pages.low.device) + 3 * row)
+            pages.mark_resident(row, torch.tensor([[0, 1, 5]] * H, device=pages.resident.device) + 3 * row)
     for seed in range(5):  # misses, then hits and evictions in the page cache
         query = torch.randn(B, 2 * H, D, generator=torch.Generator().manual_seed(seed % 3))
         for a, b in zip(cpu.fetch(query), gpu.fetch(query.cuda())):

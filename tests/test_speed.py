@@ -101,6 +101,7 @@ def _run(options: dict) -> speed.DecodeRun:
         (["--budget", "0"], "budget"),
         (["--retrieve", "1.5"], "budget"),  # the tokens read back follow the budget's rule
         (["--tier_cache", "0.5"], "cache >= 1"),
+        (["--tier_summary", "int8"], "summary must be one of bounds, int4"),
         (["--gpu_memory", "0"], "gpu_memory > 0"),
         (["--padding", "1.0"], "padding must be in [0, 1)"),
     ],

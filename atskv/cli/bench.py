@@ -75,6 +75,7 @@ def decode(
     dense_layers: int = 2,
     retrieve: int | float = 1024,
     tier_cache: float = 2.0,
+    tier_summary: str = "bounds",
     gpu_memory: float | None = None,
     max_batch: int = 256,
     out: Path = Path("results/speed"),
@@ -106,6 +107,8 @@ def decode(
         dense_layers: first layers kept dense.
         retrieve: tokens a tiered method reads back from the host per step, layer and KV head.
         tier_cache: pages a tiered method keeps on the GPU, in multiples of a step's read (>= 1).
+        tier_summary: what ranks a tiered method's parked pages on the GPU: bounds (Quest's page
+            key min/max) or int4 (every key in 4 bits, scored per token).
         gpu_memory: GiB of GPU memory above the weights: find the largest batch (1, 2, 4, ...,
             max_batch) each method fits in it, at each context, instead of timing batch_sizes.
         max_batch: the largest batch tried with gpu_memory.
@@ -128,7 +131,7 @@ def decode(
     names = [m.split(":")[-1] for m in methods if m not in (speed.PLAIN, speed.PLAIN_STATIC)]
     options = options_for(sorted(set(names)), selector_options, predictor)
     run = speed.DecodeRun(budget, new_tokens, prefill_chunk, dense_layers, retrieve, options, tier_cache, compile,
-                          padding)  # fmt: skip
+                          padding, tier_summary)  # fmt: skip
     if gpu_memory is not None and (gpu_memory <= 0 or max_batch < 1):
         raise ValueError(f"need gpu_memory > 0 GiB and max_batch >= 1, got {gpu_memory} and {max_batch}")
     if not torch.cuda.is_available():

@@ -73,7 +73,8 @@ HOOK, TIERED = "hook:", "tiered:"
 class DecodeRun:
     """What every method of one measurement shares: the budget (GPU tokens per managed layer and
     KV head), decode steps, prompt chunk, dense first layers, `retrieve` (tokens a `tiered:` method
-    reads back per step, whole pages; `tier_cache`: the GPU page cache, in reads) and per-selector
+    reads back per step, whole pages; `tier_cache`: the GPU page cache, in reads; `tier_summary`: what
+    ranks the parked pages, `HostRetrieval.summary`) and per-selector
     options (`{"learned": {"predictor": ...}}`; learned without a predictor gets a random one of
     the model's shape); `compile`: the fast path's decoder layers `torch.compile`d; `padding`:
     ragged prompts (`ragged_mask`), every method given the same attention mask."""
@@ -87,6 +88,7 @@ class DecodeRun:
     tier_cache: float = 2.0
     compile: bool = False
     padding: float = 0.0
+    tier_summary: str = "bounds"
 
     def __post_init__(self):  # bad settings fail here, before a model is built
         check_budget(self.budget)
@@ -96,7 +98,7 @@ class DecodeRun:
 
     def tier(self) -> HostRetrieval:
         """The host tier a `tiered:` method runs with."""
-        return HostRetrieval(self.retrieve, cache=self.tier_cache)
+        return HostRetrieval(self.retrieve, cache=self.tier_cache, summary=self.tier_summary)
 
 
 @dataclass

@@ -253,7 +253,8 @@ class StaticSession(SparseSession):
             _, h, _, d = layer.keys.shape
             read = self.tier.pages(self.prompt_tokens)
             self.hosts[layer_idx] = HostPages(self.batch, h, self.longest, d, layer.keys.dtype, layer.keys.device,
-                                              self.tier.page_size, read, math.ceil(read * self.tier.cache))  # fmt: skip
+                                              self.tier.page_size, read, math.ceil(read * self.tier.cache),
+                                              self.tier.summary)  # fmt: skip
         count, first = int(layer.context[0]), int(layer.slot_pos[0, 0, 0])
         self.hosts[layer_idx].park(self.row, layer.keys, layer.values, first, count)
 

@@ -3,16 +3,17 @@ managed layer also lives in pinned host memory, in arrival order and in pages, a
 step reads back the pages its query needs, with no host work and inside the step's CUDA graph.
 
 Why this shape (ShadowKV, arXiv:2410.21465, and Quest, arXiv:2406.10774, decide on the GPU from a
-compact summary of what is off it): the GPU keeps, per row and KV head, the Quest bounds (key
-min/max) of every page, 1/8 of the keys at 16 tokens a page, and a flag per token saying whether
-it is resident in the GPU slots; the evicting selector decides residency as on the fast path
-without a tier. A step scores the pages that hold a non-resident token, takes the best `pages`,
-and gathers them (one gather per tensor and layer) straight out of pinned memory: on CUDA the
-pinned buffers are read through a device alias of the same memory (unified virtual addressing),
-so the copy is an ordinary kernel that reads over PCIe, graph-capturable and without a copy
-engine round trip. Off CUDA the host tensors are read directly. Consecutive queries pick mostly
-the same pages, so fetched pages stay in GPU slots (`PageCache`, least recently used out) and only
-the misses cross PCIe (`kernels.page_copy` loads nothing for a hit).
+compact summary of what is off it): the GPU keeps, per row and KV head, a summary of every page's
+keys that scores it against a query (`atskv.memory.key_summary`: Quest's key min/max, 1/8 of the
+keys at 16 tokens a page, or int4 keys) and a flag per token saying whether it is resident in the
+GPU slots; the evicting selector decides residency as on the fast path without a tier. A step
+scores the pages that hold a non-resident token, takes the best `pages`, and gathers them (one
+gather per tensor and layer) straight out of pinned memory: on CUDA the pinned buffers are read
+through a device alias of the same memory (unified virtual addressing), so the copy is an
+ordinary kernel that reads over PCIe, graph-capturable and without a copy engine round trip. Off
+CUDA the host tensors are read directly. Consecutive queries pick mostly the same pages, so
+fetched pages stay in GPU slots (`PageCache`, least recently used out) and only the misses cross
+PCIe (`kernels.page_copy` loads nothing for a hit).
 
 The host copy is written once per token: the prompt when a row's prefill ends, each decode token
 as it arrives (a scatter through the alias). A token the selector evicts from the GPU is only
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from atskv.kernels.page_copy import page_copy
-from atskv.kernels.quest import masked_page_bounds, quest_page_scores
+from atskv.memory.key_summary import KEY_SUMMARIES
 from atskv.selectors.base import check_budget
 
 
@@ -37,16 +38,20 @@ class HostRetrieval:
     """Tiered decode on the fast path: `tokens` parked tokens read back per decode step, layer and
     KV head (an int, or a fraction of the prompt as budgets are), in whole pages of `page_size`;
     the GPU keeps `cache` times as many pages as a step reads (>= 1: the pages read last step are
-    always kept), so a page asked for again is not fetched again."""
+    always kept), so a page asked for again is not fetched again. `summary`: what ranks the pages on
+    the GPU, a key of `KEY_SUMMARIES` (see `atskv.memory.key_summary`)."""
 
     tokens: int | float = 1024
     page_size: int = 16
     cache: float = 2.0
+    summary: str = "bounds"
 
     def __post_init__(self):
         check_budget(self.tokens)
         if self.page_size < 1 or self.cache < 1:
             raise ValueError(f"need page_size >= 1 and cache >= 1, got {self.page_size}, {self.cache}")
+        if self.summary not in KEY_SUMMARIES:
+            raise ValueError(f"summary must be one of {', '.join(KEY_SUMMARIES)}, got {self.summary!r}")
 
     def pages(self, prompt_tokens: int) -> int:
         tokens = self.tokens if isinstance(self.tokens, int) else math.ceil(self.tokens * prompt_tokens)
@@ -112,11 +117,12 @@ def device_alias(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class HostPages:
-    """One managed layer's KV on the host in pages, with the GPU-side bounds and residency flags;
-    see the module docstring. `tokens`: the most a row holds (prompt + new tokens)."""
+    """One managed layer's KV on the host in pages, with the GPU-side key summary (a `KEY_SUMMARIES`
+    name) and residency flags; see the module docstring. `tokens`: the most a row holds (prompt + new
+    tokens)."""
 
     def __init__(self, batch: int, kv_heads: int, tokens: int, head_dim: int, dtype, device, page_size: int,
-                 read_pages: int, cache_slots: int):  # fmt: skip
+                 read_pages: int, cache_slots: int, summary: str = "bounds"):  # fmt: skip
         self.page_size = page_size
         self.pages = math.ceil(tokens / page_size)
         self.read_pages = min(read_pages, self.pages)
@@ -132,8 +138,7 @@ class HostPages:
                 f"cannot allocate {gib:.1f} GiB of pinned host memory for the KV tier: {error}"
             ) from error
         self.keys, self.values = device_alias(self.host_keys, device), device_alias(self.host_values, device)
-        self.low = torch.zeros(batch, kv_heads, self.pages, head_dim, dtype=dtype, device=device)
-        self.high = torch.zeros_like(self.low)
+        self.summary = KEY_SUMMARIES[summary](batch, kv_heads, self.pages, page_size, head_dim, dtype, device)
         self.resident = torch.zeros(batch, kv_heads, shape[2] + 1, dtype=torch.bool, device=device)  # last: a sink
         self.count = torch.zeros(batch, 1, 1, dtype=torch.long, device=device)  # tokens held per row
         self.offset = torch.zeros(batch, 1, 1, dtype=torch.long, device=device)  # slot_pos - host index
@@ -145,8 +150,8 @@ class HostPages:
 
     @property
     def gpu_nbytes(self) -> int:
-        """GPU bytes: page bounds, residency flags and the page cache."""
-        return self.low.nbytes + self.high.nbytes + self.resident.nbytes + self.cache.nbytes
+        """GPU bytes: key summary, residency flags and the page cache."""
+        return self.summary.nbytes + self.resident.nbytes + self.cache.nbytes
 
     def park(self, row: int, keys: torch.Tensor, values: torch.Tensor, first_position: int, count: int) -> None:
         """A row's prompt after its prefill: `keys`/`values` `[1, Hkv, >= count, D]` hold its `count`
@@ -154,9 +159,7 @@ class HostPages:
         self.host_keys[row, :, :count].copy_(keys[0, :, :count])
         self.host_values[row, :, :count].copy_(values[0, :, :count])
         held = torch.arange(keys.shape[2], device=keys.device) < count
-        low, high = masked_page_bounds(keys[:1], held.expand(1, keys.shape[1], -1), self.page_size)
-        n = min(low.shape[2], self.pages)
-        self.low[row, :, :n], self.high[row, :, :n] = low[0, :, :n], high[0, :, :n]
+        self.summary.park(row, keys, held.expand(1, keys.shape[1], -1), count)
         self.count[row], self.offset[row] = count, first_position
 
     def mark_resident(self, row: int, slot_pos: torch.Tensor) -> None:
@@ -168,15 +171,11 @@ class HostPages:
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """One decode token per row `[B, Hkv, 1, D]`, resident: written to the host at the row's
-        next index, its page's bounds widened."""
+        next index, and to the key summary."""
         index = self.count.expand(-1, keys.shape[1], 1)  # [B, Hkv, 1]
         self.keys.scatter_(2, _rows(index, keys), keys)
         self.values.scatter_(2, _rows(index, values), values)
-        page = _rows(index // self.page_size, keys)
-        first = (index % self.page_size == 0).unsqueeze(-1)
-        low, high = self.low.gather(2, page), self.high.gather(2, page)
-        self.low.scatter_(2, page, torch.where(first, keys, torch.minimum(low, keys)))
-        self.high.scatter_(2, page, torch.where(first, keys, torch.maximum(high, keys)))
+        self.summary.append(index, keys)
         self.resident.scatter_(2, index, True)
         self.cache.forget(index // self.page_size)  # a cached copy of that page lacks the new token
         self.count += 1
@@ -193,7 +192,7 @@ class HostPages:
         b, h, n, d = self.keys.shape
         size = self.page_size
         parked = ~self.resident[..., :-1] & (torch.arange(n, device=query.device) < self.count)
-        scores = quest_page_scores(query, self.low, self.high)  # [B, Hkv, P]
+        scores = self.summary.page_scores(query)  # [B, Hkv, P]
         scores = scores.masked_fill(~parked.view(b, h, self.pages, size).any(-1), -torch.inf)
         best = scores.topk(self.read_pages, dim=-1).indices  # [B, Hkv, r]
         tokens = (best.unsqueeze(-1) * size + torch.arange(size, device=best.device)).flatten(-2)

@@ -1,0 +1,109 @@
+"""Page scores from int4 keys: the largest logit any query head of a GQA group reaches in a page.
+
+Quest's page bounds (`kernels.quest`) are loose at 16 tokens a page and lose needle tokens whose
+exact scores stand out; keys quantised to 4 bits with one scale per token and KV head keep each
+token's logit nearly exact (benchmarks/tier_summaries.py) at D / 2 + 2 bytes a token. A page scores
+the max over its tokens and over the group's query heads of q . k, k dequantised: pooled with max,
+as Quest's bounds are, so one head's sharp need of a page is not outvoted.
+
+Storage, symmetric per token: `scale = max|k| / 7`, codes `round(k / scale)` in [-7, 7], stored + 8,
+two per byte (channel 2i in the low nibble, 2i + 1 in the high one). A zero scale dequantises to
+zero keys, so slots never written (zero-filled) score 0.
+"""
+
+from __future__ import annotations
+
+import torch
+from atskv.kernels.backend import jit, tl, triton, use_triton
+
+from atskv.hook.gqa import grouped_queries
+
+LEVELS = 7  # codes in [-7, 7]; -8 stays unused so the range is symmetric
+
+
+def quantize_int4(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys `[..., D]` (D even) -> codes `[..., D // 2]` uint8 and scale `[...]` in the keys' dtype.
+    The scale is rounded to its dtype before the codes are taken, so each dequantised element is
+    within scale / 2 of the key."""
+    if keys.shape[-1] % 2:
+        raise ValueError(f"int4 keys pack two channels a byte: need an even head dim, got {keys.shape[-1]}")
+    floor = torch.finfo(keys.dtype).tiny  # an all-zero key: a representable scale, codes 0
+    scale = (keys.float().abs().amax(-1) / LEVELS).clamp(min=floor).to(keys.dtype)
+    codes = ((keys.float() / scale.float().unsqueeze(-1)).round().clamp(-LEVELS, LEVELS) + 8).to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), scale
+
+
+def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The inverse of `quantize_int4`, in float32: `[..., D]`."""
+    low, high = (codes & 15).float() - 8, (codes >> 4).float() - 8
+    return torch.stack((low, high), -1).flatten(-2) * scale.float().unsqueeze(-1)
+
+
+def int4_page_scores_reference(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, page_size: int):
+    """Plain-torch `int4_page_scores`: dequantise, every token's logit, max over the group and the page."""
+    keys = dequantize_int4(codes, scale)  # [B, Hkv, N, D]
+    q = grouped_queries(query.unsqueeze(2).float(), keys.shape[1])  # [B, Hkv, G, 1, D]
+    logits = (q @ keys.unsqueeze(2).transpose(-1, -2)).amax(2).squeeze(2)  # [B, Hkv, N]
+    pad = -logits.shape[-1] % page_size
+    return torch.nn.functional.pad(logits, (0, pad), value=-torch.inf).unflatten(-1, (-1, page_size)).amax(-1)
+
+
+@jit
+def _int4_kernel(
+    q_ptr, c_ptr, s_ptr, out_ptr,
+    n_kv_heads, n_tokens, n_pages, page_size, half_dim,
+    sq_b, sq_h, sq_d,
+    sc_b, sc_h, sc_n, sc_d,
+    ss_b, ss_h, ss_n,
+    so_b, so_h, so_p,
+    GROUP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """One program: one (row, KV head) and BLOCK_P pages. The packed codes are unpacked once and
+    dotted with every query head of the group (even channels with the low nibbles, odd with the
+    high ones); the scale, positive, applies after the max over heads."""
+    h = tl.program_id(0) % n_kv_heads
+    b = (tl.program_id(0) // n_kv_heads).to(tl.int64)
+    p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    t = tl.arange(0, BLOCK_T)
+    j = tl.arange(0, BLOCK_H)
+    token = p[:, None] * page_size + t[None, :]  # [BLOCK_P, BLOCK_T]
+    held = (p < n_pages)[:, None] & (t < page_size)[None, :] & (token < n_tokens)
+    base = c_ptr + b * sc_b + h * sc_h
+    tile = held[:, :, None] & (j < half_dim)[None, None, :]
+    codes = tl.load(base + token[:, :, None].to(tl.int64) * sc_n + j[None, None, :] * sc_d, mask=tile, other=0)
+    low = (codes & 15).to(tl.float32) - 8.0
+    high = (codes >> 4).to(tl.float32) - 8.0
+    best = tl.full([BLOCK_P, BLOCK_T], float("-inf"), tl.float32)
+    for g in tl.static_range(GROUP):
+        q_head = q_ptr + b * sq_b + (h * GROUP + g) * sq_h
+        even = tl.load(q_head + 2 * j * sq_d, mask=j < half_dim, other=0.0).to(tl.float32)[None, None, :]
+        odd = tl.load(q_head + (2 * j + 1) * sq_d, mask=j < half_dim, other=0.0).to(tl.float32)[None, None, :]
+        best = tl.maximum(best, tl.sum(low * even + high * odd, axis=2))
+    scale = tl.load(s_ptr + b * ss_b + h * ss_h + token.to(tl.int64) * ss_n, mask=held, other=0.0).to(tl.float32)
+    scores = tl.where(held, best * scale, float("-inf"))
+    tl.store(out_ptr + b * so_b + h * so_h + p * so_p, tl.max(scores, axis=1), mask=p < n_pages)
+
+
+def int4_page_scores_triton(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, page_size: int):
+    """Triton `int4_page_scores` (any strides; no copy of the codes)."""
+    b, hq, d = query.shape
+    hkv, tokens = codes.shape[1], codes.shape[2]
+    pages = triton.cdiv(tokens, page_size)
+    out = torch.empty(b, hkv, pages, dtype=torch.float32, device=query.device)
+    block_t, block_h = triton.next_power_of_2(page_size), triton.next_power_of_2(d // 2)
+    block_p = max(1, min(64, 2048 // (block_t * block_h)))
+    grid = (b * hkv, triton.cdiv(pages, block_p))
+    _int4_kernel[grid](
+        query, codes, scale, out, hkv, tokens, pages, page_size, d // 2,
+        *query.stride(), *codes.stride(), *scale.stride(), *out.stride(),
+        GROUP=hq // hkv, BLOCK_P=block_p, BLOCK_T=block_t, BLOCK_H=block_h,
+    )  # fmt: skip
+    return out
+
+
+def int4_page_scores(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Each page's best logit, max-pooled over each GQA group, float32: `query` `[B, Hq, D]`, `codes`
+    `[B, Hkv, N, D // 2]` and `scale` `[B, Hkv, N]` from `quantize_int4` -> `[B, Hkv, ceil(N / page_size)]`."""
+    if use_triton(query):
+        return int4_page_scores_triton(query, codes, scale, page_size)
+    return int4_page_scores_reference(query, codes, scale, page_size)
