@@ -6,7 +6,10 @@ corpora. Its message is the whole story: what was wrong and what to do.
 """
 
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class InputError(ValueError):
@@ -19,3 +22,12 @@ def check_options(owner: str, given: Iterable[str], known: Iterable[str]) -> Non
     unknown = sorted(set(given) - set(known))
     if unknown:
         raise InputError(f"{owner} has no option {unknown[0]!r}; its options: {', '.join(known)}")
+
+
+def built_from_option(option: str, build: Callable[[], T]) -> T:
+    """`build()`, with a `TypeError` or `ValueError` it raises (options the class does not take,
+    values out of range) turned into one `InputError` line that names the command-line `option`."""
+    try:
+        return build()
+    except (TypeError, ValueError) as error:
+        raise InputError(f"{option}: {error}") from None

@@ -7,13 +7,14 @@ import json
 import pytest
 
 from atskv.eval import speed
+from atskv.memory.host_pages import HostRetrieval
 from tests.conftest import tiny_model
 
 
 def test_decode_speed_records_every_method_against_plain(tmp_path):
     model = tiny_model("llama")
     methods = ("plain", "dense", "snapkv", "snapkv+quest", "hook:h2o", "tiered:snapkv", "tiered:quest", "learned+sparq")
-    run = speed.DecodeRun(16, new_tokens=4, prefill_chunk=64, retrieve=32)
+    run = speed.DecodeRun(16, new_tokens=4, prefill_chunk=64, host_tier=HostRetrieval(32))
     records = speed.measure(model, "tiny", methods, [96], [1, 2], run)
     assert [(r.batch, r.method) for r in records] == [(b, m) for b in (1, 2) for m in methods]
     by = {(r.batch, r.method): r for r in records}
@@ -99,9 +100,10 @@ def _run(options: dict) -> speed.DecodeRun:
     ("args", "message"),
     [
         (["--budget", "0"], "budget"),
-        (["--retrieve", "1.5"], "budget"),  # the tokens read back follow the budget's rule
-        (["--tier_cache", "0.5"], "cache >= 1"),
-        (["--tier_summary", "int8"], "summary must be one of bounds, int4"),
+        (["--host_tier", "{tokens: 1.5}"], "--host_tier: bad budget 1.5"),  # tokens read back: a budget's rule
+        (["--host_tier", "{cache: 0.5}"], "--host_tier: need page_size >= 1 and cache >= 1"),
+        (["--host_tier", "{summary: int8}"], "--host_tier: summary must be one of bounds, int4"),
+        (["--host_tier", "{nope: 1}"], "--host_tier: "),
         (["--gpu_memory", "0"], "gpu_memory > 0"),
         (["--padding", "1.0"], "padding must be in [0, 1)"),
     ],

@@ -73,9 +73,7 @@ def decode(
     new_tokens: int = 64,
     prefill_chunk: int = 8192,
     dense_layers: int = 2,
-    retrieve: int | float = 1024,
-    tier_cache: float = 2.0,
-    tier_summary: str = "bounds",
+    host_tier: dict | None = None,
     gpu_memory: float | None = None,
     max_batch: int = 256,
     out: Path = Path("results/speed"),
@@ -105,10 +103,11 @@ def decode(
         new_tokens: decode steps per run.
         prefill_chunk: prompt tokens per forward on the fast path.
         dense_layers: first layers kept dense.
-        retrieve: tokens a tiered method reads back from the host per step, layer and KV head.
-        tier_cache: pages a tiered method keeps on the GPU, in multiples of a step's read (>= 1).
-        tier_summary: what ranks a tiered method's parked pages on the GPU: bounds (Quest's page
-            key min/max) or int4 (every key in 4 bits, scored per token).
+        host_tier: the tiered methods' host tier, `atskv.HostRetrieval` options as the leaderboard's
+            `--host_tier` takes them, e.g. '{tokens: 1024, cache: 2, summary: int4}': tokens read
+            back per step, layer and KV head, in pages of `page_size`; the GPU page cache in
+            multiples of a step's read; what ranks the parked pages (bounds: Quest's page key
+            min/max; int4: every key in 4 bits). Null: its defaults.
         gpu_memory: GiB of GPU memory above the weights: find the largest batch (1, 2, 4, ...,
             max_batch) each method fits in it, at each context, instead of timing batch_sizes.
         max_batch: the largest batch tried with gpu_memory.
@@ -125,13 +124,16 @@ def decode(
     import datetime
     import sys
 
+    from atskv.errors import built_from_option
     from atskv.eval import speed
+    from atskv.memory.host_pages import HostRetrieval
     from atskv.selectors import selector_options as options_for
 
     names = [m.split(":")[-1] for m in methods if m not in (speed.PLAIN, speed.PLAIN_STATIC)]
     options = options_for(sorted(set(names)), selector_options, predictor)
-    run = speed.DecodeRun(budget, new_tokens, prefill_chunk, dense_layers, retrieve, options, tier_cache, compile,
-                          padding, tier_summary)  # fmt: skip
+    tier = built_from_option("--host_tier", lambda: HostRetrieval(**(host_tier or {})))
+    run = speed.DecodeRun(budget, new_tokens, prefill_chunk, dense_layers, tier, options,
+                          compile, padding)  # fmt: skip
     if gpu_memory is not None and (gpu_memory <= 0 or max_batch < 1):
         raise ValueError(f"need gpu_memory > 0 GiB and max_batch >= 1, got {gpu_memory} and {max_batch}")
     if not torch.cuda.is_available():

@@ -35,7 +35,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from atskv.data import TASKS, TaskExample, filler_text
-from atskv.errors import InputError
+from atskv.errors import InputError, built_from_option
 from atskv.eval import peer
 from atskv.eval.generation import encode_prompt, generate_batch, pad_left
 from atskv.eval.report import write_report
@@ -171,10 +171,7 @@ def check_tiering(grid: Grid, tiering: dict | None, sparse_prefill: bool, host_t
         [("--host_tier", lambda: HostRetrieval(**(host_tier or {})))] if grid.hosted else []
     )
     for option, build in checks:
-        try:
-            build()
-        except (TypeError, ValueError) as error:
-            raise InputError(f"{option}: {error}") from None
+        built_from_option(option, build)
     for method in grid.hosted:
         if not SELECTORS[name_parts(selector_of(method))[0]].evicts:  # a composition: its residency part
             raise InputError(f"{method}: a host tier parks what an evicting selector drops (h2o, snapkv, "

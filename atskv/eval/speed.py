@@ -72,33 +72,25 @@ HOOK, TIERED = "hook:", "tiered:"
 @dataclass(frozen=True)
 class DecodeRun:
     """What every method of one measurement shares: the budget (GPU tokens per managed layer and
-    KV head), decode steps, prompt chunk, dense first layers, `retrieve` (tokens a `tiered:` method
-    reads back per step, whole pages; `tier_cache`: the GPU page cache, in reads; `tier_summary`: what
-    ranks the parked pages, `HostRetrieval.summary`) and per-selector
-    options (`{"learned": {"predictor": ...}}`; learned without a predictor gets a random one of
-    the model's shape); `compile`: the fast path's decoder layers `torch.compile`d; `padding`:
+    KV head), decode steps, prompt chunk, dense first layers, `host_tier` (the host tier a `tiered:`
+    method runs with: tokens read back per step in whole pages, the GPU page cache, what ranks the
+    parked pages) and per-selector options (`{"learned": {"predictor": ...}}`; learned without a
+    predictor gets a random one of the model's shape); `compile`: the fast path's decoder layers `torch.compile`d; `padding`:
     ragged prompts (`ragged_mask`), every method given the same attention mask."""
 
     budget: int | float = 0.05
     new_tokens: int = 64
     prefill_chunk: int = 8192
     dense_layers: int = 2
-    retrieve: int | float = 1024
+    host_tier: HostRetrieval = field(default_factory=HostRetrieval)
     selector_options: dict = field(default_factory=dict)
-    tier_cache: float = 2.0
     compile: bool = False
     padding: float = 0.0
-    tier_summary: str = "bounds"
 
     def __post_init__(self):  # bad settings fail here, before a model is built
         check_budget(self.budget)
-        self.tier()
         if not 0.0 <= self.padding < 1.0:
             raise ValueError(f"padding must be in [0, 1), got {self.padding}")
-
-    def tier(self) -> HostRetrieval:
-        """The host tier a `tiered:` method runs with."""
-        return HostRetrieval(self.retrieve, cache=self.tier_cache, summary=self.tier_summary)
 
 
 @dataclass
@@ -208,7 +200,7 @@ def run_method(model, method: str, ids: torch.Tensor, run: DecodeRun) -> tuple[f
                               dense_layers=run.dense_layers):  # fmt: skip
                 model.generate(ids, **plain)
         else:
-            tier = run.tier() if method.startswith(TIERED) else None
+            tier = run.host_tier if method.startswith(TIERED) else None
             atskv.generate(model, ids, _selector(model, method, run, Path(folder)), run.budget,
                            max_new_tokens=run.new_tokens, attention_mask=plain["attention_mask"],
                            dense_layers=run.dense_layers, prefill_chunk=run.prefill_chunk, streamer=clock,
