@@ -7,8 +7,9 @@ the max over its tokens and over the group's query heads of q . k, k dequantised
 as Quest's bounds are, so one head's sharp need of a page is not outvoted.
 
 Storage, symmetric per token: `scale = max|k| / 7`, codes `round(k / scale)` in [-7, 7], stored + 8,
-two per byte (channel 2i in the low nibble, 2i + 1 in the high one). A zero scale dequantises to
-zero keys, so slots never written (zero-filled) score 0.
+two per byte (channel 2i in the low nibble, 2i + 1 in the high one). Only candidate tokens score (the
+host tier's parked ones: a page is read back for what it holds that the GPU lacks, not for a token
+already resident, nor for slots never written).
 """
 
 from __future__ import annotations
@@ -39,22 +40,25 @@ def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.stack((low, high), -1).flatten(-2) * scale.float().unsqueeze(-1)
 
 
-def int4_page_scores_reference(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, page_size: int):
-    """Plain-torch `int4_page_scores`: dequantise, every token's logit, max over the group and the page."""
+def int4_page_scores_reference(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, page_size: int,
+                               candidates: torch.Tensor):  # fmt: skip
+    """Plain-torch `int4_page_scores`: dequantise, every candidate token's logit, max over the group and the page."""
     keys = dequantize_int4(codes, scale)  # [B, Hkv, N, D]
     q = grouped_queries(query.unsqueeze(2).float(), keys.shape[1])  # [B, Hkv, G, 1, D]
     logits = (q @ keys.unsqueeze(2).transpose(-1, -2)).amax(2).squeeze(2)  # [B, Hkv, N]
+    logits = logits.masked_fill(~candidates, -torch.inf)
     pad = -logits.shape[-1] % page_size
     return torch.nn.functional.pad(logits, (0, pad), value=-torch.inf).unflatten(-1, (-1, page_size)).amax(-1)
 
 
 @jit
 def _int4_kernel(
-    q_ptr, c_ptr, s_ptr, out_ptr,
+    q_ptr, c_ptr, s_ptr, m_ptr, out_ptr,
     n_kv_heads, n_tokens, n_pages, page_size, half_dim,
     sq_b, sq_h, sq_d,
     sc_b, sc_h, sc_n, sc_d,
     ss_b, ss_h, ss_n,
+    sm_b, sm_h, sm_n,
     so_b, so_h, so_p,
     GROUP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
@@ -68,6 +72,7 @@ def _int4_kernel(
     j = tl.arange(0, BLOCK_H)
     token = p[:, None] * page_size + t[None, :]  # [BLOCK_P, BLOCK_T]
     held = (p < n_pages)[:, None] & (t < page_size)[None, :] & (token < n_tokens)
+    held &= tl.load(m_ptr + b * sm_b + h * sm_h + token.to(tl.int64) * sm_n, mask=held, other=0) != 0
     base = c_ptr + b * sc_b + h * sc_h
     tile = held[:, :, None] & (j < half_dim)[None, None, :]
     codes = tl.load(base + token[:, :, None].to(tl.int64) * sc_n + j[None, None, :] * sc_d, mask=tile, other=0)
@@ -84,7 +89,8 @@ def _int4_kernel(
     tl.store(out_ptr + b * so_b + h * so_h + p * so_p, tl.max(scores, axis=1), mask=p < n_pages)
 
 
-def int4_page_scores_triton(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, page_size: int):
+def int4_page_scores_triton(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, page_size: int,
+                            candidates: torch.Tensor):  # fmt: skip
     """Triton `int4_page_scores` (any strides; no copy of the codes)."""
     b, hq, d = query.shape
     hkv, tokens = codes.shape[1], codes.shape[2]
@@ -93,17 +99,20 @@ def int4_page_scores_triton(query: torch.Tensor, codes: torch.Tensor, scale: tor
     block_t, block_h = triton.next_power_of_2(page_size), triton.next_power_of_2(d // 2)
     block_p = max(1, min(64, 2048 // (block_t * block_h)))
     grid = (b * hkv, triton.cdiv(pages, block_p))
+    mask = candidates.view(torch.uint8)  # bool, read as bytes
     _int4_kernel[grid](
-        query, codes, scale, out, hkv, tokens, pages, page_size, d // 2,
-        *query.stride(), *codes.stride(), *scale.stride(), *out.stride(),
+        query, codes, scale, mask, out, hkv, tokens, pages, page_size, d // 2,
+        *query.stride(), *codes.stride(), *scale.stride(), *mask.stride(), *out.stride(),
         GROUP=hq // hkv, BLOCK_P=block_p, BLOCK_T=block_t, BLOCK_H=block_h,
     )  # fmt: skip
     return out
 
 
-def int4_page_scores(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Each page's best logit, max-pooled over each GQA group, float32: `query` `[B, Hq, D]`, `codes`
-    `[B, Hkv, N, D // 2]` and `scale` `[B, Hkv, N]` from `quantize_int4` -> `[B, Hkv, ceil(N / page_size)]`."""
+def int4_page_scores(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, page_size: int,
+                     candidates: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """Each page's best logit among its `candidates` (`[B, Hkv, N]` bool), max-pooled over each GQA group,
+    float32, -inf for a page without one: `query` `[B, Hq, D]`, `codes` `[B, Hkv, N, D // 2]` and `scale`
+    `[B, Hkv, N]` from `quantize_int4` -> `[B, Hkv, ceil(N / page_size)]`."""
     if use_triton(query):
-        return int4_page_scores_triton(query, codes, scale, page_size)
-    return int4_page_scores_reference(query, codes, scale, page_size)
+        return int4_page_scores_triton(query, codes, scale, page_size, candidates)
+    return int4_page_scores_reference(query, codes, scale, page_size, candidates)

@@ -53,20 +53,24 @@ def test_int4_keys_refuse_an_odd_head_dim():
 @pytest.mark.parametrize("page_size", [16, 6])
 def test_the_int4_page_score_kernel_matches_its_reference(head_dim, group, page_size):
     """Strided inputs, a token count off the page grid and a page count off the kernel's block, unwritten
-    slots (zero scale) included."""
+    slots (zero scale) included; only candidate tokens score, and a page without one scores -inf."""
     g = torch.Generator().manual_seed(head_dim + group)
     b, hkv, tokens = 2, 2, 7 * page_size - 5
     codes, scale = quantize_int4(torch.randn(b, tokens, hkv, head_dim, generator=g).transpose(1, 2))
     scale = torch.nn.functional.pad(scale, (0, 3))[..., :tokens]  # strided: a row stride of tokens + 3
     scale[1, 0, tokens - 20 :] = 0
     query = torch.randn(b, head_dim, hkv * group, generator=g).transpose(1, 2)
-    assert not (codes.is_contiguous() or scale.is_contiguous() or query.is_contiguous())
-    want = int4_page_scores_reference(query, codes, scale, page_size)
-    got = int4_page_scores_triton(query, codes, scale, page_size)
+    candidates = (torch.rand(b, hkv, tokens + 1, generator=g) < 0.7)[..., :tokens]  # strided too
+    candidates[0, 0, page_size : 2 * page_size] = False  # page 1 of row 0, head 0: nothing to read back
+    assert not (codes.is_contiguous() or scale.is_contiguous() or query.is_contiguous() or candidates.is_contiguous())
+    want = int4_page_scores_reference(query, codes, scale, page_size, candidates)
+    got = int4_page_scores_triton(query, codes, scale, page_size, candidates)
     assert got.shape == (b, hkv, 7) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-    exact = dequantize_int4(codes, scale)[0, 1, :page_size] @ query[0, hkv * group - group :].T  # page 0, head 1
-    torch.testing.assert_close(want[0, 1, 0], exact.max(), rtol=1e-5, atol=1e-5)
+    some = torch.nn.functional.pad(candidates, (0, 5)).unflatten(-1, (7, page_size)).any(-1)
+    assert torch.equal(got.isfinite(), some) and not some[0, 0, 1]  # -inf exactly where a page has none
+    logits = dequantize_int4(codes, scale)[0, 1, :page_size] @ query[0, hkv * group - group :].T  # page 0, head 1
+    torch.testing.assert_close(want[0, 1, 0], logits[candidates[0, 1, :page_size]].max(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu
@@ -76,16 +80,20 @@ def test_the_int4_page_score_kernel_matches_its_reference_on_the_gpu(dtype):
     g = torch.Generator().manual_seed(3)
     codes, scale = quantize_int4(torch.randn(2, 1, 1000, 256, generator=g).to(dtype).cuda())
     query = torch.randn(2, 4, 256, generator=g).to(dtype).cuda()
-    torch.testing.assert_close(int4_page_scores_triton(query, codes, scale, 16),
-                               int4_page_scores_reference(query, codes, scale, 16), rtol=1e-4, atol=1e-3)  # fmt: skip
+    candidates = torch.rand(2, 1, 1000, generator=g).cuda() < 0.5
+    got = int4_page_scores_triton(query, codes, scale, 16, candidates)
+    want = int4_page_scores_reference(query, codes, scale, 16, candidates)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
 
 
-def _ranked(summary: str, keys: torch.Tensor, query: torch.Tensor) -> list[int]:
-    """Pages of `keys` `[1, 1, N, D]` (all parked) best first for `query` `[1, 1, D]`, by `summary`."""
+def _ranked(summary: str, keys: torch.Tensor, query: torch.Tensor, parked: torch.Tensor | None = None) -> list[int]:
+    """Pages of `keys` `[1, 1, N, D]` best first for `query` `[1, 1, D]`, by `summary`; `parked`: the
+    tokens that are off the GPU (default: all)."""
     n, d = keys.shape[2:]
     pages = KEY_SUMMARIES[summary](1, 1, n // 16, 16, d, keys.dtype, keys.device)
     pages.park(0, keys, torch.ones(1, 1, n, dtype=torch.bool), n)
-    return pages.page_scores(query)[0, 0].argsort(descending=True).tolist()
+    parked = torch.ones(1, 1, n, dtype=torch.bool) if parked is None else parked
+    return pages.page_scores(query, parked)[0, 0].argsort(descending=True).tolist()
 
 
 def test_int4_finds_a_lone_strong_key_that_page_bounds_rank_below_broad_filler():
@@ -101,6 +109,9 @@ def test_int4_finds_a_lone_strong_key_that_page_bounds_rank_below_broad_filler()
     keys = torch.cat((needle, filler, noise)).view(1, 1, 48, d)
     assert _ranked("int4", keys, query)[0] == 0
     assert _ranked("bounds", keys, query)[0] == 1
+    parked = torch.ones(1, 1, 48, dtype=torch.bool)
+    parked[0, 0, 9] = False  # the strong key is already on the GPU: its page has nothing better to give
+    assert _ranked("int4", keys, query, parked)[0] != 0
 
 
 def test_int4_keys_append_and_account_their_bytes():

@@ -192,7 +192,7 @@ class HostPages:
         b, h, n, d = self.keys.shape
         size = self.page_size
         parked = ~self.resident[..., :-1] & (torch.arange(n, device=query.device) < self.count)
-        scores = self.summary.page_scores(query)  # [B, Hkv, P]
+        scores = self.summary.page_scores(query, parked)  # [B, Hkv, P]
         scores = scores.masked_fill(~parked.view(b, h, self.pages, size).any(-1), -torch.inf)
         best = scores.topk(self.read_pages, dim=-1).indices  # [B, Hkv, r]
         tokens = (best.unsqueeze(-1) * size + torch.arange(size, device=best.device)).flatten(-2)

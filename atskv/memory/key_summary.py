@@ -6,7 +6,8 @@ score each page against the step's query, per row and KV head:
   16 tokens. A page's bound covers all its tokens at once, so one sharp match among small keys
   scores below a page of broad-range filler and 16-token pages lose needle tokens.
 - "int4": every key in 4 bits with one scale per token (D / 2 + 2 bytes at 16-bit keys, 13% of K + V at
-  D = 64), scored nearly exactly: a page's score is its best token's logit, max over the GQA group.
+  D = 64), scored nearly exactly: a page's score is its best parked token's logit, max over the GQA
+  group (a token already resident does not draw its page back).
 """
 
 from __future__ import annotations
@@ -44,14 +45,15 @@ class PageBounds:
         self.low.scatter_(2, page, torch.where(first, keys, torch.minimum(low, keys)))
         self.high.scatter_(2, page, torch.where(first, keys, torch.maximum(high, keys)))
 
-    def page_scores(self, query: torch.Tensor) -> torch.Tensor:
-        """`[B, Hkv, P]` float32 for `query` `[B, Hq, D]`."""
+    def page_scores(self, query: torch.Tensor, parked: torch.Tensor) -> torch.Tensor:
+        """`[B, Hkv, P]` float32 for `query` `[B, Hq, D]`; a page's bound covers all its tokens, `parked`
+        (`[B, Hkv, N]`) or not."""
         return quest_page_scores(query, self.low, self.high)
 
 
 class Int4Keys:
-    """Every key in int4 with one scale per token (`kernels.int4_page_scores`); slots never written
-    keep a zero scale and score 0. An odd head dim is refused when the first keys are parked."""
+    """Every key in int4 with one scale per token (`kernels.int4_page_scores`); a page scores its best
+    parked token. An odd head dim is refused when the first keys are parked."""
 
     def __init__(self, batch: int, kv_heads: int, pages: int, page_size: int, head_dim: int, dtype, device):
         self.page_size = page_size
@@ -72,9 +74,9 @@ class Int4Keys:
         self.codes.scatter_(2, index.unsqueeze(-1).expand_as(codes), codes)
         self.scale.scatter_(2, index, scale)
 
-    def page_scores(self, query: torch.Tensor) -> torch.Tensor:
-        """`[B, Hkv, P]` float32 for `query` `[B, Hq, D]`."""
-        return int4_page_scores(query, self.codes, self.scale, self.page_size)
+    def page_scores(self, query: torch.Tensor, parked: torch.Tensor) -> torch.Tensor:
+        """`[B, Hkv, P]` float32 for `query` `[B, Hq, D]`: its best `parked` (`[B, Hkv, N]`) token's logit."""
+        return int4_page_scores(query, self.codes, self.scale, self.page_size, parked)
 
 
 KEY_SUMMARIES = {"bounds": PageBounds, "int4": Int4Keys}
