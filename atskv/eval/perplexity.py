@@ -45,9 +45,9 @@ def decode_nll(model, windows: torch.Tensor, n_eval: int) -> torch.Tensor:
     step through the model's own cache: whatever `atskv.sparse` is active applies)."""
     context = windows.shape[1] - n_eval
     out = model(windows[:, :context], use_cache=True)
-    cache, logits = returned_cache(out), [out.logits[:, -1]]
-    for t in range(context, windows.shape[1] - 1):
-        out = model(windows[:, t : t + 1], **with_cache(model, cache), use_cache=True)
+    given, logits = with_cache(model, returned_cache(out)), [out.logits[:, -1]]
+    for t in range(context, windows.shape[1] - 1):  # the cache grows in place: the same object each step
+        out = model(windows[:, t : t + 1], **given, use_cache=True)
         logits.append(out.logits[:, -1])
     logits = torch.stack(logits, dim=1).float()  # [N, n_eval, V]
     return F.cross_entropy(logits.flatten(0, 1), windows[:, context:].flatten(), reduction="sum")

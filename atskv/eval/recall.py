@@ -333,10 +333,10 @@ def attention_recall(
         with attach(model, probe), torch.no_grad():
             for start in range(0, len(windows), batch_size):
                 batch = windows[start : start + batch_size].to(device)
-                cache = probe.new_cache()
-                model(batch[:, :context], **with_cache(model, cache), use_cache=True)
+                given = with_cache(model, probe.new_cache())
+                model(batch[:, :context], **given, use_cache=True)
                 for t in range(context, batch.shape[1]):
-                    model(batch[:, t : t + 1], **with_cache(model, cache), use_cache=True)
+                    model(batch[:, t : t + 1], **given, use_cache=True)
                 probe.recorder.close_window(n_queries)
                 bar.update()
         recorded = probe.recorder.sums.items()

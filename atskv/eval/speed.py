@@ -75,8 +75,9 @@ class DecodeRun:
     KV head), decode steps, prompt chunk, dense first layers, `host_tier` (the host tier a `tiered:`
     method runs with: tokens read back per step in whole pages, the GPU page cache, what ranks the
     parked pages) and per-selector options (`{"learned": {"predictor": ...}}`; learned without a
-    predictor gets a random one of the model's shape); `compile`: the fast path's decoder layers `torch.compile`d; `padding`:
-    ragged prompts (`ragged_mask`), every method given the same attention mask."""
+    predictor gets a random one of the model's shape); `compile`: the fast path's decoder layers
+    `torch.compile`d; `padding`: ragged prompts (`ragged_mask`), every method given the same
+    attention mask."""
 
     budget: int | float = 0.05
     new_tokens: int = 64
