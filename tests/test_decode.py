@@ -380,6 +380,35 @@ def test_a_left_padded_rows_causal_part_matches_the_masked_path(pad):
     assert not mass[..., :pad].any() and (pad >= s or bool(mass[..., pad:].sum() > 0))
 
 
+def test_a_left_padded_batch_attends_row_by_row_as_the_masked_path_does():
+    """Rows padded by 0, 5, 14 and 20 of 20 slots in one batch (what a keep-everything selector
+    prefills whole): each row from its own first real token equals the batch under its mask, and
+    the pads are read off the mask only when they all lead."""
+    torch.manual_seed(3)
+    pads = [0, 5, 14, 20]
+    b, hq, hkv, s, c, d = len(pads), 4, 2, 20, 6, 16
+    q, k, v = torch.randn(b, hq, c, d), torch.randn(b, hkv, s, d), torch.randn(b, hkv, s, d)
+    real = torch.arange(s) >= torch.tensor(pads).view(-1, 1)  # [B, S]
+    mask = (torch.arange(s) <= torch.arange(s - c, s).view(c, 1)) & real.view(b, 1, s)  # [B, C, S]
+
+    def allowed(start, stop):
+        return mask[:, start:stop].view(b, 1, stop - start, s)
+
+    out, lse = masked_attention_lse(q, k, v, allowed, 0.25)
+    assert decode.left_padding(real) == pads
+    parts = [(min(c, max(0, pad - (s - c))), pad) for pad in pads]
+    got, got_lse = decode._per_row(parts, lambda rows, part: causal_attention_from(q[rows], k[rows], v[rows], *part,
+                                                                                    0.25))  # fmt: skip
+    torch.testing.assert_close(got, out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_lse, lse, atol=1e-5, rtol=1e-5)
+    mass = decode._per_row(parts, lambda rows, part: (causal_mass_from(q[rows], k[rows], got_lse[rows], *part,
+                                                                        0.25),))[0]  # fmt: skip
+    torch.testing.assert_close(mass, received_mass(q, k, lse, allowed, 0.25), atol=1e-5, rtol=1e-5)
+    inside = real.clone()
+    inside[0, 3] = False  # a pad after a real token: no causal parts
+    assert decode.left_padding(inside) is None
+
+
 def test_unsupported_selectors_and_chunks_are_refused():
     model = tiny_model("llama")
     ids = random_prompt(80)

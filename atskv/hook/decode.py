@@ -114,7 +114,7 @@ class StaticSession(SparseSession):
             self.keep_budget = selector.budgets(config.budget).residency or self.longest
         self.budget_cap = int(resolve_budget(self.keep_budget, torch.tensor([self.longest])))
         self.real: torch.Tensor | None = None  # [B, T] bool: the prompt's non-padding tokens
-        self.pad: int | None = None  # one row with its pads all leading: how many (`left_padding`)
+        self.pads: list[int] | None = None  # every row's pads leading: how many, per row (`left_padding`)
         self._identity: dict[tuple, torch.Tensor] = {}
         self.tier = tier
         self.hosts: dict[int, HostPages] = {}  # managed layer -> its host tier (with `tier`)
@@ -175,9 +175,10 @@ class StaticSession(SparseSession):
             first = stop - c + start - layer.window + 1 if layer.window is not None else 0
             return slice(max(0, first), stop - c + end)
 
-        causal = self._causal_part(layer, stop, c)
+        causal = self._causal_parts(layer, stop, c)
         if causal is not None:
-            out, lse = causal_attention_from(query, keys, values, *causal, scaling)
+            out, lse = _per_row(causal, lambda rows, part: causal_attention_from(
+                query[rows], keys[rows], values[rows], *part, scaling))  # fmt: skip
         elif self.is_managed(layer_idx) and self.selector.needs_attention:  # its mass needs the log-sum-exps
             out, lse = masked_attention_lse(query, keys, values, allowed, scaling, span)
         else:
@@ -187,7 +188,8 @@ class StaticSession(SparseSession):
             self.selector.static_write(view)
             if self.selector.needs_attention:
                 if causal is not None:
-                    mass = causal_mass_from(query, keys, lse, *causal, scaling)
+                    mass = _per_row(causal, lambda rows, part: (causal_mass_from(
+                        query[rows], keys[rows], lse[rows], *part, scaling),))[0]  # fmt: skip
                 else:
                     mass = received_mass(query, keys, lse, allowed, scaling)
                 self.selector.observe(view, torch.nn.functional.pad(mass, (0, layer.capacity - stop)))
@@ -195,15 +197,15 @@ class StaticSession(SparseSession):
                 self.selector.prefill(self._last_queries_view(view, allowed))
         return out.transpose(1, 2)
 
-    def _causal_part(self, layer: StaticSlotLayer, stop: int, c: int) -> tuple[int, int] | None:
-        """Where a global layer's chunk needs no mask: `(first query, first slot)` of its real part
-        (its slots 0 .. stop - 1 hold positions 0 .. stop - 1): all of it unpadded; from the first
-        real token for a left-padded row prefilled alone (`pad`). None: a sliding window or a
-        padded batch, the masked path."""
-        if layer.window is not None or (self.real is not None and self.pad is None):
+    def _causal_parts(self, layer: StaticSlotLayer, stop: int, c: int) -> list[tuple[int, int]] | None:
+        """Where a global layer's chunk needs no mask: per row, `(first query, first slot)` of its
+        real part (its slots 0 .. stop - 1 hold positions 0 .. stop - 1): all of it unpadded; from
+        its first real token in a left-padded batch (`pads`), whether the row is prefilled alone or
+        with the others. None: a sliding window or pads inside a row, the masked path."""
+        if layer.window is not None or (self.real is not None and self.pads is None):
             return None
-        pad = min(self.pad or 0, stop)
-        return min(c, max(0, pad - (stop - c))), pad
+        pads = self.pads or [0]
+        return [(min(c, max(0, pad - (stop - c))), pad) for pad in (min(p, stop) for p in pads)]
 
     def _prompt_view(self, layer_idx, layer, query, scaling) -> LayerView:
         """The whole slot buffer as a selector sees it during the prompt (free slots invalid)."""
@@ -581,24 +583,34 @@ def _prefill(model, session: StaticSession, ids, positions, real, chunk: int,
     decoding; returns it and the last position's logits `[B, vocab]`. `row`: which row of the
     call `ids` is, when rows are prefilled one at a time (a host tier parks it there)."""
     t = ids.shape[1]
-    session.real, session.pad, session.row = real, left_padding(real), row
+    session.real, session.pads, session.row = real, left_padding(real), row
     cache = session.new_cache()
     given = with_cache(model, cache)
     for start, stop in prompt_chunks(t, chunk):
         logits = model(input_ids=ids[:, start:stop], position_ids=positions[:, start:stop], **given, use_cache=True,
                        logits_to_keep=1).logits  # fmt: skip
     session.finish_prompt(real)
-    session.real = session.pad = None
+    session.real = session.pads = None
     return cache, logits[:, -1]
 
 
-def left_padding(real: torch.Tensor | None) -> int | None:
-    """How many pad tokens lead the one row of `real` `[1, T]`, when no pad follows a real token
-    (None: no mask, several rows, or pads inside the row)."""
-    if real is None or real.shape[0] != 1:
+def left_padding(real: torch.Tensor | None) -> list[int] | None:
+    """How many pad tokens lead each row of `real` `[B, T]`, when no pad follows a real token in
+    any row (None: no mask, or pads inside a row). One host sync per prefill."""
+    if real is None:
         return None
-    pad = int((~real[0]).sum())
-    return pad if bool(real[0, pad:].all()) else None
+    pads = (~real).sum(-1)
+    leading = torch.arange(real.shape[1], device=real.device) >= pads.unsqueeze(-1)
+    return pads.tolist() if bool((real == leading).all()) else None
+
+
+def _per_row(parts: list[tuple[int, int]], attend: Callable) -> tuple[torch.Tensor, ...]:
+    """`attend(rows, part)` over the batch: in one call where every row has the same real part
+    (`_causal_parts`), else row by row (each from its own first real token), concatenated."""
+    if all(part == parts[0] for part in parts):
+        return attend(slice(None), parts[0])
+    rows = [attend(slice(r, r + 1), part) for r, part in enumerate(parts)]
+    return tuple(torch.cat(pieces) for pieces in zip(*rows))
 
 
 def _generate(model, session, input_ids, attention_mask, max_new_tokens, prefill_chunk, cuda_graph, eos_token_id,
