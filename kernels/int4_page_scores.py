@@ -15,7 +15,7 @@ already resident, nor for slots never written).
 from __future__ import annotations
 
 import torch
-from atskv.kernels.backend import jit, tl, triton, use_triton
+from atskv.kernels.backend import dependent_launch, jit, tl, triton, use_triton, wait_for_inputs
 
 from atskv.hook.gqa import grouped_queries
 
@@ -61,49 +61,62 @@ def _int4_kernel(
     sm_b, sm_h, sm_n,
     so_b, so_h, so_p,
     GROUP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_G: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """One program: one (row, KV head) and BLOCK_P pages. The packed codes are unpacked once and
-    dotted with every query head of the group (even channels with the low nibbles, odd with the
-    high ones); the scale, positive, applies after the max over heads."""
+    """One program: one (row, KV head) and BLOCK_P pages, their tokens the rows of two matrix
+    products on the tensor cores: the unpacked codes (exact in the query's dtype) times the group's
+    query heads (even channels with the low nibbles, odd with the high ones; the group padded to
+    BLOCK_G >= 16 columns). The loads do not wait on the candidate mask: it applies after. The
+    scale, positive, applies after the max over heads."""
+    wait_for_inputs(PDL)
     h = tl.program_id(0) % n_kv_heads
     b = (tl.program_id(0) // n_kv_heads).to(tl.int64)
-    p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
-    t = tl.arange(0, BLOCK_T)
+    r = tl.arange(0, BLOCK_P * BLOCK_T)
+    t = r % BLOCK_T
+    first = tl.program_id(1) * BLOCK_P
+    token = (first + r // BLOCK_T) * page_size + t
+    inside = (t < page_size) & (token < n_tokens)
+    token = token.to(tl.int64)
     j = tl.arange(0, BLOCK_H)
-    token = p[:, None] * page_size + t[None, :]  # [BLOCK_P, BLOCK_T]
-    held = (p < n_pages)[:, None] & (t < page_size)[None, :] & (token < n_tokens)
-    held &= tl.load(m_ptr + b * sm_b + h * sm_h + token.to(tl.int64) * sm_n, mask=held, other=0) != 0
-    base = c_ptr + b * sc_b + h * sc_h
-    tile = held[:, :, None] & (j < half_dim)[None, None, :]
-    codes = tl.load(base + token[:, :, None].to(tl.int64) * sc_n + j[None, None, :] * sc_d, mask=tile, other=0)
-    low = (codes & 15).to(tl.float32) - 8.0
-    high = (codes >> 4).to(tl.float32) - 8.0
-    best = tl.full([BLOCK_P, BLOCK_T], float("-inf"), tl.float32)
-    for g in tl.static_range(GROUP):
-        q_head = q_ptr + b * sq_b + (h * GROUP + g) * sq_h
-        even = tl.load(q_head + 2 * j * sq_d, mask=j < half_dim, other=0.0).to(tl.float32)[None, None, :]
-        odd = tl.load(q_head + (2 * j + 1) * sq_d, mask=j < half_dim, other=0.0).to(tl.float32)[None, None, :]
-        best = tl.maximum(best, tl.sum(low * even + high * odd, axis=2))
-    scale = tl.load(s_ptr + b * ss_b + h * ss_h + token.to(tl.int64) * ss_n, mask=held, other=0.0).to(tl.float32)
-    scores = tl.where(held, best * scale, float("-inf"))
+    tile = inside[:, None] & (j < half_dim)[None, :]
+    codes = tl.load(c_ptr + b * sc_b + h * sc_h + token[:, None] * sc_n + j[None, :] * sc_d, mask=tile, other=0x88)
+    kind = q_ptr.dtype.element_ty
+    low = ((codes & 15).to(tl.float32) - 8.0).to(kind)
+    high = ((codes >> 4).to(tl.float32) - 8.0).to(kind)
+    g = tl.arange(0, BLOCK_G)
+    heads = q_ptr + b * sq_b + (h * GROUP + g[None, :]) * sq_h
+    q_ok = (j < half_dim)[:, None] & (g < GROUP)[None, :]
+    even = tl.load(heads + 2 * j[:, None] * sq_d, mask=q_ok, other=0.0)
+    odd = tl.load(heads + (2 * j[:, None] + 1) * sq_d, mask=q_ok, other=0.0)
+    logits = tl.dot(low, even, input_precision=PRECISION)
+    logits = tl.dot(high, odd, logits, input_precision=PRECISION)  # [tokens, BLOCK_G]
+    best = tl.max(tl.where((g < GROUP)[None, :], logits, float("-inf")), axis=1)
+    scale = tl.load(s_ptr + b * ss_b + h * ss_h + token * ss_n, mask=inside, other=0.0).to(tl.float32)
+    candidate = tl.load(m_ptr + b * sm_b + h * sm_h + token * sm_n, mask=inside, other=0) != 0
+    scores = tl.reshape(tl.where(candidate, best * scale, float("-inf")), (BLOCK_P, BLOCK_T))
+    p = first + tl.arange(0, BLOCK_P)
     tl.store(out_ptr + b * so_b + h * so_h + p * so_p, tl.max(scores, axis=1), mask=p < n_pages)
 
 
 def int4_page_scores_triton(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, page_size: int,
                             candidates: torch.Tensor):  # fmt: skip
-    """Triton `int4_page_scores` (any strides; no copy of the codes)."""
+    """Triton `int4_page_scores` (any strides; no copy of the codes). A program takes the pages of at
+    most 128 tokens (8K codes: 128 at D = 128, 64 at Gemma's 256); programs looping over 4-8 such
+    blocks were slower on the H200 (`benchmarks/host_summary_timing.py`, 2026-11-28)."""
     b, hq, d = query.shape
     hkv, tokens = codes.shape[1], codes.shape[2]
     pages = triton.cdiv(tokens, page_size)
     out = torch.empty(b, hkv, pages, dtype=torch.float32, device=query.device)
-    block_t, block_h = triton.next_power_of_2(page_size), triton.next_power_of_2(d // 2)
-    block_p = max(1, min(64, 2048 // (block_t * block_h)))
+    block_t, block_h = triton.next_power_of_2(page_size), max(16, triton.next_power_of_2(d // 2))
+    block_p = max(1, 16 // block_t, min(128, 8192 // block_h) // block_t)
     grid = (b * hkv, triton.cdiv(pages, block_p))
     mask = candidates.view(torch.uint8)  # bool, read as bytes
     _int4_kernel[grid](
         query, codes, scale, mask, out, hkv, tokens, pages, page_size, d // 2,
         *query.stride(), *codes.stride(), *scale.stride(), *mask.stride(), *out.stride(),
         GROUP=hq // hkv, BLOCK_P=block_p, BLOCK_T=block_t, BLOCK_H=block_h,
+        BLOCK_G=max(16, triton.next_power_of_2(hq // hkv)),
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", **dependent_launch(query, grid),
     )  # fmt: skip
     return out
 

@@ -19,9 +19,10 @@ B, H, D, PAGE = 2, 2, 8, 4
 
 def _filled(count: int = 22, tokens: int = 40, read: int = 3) -> tuple[HostPages, torch.Tensor, torch.Tensor]:
     """Rows parked with `count` prompt tokens each, row 1 left-padded by 3 positions; `read` pages
-    read back per fetch, a cache of twice that."""
+    read back per fetch, a cache of twice that; pages ranked by Quest's bounds, which these tests
+    compute by hand."""
     torch.manual_seed(0)
-    pages = HostPages(B, H, tokens, D, torch.float32, torch.device("cpu"), PAGE, read, 2 * read)
+    pages = HostPages(B, H, tokens, D, torch.float32, torch.device("cpu"), PAGE, read, 2 * read, summary="bounds")
     keys, values = torch.randn(B, H, tokens, D), torch.randn(B, H, tokens, D)
     for row in range(B):
         pages.park(row, keys[row : row + 1], values[row : row + 1], first_position=3 * row, count=count)

@@ -237,7 +237,11 @@ def test_a_row_with_a_host_store_reads_parked_tokens_back(loaded, monkeypatch, t
         run_leaderboard(loaded, tmp_path / "bad", grid, **{option: {"nope": 1}}, **RUN)
     with pytest.raises(InputError, match=r"prefill densely \(drop --sparse_prefill\)"):
         run_leaderboard(loaded, tmp_path / "bad", grid, sparse_prefill=True, **{**RUN, "fast": False})
-    if prefix == "host":
+    if prefix == "host":  # every field of the tier is a setting, defaults included: a changed default refuses too
+        settings = json.loads((tmp_path / "settings.json").read_text())["host_tier"]
+        assert settings == {"tokens": "4096", "page_size": "8", "cache": "2.0", "summary": "int4"}
+        with pytest.raises(InputError, match="other settings .*'summary': 'int4'.* there, .*'summary': 'bounds'"):
+            run_leaderboard(loaded, tmp_path, grid, **{option: {**every, "summary": "bounds"}}, **RUN)
         quest = check_grid(**{**plan, "methods": ["host:quest"]}, seeds=[0], examples=2)
         with pytest.raises(InputError, match="host:quest: a host tier parks what an evicting selector drops"):
             run_leaderboard(loaded, tmp_path / "bad", quest, **RUN)

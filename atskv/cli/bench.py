@@ -106,8 +106,8 @@ def decode(
         host_tier: the tiered methods' host tier, `atskv.HostRetrieval` options as the leaderboard's
             `--host_tier` takes them, e.g. '{tokens: 1024, cache: 2, summary: int4}': tokens read
             back per step, layer and KV head, in pages of `page_size`; the GPU page cache in
-            multiples of a step's read; what ranks the parked pages (bounds: Quest's page key
-            min/max; int4: every key in 4 bits). Null: its defaults.
+            multiples of a step's read; what ranks the parked pages (int4, the default: every key
+            in 4 bits; bounds: Quest's page key min/max). Null: its defaults.
         gpu_memory: GiB of GPU memory above the weights: find the largest batch (1, 2, 4, ...,
             max_batch) each method fits in it, at each context, instead of timing batch_sizes.
         max_batch: the largest batch tried with gpu_memory.

@@ -338,7 +338,9 @@ def run_leaderboard(
         **({"selector_options": {k: _as_setting(opts) for k, opts in selector_options.items()}}
            if selector_options else {}),
         **({"tiering": _as_setting(tiering)} if tiering else {}),
-        **({"host_tier": _as_setting(host_tier)} if host_tier else {}),
+        # every field of the host: rows' tier, defaults included: a default that changes (the key summary
+        # did, from bounds to int4) must not let a rerun add cells of another tier to a folder
+        **({"host_tier": _as_setting(asdict(HostRetrieval(**(host_tier or {}))))} if grid.hosted else {}),
     }  # fmt: skip
     built = dict(zip(grid.selector_names, selectors_for_model(grid.selector_names, loaded.name, selector_options)))
     selectors = {m: built[selector_of(m)] for m in grid.selectors}  # a tiered: or host: row shares its selector

@@ -4,8 +4,8 @@ step reads back the pages its query needs, with no host work and inside the step
 
 Why this shape (ShadowKV, arXiv:2410.21465, and Quest, arXiv:2406.10774, decide on the GPU from a
 compact summary of what is off it): the GPU keeps, per row and KV head, a summary of every page's
-keys that scores it against a query (`atskv.memory.key_summary`: Quest's key min/max, 1/8 of the
-keys at 16 tokens a page, or int4 keys) and a flag per token saying whether it is resident in the
+keys that scores it against a query (`atskv.memory.key_summary`: int4 keys, by default, or Quest's
+key min/max, 1/8 of the keys at 16 tokens a page) and a flag per token saying whether it is resident in the
 GPU slots; the evicting selector decides residency as on the fast path without a tier. A step
 scores the pages that hold a non-resident token, takes the best `pages`, and gathers them (one
 gather per tensor and layer) straight out of pinned memory: on CUDA the pinned buffers are read
@@ -39,12 +39,14 @@ class HostRetrieval:
     KV head (an int, or a fraction of the prompt as budgets are), in whole pages of `page_size`;
     the GPU keeps `cache` times as many pages as a step reads (>= 1: the pages read last step are
     always kept), so a page asked for again is not fetched again. `summary`: what ranks the pages on
-    the GPU, a key of `KEY_SUMMARIES` (see `atskv.memory.key_summary`)."""
+    the GPU, a key of `KEY_SUMMARIES` (see `atskv.memory.key_summary`): int4 keys by default, which
+    find needles that 16-token page bounds lose, for 0.55 ms more a step at the 8B shape, 32K, B=1
+    (docs/results.md, "The host tier on the fast path")."""
 
     tokens: int | float = 1024
     page_size: int = 16
     cache: float = 2.0
-    summary: str = "bounds"
+    summary: str = "int4"
 
     def __post_init__(self):
         check_budget(self.tokens)
@@ -122,7 +124,7 @@ class HostPages:
     tokens)."""
 
     def __init__(self, batch: int, kv_heads: int, tokens: int, head_dim: int, dtype, device, page_size: int,
-                 read_pages: int, cache_slots: int, summary: str = "bounds"):  # fmt: skip
+                 read_pages: int, cache_slots: int, summary: str = "int4"):  # fmt: skip
         self.page_size = page_size
         self.pages = math.ceil(tokens / page_size)
         self.read_pages = min(read_pages, self.pages)

@@ -5,9 +5,11 @@ score each page against the step's query, per row and KV head:
 - "bounds": Quest's page key min/max (arXiv:2406.10774), 2 * D values a page, 1/8 of the keys at
   16 tokens. A page's bound covers all its tokens at once, so one sharp match among small keys
   scores below a page of broad-range filler and 16-token pages lose needle tokens.
-- "int4": every key in 4 bits with one scale per token (D / 2 + 2 bytes at 16-bit keys, 13% of K + V at
-  D = 64), scored nearly exactly: a page's score is its best parked token's logit, max over the GQA
-  group (a token already resident does not draw its page back).
+- "int4" (the default): every key in 4 bits with one scale per token (D / 2 + 2 bytes at 16-bit keys,
+  13% of K + V at D = 64), scored nearly exactly: a page's score is its best parked token's logit, max
+  over the GQA group (a token already resident does not draw its page back). It finds the needles
+  that bounds lose (SmolLM2 leaderboard: the host rows at dense's score) for ~5x the bounds' scoring
+  time (`benchmarks/host_summary_timing.py`).
 """
 
 from __future__ import annotations
