@@ -13,7 +13,8 @@ does, until EOS or `--max-new-tokens`. Press parameters are kvpress's defaults.
 
 Input: a JSON list of examples with `id`, `prompt`, `answer`. Output: a JSON list of records
 `{id, press, compression_ratio, prompt_tokens, kept_tokens, kv_bytes, new_tokens, text}`, where
-`kept_tokens` is the mean over layers of the tokens left after prefill compression and
+`kept_tokens` is the mean over layers of the tokens left after prefill compression (a
+sliding-window layer's cache, built from the config as `generate` builds it, holds its window) and
 `kv_bytes` the bytes of the cache's tensors after generation. Press `none` runs with full KV
 (a check that this environment reproduces atskv's dense answers).
 """
@@ -115,14 +116,14 @@ def greedy_with_press(
 ) -> dict:
     """Prefill `ids` `[1, T]` under `press` (None: full KV; `eager_prefill`: through eager
     attention), then greedy decode without it."""
-    cache = DynamicCache()
+    cache = DynamicCache(config=model.config)  # sliding-window layers keep their window, as in generate
     stop = model.generation_config.eos_token_id
     stop = set(stop if isinstance(stop, list) else [stop])
     with torch.inference_mode():
         with press_on(press, model) if press is not None else contextlib.nullcontext():
             with attention(model, "eager") if eager_prefill else contextlib.nullcontext():
                 out = model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
-        kept = [cache.get_seq_length(i) for i in range(len(cache))]
+        kept = [layer.keys.shape[-2] for layer in cache.layers]  # held (a window's seq length counts all seen)
         new = [int(out.logits[0, -1].argmax())]
         position = ids.shape[1]
         while len(new) < max_new_tokens and new[-1] not in stop:
