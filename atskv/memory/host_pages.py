@@ -5,15 +5,15 @@ step reads back the pages its query needs, with no host work and inside the step
 Why this shape (ShadowKV, arXiv:2410.21465, and Quest, arXiv:2406.10774, decide on the GPU from a
 compact summary of what is off it): the GPU keeps, per row and KV head, a summary of every page's
 keys that scores it against a query (`atskv.memory.key_summary`: int4 keys, by default, or Quest's
-key min/max, 1/8 of the keys at 16 tokens a page) and a flag per token saying whether it is resident in the
-GPU slots; the evicting selector decides residency as on the fast path without a tier. A step
-scores the pages that hold a non-resident token, takes the best `pages`, and gathers them (one
-gather per tensor and layer) straight out of pinned memory: on CUDA the pinned buffers are read
-through a device alias of the same memory (unified virtual addressing), so the copy is an
+key min/max, 1/8 of the keys at 16 tokens a page) and a flag per token saying whether it is
+resident in the GPU slots; the evicting selector decides residency as on the fast path without a
+tier. A step scores the pages that hold a non-resident token, takes the best `pages`, and gathers
+them (one gather per tensor and layer) straight out of pinned memory: on CUDA the pinned buffers
+are read through a device alias of the same memory (unified virtual addressing), so the copy is an
 ordinary kernel that reads over PCIe, graph-capturable and without a copy engine round trip. Off
-CUDA the host tensors are read directly. Consecutive queries pick mostly the same pages, so
-fetched pages stay in GPU slots (`PageCache`, least recently used out) and only the misses cross
-PCIe (`kernels.page_copy` loads nothing for a hit).
+CUDA the host tensors are read directly. Consecutive queries pick mostly the same pages, so fetched
+pages stay in GPU slots (`PageCache`, least recently used out) and only the misses cross PCIe
+(`kernels.page_copy` loads nothing for a hit).
 
 The host copy is written once per token: the prompt when a row's prefill ends, each decode token
 as it arrives (a scatter through the alias). A token the selector evicts from the GPU is only
