@@ -171,7 +171,7 @@ def test_the_device_alias_reads_and_writes_pinned_memory_inside_a_graph():
 @pytest.mark.gpu
 def test_fetches_through_pinned_memory_and_the_kernel_equal_the_cpu_ones():
     cpu, keys, values = _filled()
-    gpu = HostPages(B, H, 40, D, torch.float32, torch.device("cuda"), PAGE, 3, 6)
+    gpu = HostPages(B, H, 40, D, torch.float32, torch.device("cuda"), PAGE, 3, 6, summary="bounds")  # as _filled's
     for row in range(B):
         gpu.park(row, keys[row : row + 1].cuda(), values[row : row + 1].cuda(), first_position=3 * row, count=22)
         for pages in (cpu, gpu):

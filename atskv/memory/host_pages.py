@@ -124,7 +124,7 @@ class HostPages:
     tokens)."""
 
     def __init__(self, batch: int, kv_heads: int, tokens: int, head_dim: int, dtype, device, page_size: int,
-                 read_pages: int, cache_slots: int, summary: str = "int4"):  # fmt: skip
+                 read_pages: int, cache_slots: int, summary: str):  # fmt: skip
         self.page_size = page_size
         self.pages = math.ceil(tokens / page_size)
         self.read_pages = min(read_pages, self.pages)
