@@ -401,8 +401,7 @@ def test_a_left_padded_batch_attends_row_by_row_as_the_masked_path_does():
                                                                                     0.25))  # fmt: skip
     torch.testing.assert_close(got, out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_lse, lse, atol=1e-5, rtol=1e-5)
-    mass = decode._per_row(parts, lambda rows, part: (causal_mass_from(q[rows], k[rows], got_lse[rows], *part,
-                                                                        0.25),))[0]  # fmt: skip
+    mass = decode._per_row(parts, lambda rows, part: causal_mass_from(q[rows], k[rows], got_lse[rows], *part, 0.25))
     torch.testing.assert_close(mass, received_mass(q, k, lse, allowed, 0.25), atol=1e-5, rtol=1e-5)
     inside = real.clone()
     inside[0, 3] = False  # a pad after a real token: no causal parts

@@ -330,6 +330,7 @@ def run_leaderboard(
     from atskv.selectors import selectors_for_model
 
     check_tiering(grid, tiering, sparse_prefill, host_tier)
+    host = HostRetrieval(**(host_tier or {}))  # the host: rows' tier options (a call builds its own store)
 
     settings = {
         "model": loaded.name, "examples": examples, "filler": filler, "dense_layers": dense_layers,
@@ -340,7 +341,7 @@ def run_leaderboard(
         **({"tiering": _as_setting(tiering)} if tiering else {}),
         # every field of the host: rows' tier, defaults included: a default that changes (the key summary
         # did, from bounds to int4) must not let a rerun add cells of another tier to a folder
-        **({"host_tier": _as_setting(asdict(HostRetrieval(**(host_tier or {}))))} if grid.hosted else {}),
+        **({"host_tier": _as_setting(asdict(host))} if grid.hosted else {}),
     }  # fmt: skip
     built = dict(zip(grid.selector_names, selectors_for_model(grid.selector_names, loaded.name, selector_options)))
     selectors = {m: built[selector_of(m)] for m in grid.selectors}  # a tiered: or host: row shares its selector
@@ -350,7 +351,6 @@ def run_leaderboard(
         raise InputError("the fast path prefills densely; sparse prefill needs --fast false")
     if no_host := [m for m in grid.hosted if not has_fast_path(selectors[m])]:
         raise InputError(f"{', '.join(no_host)}: the host tier lives on the fast path, which this selector lacks")
-    host = HostRetrieval(**(host_tier or {}))  # the host: rows' tier options (a call builds its own store)
     store = CellStore(Path(out), settings)
     python = Path(kvpress_python) if kvpress_python else peer.default_kvpress_python()
     skipped = kvpress_unavailable(python, loaded) if grid.presses else None

@@ -188,8 +188,8 @@ class StaticSession(SparseSession):
             self.selector.static_write(view)
             if self.selector.needs_attention:
                 if causal is not None:
-                    mass = _per_row(causal, lambda rows, part: (causal_mass_from(
-                        query[rows], keys[rows], lse[rows], *part, scaling),))[0]  # fmt: skip
+                    mass = _per_row(causal, lambda rows, part: causal_mass_from(
+                        query[rows], keys[rows], lse[rows], *part, scaling))  # fmt: skip
                 else:
                     mass = received_mass(query, keys, lse, allowed, scaling)
                 self.selector.observe(view, torch.nn.functional.pad(mass, (0, layer.capacity - stop)))
@@ -604,12 +604,15 @@ def left_padding(real: torch.Tensor | None) -> list[int] | None:
     return pads.tolist() if bool((real == leading).all()) else None
 
 
-def _per_row(parts: list[tuple[int, int]], attend: Callable) -> tuple[torch.Tensor, ...]:
-    """`attend(rows, part)` over the batch: in one call where every row has the same real part
-    (`_causal_parts`), else row by row (each from its own first real token), concatenated."""
+def _per_row(parts: list[tuple[int, int]], attend: Callable):
+    """`attend(rows, part)` (a tensor or a tuple of them) over the batch: in one call where every
+    row has the same real part (`_causal_parts`), else row by row (each from its own first real
+    token), concatenated."""
     if all(part == parts[0] for part in parts):
         return attend(slice(None), parts[0])
     rows = [attend(slice(r, r + 1), part) for r, part in enumerate(parts)]
+    if isinstance(rows[0], torch.Tensor):
+        return torch.cat(rows)
     return tuple(torch.cat(pieces) for pieces in zip(*rows))
 
 
