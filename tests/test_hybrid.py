@@ -308,3 +308,17 @@ def test_options_and_the_predictor_reach_the_parts(predictor_dir, tmp_path, monk
         model.generate(random_prompt(40, seed=9), max_new_tokens=3, do_sample=False)
     assert int(session.cache.layers[MANAGED[0]].occupied.sum(-1).max()) == 16
 
+
+
+def test_spark_names_its_base_and_the_base_finds_its_per_model_default(tmp_path, monkeypatch):
+    """SparK over the learned selector from a command line: the base's options are checked like any
+    selector's, and the base finds the model's predictor as `learned` alone does."""
+    options = selector_options(["spark"], {"spark": {"base": "learned", "base_options": {"window_share": 0.5}}})
+    with pytest.raises(InputError, match="'learned' has no option 'nope'"):
+        selector_options(["spark"], {"spark": {"base": "learned", "base_options": {"nope": 1}}})
+    with pytest.raises(ValueError, match="unknown selector 'nosuch'"):
+        selector_options(["spark"], {"spark": {"base": "nosuch"}})
+    monkeypatch.setenv("ATSKV_CACHE", str(tmp_path))
+    export_random_predictor(tiny_model("llama"), default_predictor_dir("tiny-llama"))
+    built = selectors_for_model(["spark"], "tiny-llama", options)[0]
+    assert built.base.window_share == 0.5 and built.base.predictor.header.base_model == "tiny-llama"

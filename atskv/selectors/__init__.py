@@ -84,6 +84,8 @@ def selectors_for_model(names: list[str], model_name: str, options: dict[str, di
         parts = name_parts(name)
         if len(parts) == 2:  # a composition: each part's options sit under its name
             given |= {part: with_defaults(part, dict(given.get(part) or {})) for part in parts}
+        if isinstance(given.get("base"), str):  # SparK over a selector that is made per model
+            given["base_options"] = with_defaults(given["base"], dict(given.get("base_options") or {}))
         built.append(make_selector(name, **with_defaults(name, given)))
     return built
 
@@ -127,6 +129,11 @@ def _check_options(name: str, given: dict) -> None:
         known |= set(parts)
         for part in parts:
             _check_options(part, dict(given.get(part) or {}))
+    if "base" in known:  # SparK: its base by name, that base's options beside it
+        known.add("base_options")
+        if isinstance(given.get("base"), str):
+            check_selector_names([given["base"]])
+            _check_options(given["base"], dict(given.get("base_options") or {}))
     check_options(f"selector {name!r}", given, known)
 
 
