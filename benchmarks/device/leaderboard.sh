@@ -11,7 +11,9 @@
 # `atskv eval leaderboard` (e.g. --methods '[...]'); METHODS_<C> overrides --methods for context C;
 # TAG: a second leaderboard of the same model goes to /tmp/lb/NAME-TAG (other --selector_options);
 # FROM: a leaderboard folder (cells.jsonl, settings.json; e.g. docs/results/leaderboard-*) each
-# process starts from, so a rerun with more seeds computes only what it lacks.
+# process starts from, so a rerun with more seeds computes only what it lacks; TASKS: the processes'
+# tasks, one process per word, a word may join several with commas (one process per seed and
+# context for rows of a few cells, whose process start would cost more than its cells).
 set -uo pipefail
 name=$1 limit=$2 seeds=$3; shift 3
 contexts=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do contexts+=("$1"); shift; done; [ $# -gt 0 ] && shift
@@ -22,11 +24,12 @@ cd /tmp/head && setsid nohup bash -c '
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   name=$1 deadline=$((SECONDS + $2)) seeds=$3 contexts=$4 run=$5; shift 5
   m=/tmp/mdl/$name.gguf
-  python3 -m atskv.cli profile kascade --model "$m" --device cuda > "/tmp/lb/$run/profile.log" 2>&1
+  case " $* " in *" --methods "*) [[ " $* " == *kascade* ]] ;; esac && \
+    python3 -m atskv.cli profile kascade --model "$m" --device cuda > "/tmp/lb/$run/profile.log" 2>&1
   for s in $(echo "$seeds" | tr -d "[] " | tr , " "); do for c in $contexts; do
     var=METHODS_$c
-    for t in needle_single needle_multikey needle_multivalue variable_tracking common_words qa; do
-      d=/tmp/lb/$run/c$c-$t-s$s; mkdir -p "$d"
+    for t in ${TASKS:-needle_single needle_multikey needle_multivalue variable_tracking common_words qa}; do
+      d=/tmp/lb/$run/c$c-${t//,/+}-s$s; mkdir -p "$d"
       [ -n "${FROM:-}" ] && [ ! -f "$d/cells.jsonl" ] && cp "$FROM/cells.jsonl" "$FROM/settings.json" "$d/"
       while [ "$(jobs -rp | wc -l)" -ge "${JOBS:-12}" ]; do wait -n; done
       [ $SECONDS -lt $deadline ] || continue
