@@ -8,7 +8,8 @@
 [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl $(ls .device/wh/*.whl 2>/dev/null)
 export PYTHONPATH=/tmp/site:$PWD ATSKV_CACHE=/tmp/atskv-cache
 ln -sfn ../kernels atskv/kernels
-if [ -f .device/corpora.tar.xz ] && [ ! -d "$ATSKV_CACHE/corpora" ]; then
+# (a failed fetch leaves the folder empty: unpack unless a corpus text is there)
+if [ -f .device/corpora.tar.xz ] && [ -z "$(find "$ATSKV_CACHE/corpora" -name '*.txt' -print -quit 2>/dev/null)" ]; then
   mkdir -p "$ATSKV_CACHE" && tar xJf .device/corpora.tar.xz -C "$ATSKV_CACHE"
 fi
 if [ -d .device/kvw ] && [ ! -d /tmp/kvsite ]; then

@@ -25,7 +25,8 @@ cd /tmp/head && setsid nohup bash -c '
   name=$1 deadline=$((SECONDS + $2)) seeds=$3 contexts=$4 run=$5; shift 5
   m=/tmp/mdl/$name.gguf
   case " $* " in *" --methods "*) [[ " $* " == *kascade* ]] ;; esac && \
-    python3 -m atskv.cli profile kascade --model "$m" --device cuda > "/tmp/lb/$run/profile.log" 2>&1
+    { python3 -m atskv.cli profile kascade --model "$m" --device cuda > "/tmp/lb/$run/profile.log" 2>&1 ||
+      { echo "Kascade profile failed (every process would stop at once): see profile.log"; touch "/tmp/lb/$run/DONE"; exit 1; }; }
   for s in $(echo "$seeds" | tr -d "[] " | tr , " "); do for c in $contexts; do
     var=METHODS_$c
     for t in ${TASKS:-needle_single needle_multikey needle_multivalue variable_tracking common_words qa}; do
