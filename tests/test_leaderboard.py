@@ -68,7 +68,9 @@ def test_grid_json_table_and_resume(loaded, calls, tmp_path):
     table = paths["markdown"].read_text()
     for context in (200, 260):
         assert f"### tiny-llama, {context} tokens" in table
-    rows = [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| ") and "method" not in line]
+    means, by_task = table.split(", per task at ratios", 1)  # the tables of means, then per task
+    assert "### tiny-llama, 260 tokens, per task at ratios 0.5 / 0.75" in table and "| method | needle_single |" in by_task
+    rows = [line.split("|")[1:-1] for line in means.splitlines() if line.startswith("| ") and "method" not in line]
     assert [r[0].strip() for r in rows] == ["dense", "streaming_llm", "h2o"] * 2
     dense = {s["context"]: s for s in data["summaries"] if s["method"] == "dense"}
     for i, context in enumerate((200, 260)):
@@ -319,3 +321,21 @@ def test_the_top_plot_holds_the_rows_near_their_own_dense():
                  at("far", 0.5, 0.46), at("far", 0.9, 0.46), at("kvpress:p", 0.5, 0.29), at("kvpress:p", 0.9, 0.29)]  # fmt: skip
     assert leaderboard.near_dense(summaries, grid) == ["close", "kvpress:p"]
 
+
+
+def test_the_table_marks_each_ratios_top_and_breaks_the_rows_near_dense_down_by_task():
+    """Ties at the printed precision are all bold; a per-task table shows what a mean hides: two rows
+    at 50 points, one from task a, the other from task b."""
+    grid = Grid((4096,), (0.5, 0.9), ("x", "y", "z"), ("a", "b"), (0,))
+
+    def at(method, ratio, a, b):
+        return leaderboard.Summary(4096, method, ratio, (0,), ((a + b) / 2,), (a + b) / 2, 0.0, {"a": a, "b": b})
+
+    summaries = [at("dense", None, 1.0, 0.0), at("x", 0.5, 1.0, 0.0), at("y", 0.5, 0.0, 1.0), at("z", 0.5, 0.5, 0.0),
+                 at("x", 0.9, 0.5, 0.0), at("y", 0.9, 0.25, 0.0)]  # fmt: skip
+    lines = leaderboard.markdown(summaries, grid, "m", ["x", "y"]).splitlines()
+    assert "| x | 50.0 | **50.0** | **25.0** |" in lines and "| y | 50.0 | **50.0** | 12.5 |" in lines
+    assert "| z | 50.0 | 25.0 |  |" in lines
+    at_task = lines[lines.index("### m, 4096 tokens, per task at ratios 0.5 / 0.9") :]
+    assert at_task[2:6] == ["| method | a | b |", "|---|---|---|", "| dense | 100 | 0 |", "| x | 100 / 50 | 0 / 0 |"]
+    assert at_task[6] == "| y | 0 / 25 | 100 / 0 |" and not any(line.startswith("| z") for line in at_task)

@@ -510,9 +510,12 @@ def _points(summary: Summary, seeds: int) -> str:
             + (f" ({n} of {seeds} seeds)" if n < seeds else ""))  # fmt: skip
 
 
-def markdown(summaries: Sequence[Summary], grid: Grid, model: str) -> str:
+def markdown(summaries: Sequence[Summary], grid: Grid, model: str, by_task: Sequence[str] = ()) -> str:
     """A table per context: rows methods, columns `dense` (the dense run of the row's own
-    environment: atskv's, or kvpress's full-KV run for its presses) and the ratios."""
+    environment: atskv's, or kvpress's full-KV run for its presses) and the ratios, the top score of
+    each ratio in bold where two rows or more have one (every row that ties it as printed). `by_task`: rows (say, those near dense)
+    that also get a table per context of their score on each task at the grid's three highest
+    ratios, where the rows a mean cannot rank are told apart (or are not)."""
     at = {(s.context, s.method, s.ratio): s for s in summaries}
     rows = [DENSE, *grid.methods]
     tables = []
@@ -523,14 +526,41 @@ def markdown(summaries: Sequence[Summary], grid: Grid, model: str) -> str:
             "| method | dense | " + " | ".join(f"{r:g}" for r in grid.ratios) + " |",
             "|---" * (len(grid.ratios) + 2) + "|",
         ]
+        printed = {r: [round(100 * at[context, m, r].mean, 1) for m in grid.methods if (context, m, r) in at]
+                   for r in grid.ratios}  # fmt: skip
+        top = {r: max(p) if len(p) > 1 else None for r, p in printed.items()}  # a lone row tops nothing
         for method in rows:
             dense = at.get((context, KVPRESS_DENSE if method.startswith(KVPRESS) else DENSE, None))
             scored = [None if method == DENSE else at.get((context, method, r)) for r in grid.ratios]
-            cells = ["" if s is None else _points(s, len(grid.seeds)) for s in scored]
+            cells = [
+                "" if s is None else (f"**{_points(s, len(grid.seeds))}**" if round(100 * s.mean, 1) == top[r]
+                                      else _points(s, len(grid.seeds)))
+                for s, r in zip(scored, grid.ratios)
+            ]  # fmt: skip
             dense_points = _points(dense, len(grid.seeds)) if dense else ""
             lines.append(f"| {method} | {dense_points} | " + " | ".join(cells) + " |")
         tables.append("\n".join(lines))
+    for context in grid.contexts if by_task else ():
+        tables.append(_task_table(at, grid, model, context, [DENSE, *by_task]))
     return "\n\n".join(tables)
+
+
+def _task_table(at: Mapping, grid: Grid, model: str, context: int, methods: Sequence[str]) -> str:
+    """Per-task scores (points, mean over the row's seeds) at the grid's three highest ratios, "a / b / c"."""
+    ratios = sorted(grid.ratios)[-3:]
+    lines = [
+        f"### {model}, {context} tokens, per task at ratios {' / '.join(f'{r:g}' for r in ratios)}",
+        "",
+        "| method | " + " | ".join(grid.tasks) + " |",
+        "|---" * (len(grid.tasks) + 1) + "|",
+    ]
+    for method in methods:
+        keys = [(context, method, None)] if method == DENSE else [(context, method, r) for r in ratios]
+        if not any(k in at for k in keys):
+            continue
+        cells = [" / ".join(f"{100 * at[k].per_task[t]:.0f}" if k in at else "" for k in keys) for t in grid.tasks]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def plot(
@@ -606,16 +636,17 @@ def _notes(settings: dict, grid: Grid, skipped: str | None) -> str:
 def write(
     cells: Sequence[Cell], out: Path, grid: Grid, model: str, notes: str, settings: dict
 ) -> dict[str, Path]:
-    """leaderboard.md (a table per context, then the notes), leaderboard.json (settings, grid,
+    """leaderboard.md (a table per context, then the rows near dense per task, then the notes), leaderboard.json (settings, grid,
     every cell, the summaries), leaderboard.png (every row) and leaderboard-top.png (the rows near
     dense, `near_dense`, on a fitted axis) under `out`."""
     summaries = summarize(cells, grid.tasks)
+    close = near_dense(summaries, grid)
     data = {"settings": settings, "grid": asdict(grid), "notes": notes, "summaries": summaries, "cells": list(cells)}
     paths = write_report(
-        out, markdown(summaries, grid, model), data, json_name="leaderboard.json", markdown_name="leaderboard.md",
+        out, markdown(summaries, grid, model, close), data, json_name="leaderboard.json", markdown_name="leaderboard.md",
         notes=notes, plot=lambda path: plot(summaries, grid, model, path), png_name="leaderboard.png",
     )  # fmt: skip
-    if close := near_dense(summaries, grid):
+    if close:
         paths["png_top"] = Path(out) / "leaderboard-top.png"
         plot(summaries, grid, model, paths["png_top"], close)
     return paths
