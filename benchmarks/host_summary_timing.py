@@ -9,20 +9,21 @@ whose other layers pass through it), per call. `GB/s` counts the summary's bytes
 codes, scales and the candidate mask; bounds: both bound tensors) over that time. Checks each
 kernel against its torch reference first.
 
-One H200, torch 2.11, Triton 3.6, 2026-11-28 (us per layer and step, GB/s): the int4 kernel reads
-~1 TB/s, the bounds 2-3 TB/s, and int4 has twice the bytes to read, so it costs ~5x the bounds'
-scoring. Not profiled: its unpacking and two small matrix products per 128 tokens are the
-suspects (programs looping over 4-8 blocks, so the next block's loads could overlap, were slower:
-25-29 us at 32K B=1, 165 at B=8). Its first version (per-channel products, 2 pages a program) cost
-a decode step at the 8B shape 1.5 ms over the bounds at 32K B=1 and 11.5 ms at B=8; this one 0.55
-and 6.6 (`atskv bench decode --host_tier '{summary: int4}'` against `bounds`).
+One H200, torch 2.11, Triton 3.6, 2026-11-28 (us per layer and step, GB/s; session 25's kernel,
+which unpacks the codes by their bits, timed with this file's `timed` and `inputs` (4 layers); 128K B=8 not
+rerun): the int4 kernel reads 1.2-1.6 TB/s, the bounds 1.8-2.6 TB/s, and int4 has twice the bytes to
+read, so it costs 3-3.5x the bounds' scoring. Its predecessors: unpacking through float32, 20.8 /
+136.8 / 70.6 us in the same run (~1 TB/s; `docs/results/decode-speed-h200/session25-int4-unpack/`);
+programs looping over 4-8 blocks, slower still (25-29 us at 32K B=1); per-channel products, two
+pages a program, 1.5 ms a decode step over the bounds at the 8B shape, 32K B=1, and 11.5 ms at B=8,
+where the float32-unpacking kernel cost 0.55 and 6.6 (`atskv bench decode --host_tier '{summary:
+int4}'` against `bounds`).
 
 | context, B | int4 summary | page bounds |
 |---|---|---|
-| 32K, 1 | 19.8 (886) | 4.6 (1804) |
-| 32K, 8 | 135.3 (1039) | 26.1 (2569) |
-| 128K, 1 | 69.7 (1009) | 15.2 (2210) |
-| 128K, 8 | 526.0 (1069) | 87.6 (3066) |
+| 32K, 1 | 14.4 (1219) | 4.7 (1785) |
+| 32K, 8 | 90.2 (1558) | 25.7 (2611) |
+| 128K, 1 | 46.7 (1504) | 14.9 (2252) |
 
     PYTHONPATH=. python3 benchmarks/host_summary_timing.py [--contexts 32768 131072] [--batches 1 8]
 """

@@ -50,16 +50,17 @@ def test_int4_keys_refuse_an_odd_head_dim():
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("page_size", [16, 6])
-def test_the_int4_page_score_kernel_matches_its_reference(head_dim, group, page_size):
+@pytest.mark.parametrize(("page_size", "dtype"), [(16, torch.float32), (6, torch.float32), (16, torch.float16)])
+def test_the_int4_page_score_kernel_matches_its_reference(head_dim, group, page_size, dtype):
     """Strided inputs, a token count off the page grid and a page count off the kernel's block, unwritten
-    slots (zero scale) included; only candidate tokens score, and a page without one scores -inf."""
+    slots (zero scale) included; only candidate tokens score, and a page without one scores -inf. A 16-bit
+    query unpacks the codes by their bits (the interpreter has no bfloat16: float16 stands for both)."""
     g = torch.Generator().manual_seed(head_dim + group)
     b, hkv, tokens = 2, 2, 7 * page_size - 5
-    codes, scale = quantize_int4(torch.randn(b, tokens, hkv, head_dim, generator=g).transpose(1, 2))
+    codes, scale = quantize_int4(torch.randn(b, tokens, hkv, head_dim, generator=g).transpose(1, 2).to(dtype))
     scale = torch.nn.functional.pad(scale, (0, 3))[..., :tokens]  # strided: a row stride of tokens + 3
     scale[1, 0, tokens - 20 :] = 0
-    query = torch.randn(b, head_dim, hkv * group, generator=g).transpose(1, 2)
+    query = torch.randn(b, head_dim, hkv * group, generator=g).transpose(1, 2).to(dtype)
     candidates = (torch.rand(b, hkv, tokens + 1, generator=g) < 0.7)[..., :tokens]  # strided too
     candidates[0, 0, page_size : 2 * page_size] = False  # page 1 of row 0, head 0: nothing to read back
     assert not (codes.is_contiguous() or scale.is_contiguous() or query.is_contiguous() or candidates.is_contiguous())
@@ -69,7 +70,7 @@ def test_the_int4_page_score_kernel_matches_its_reference(head_dim, group, page_
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     some = torch.nn.functional.pad(candidates, (0, 5)).unflatten(-1, (7, page_size)).any(-1)
     assert torch.equal(got.isfinite(), some) and not some[0, 0, 1]  # -inf exactly where a page has none
-    logits = dequantize_int4(codes, scale)[0, 1, :page_size] @ query[0, hkv * group - group :].T  # page 0, head 1
+    logits = dequantize_int4(codes, scale)[0, 1, :page_size] @ query[0, hkv * group - group :].float().T  # page 0, head 1
     torch.testing.assert_close(want[0, 1, 0], logits[candidates[0, 1, :page_size]].max(), rtol=1e-5, atol=1e-5)
 
 
