@@ -452,9 +452,10 @@ def merge_folders(
                     store.add(renamed)
     cells = list(store.cells.values())
     methods = [m for m in dict.fromkeys(c.method for c in cells) if m not in (DENSE, KVPRESS_DENSE)]
+    tasks = {c.task for c in cells}
     grid = Grid(
         tuple(sorted({c.context for c in cells})), tuple(sorted({c.ratio for c in cells if c.ratio is not None})),
-        tuple(sorted(methods, key=lambda m: m.startswith(KVPRESS))), tuple(dict.fromkeys(c.task for c in cells)),
+        tuple(sorted(methods, key=lambda m: m.startswith(KVPRESS))), tuple(t for t in TASKS if t in tasks),
         tuple(sorted({c.seed for c in cells})),
     )  # fmt: skip
     notes = _notes(settings, grid, None)
