@@ -7,11 +7,13 @@ optionally on synthetic retrieval tasks.
     atskv collect --corpus austen --windows 12 --window_tokens 2048 --label mass --out MASS
     atskv collect --corpus austen --windows 12 --window_tokens 2048 --label kvzip --out KVZIP
     python benchmarks/predictor_ablation.py --model smollm2-135m --mass MASS --kvzip KVZIP --work WORK \
-        --out DIR [--variants ...] [--epochs 5] [--corpus sotu --window_tokens 2048 --windows 4 --budgets 128] \
-        [--tasks passkey needle_single --task_tokens 2048 --task_budgets 0.05 --trials 8]
+        --out DIR [--variants ...] [--seeds 0 1 2] [--epochs 5] [--corpus sotu --window_tokens 2048 --windows 4 \
+        --budgets 128] [--tasks passkey needle_single --task_tokens 2048 --task_budgets 0.05 --trials 8]
 
-Every variant is trained with its seed and the same epochs (`fit_predictor`: the last epoch, no
-checkpoint selection) and exported into WORK/<variant>, where a rerun finds it. Writes DIR/recall
+Every MLP variant is trained once per seed with the same epochs (`fit_predictor`: the last epoch, no
+checkpoint selection) and exported into WORK/<variant> (seed 0) or WORK/<variant>-s<seed>, where a
+rerun finds it; the ridge, closed form, is fitted once. The recall table gives each variant's mean
+± std over its seeds. Writes DIR/recall
 (the harness's table, JSON, PNG; none with `--budgets` empty), DIR/tasks (with `--tasks`),
 DIR/ridge.json (each ridge fit's penalty and validation mass recall), DIR/labels.json (where each
 label's positives sit) and DIR/summary.md.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,7 +49,6 @@ class Variant:
     scorer: str  # mlp or ridge
     inputs: str  # what it reads, for the table
     options: dict = field(default_factory=dict)  # the MLP's (`fit_predictor`)
-    seed: int = 0  # the MLP's
 
 
 VARIANTS = {
@@ -57,14 +59,18 @@ VARIANTS = {
     "mlp-mass-no-h": Variant("mass", "mlp", "a; f", {"reduced_width": 0}),
     "mlp-mass-no-a": Variant("mass", "mlp", "h; f", {"without": ATTENTION}),
     "mlp-mass-no-f": Variant("mass", "mlp", "h; a", {"without": TOKEN}),
-    "mlp-mass-s1": Variant("mass", "mlp", "h; a; f", seed=1),
-    "mlp-mass-s2": Variant("mass", "mlp", "h; a; f", seed=2),
 }
 
 
-def train(name: str, folder: Path, out: Path, loaded, epochs: int) -> dict:
-    """Export variant `name` into out/name (unless there already); returns what the fit reported."""
-    target, variant = out / name, VARIANTS[name]
+def trained_name(name: str, seed: int) -> str:
+    """The folder (and selector) name of variant `name` trained with `seed`."""
+    return name if seed == 0 else f"{name}-s{seed}"
+
+
+def train(name: str, seed: int, folder: Path, out: Path, loaded, epochs: int) -> dict:
+    """Export variant `name` trained with `seed` into out/`trained_name` (unless there already);
+    returns what the fit reported."""
+    target, variant = out / trained_name(name, seed), VARIANTS[name]
     if (target / "predictor.safetensors").is_file():
         return json.loads((target / "predictor.json").read_text())["training"]
     if variant.scorer == "ridge":
@@ -75,7 +81,7 @@ def train(name: str, folder: Path, out: Path, loaded, epochs: int) -> dict:
         export_trained(fit.scorer, fit.collection, target, loaded, training)
         return training
     options = {"num_workers": 0, **variant.options}  # one core
-    checkpoint = fit_predictor(folder, out / "fit" / name, epochs=epochs, seed=variant.seed, progress=False, **options)
+    checkpoint = fit_predictor(folder, out / "fit" / target.name, epochs=epochs, seed=seed, progress=False, **options)
     export_checkpoint(checkpoint, target, loaded)
     return json.loads((target / "predictor.json").read_text())["training"]
 
@@ -100,6 +106,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, required=True, help="trained variants, reused by a rerun")
     parser.add_argument("--out", type=Path, required=True, help="this run's reports")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="the MLP variants' seeds")
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--corpus", default="sotu", help="held out: never used to train the predictors")
     parser.add_argument("--window_tokens", type=int, default=2048)
@@ -117,16 +124,19 @@ def main() -> None:
     device, dtype = resolve_device(args.device, "auto")
     loaded = load_model(args.model, dtype=dtype, device=device)
     folders = {"mass": args.mass, "kvzip": args.kvzip}
+    runs = {name: [trained_name(name, seed) for seed in (args.seeds if VARIANTS[name].scorer == "mlp" else [0])]
+            for name in args.variants}  # fmt: skip
     trained = {}
-    for name in args.variants:
-        trained[name] = train(name, folders[VARIANTS[name].label], args.work, loaded, args.epochs)
-        print(f"trained {name}", flush=True)
+    for name, seeded in runs.items():
+        for run, seed in zip(seeded, args.seeds):
+            trained[run] = train(name, seed, folders[VARIANTS[name].label], args.work, loaded, args.epochs)
+            print(f"trained {run}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "ridge.json").write_text(json.dumps({n: t for n, t in trained.items() if "alpha" in t}, indent=1))
     learned = []
-    for name in args.variants:
-        selector = LearnedSelector(predictor=args.work / name)
-        selector.name = name
+    for run in trained:
+        selector = LearnedSelector(predictor=args.work / run)
+        selector.name = run
         learned.append(selector)
     baselines = selectors_for_model(args.baselines, loaded.name)
     labels = {label: positions_of_positives(folder) for label, folder in folders.items()}
@@ -141,7 +151,7 @@ def main() -> None:
                                   batch_size=args.batch_size, model_name=loaded.name)
         report.write(args.out / "recall")
         parts += [f"## Recall on {args.windows} {args.corpus} windows of {args.window_tokens} tokens, last "
-                  f"{report.n_queries} queries\n", recall_table(report.mean_over_layers(), args), ""]
+                  f"{report.n_queries} queries\n", recall_table(report.mean_over_layers(), runs, args), ""]
     if args.tasks:
         results = evaluate_tasks(loaded, args.tasks, [args.task_tokens], [0.5], args.trials, [*baselines, *learned],
                                  args.task_budgets)
@@ -152,14 +162,20 @@ def main() -> None:
     print("\n".join(parts))
 
 
-def recall_table(means: dict, args) -> str:
-    rows = [*args.variants, *args.baselines, ORACLE_CEILING, WINDOW_CEILING]
-    lines = ["| variant | label | scorer | inputs | " + " | ".join(f"k={b}" for b in args.budgets) + " |",
-             "|---" * (4 + len(args.budgets)) + "|"]
-    for name in rows:
+def recall_table(means: dict, runs: dict[str, list[str]], args) -> str:
+    """A row per variant (mean ± std over its seeds' runs), then the baselines and ceilings."""
+    rows = {**runs, **{name: [name] for name in [*args.baselines, ORACLE_CEILING, WINDOW_CEILING]}}
+    lines = ["| variant | label | scorer | inputs | seeds | " + " | ".join(f"k={b}" for b in args.budgets) + " |",
+             "|---" * (5 + len(args.budgets)) + "|"]
+    for name, seeded in rows.items():
         v = VARIANTS.get(name, Variant("", "", ""))
-        cells = [f"{means[name, b]:.3f}" for b in args.budgets]
-        lines.append(f"| {name} | {v.label} | {v.scorer} | {v.inputs} | " + " | ".join(cells) + " |")
+        cells = []
+        for b in args.budgets:
+            values = [means[run, b] for run in seeded]
+            spread = f" ± {statistics.stdev(values):.3f}" if len(values) > 1 else ""
+            cells.append(f"{statistics.fmean(values):.3f}{spread}")
+        seeds = len(seeded) if name in runs else ""
+        lines.append(f"| {name} | {v.label} | {v.scorer} | {v.inputs} | {seeds} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
