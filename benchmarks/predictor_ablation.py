@@ -124,11 +124,13 @@ def main() -> None:
     device, dtype = resolve_device(args.device, "auto")
     loaded = load_model(args.model, dtype=dtype, device=device)
     folders = {"mass": args.mass, "kvzip": args.kvzip}
-    runs = {name: [trained_name(name, seed) for seed in (args.seeds if VARIANTS[name].scorer == "mlp" else [0])]
-            for name in args.variants}  # fmt: skip
+    runs = {}  # variant -> {run name: seed}; the ridge, closed form, once
+    for name in args.variants:
+        seeds = args.seeds if VARIANTS[name].scorer == "mlp" else [0]
+        runs[name] = {trained_name(name, seed): seed for seed in seeds}
     trained = {}
     for name, seeded in runs.items():
-        for run, seed in zip(seeded, args.seeds):
+        for run, seed in seeded.items():
             trained[run] = train(name, seed, folders[VARIANTS[name].label], args.work, loaded, args.epochs)
             print(f"trained {run}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -162,7 +164,7 @@ def main() -> None:
     print("\n".join(parts))
 
 
-def recall_table(means: dict, runs: dict[str, list[str]], args) -> str:
+def recall_table(means: dict, runs: dict[str, dict[str, int]], args) -> str:
     """A row per variant (mean ± std over its seeds' runs), then the baselines and ceilings."""
     rows = {**runs, **{name: [name] for name in [*args.baselines, ORACLE_CEILING, WINDOW_CEILING]}}
     lines = ["| variant | label | scorer | inputs | seeds | " + " | ".join(f"k={b}" for b in args.budgets) + " |",

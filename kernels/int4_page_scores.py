@@ -122,13 +122,14 @@ def int4_page_scores_triton(query: torch.Tensor, codes: torch.Tensor, scale: tor
     block_p = max(1, 16 // block_t, min(128, 8192 // block_h) // block_t)
     grid = (b * hkv, triton.cdiv(pages, block_p))
     mask = candidates.view(torch.uint8)  # bool, read as bytes
+    magic, offset = _MAGIC.get(query.dtype, (0, 0.0))
     _int4_kernel[grid](
         query, codes, scale, mask, out, hkv, tokens, pages, page_size, d // 2,
         *query.stride(), *codes.stride(), *scale.stride(), *mask.stride(), *out.stride(),
         GROUP=hq // hkv, BLOCK_P=block_p, BLOCK_T=block_t, BLOCK_H=block_h,
         BLOCK_G=max(16, triton.next_power_of_2(hq // hkv)),
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", MAGIC=_MAGIC.get(query.dtype, (0, 0.0))[0],
-        OFFSET=_MAGIC.get(query.dtype, (0, 0.0))[1], **dependent_launch(query, grid),
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", MAGIC=magic, OFFSET=offset,
+        **dependent_launch(query, grid),
     )  # fmt: skip
     return out
 

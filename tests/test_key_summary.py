@@ -70,7 +70,8 @@ def test_the_int4_page_score_kernel_matches_its_reference(head_dim, group, page_
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     some = torch.nn.functional.pad(candidates, (0, 5)).unflatten(-1, (7, page_size)).any(-1)
     assert torch.equal(got.isfinite(), some) and not some[0, 0, 1]  # -inf exactly where a page has none
-    logits = dequantize_int4(codes, scale)[0, 1, :page_size] @ query[0, hkv * group - group :].float().T  # page 0, head 1
+    head = query[0, hkv * group - group :].float()  # page 0 of KV head 1: its group's queries
+    logits = dequantize_int4(codes, scale)[0, 1, :page_size] @ head.T
     torch.testing.assert_close(want[0, 1, 0], logits[candidates[0, 1, :page_size]].max(), rtol=1e-5, atol=1e-5)
 
 

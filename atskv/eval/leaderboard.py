@@ -514,9 +514,10 @@ def _points(summary: Summary, seeds: int) -> str:
 def markdown(summaries: Sequence[Summary], grid: Grid, model: str, by_task: Sequence[str] = ()) -> str:
     """A table per context: rows methods, columns `dense` (the dense run of the row's own
     environment: atskv's, or kvpress's full-KV run for its presses) and the ratios, the top score of
-    each ratio in bold where two rows or more have one (every row that ties it as printed). `by_task`: rows (say, those near dense)
-    that also get a table per context of their score on each task at the grid's three highest
-    ratios, where the rows a mean cannot rank are told apart (or are not)."""
+    each ratio in bold where two rows or more have one (every row that ties it as printed).
+    `by_task`: rows (say, those near dense) that also get a table per context of their score on
+    each task at the grid's three highest ratios, where the rows a mean cannot rank are told apart
+    (or are not)."""
     at = {(s.context, s.method, s.ratio): s for s in summaries}
     rows = [DENSE, *grid.methods]
     tables = []
@@ -533,11 +534,9 @@ def markdown(summaries: Sequence[Summary], grid: Grid, model: str, by_task: Sequ
         for method in rows:
             dense = at.get((context, KVPRESS_DENSE if method.startswith(KVPRESS) else DENSE, None))
             scored = [None if method == DENSE else at.get((context, method, r)) for r in grid.ratios]
-            cells = [
-                "" if s is None else (f"**{_points(s, len(grid.seeds))}**" if round(100 * s.mean, 1) == top[r]
-                                      else _points(s, len(grid.seeds)))
-                for s, r in zip(scored, grid.ratios)
-            ]  # fmt: skip
+            texts = ["" if s is None else _points(s, len(grid.seeds)) for s in scored]
+            cells = [f"**{t}**" if s is not None and round(100 * s.mean, 1) == top[r] else t
+                     for t, s, r in zip(texts, scored, grid.ratios)]  # fmt: skip
             dense_points = _points(dense, len(grid.seeds)) if dense else ""
             lines.append(f"| {method} | {dense_points} | " + " | ".join(cells) + " |")
         tables.append("\n".join(lines))
@@ -637,14 +636,15 @@ def _notes(settings: dict, grid: Grid, skipped: str | None) -> str:
 def write(
     cells: Sequence[Cell], out: Path, grid: Grid, model: str, notes: str, settings: dict
 ) -> dict[str, Path]:
-    """leaderboard.md (a table per context, then the rows near dense per task, then the notes), leaderboard.json (settings, grid,
-    every cell, the summaries), leaderboard.png (every row) and leaderboard-top.png (the rows near
-    dense, `near_dense`, on a fitted axis) under `out`."""
+    """leaderboard.md (a table per context, then the rows near dense per task, then the notes),
+    leaderboard.json (settings, grid, every cell, the summaries), leaderboard.png (every row) and
+    leaderboard-top.png (the rows near dense, `near_dense`, on a fitted axis) under `out`."""
     summaries = summarize(cells, grid.tasks)
     close = near_dense(summaries, grid)
     data = {"settings": settings, "grid": asdict(grid), "notes": notes, "summaries": summaries, "cells": list(cells)}
     paths = write_report(
-        out, markdown(summaries, grid, model, close), data, json_name="leaderboard.json", markdown_name="leaderboard.md",
+        out, markdown(summaries, grid, model, close), data, json_name="leaderboard.json",
+        markdown_name="leaderboard.md",
         notes=notes, plot=lambda path: plot(summaries, grid, model, path), png_name="leaderboard.png",
     )  # fmt: skip
     if close:

@@ -40,8 +40,8 @@ class HostRetrieval:
     the GPU keeps `cache` times as many pages as a step reads (>= 1: the pages read last step are
     always kept), so a page asked for again is not fetched again. `summary`: what ranks the pages on
     the GPU, a key of `KEY_SUMMARIES` (see `atskv.memory.key_summary`): int4 keys by default, which
-    find needles that 16-token page bounds lose, for 0.55 ms more a step at the 8B shape, 32K, B=1
-    (docs/results.md, "The host tier on the fast path")."""
+    find needles that 16-token page bounds lose, for 0.55 ms more a step at the 8B shape, 32K, B=1,
+    with its kernel before it unpacked by bits (docs/results.md, "The host tier on the fast path")."""
 
     tokens: int | float = 1024
     page_size: int = 16
