@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import stat
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -262,7 +263,8 @@ def test_folders_computed_in_parallel_merge_into_one_report(loaded, calls, tmp_p
         run_leaderboard(loaded, tmp_path / f"seed{seed}", check_grid(**PLAN, seeds=[seed], examples=2), **RUN)
     whole = run_leaderboard(loaded, tmp_path / "whole", check_grid(**PLAN, seeds=[0, 1], examples=2), **RUN)
     calls.clear()
-    merged = leaderboard.merge_folders(tmp_path / "merged", [tmp_path / "seed0", tmp_path / "seed1", tmp_path / "seed1"])
+    seeds = [tmp_path / "seed0", tmp_path / "seed1", tmp_path / "seed1"]
+    merged = leaderboard.merge_folders(tmp_path / "merged", seeds)
     assert calls == []
     assert len(json.loads(merged["json"].read_text())["cells"]) == 2 * CELLS_PER_SEED
     assert merged["markdown"].read_text() == whole["markdown"].read_text()
@@ -300,6 +302,12 @@ def test_a_run_with_other_selector_options_joins_the_report_as_labelled_rows(loa
     data = json.loads(again["json"].read_text())
     assert data["grid"]["methods"] == ["streaming_llm", "streaming_llm (one sink)", "streaming_llm (two sinks)"]
     assert set(data["settings"]["variants"]) == {"one sink", "two sinks"}
+    # a later run under a label the merged folder records joins it when its options agree, else it is refused
+    joined = leaderboard.merge_folders(tmp_path / "joined", [tmp_path / "merged"], {"one sink": tmp_path / "sink1"})
+    one_sink = {"one sink": {"selector_options": {"streaming_llm": {"sinks": "1"}}}}
+    assert json.loads(joined["json"].read_text())["settings"]["variants"] == one_sink
+    with pytest.raises(InputError, match="'one sink'.* selector_options of streaming_llm"):
+        leaderboard.merge_folders(tmp_path / "clash", [tmp_path / "merged"], {"one sink": tmp_path / "sink2"})
     for sources in ([tmp_path / "main", tmp_path / "merged"], [tmp_path / "merged", tmp_path / "main"]):  # any order
         assert leaderboard.merge_folders(tmp_path / f"mixed-{sources[0].name}", sources)["json"].is_file()
     other = tmp_path / "deeper"
@@ -319,7 +327,8 @@ def test_the_top_plot_holds_the_rows_near_their_own_dense():
         return leaderboard.Summary(4096, method, ratio, (0,), (mean,), mean, 0.0, {"qa": mean})
 
     summaries = [at("dense", None, 0.5), at("kvpress:none", None, 0.3), at("close", 0.5, 0.5), at("close", 0.9, 0.46),
-                 at("far", 0.5, 0.46), at("far", 0.9, 0.46), at("kvpress:p", 0.5, 0.29), at("kvpress:p", 0.9, 0.29)]  # fmt: skip
+                 at("far", 0.5, 0.46), at("far", 0.9, 0.46),
+                 at("kvpress:p", 0.5, 0.29), at("kvpress:p", 0.9, 0.29)]  # fmt: skip
     assert leaderboard.near_dense(summaries, grid) == ["close", "kvpress:p"]
 
 
@@ -340,3 +349,9 @@ def test_the_table_marks_each_ratios_top_and_breaks_the_rows_near_dense_down_by_
     at_task = lines[lines.index("### m, 4096 tokens, per task at ratios 0.5 / 0.9") :]
     assert at_task[2:6] == ["| method | a | b |", "|---|---|---|", "| dense | 100 | 0 |", "| x | 100 / 50 | 0 / 0 |"]
     assert at_task[6] == "| y | 0 / 25 | 100 / 0 |" and not any(line.startswith("| z") for line in at_task)
+    # a row over fewer seeds than the others at a ratio is not ranked, however high its one seed
+    lone = leaderboard.Summary(4096, "z", 0.9, (1,), (0.9,), 0.9, 0.0, {"a": 0.9, "b": 0.9})
+    two = [replace(s, seeds=(0, 1)) for s in summaries if s.ratio == 0.9]
+    two_seeds = Grid((4096,), (0.9,), ("x", "y", "z"), ("a", "b"), (0, 1))
+    lines = leaderboard.markdown([*two, lone], two_seeds, "m").splitlines()
+    assert "| x |  | **25.0 ± 0.0** |" in lines and "| z |  | 90.0 (1 of 2 seeds) |" in lines

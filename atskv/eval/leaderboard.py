@@ -413,6 +413,25 @@ def _as_setting(options: Mapping) -> dict[str, str]:
     return {k: str(v) for k, v in options.items()}
 
 
+def _join_variant(label: str, known: Mapping, new: Mapping) -> dict:
+    """A label a merged source already has may gain rows from a later run (some of its selectors at
+    a new context, say): the run's selector options join the label's selector by selector; an
+    option that differs is refused, so one label keeps meaning one setting."""
+    if not known:
+        return dict(new)
+    keys = (set(known) | set(new)) - {"selector_options"}
+    clashes = [key for key in sorted(keys) if known.get(key) != new.get(key)]
+    selectors = dict(known.get("selector_options", {}))
+    for selector, options in new.get("selector_options", {}).items():
+        if selectors.setdefault(selector, options) != options:
+            clashes.append(f"selector_options of {selector}")
+    if clashes:
+        raise InputError(
+            f"variant {label!r}: the run differs from what the merged source records under it in {', '.join(clashes)}"
+        )
+    return {**known, **({"selector_options": selectors} if selectors else {})}
+
+
 def merge_folders(
     out: str | Path, sources: Sequence[str | Path], variants: Mapping[str, str | Path] | None = None
 ) -> dict[str, Path]:
@@ -438,7 +457,8 @@ def merge_folders(
         theirs = json.loads((folder / "settings.json").read_text())
         varied[label] = {k: theirs[k] for k in VARIANT_SETTINGS if k in theirs}
         variant_stores[label] = CellStore(folder, {**base, **varied[label]})  # refuses any other change
-    varied = {**settings.get("variants", {}), **varied}  # a merged source's labels stay
+    known = settings.get("variants", {})  # a merged source's labels stay
+    varied = {**known, **{label: _join_variant(label, known.get(label, {}), ours) for label, ours in varied.items()}}
     merged = {**settings, **({"variants": varied} if varied else {})}
     store = CellStore(Path(out), merged)
     for source in sources:
@@ -514,7 +534,8 @@ def _points(summary: Summary, seeds: int) -> str:
 def markdown(summaries: Sequence[Summary], grid: Grid, model: str, by_task: Sequence[str] = ()) -> str:
     """A table per context: rows methods, columns `dense` (the dense run of the row's own
     environment: atskv's, or kvpress's full-KV run for its presses) and the ratios, the top score of
-    each ratio in bold where two rows or more have one (every row that ties it as printed).
+    each ratio in bold where two rows or more have one (every row that ties it as printed), ranking
+    only the rows over the most seeds there: a row of one seed does not top rows of three.
     `by_task`: rows (say, those near dense) that also get a table per context of their score on
     each task at the grid's three highest ratios, where the rows a mean cannot rank are told apart
     (or are not)."""
@@ -528,14 +549,16 @@ def markdown(summaries: Sequence[Summary], grid: Grid, model: str, by_task: Sequ
             "| method | dense | " + " | ".join(f"{r:g}" for r in grid.ratios) + " |",
             "|---" * (len(grid.ratios) + 2) + "|",
         ]
-        printed = {r: [round(100 * at[context, m, r].mean, 1) for m in grid.methods if (context, m, r) in at]
-                   for r in grid.ratios}  # fmt: skip
-        top = {r: max(p) if len(p) > 1 else None for r, p in printed.items()}  # a lone row tops nothing
+        ranked = {r: [at[k] for m in grid.methods if (k := (context, m, r)) in at] for r in grid.ratios}
+        ranked = {r: [s for s in rows_at if len(s.seeds) == max(len(s.seeds) for s in rows_at)]
+                  for r, rows_at in ranked.items()}  # fmt: skip
+        top = {r: max(round(100 * s.mean, 1) for s in rows_at) if len(rows_at) > 1 else None  # a lone row tops nothing
+               for r, rows_at in ranked.items()}  # fmt: skip
         for method in rows:
             dense = at.get((context, KVPRESS_DENSE if method.startswith(KVPRESS) else DENSE, None))
             scored = [None if method == DENSE else at.get((context, method, r)) for r in grid.ratios]
             texts = ["" if s is None else _points(s, len(grid.seeds)) for s in scored]
-            cells = [f"**{t}**" if s is not None and round(100 * s.mean, 1) == top[r] else t
+            cells = [f"**{t}**" if s in ranked[r] and round(100 * s.mean, 1) == top[r] else t
                      for t, s, r in zip(texts, scored, grid.ratios)]  # fmt: skip
             dense_points = _points(dense, len(grid.seeds)) if dense else ""
             lines.append(f"| {method} | {dense_points} | " + " | ".join(cells) + " |")
