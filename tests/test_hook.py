@@ -311,25 +311,30 @@ def test_nested_sessions_on_one_model_are_refused_and_the_outer_one_survives():
 
 def test_hidden_states_and_token_ids_reach_selectors_that_ask():
     """A selector with `needs_hidden` sees, in every managed layer and step, the attention module's
-    input (the normed layer input) of the new tokens and their ids; others see None."""
+    input (the normed layer input) of the new tokens and their ids; others see None. The session
+    holds the running layer's input alone (every layer's would keep a prompt chunk's activations
+    alive through the forward)."""
     from atskv.selectors import SELECTORS
 
-    seen = []
+    seen, held, running = [], [], {}
 
     class Reading(SELECTORS["h2o"]):
         needs_hidden = True
 
         def scores(self, view):
             seen.append((view.layer_idx, view.hidden.clone(), view.token_ids.clone()))
+            held.append((view.layer_idx, set(running["session"].hidden)))
             return super().scores(view)
 
     model = tiny_model("llama")
     ids = random_prompt(16, seed=2, batch=2)
     # every token kept, so the run's hidden states are the dense model's
     with atskv.sparse(model, Reading(), budget=EVERY_TOKEN, dense_layers=1) as session, torch.no_grad():
+        running["session"] = session
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, min_new_tokens=3,
                              do_sample=False, pad_token_id=0)
     assert not session.hidden, "captured states must not outlive the session"
+    assert held and all(layers == {layer} for layer, layers in held)
     assert not model.model.layers[1].self_attn._forward_pre_hooks, "hooks must be removed"
     with torch.no_grad():
         states = model(out, output_hidden_states=True).hidden_states  # layer inputs, before the norm

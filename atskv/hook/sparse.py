@@ -65,7 +65,7 @@ class SparseSession:
             i for i, kind in enumerate(layer_types) if kind == "full_attention" and i >= config.dense_layers
         )
         self.cache: SparseKVCache | None = None
-        # what the step's forward saw, for selectors that set `needs_hidden` (filled by `attach`)
+        # the running layer's attention input, for selectors that set `needs_hidden` (filled by `attach`)
         self.hidden: dict[int, torch.Tensor] = {}
         self.token_ids: torch.Tensor | None = None
 
@@ -246,6 +246,9 @@ def attach(model, session: SparseSession) -> Iterator[SparseSession]:
 
     @torch.compiler.disable
     def keep_hidden(module, args, kwargs):  # the attention module's input: what a learned selector reads
+        # the running layer's alone: every layer's would keep a prompt chunk's normed inputs alive
+        # for the whole forward (the 8B shape, chunks of 8K: 30 x 64 MiB a row)
+        session.hidden.clear()
         session.hidden[module.layer_idx] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
 
     @functools.wraps(original_generate)
