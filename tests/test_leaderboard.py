@@ -306,8 +306,9 @@ def test_a_run_with_other_selector_options_joins_the_report_as_labelled_rows(loa
     joined = leaderboard.merge_folders(tmp_path / "joined", [tmp_path / "merged"], {"one sink": tmp_path / "sink1"})
     one_sink = {"one sink": {"selector_options": {"streaming_llm": {"sinks": "1"}}}}
     assert json.loads(joined["json"].read_text())["settings"]["variants"] == one_sink
-    with pytest.raises(InputError, match="'one sink'.* selector_options of streaming_llm"):
-        leaderboard.merge_folders(tmp_path / "clash", [tmp_path / "merged"], {"one sink": tmp_path / "sink2"})
+    for other in ("sink2", "main"):  # two sinks, or the default four, under the one-sink label
+        with pytest.raises(InputError, match="'one sink'.* selector_options of streaming_llm"):
+            leaderboard.merge_folders(tmp_path / other / "out", [tmp_path / "merged"], {"one sink": tmp_path / other})
     for sources in ([tmp_path / "main", tmp_path / "merged"], [tmp_path / "merged", tmp_path / "main"]):  # any order
         assert leaderboard.merge_folders(tmp_path / f"mixed-{sources[0].name}", sources)["json"].is_file()
     other = tmp_path / "deeper"

@@ -413,23 +413,31 @@ def _as_setting(options: Mapping) -> dict[str, str]:
     return {k: str(v) for k, v in options.items()}
 
 
-def _join_variant(label: str, known: Mapping, new: Mapping) -> dict:
+def _join_variant(label: str, known: Mapping, new: Mapping, ran: set[str]) -> dict:
     """A label a merged source already has may gain rows from a later run (some of its selectors at
-    a new context, say): the run's selector options join the label's selector by selector; an
-    option that differs is refused, so one label keeps meaning one setting."""
+    a new context, say). Each selector the run has rows of (`ran`) must have run with the label's
+    options for it (none where the label has none) or be new to the label, whose options then join
+    it; other settings must be the label's. A mismatch is refused: one label keeps one setting."""
     if not known:
         return dict(new)
     keys = (set(known) | set(new)) - {"selector_options"}
     clashes = [key for key in sorted(keys) if known.get(key) != new.get(key)]
-    selectors = dict(known.get("selector_options", {}))
-    for selector, options in new.get("selector_options", {}).items():
-        if selectors.setdefault(selector, options) != options:
+    ours, theirs = dict(known.get("selector_options", {})), new.get("selector_options", {})
+    for selector in sorted(ran):
+        if selector in ours and ours[selector] != theirs.get(selector):
             clashes.append(f"selector_options of {selector}")
+        elif selector in theirs:
+            ours[selector] = theirs[selector]
     if clashes:
         raise InputError(
             f"variant {label!r}: the run differs from what the merged source records under it in {', '.join(clashes)}"
         )
-    return {**known, **({"selector_options": selectors} if selectors else {})}
+    return {**known, **({"selector_options": ours} if ours else {})}
+
+
+def _joins_as_variant(method: str) -> bool:
+    """A variant folder's atskv rows join the merge; its dense and kvpress cells are the sources'."""
+    return method not in (DENSE, KVPRESS_DENSE) and not method.startswith(KVPRESS)
 
 
 def merge_folders(
@@ -458,7 +466,10 @@ def merge_folders(
         varied[label] = {k: theirs[k] for k in VARIANT_SETTINGS if k in theirs}
         variant_stores[label] = CellStore(folder, {**base, **varied[label]})  # refuses any other change
     known = settings.get("variants", {})  # a merged source's labels stay
-    varied = {**known, **{label: _join_variant(label, known.get(label, {}), ours) for label, ours in varied.items()}}
+    for label, ours in varied.items():
+        ran = {selector_of(c.method) for c in variant_stores[label].cells.values() if _joins_as_variant(c.method)}
+        varied[label] = _join_variant(label, known.get(label, {}), ours, ran)
+    varied = {**known, **varied}
     merged = {**settings, **({"variants": varied} if varied else {})}
     store = CellStore(Path(out), merged)
     for source in sources:
@@ -467,7 +478,7 @@ def merge_folders(
                 store.add(cell)
     for label, variant in variant_stores.items():
         for cell in variant.cells.values():
-            if cell.method not in (DENSE, KVPRESS_DENSE) and not cell.method.startswith(KVPRESS):
+            if _joins_as_variant(cell.method):
                 if (renamed := replace(cell, method=f"{cell.method} ({label})")).key not in store:
                     store.add(renamed)
     cells = list(store.cells.values())
