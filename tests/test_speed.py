@@ -30,6 +30,22 @@ def test_decode_speed_records_every_method_against_plain(tmp_path):
     assert "| tiny | 96 | 2 | snapkv+quest | 16 | selector 'snapkv+quest' has no fast decode path" in table.read_text()
     saved = json.loads((tmp_path / "speed.json").read_text())
     assert len(saved["records"]) == 16 and (tmp_path / "speed.png").stat().st_size > 0
+    assert "| GPU peak GiB above weights | of which while decoding | host GiB | prefill s |" in table.read_text()
+
+
+@pytest.mark.gpu
+def test_the_decode_phase_peak_is_read_apart_from_the_prefill_peak():
+    """On a GPU the allocator's peak is split at the first new token: the decode phase's is at most
+    the whole run's, a prompt's transients (its activations) show in the whole peak only, and an
+    evicting selector decodes in less than plain's full cache (SmolLM2's shape: 180 MiB of KV)."""
+    model = speed.shape_model("smollm2-135m-shape")
+    run = speed.DecodeRun(0.05, new_tokens=4, prefill_chunk=1024)
+    records = speed.measure(model, "smollm2-135m-shape", ("plain", "snapkv"), [4096], [2], run)
+    for r in records:
+        assert r.ms_per_step is not None, r.error
+        assert 0 < r.decode_gib <= r.peak_gib
+    plain, snapkv = records
+    assert plain.decode_gib < plain.peak_gib and snapkv.decode_gib < plain.decode_gib
 
 
 def test_ragged_batches_pad_each_row_more_and_every_method_gets_the_mask(monkeypatch):

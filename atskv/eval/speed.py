@@ -7,8 +7,9 @@ in pinned host memory, the best parked pages read back each step.
 
 Per method and shape: ms per decode step (the median interval between tokens after the first,
 read by a streamer that synchronises the device once per token, in both loops), tokens/s over
-the batch, the allocator's peak above the weights (prefill included) and the pinned host memory
-it took. `largest_batches` finds, per method, the largest batch (doubling) that runs in a fixed
+the batch, the allocator's peak above the weights (prefill included), its peak while decoding
+(from the first new token on: what serving the batch holds, the prefill's transients gone) and
+the pinned host memory it took. `largest_batches` finds, per method, the largest batch (doubling) that runs in a fixed
 GPU memory: the weights plus a stated KV allowance, enforced through the allocator's limit.
 Speed needs a model's shape, not its weights, so `shape_model` builds 8B-class models from their published configs
 with random weights straight on the GPU; quality comes from the real models elsewhere.
@@ -109,6 +110,7 @@ class SpeedRecord:
     error: str = ""
     host_gib: float | None = None  # pinned host memory the run took (a tier's store)
     gpu_limit_gib: float | None = None  # `largest_batches`: the KV allowance above the weights
+    decode_gib: float | None = None  # allocator peak above the weights from the first new token on
 
 
 def shape_model(name: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
@@ -141,8 +143,8 @@ def random_predictor(model, dense_layers: int, folder: Path) -> Path:
     managed = managed_layers(model, dense_layers)
     spec = FeatureSpec(text.hidden_size, SCALAR_FEATURES, len(managed), text.num_key_value_heads)
     types = torch.zeros(text.vocab_size, dtype=torch.int8)
-    export_predictor(RelevanceMLP(spec).eval(), types, folder, base_model="random", geometry=model_geometry(model.config),
-                     managed_layers=managed, overwrite=True)  # fmt: skip
+    export_predictor(RelevanceMLP(spec).eval(), types, folder, base_model="random",
+                     geometry=model_geometry(model.config), managed_layers=managed, overwrite=True)  # fmt: skip
     return folder
 
 
@@ -185,9 +187,26 @@ def ragged_mask(batch: int, context: int, padding: float, device=None) -> torch.
     return (torch.arange(context).unsqueeze(0) >= torch.tensor(pads).unsqueeze(1)).long().to(device)
 
 
-def run_method(model, method: str, ids: torch.Tensor, run: DecodeRun) -> tuple[float, float]:
-    """One timed generation; returns (ms per step, prefill seconds)."""
-    clock = TokenClock(ids.device)
+class PhaseClock(TokenClock):
+    """A `TokenClock` that splits the allocator's peak at the first new token: the peak so far
+    (prefill included) is kept in `prefill_peak` and the peak restarted, so the allocator's peak
+    at the end is the decode phase's alone. CUDA only (elsewhere it only times)."""
+
+    prefill_peak: int = 0
+
+    def put(self, value) -> None:
+        super().put(value)
+        if len(self.times) == 2 and self.device.type == "cuda":
+            self.prefill_peak = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+
+def run_method(
+    model, method: str, ids: torch.Tensor, run: DecodeRun, clock: PhaseClock | None = None
+) -> tuple[float, float]:
+    """One timed generation (through `clock`, a new one by default); returns (ms per step,
+    prefill seconds)."""
+    clock = clock or PhaseClock(ids.device)
     plain = dict(max_new_tokens=run.new_tokens, min_new_tokens=run.new_tokens, do_sample=False, streamer=clock,
                  attention_mask=ragged_mask(*ids.shape, run.padding, ids.device))  # fmt: skip
     start = time.perf_counter()
@@ -264,11 +283,14 @@ def _timed(model, model_name: str, method: str, context: int, batch: int, run: D
     reset_peak_pinned()
     budget = None if method in (PLAIN, PLAIN_STATIC, "dense") else run.budget
     record = SpeedRecord(model_name, method, batch, context, budget, None, None, None, None)
+    clock = PhaseClock(device)
     try:
-        record.ms_per_step, record.prefill_s = run_method(model, method, ids, run)
+        record.ms_per_step, record.prefill_s = run_method(model, method, ids, run, clock)
         record.tokens_per_s = batch * 1000 / record.ms_per_step
         if cuda:
-            record.peak_gib = (torch.cuda.max_memory_allocated(device) - weights) / 2**30
+            decoding = torch.cuda.max_memory_allocated(device)
+            record.peak_gib = (max(clock.prefill_peak, decoding) - weights) / 2**30
+            record.decode_gib = (decoding - weights) / 2**30
             record.host_gib = pinned_peak() / 2**30
     except torch.OutOfMemoryError as error:
         record.error = "out of memory: " + str(error).split("\n")[0][:120]
@@ -294,8 +316,8 @@ def write(records: list[SpeedRecord], out: Path, meta: dict) -> Path:
         "ratio = ms/step over plain transformers' in the same run (< 1 is faster)",
         "",
         "| model | context | batch | method | budget | ms/step | tokens/s | ratio | GPU peak GiB above weights | "
-        "host GiB | prefill s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "of which while decoding | host GiB | prefill s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     rows = [_row(r) for r in records]
     paths = write_report(out, "\n".join(header + rows), {"meta": meta, "records": records}, json_name="speed.json",
@@ -307,10 +329,10 @@ def _row(r: SpeedRecord) -> str:
     batch = f"{r.batch} (largest in {r.gpu_limit_gib:g} GiB)" if r.gpu_limit_gib is not None else r.batch
     first = f"| {r.model} | {r.context} | {batch} | {r.method} | {r.budget or ''} |"
     if r.ms_per_step is None:
-        return f"{first} {r.error} | | | | | |"
+        return f"{first} {r.error} | | | | | | |"
     ratio = "" if r.ratio is None else f"{r.ratio:.2f}"
     return (f"{first} {r.ms_per_step:.2f} | {r.tokens_per_s:.0f} | {ratio} | {r.peak_gib or 0:.1f} | "
-            f"{r.host_gib or 0:.1f} | {r.prefill_s:.1f} |")  # fmt: skip
+            f"{r.decode_gib or 0:.1f} | {r.host_gib or 0:.1f} | {r.prefill_s:.1f} |")  # fmt: skip
 
 
 def _plot(records: list[SpeedRecord], path: Path) -> None:
