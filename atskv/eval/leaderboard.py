@@ -560,9 +560,11 @@ def markdown(summaries: Sequence[Summary], grid: Grid, model: str, by_task: Sequ
             "| method | dense | " + " | ".join(f"{r:g}" for r in grid.ratios) + " |",
             "|---" * (len(grid.ratios) + 2) + "|",
         ]
-        ranked = {r: [at[k] for m in grid.methods if (k := (context, m, r)) in at] for r in grid.ratios}
-        ranked = {r: [s for s in rows_at if len(s.seeds) == max(len(s.seeds) for s in rows_at)]
-                  for r, rows_at in ranked.items()}  # fmt: skip
+        ranked = {}
+        for r in grid.ratios:
+            rows_at = [at[k] for m in grid.methods if (k := (context, m, r)) in at]
+            most = max((len(s.seeds) for s in rows_at), default=0)
+            ranked[r] = [s for s in rows_at if len(s.seeds) == most]
         top = {r: max(round(100 * s.mean, 1) for s in rows_at) if len(rows_at) > 1 else None  # a lone row tops nothing
                for r, rows_at in ranked.items()}  # fmt: skip
         for method in rows:

@@ -201,12 +201,8 @@ class PhaseClock(TokenClock):
             torch.cuda.reset_peak_memory_stats(self.device)
 
 
-def run_method(
-    model, method: str, ids: torch.Tensor, run: DecodeRun, clock: PhaseClock | None = None
-) -> tuple[float, float]:
-    """One timed generation (through `clock`, a new one by default); returns (ms per step,
-    prefill seconds)."""
-    clock = clock or PhaseClock(ids.device)
+def run_method(model, method: str, ids: torch.Tensor, run: DecodeRun, clock: PhaseClock) -> tuple[float, float]:
+    """One timed generation through `clock`; returns (ms per step, prefill seconds)."""
     plain = dict(max_new_tokens=run.new_tokens, min_new_tokens=run.new_tokens, do_sample=False, streamer=clock,
                  attention_mask=ragged_mask(*ids.shape, run.padding, ids.device))  # fmt: skip
     start = time.perf_counter()
