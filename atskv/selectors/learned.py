@@ -216,14 +216,17 @@ class LearnedSelector(Selector):
         fresh = (slots.kind == 0) & (view.slot_pos >= 0)
         if view.hidden is None or not bool(fresh.any()):
             return
-        tq = view.hidden.shape[1]
+        batch, tq = view.hidden.shape[:2]
         offset = (view.slot_pos - (layer.seen - tq)).clamp(min=0, max=tq - 1)  # [B, Hkv, S]: row of view.hidden
         rows = fresh.nonzero(as_tuple=True)
-        hidden = view.hidden[rows[0], offset[rows]]  # [n, d_model]
+        tokens = (rows[0], offset[rows])  # each fresh slot's batch row and chunk position
+        # once per token, then spread over the KV heads: gathering the hidden states per slot first
+        # held Hkv copies of the chunk's hidden states in float32 (~3.5 GiB at the 8B shape, 8K chunks)
         with torch.no_grad():
-            slots.projected[rows] = mlp.project_hidden(hidden).to(_PROJECTED_DTYPE)
-        slots.hidden_norm[rows] = hidden.float().norm(dim=-1)
-        ids = view.token_ids[rows[0], offset[rows]] if view.token_ids is not None else None
+            projected = mlp.project_hidden(view.hidden.flatten(0, 1)).view(batch, tq, -1)
+        slots.projected[rows] = projected[tokens].to(_PROJECTED_DTYPE)
+        slots.hidden_norm[rows] = torch.linalg.vector_norm(view.hidden, dim=-1, dtype=torch.float32)[tokens]
+        ids = view.token_ids[tokens] if view.token_ids is not None else None
         types = self.predictor.token_types.to(view.keys.device)
         other = float(len(self.predictor.header.feature_spec.token_types) - 1)  # no ids: inputs_embeds
         slots.kind[rows] = (types[ids].float() if ids is not None else other) + 1
