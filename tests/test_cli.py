@@ -58,6 +58,8 @@ def no_model_loading(monkeypatch):
         (["generate", "hi", "--predictor", "p"], "need a --selector"),
         (["eval", "heldout", "--selector_options", "{threshold: 0.0}"], "selector 'h2o' has no option 'threshold'"),
         (["eval", "heldout", "--predictor", "p"], "select `learned` too"),
+        (["eval", "heldout", "--supervised", "[/no/such]"], "--supervised /no/such: no exported predictor there"),
+        (["eval", "heldout", "--finetuned", "/no/such"], "--finetuned /no/such: no fine-tuned predictors"),
         (["eval", "peer", "--kvpress_python", sys.executable, "--selector_options", "{bogus: 1}"],
          "selector 'snapkv' has no option 'bogus'"),
         (["eval", "peer", "--kvpress_python", sys.executable, "--our_selectors", "[learned]",

@@ -414,7 +414,7 @@ def test_evaluation_records_and_summary(tiny):
 def test_eval_heldout_runs_learned_among_the_baselines_with_the_given_predictor(tiny, tmp_path, caplog, capsys):
     """`eval heldout --predictor --selector_options` reach the learned baseline."""
     args = ["eval", "heldout", "--model", str(tiny / "tiny-llama"), "--supervised", f"[{tiny / 'supervised'}]",
-            "--finetuned", str(tmp_path / "none"), "--out", str(tmp_path / "out"), "--corpus", str(tiny / "corpus"),
+            "--out", str(tmp_path / "out"), "--corpus", str(tiny / "corpus"),
             "--windows", "1", "--context_tokens", "40", "--continuation_tokens", "4", "--tasks", "[]",
             "--budgets", "[0.25]", "--baselines", "[learned]", "--predictor", str(tiny / "supervised"),
             "--selector_options", "{learned: {refresh_every: 4}}", "--device", "cpu"]

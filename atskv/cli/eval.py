@@ -7,6 +7,7 @@ from pathlib import Path
 
 from atskv.cli.common import load, load_with_selectors, selector_help
 from atskv.data.tasks import TASKS
+from atskv.errors import InputError
 from atskv.eval.peer import KVPRESS_PRESSES
 from atskv.models import DEFAULT_MODEL, resolve_device
 
@@ -337,7 +338,7 @@ def leaderboard(
 def heldout(
     model: str = DEFAULT_MODEL,
     supervised: list[str] | None = None,
-    finetuned: Path = Path("runs/rl/predictors"),
+    finetuned: Path | None = None,
     out: Path = Path("results/rl"),
     corpus: str = "moby-dick",
     windows: int = 16,
@@ -363,7 +364,8 @@ def heldout(
         supervised: supervised predictors (exported folders or model names; several are seeds);
             default: MODEL's (the user's export, else the shipped one).
         finetuned: a folder of exported fine-tuned predictors named alpha<A>-seed<S> (A: the
-            alpha it was trained with, which its reward is computed at).
+            alpha it was trained with, which its reward is computed at; `benchmarks/rl_finetune.sh`
+            writes WORK/predictors); none: the supervised predictors and baselines alone.
         out: output folder.
         corpus: held-out text (not trained on).
         windows: corpus windows.
@@ -385,19 +387,20 @@ def heldout(
         device: cpu, cuda, or auto.
         dtype: float32, bfloat16, float16, or auto.
     """
-    from atskv.predictor.export import find_predictor, load_predictor
+    from atskv.predictor.export import load_predictor
     from atskv.rl.evaluate import heldout_records, write_report
     from atskv.rl.rollout import retrieved_tokens
 
-    retrieved_tokens(retrieve, 1)  # a bad value fails before the model loads
+    retrieved_tokens(retrieve, 1)  # bad values and paths fail before the model loads
+    paths = {f"supervised-seed{i}": _exported_predictor(s, "--supervised") for i, s in enumerate(supervised or [model])}
+    if finetuned is not None:
+        tuned = sorted(Path(finetuned).glob("alpha*-seed*"))
+        if not tuned:
+            raise InputError(f"--finetuned {finetuned}: no fine-tuned predictors (alpha<A>-seed<S> folders) there")
+        paths.update((folder.name, folder) for folder in tuned)
     lm, chosen = load_with_selectors(model, device, dtype, baselines, budgets, predictor, selector_options)
     device, _ = resolve_device(device, dtype)
-    runs = {}
-    for i, source in enumerate(supervised or [model]):
-        path = Path(source) if Path(source).exists() else find_predictor(source)
-        runs[f"supervised-seed{i}"] = load_predictor(path, lm.model, device)
-    for folder in sorted(Path(finetuned).glob("alpha*-seed*")):
-        runs[folder.name] = load_predictor(folder, lm.model, device)
+    runs = {name: load_predictor(path, lm.model, device) for name, path in paths.items()}
     records = heldout_records(
         lm, runs, corpus=corpus, windows=windows, context_tokens=context_tokens,
         continuation_tokens=continuation_tokens, tasks=tasks, task_examples=task_examples, budgets=budgets,
@@ -406,6 +409,17 @@ def heldout(
     table = write_report(records, out)
     print(table)
     return table
+
+
+def _exported_predictor(source: str, flag: str) -> Path:
+    """An exported predictor (its file or folder), or a model name's (`find_predictor`): refused
+    before the model loads when there is none."""
+    from atskv.predictor.export import find_predictor
+
+    path = Path(source).expanduser() if Path(source).expanduser().exists() else find_predictor(source)
+    if not (path.is_file() or (path / "predictor.safetensors").is_file()):
+        raise InputError(f"{flag} {source}: no exported predictor there; `atskv export` writes one")
+    return path
 
 
 selector_help(recall, ppl, tasks, peer, leaderboard, heldout)
