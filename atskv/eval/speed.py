@@ -9,7 +9,9 @@ Per method and shape: ms per decode step (the median interval between tokens aft
 read by a streamer that synchronises the device once per token, in both loops), tokens/s over
 the batch, the allocator's peak above the weights (prefill included), its peak while decoding
 (from the first new token on: what serving the batch holds, the prefill's transients gone) and
-the pinned host memory it took. `largest_batches` finds, per method, the largest batch (doubling) that runs in a fixed
+the pinned host memory it took, and the prefill's seconds. Each timed generation follows an untimed
+one of the prompt's last chunk, so the prefill excludes what a method pays once per process
+(compiles, first calls). `largest_batches` finds, per method, the largest batch (doubling) that runs in a fixed
 GPU memory: the weights plus a stated KV allowance, enforced through the allocator's limit.
 Speed needs a model's shape, not its weights, so `shape_model` builds 8B-class models from their published configs
 with random weights straight on the GPU; quality comes from the real models elsewhere.
@@ -202,26 +204,39 @@ class PhaseClock(TokenClock):
 
 
 def run_method(model, method: str, ids: torch.Tensor, run: DecodeRun, clock: PhaseClock) -> tuple[float, float]:
-    """One timed generation through `clock`; returns (ms per step, prefill seconds)."""
-    plain = dict(max_new_tokens=run.new_tokens, min_new_tokens=run.new_tokens, do_sample=False, streamer=clock,
-                 attention_mask=ragged_mask(*ids.shape, run.padding, ids.device))  # fmt: skip
-    start = time.perf_counter()
+    """One timed generation through `clock`, after an untimed one of the prompt's last chunk, so
+    that what a method pays once per process (Triton's compiles, cuBLAS's first calls, a random
+    predictor's export) is not counted as its prefill; returns (ms per step, prefill seconds)."""
     with torch.no_grad(), tempfile.TemporaryDirectory() as folder:
-        if method == PLAIN:
-            model.generate(ids, **plain)
-        elif method == PLAIN_STATIC:  # transformers' static cache, whose decode step it compiles (CUDA graphs)
-            model.generate(ids, **plain, cache_implementation="static")
-        elif method.startswith(HOOK):
-            with atskv.sparse(model, _selector(model, method, run, Path(folder)), run.budget,
-                              dense_layers=run.dense_layers):  # fmt: skip
-                model.generate(ids, **plain)
-        else:
-            tier = run.host_tier if method.startswith(TIERED) else None
-            atskv.generate(model, ids, _selector(model, method, run, Path(folder)), run.budget,
-                           max_new_tokens=run.new_tokens, attention_mask=plain["attention_mask"],
-                           dense_layers=run.dense_layers, prefill_chunk=run.prefill_chunk, streamer=clock,
-                           tier=tier, compile=run.compile)  # fmt: skip
+
+        def made():
+            return None if method in (PLAIN, PLAIN_STATIC) else _selector(model, method, run, Path(folder))
+
+        _generate(model, method, ids[:, -run.prefill_chunk :], replace(run, new_tokens=2), made(), None)
+        selector = made()
+        start = time.perf_counter()
+        _generate(model, method, ids, run, selector, clock)
     return 1000 * statistics.median(clock.decode_gaps()), clock.times[1] - start
+
+
+def _generate(model, method: str, ids: torch.Tensor, run: DecodeRun, selector, streamer) -> None:
+    """`method`'s generation of `run.new_tokens` greedy tokens after `ids`, the same attention mask
+    for every method (`ragged_mask`)."""
+    mask = ragged_mask(*ids.shape, run.padding, ids.device)
+    plain = dict(max_new_tokens=run.new_tokens, min_new_tokens=run.new_tokens, do_sample=False, streamer=streamer,
+                 attention_mask=mask)  # fmt: skip
+    if method == PLAIN:
+        model.generate(ids, **plain)
+    elif method == PLAIN_STATIC:  # transformers' static cache, whose decode step it compiles (CUDA graphs)
+        model.generate(ids, **plain, cache_implementation="static")
+    elif method.startswith(HOOK):
+        with atskv.sparse(model, selector, run.budget, dense_layers=run.dense_layers):
+            model.generate(ids, **plain)
+    else:
+        tier = run.host_tier if method.startswith(TIERED) else None
+        atskv.generate(model, ids, selector, run.budget, max_new_tokens=run.new_tokens, attention_mask=mask,
+                       dense_layers=run.dense_layers, prefill_chunk=run.prefill_chunk, streamer=streamer, tier=tier,
+                       compile=run.compile)  # fmt: skip
 
 
 def measure(model, model_name: str, methods: Sequence[str], contexts: Sequence[int], batches: Sequence[int],
