@@ -304,6 +304,31 @@ def test_finish_prompt_drops_padding_and_keeps_order():
     assert layer.write_slot.tolist() == [[6], [4]] and layer.context.tolist() == [6, 4]
 
 
+def test_a_token_tensor_is_held_once_per_token_until_the_heads_part_at_the_shrink():
+    """While the prompt is held every KV head's slot i holds token i: a `token_tensor` is one
+    `[B, 1, S, w]` copy through `finish_prompt` (padding dropped as for the keys), and `shrink`
+    gives each head its own copy of the tokens it kept."""
+    layer = StaticSlotLayer(capacity=8)
+    k = torch.zeros(2, 3, 6, 4)
+    layer.update(k, k)
+    state = layer.token_tensor("t", width=2)
+    assert state.shape == (2, 1, 8, 2)
+    state[..., :6, 0] = torch.arange(6.0)  # the token's own value: its position
+    layer.finish_prompt(torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]], dtype=torch.bool))
+    held = layer.slot_tensor("t", width=2)  # as held: still one copy
+    assert held.shape == (2, 1, 8, 2) and held[1, 0, :4, 0].tolist() == [2.0, 3.0, 4.0, 5.0]
+    drop = torch.zeros(2, 3, 8, dtype=torch.bool)
+    drop[:, 0, 0] = drop[:, 1, 1] = drop[:, 2, 2] = True  # each head evicts another token
+    layer.evict(drop)
+    layer.shrink(5)
+    held = layer.token_tensor("t", 2)
+    assert held.shape == (2, 3, 5, 2) and layer.slot_tensor("t", width=2).data_ptr() == held.data_ptr()
+    for b in range(2):
+        for h in range(3):
+            kept = layer.slot_pos[b, h] >= 0
+            assert held[b, h, kept, 0].tolist() == layer.slot_pos[b, h, kept].float().tolist()
+
+
 def test_a_window_layer_keeps_what_the_next_query_sees():
     layer = StaticSlotLayer(capacity=10, window=4)
     for start in (0, 6):

@@ -149,7 +149,8 @@ def test_a_window_share_outside_zero_to_one_or_a_window_the_fast_path_lacks_is_r
 def _state_by_position(layer, positions: int) -> torch.Tensor:
     """`[B, Hkv, positions, 4]`: each held token's hidden-state norm, kind, received attention and
     score, by position (NaN where not held): the two paths' slot layouts differ."""
-    state = torch.cat([layer.slot_tensor("learned_state")[..., -3:], layer.slot_tensor("learned_score")[..., None]], -1)
+    parts = layer.slot_tensor("learned_state")[..., -2:], layer.slot_tensor("learned_received")[..., None]
+    state = torch.cat([*parts, layer.slot_tensor("learned_score")[..., None]], -1)
     b, h, s = (layer.slot_pos[..., : state.shape[2]] >= 0).nonzero(as_tuple=True)
     out = torch.full((*state.shape[:2], positions, 4), float("nan"))
     out[b, h, layer.slot_pos[b, h, s]] = state[b, h, s]
@@ -189,6 +190,30 @@ def test_the_fast_path_gives_the_reference_tokens_and_state(predictor_dir, monke
         got, want = (_state_by_position(c.layers[i], fast.shape[1]) for c in (sessions[0].cache, reference.cache))
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, equal_nan=True)
         assert torch.isinf(want[..., -1]).any() and (want[..., 2] > 0).any()  # new tokens wait; mass was added
+
+
+def test_the_fast_path_holds_a_prompt_tokens_features_once_for_all_kv_heads(predictor_dir, monkeypatch):
+    """The prompt's projected hidden states, norms and types are the token's, not the KV head's:
+    held `[B, 1, S]` while every head holds the whole prompt, each head's own only for the slots it
+    keeps after the prompt's eviction (2 KV heads here; 8 at the Llama-3.1-8B shape)."""
+    from atskv.memory.static_cache import StaticSlotLayer
+
+    shapes, shrink = [], StaticSlotLayer.shrink
+
+    def spy(layer, capacity):
+        managed = "learned" in layer.state
+        before = layer.slot_tensor("learned_state").shape if managed else None
+        shrink(layer, capacity)
+        if managed:
+            shapes.append((before, layer.slot_tensor("learned_state").shape))
+
+    monkeypatch.setattr(StaticSlotLayer, "shrink", spy)
+    model = tiny_model("llama")
+    atskv.generate(model, random_prompt(100, seed=1), LearnedSelector(predictor=predictor_dir), 0.2,
+                   max_new_tokens=2, dense_layers=2, prefill_chunk=64)  # fmt: skip
+    assert len(shapes) == len(MANAGED)
+    for before, after in shapes:
+        assert before[:3] == (1, 1, 100) and after[:2] == (1, 2) and after[2] <= 25  # the budget's slots
 
 
 def test_a_predictor_for_another_model_or_layout_is_refused(predictor_dir):

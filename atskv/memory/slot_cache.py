@@ -107,6 +107,15 @@ class SlotLayer(CacheLayerMixin):
             self._slot_state[name] = (torch.full(shape, init, dtype=dtype, device=self.device), init)
         return self._slot_state[name][0][:, :, : self.length]
 
+    def token_tensor(
+        self, name: str, width: int, init: float = 0.0, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """A selector state that depends on the token alone (not on the KV head holding it):
+        `[B, h, S, width]` with h = 1 where every KV head's slot i holds the same token (a static
+        cache's prompt: `StaticSlotLayer`), else h = Hkv, a `slot_tensor`. Read it through a
+        broadcast over the KV heads."""
+        return self.slot_tensor(name, init, dtype, width)
+
     def evict(self, drop: torch.Tensor) -> None:
         """Free the slots where `drop` (`[B, Hkv, S]`) is True; compact once most slots are free."""
         self.slot_pos[..., : self.length].masked_fill_(drop, -1)

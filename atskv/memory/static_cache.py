@@ -88,6 +88,22 @@ class StaticSlotLayer(SlotLayer):
         if keep + incoming > self.capacity:
             raise ValueError(f"a prompt chunk of {incoming} tokens does not fit a window cache of {self.capacity}")
 
+    def token_tensor(
+        self, name: str, width: int, init: float = 0.0, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """During the prompt every KV head's slot i holds token i, so a state of the token alone is
+        held once, `[B, 1, S, width]` (the learned selector's features: 1 / Hkv of a per-slot copy
+        while the whole prompt is held); `finish_prompt` keeps it shared, `shrink` gives each head
+        its own copy of the slots it kept, and from then on it is a `slot_tensor`."""
+        heads = self.slot_pos.shape[1]
+        if name not in self._slot_state and not self.decoding:
+            b, _, cap = self.slot_pos.shape
+            self._slot_state[name] = (torch.full((b, 1, cap, width), init, dtype=dtype, device=self.device), init)
+        elif self.decoding and name in self._slot_state and self._slot_state[name][0].shape[1] < heads:
+            tensor, _ = self._slot_state[name]  # decoding without a shrink (nothing evicted): each head its copy
+            self._slot_state[name] = (tensor.expand(-1, heads, *tensor.shape[2:]).contiguous(), init)
+        return self.slot_tensor(name, init, dtype, width)
+
     def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Decode write of one token per (row, KV head) into `slots` `[B, Hkv, 1]`, at position
         `position - 1` (the step's counters already count it: `StaticKVCache.start_step`); the
@@ -112,7 +128,9 @@ class StaticSlotLayer(SlotLayer):
             t = getattr(self, name)
             setattr(self, name, t.gather(2, slot_index(order, t)))
         self.slot_pos = pos.gather(2, order).masked_fill(~held.gather(2, order), -1)
-        self._slot_state = {k: (t.gather(2, slot_index(order, t)), i) for k, (t, i) in self._slot_state.items()}
+        # a `token_tensor` stays shared: every head's order is the same while the heads hold the same tokens
+        self._slot_state = {k: (t.gather(2, slot_index(order[:, : t.shape[1]], t)), i)
+                            for k, (t, i) in self._slot_state.items()}  # fmt: skip
         count = held.sum(-1)  # [B, Hkv]
         self.position = torch.tensor([self.seen], device=self.device)
         self.context = (real.sum(-1) if real is not None else torch.full((b,), self.seen, device=self.device)).long()
@@ -128,7 +146,9 @@ class StaticSlotLayer(SlotLayer):
         self.keys = self.keys.gather(2, slot_index(order, self.keys)).contiguous()
         self.values = self.values.gather(2, slot_index(order, self.values)).contiguous()
         self.slot_pos = self.slot_pos.gather(2, order).contiguous()
-        self._slot_state = {k: (t.gather(2, slot_index(order, t)).contiguous(), i) for k, (t, i) in self._slot_state.items()}
+        heads = self.slot_pos.shape[1]  # a shared `token_tensor` becomes each head's own here: their slots part
+        self._slot_state = {k: (t.expand(-1, heads, *t.shape[2:]).gather(2, slot_index(order, t)).contiguous(), i)
+                            for k, (t, i) in self._slot_state.items()}  # fmt: skip
         self.capacity = self.length = capacity
         self.write_slot = first_free(self.slot_pos)
 
@@ -137,7 +157,8 @@ class StaticSlotLayer(SlotLayer):
         call after its prompt: buffers, slot state and counters concatenated along the batch."""
         for name in ("keys", "values", "slot_pos", "write_slot", "context"):
             setattr(self, name, torch.cat([getattr(r, name) for r in rows]))
-        self._slot_state = {k: (torch.cat([r._slot_state[k][0] for r in rows]), i) for k, (_, i) in self._slot_state.items()}
+        self._slot_state = {k: (torch.cat([r._slot_state[k][0] for r in rows]), i)
+                            for k, (_, i) in self._slot_state.items()}  # fmt: skip
 
     def evict(self, drop: torch.Tensor) -> None:
         """Free slots where `drop` is True; no compaction (shapes stay fixed)."""

@@ -41,12 +41,15 @@ from atskv.predictor.model import RelevanceMLP
 from atskv.selectors.base import LayerView, Selector, budget_tokens, check_view_fits
 from atskv.selectors.snapkv import check_window, window_votes
 
-# Per-slot state in two slot tensors, not five: the reference cache resets every slot tensor of a
+# Per-slot state in three slot tensors, not five: the reference cache resets every slot tensor of a
 # slot it writes, one kernel per tensor (on the fast path the features kernel of `static_write`
-# does it instead). `_STATE` (float32, 0 when a token enters) holds the projected hidden state as
-# bfloat16 pairs, then the hidden-state norm, 1 + the token type (0: not entered yet) and the
-# attention received; `_SCORE` waits at +inf.
-_STATE, _SCORE = "learned_state", "learned_score"
+# does it instead). `_STATE` (float32, 0 when a token enters) holds what depends on the token
+# alone: the projected hidden state as bfloat16 pairs, the hidden-state norm and 1 + the token
+# type (0: not entered yet); a `token_tensor`, held once per token while a static cache's prompt
+# is (the prompt's whole length in every managed layer: at the 8B shape, 32K tokens, 1.07 GiB
+# per KV head's copy). `_RECEIVED` (float32) is the attention each slot received; `_SCORE` waits
+# at +inf.
+_STATE, _RECEIVED, _SCORE = "learned_state", "learned_received", "learned_score"
 _PINNED = "learned_pinned"  # bool: kept whatever the predictor says (`window_share`)
 # the projected hidden state is as wide per token and KV head as a head's K+V in bf16 (64 floats):
 # kept in bfloat16 it costs half of that, not as much GPU memory as the KV it serves
@@ -56,7 +59,7 @@ logger = logging.getLogger("atskv")
 
 @dataclass(frozen=True)
 class _Slots:
-    """Views `[B, Hkv, S(, width)]` of one layer's `_STATE`."""
+    """Views `[B, Hkv, S(, width)]` of one layer's `_STATE` and `_RECEIVED`."""
 
     projected: torch.Tensor
     hidden_norm: torch.Tensor
@@ -157,7 +160,7 @@ class LearnedSelector(Selector):
         if not layer.decoding:
             self._check(view)  # before the first features: the predictor moves to the model's device
             self._enter(view)
-            layer.reset_by_selector.update((_STATE, _SCORE))  # the decode writes below restart a slot's state
+            layer.reset_by_selector.update((_STATE, _RECEIVED, _SCORE))  # the decode writes below restart them
             return
         slots, hidden, ids = self._slots(layer), view.hidden[:, -1], view.token_ids[:, -1]
         state = (layer.write_slot, slots.projected, slots.hidden_norm, slots.kind, slots.received,
@@ -200,28 +203,33 @@ class LearnedSelector(Selector):
         sums = self._previous[1]
         return sums if sums.shape[-1] == _positions(view) + 1 else None
 
-    def _slots(self, layer) -> _Slots:
-        """The views of `layer`'s `_STATE` (created on first use, zeros)."""
+    def _slots(self, layer, shared: bool = False) -> _Slots:
+        """The views `[B, Hkv, S(, width)]` of `layer`'s state (created on first use, zeros), the
+        token's part broadcast over the KV heads where the layer holds it once per token;
+        `shared`: that part as held (`[B, 1, S]` then), to write."""
         width = self.predictor.mlp.projected_width
         pairs = (width + 1) // 2
-        state = layer.slot_tensor(_STATE, width=pairs + 3)
-        projected = state[..., :pairs].view(_PROJECTED_DTYPE)[..., :width]
-        return _Slots(projected, state[..., pairs], state[..., pairs + 1], state[..., pairs + 2])
+        state = layer.token_tensor(_STATE, width=pairs + 2)
+        heads = state.shape[1] if shared else layer.slot_pos.shape[1]
+        parts = state[..., :pairs].view(_PROJECTED_DTYPE)[..., :width], state[..., pairs], state[..., pairs + 1]
+        projected, norm, kind = (t.expand(t.shape[0], heads, *t.shape[2:]) for t in parts)
+        return _Slots(projected, norm, kind, layer.slot_tensor(_RECEIVED))
 
     # --- state ---------------------------------------------------------------------------------
     def _enter(self, view: LayerView) -> None:
         """Store the fixed features of the tokens written in this step (projected hidden state,
         its norm, token type); their score stays +inf until the next refresh."""
-        layer, mlp, slots = view.layer, self.predictor.mlp, self._slots(view.layer)
-        fresh = (slots.kind == 0) & (view.slot_pos >= 0)
+        layer, mlp, slots = view.layer, self.predictor.mlp, self._slots(view.layer, shared=True)
+        slot_pos = view.slot_pos[:, : slots.kind.shape[1]]  # the heads hold the same tokens where shared
+        fresh = (slots.kind == 0) & (slot_pos >= 0)
         if view.hidden is None or not bool(fresh.any()):
             return
         batch, tq = view.hidden.shape[:2]
-        offset = (view.slot_pos - (layer.seen - tq)).clamp(min=0, max=tq - 1)  # [B, Hkv, S]: row of view.hidden
+        offset = (slot_pos - (layer.seen - tq)).clamp(min=0, max=tq - 1)  # [B, h, S]: row of view.hidden
         rows = fresh.nonzero(as_tuple=True)
         tokens = (rows[0], offset[rows])  # each fresh slot's batch row and chunk position
-        # once per token, then spread over the KV heads: gathering the hidden states per slot first
-        # held Hkv copies of the chunk's hidden states in float32 (~3.5 GiB at the 8B shape, 8K chunks)
+        # once per token, then spread over the slots: gathering the hidden states per slot first held
+        # Hkv copies of the chunk's hidden states in float32 (~3.5 GiB at the 8B shape, 8K chunks)
         with torch.no_grad():
             projected = mlp.project_hidden(view.hidden.flatten(0, 1)).view(batch, tq, -1)
         slots.projected[rows] = projected[tokens].to(_PROJECTED_DTYPE)
