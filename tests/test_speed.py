@@ -48,6 +48,18 @@ def test_the_decode_phase_peak_is_read_apart_from_the_prefill_peak():
     assert plain.decode_gib < plain.peak_gib and snapkv.decode_gib < plain.decode_gib
 
 
+@pytest.mark.gpu
+def test_a_profile_on_a_gpu_has_the_allocators_history_beside_the_trace(tmp_path):
+    import pickle
+
+    run = speed.DecodeRun(0.05, new_tokens=2, prefill_chunk=1024, profile=tmp_path)
+    [record] = speed.measure(speed.shape_model("smollm2-135m-shape"), "shape", ["snapkv"], [2048], [1], run)
+    assert record.ms_per_step is not None, record.error
+    assert (tmp_path / "snapkv-2048-b1.trace.json").is_file()
+    snapshot = pickle.loads((tmp_path / "snapkv-2048-b1.memory.pickle").read_bytes())
+    assert snapshot["device_traces"] and any(snapshot["device_traces"])  # allocations were recorded
+
+
 def test_ragged_batches_pad_each_row_more_and_every_method_gets_the_mask(monkeypatch):
     """Row i of a batch of 3 at padding 0.5 of 96 tokens starts with 0, 24, 48 pad positions; plain
     transformers, the hook and the fast path all run with that mask (no mask at padding 0)."""
@@ -133,3 +145,14 @@ def test_bad_decode_settings_exit_in_one_line_before_a_model_is_built(args, mess
         main(["bench", "decode", "--model", "smollm2-135m-shape", "--methods", "[plain, tiered:snapkv]", *args])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_profile_folder_gets_each_timed_runs_trace(tmp_path):
+    """`profile`: each method's timed run (not its warm-up) leaves a Chrome trace of its ops."""
+    run = speed.DecodeRun(16, new_tokens=2, prefill_chunk=64, profile=tmp_path)
+    records = speed.measure(tiny_model("llama"), "tiny", ["plain", "hook:h2o", "snapkv"], [96], [1], run)
+    assert all(r.ms_per_step is not None for r in records), [r.error for r in records]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [f"{m}-96-b1.trace.json" for m in ("hook-h2o", "plain", "snapkv")]
+    events = json.loads((tmp_path / "snapkv-96-b1.trace.json").read_text())["traceEvents"]
+    assert any(str(e.get("name", "")).startswith("aten::") for e in events)

@@ -81,6 +81,7 @@ def decode(
     selector_options: dict | None = None,
     compile: bool = False,
     padding: float = 0.0,
+    profile: Path | None = None,
 ) -> None:
     """End-to-end decode speed against plain transformers, in one run on one GPU.
 
@@ -120,6 +121,9 @@ def decode(
         padding: unequal prompts in a batch: row i is left-padded by padding x context x i /
             (batch - 1) tokens (the first whole, the last `padding` shorter), the same attention
             mask for every method; 0: equal prompts.
+        profile: a folder: each method's timed run (prefill and decode) also writes the PyTorch
+            profiler's trace there and, on a GPU, the allocator's history with stacks (for
+            https://pytorch.org/memory_viz); profiled runs are slower, so time without it.
     """
     import datetime
     import sys
@@ -133,7 +137,7 @@ def decode(
     options = options_for(sorted(set(names)), selector_options, predictor)
     tier = built_from_option("--host_tier", lambda: HostRetrieval(**(host_tier or {})))
     run = speed.DecodeRun(budget, new_tokens, prefill_chunk, dense_layers, tier, options,
-                          compile, padding)  # fmt: skip
+                          compile, padding, profile)  # fmt: skip
     if gpu_memory is not None and (gpu_memory <= 0 or max_batch < 1):
         raise ValueError(f"need gpu_memory > 0 GiB and max_batch >= 1, got {gpu_memory} and {max_batch}")
     if not torch.cuda.is_available():

@@ -19,6 +19,7 @@ with random weights straight on the GPU; quality comes from the real models else
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import tempfile
 import time
@@ -80,7 +81,7 @@ class DecodeRun:
     parked pages) and per-selector options (`{"learned": {"predictor": ...}}`; learned without a
     predictor gets a random one of the model's shape); `compile`: the fast path's decoder layers
     `torch.compile`d; `padding`: ragged prompts (`ragged_mask`), every method given the same
-    attention mask."""
+    attention mask; `profile`: each timed run also writes a profile there (`profiled`)."""
 
     budget: int | float = 0.05
     new_tokens: int = 64
@@ -90,6 +91,7 @@ class DecodeRun:
     selector_options: dict = field(default_factory=dict)
     compile: bool = False
     padding: float = 0.0
+    profile: Path | None = None  # a folder for each timed run's profile (`profiled`)
 
     def __post_init__(self):  # bad settings fail here, before a model is built
         check_budget(self.budget)
@@ -214,9 +216,37 @@ def run_method(model, method: str, ids: torch.Tensor, run: DecodeRun, clock: Pha
 
         _generate(model, method, ids[:, -run.prefill_chunk :], replace(run, new_tokens=2), made(), None)
         selector = made()
-        start = time.perf_counter()
-        _generate(model, method, ids, run, selector, clock)
+        with profiled(run.profile, f"{method.replace(':', '-')}-{ids.shape[1]}-b{ids.shape[0]}", ids.device):
+            start = time.perf_counter()
+            _generate(model, method, ids, run, selector, clock)
     return 1000 * statistics.median(clock.decode_gaps()), clock.times[1] - start
+
+
+@contextlib.contextmanager
+def profiled(folder: Path | None, name: str, device: torch.device):
+    """Profile what runs inside into `folder` (nothing without one): `NAME.trace.json`, the
+    PyTorch profiler's Chrome trace (CPU ops, and CUDA kernels on a GPU: chrome://tracing or
+    https://ui.perfetto.dev), and on a GPU `NAME.memory.pickle`, the allocator's history with each
+    allocation's stack (https://pytorch.org/memory_viz): where the time and the peak go. Profiling
+    slows the run down: its timings are not the benchmark's."""
+    if folder is None:
+        yield
+        return
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cuda = device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
+    try:
+        with torch.profiler.profile(activities=activities) as profile:
+            yield
+        profile.export_chrome_trace(str(folder / f"{name}.trace.json"))
+        if cuda:
+            torch.cuda.memory._dump_snapshot(str(folder / f"{name}.memory.pickle"))
+    finally:
+        if cuda:
+            torch.cuda.memory._record_memory_history(enabled=None)
 
 
 def _generate(model, method: str, ids: torch.Tensor, run: DecodeRun, selector, streamer) -> None:
