@@ -152,14 +152,14 @@ class LearnedSelector(Selector):
         return (layer.seen - layer.state[self.name]["prompt_end"]) % self.refresh_every == 0
 
     def static_write(self, view: LayerView) -> None:
-        """Fast path: a prompt chunk's tokens enter as on the reference path; a decode token's
+        """Fast path: a prompt chunk's tokens enter by slice (`_enter_chunk`); a decode token's
         fixed features go to the slot it was written to, whose received attention and score
         restart there too rather than in the cache's write (one kernel for a float32 MLP; no
         host sync)."""
         layer, mlp = view.layer, self.predictor.mlp
         if not layer.decoding:
             self._check(view)  # before the first features: the predictor moves to the model's device
-            self._enter(view)
+            self._enter_chunk(view)
             layer.reset_by_selector.update((_STATE, _RECEIVED, _SCORE))  # the decode writes below restart them
             return
         slots, hidden, ids = self._slots(layer), view.hidden[:, -1], view.token_ids[:, -1]
@@ -218,26 +218,41 @@ class LearnedSelector(Selector):
     # --- state ---------------------------------------------------------------------------------
     def _enter(self, view: LayerView) -> None:
         """Store the fixed features of the tokens written in this step (projected hidden state,
-        its norm, token type); their score stays +inf until the next refresh."""
-        layer, mlp, slots = view.layer, self.predictor.mlp, self._slots(view.layer, shared=True)
+        its norm, token type) in the slots that hold them; their score stays +inf until the next
+        refresh."""
+        slots = self._slots(view.layer, shared=True)
         slot_pos = view.slot_pos[:, : slots.kind.shape[1]]  # the heads hold the same tokens where shared
         fresh = (slots.kind == 0) & (slot_pos >= 0)
         if view.hidden is None or not bool(fresh.any()):
             return
-        batch, tq = view.hidden.shape[:2]
-        offset = (slot_pos - (layer.seen - tq)).clamp(min=0, max=tq - 1)  # [B, h, S]: row of view.hidden
+        tq = view.hidden.shape[1]
+        offset = (slot_pos - (view.layer.seen - tq)).clamp(min=0, max=tq - 1)  # [B, h, S]: row of view.hidden
         rows = fresh.nonzero(as_tuple=True)
         tokens = (rows[0], offset[rows])  # each fresh slot's batch row and chunk position
-        # once per token, then spread over the slots: gathering the hidden states per slot first held
-        # Hkv copies of the chunk's hidden states in float32 (~3.5 GiB at the 8B shape, 8K chunks)
+        for slot, feature in zip((slots.projected, slots.hidden_norm, slots.kind), self._token_features(view)):
+            slot[rows] = feature[tokens]
+
+    def _enter_chunk(self, view: LayerView) -> None:
+        """`_enter` for the fast path's prompt chunk, whose tokens are the last ones appended, in
+        the same slots of every KV head: written by slice, with no search for the fresh slots (and
+        none of its host syncs)."""
+        slots, stop, tq = self._slots(view.layer, shared=True), view.layer.filled, view.hidden.shape[1]
+        for slot, feature in zip((slots.projected, slots.hidden_norm, slots.kind), self._token_features(view)):
+            slot[:, :, stop - tq : stop] = feature.unsqueeze(1)
+
+    def _token_features(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`[B, Tq(, width)]` for the tokens of `view.hidden`: the projected hidden state, its norm
+        and 1 + the token type, once per token (gathering the hidden states per slot first held
+        Hkv float32 copies of a prompt chunk: ~3.5 GiB at the 8B shape with chunks of 8K)."""
+        batch, tq = view.hidden.shape[:2]
         with torch.no_grad():
-            projected = mlp.project_hidden(view.hidden.flatten(0, 1)).view(batch, tq, -1)
-        slots.projected[rows] = projected[tokens].to(_PROJECTED_DTYPE)
-        slots.hidden_norm[rows] = torch.linalg.vector_norm(view.hidden, dim=-1, dtype=torch.float32)[tokens]
-        ids = view.token_ids[tokens] if view.token_ids is not None else None
-        types = self.predictor.token_types.to(view.keys.device)
-        other = float(len(self.predictor.header.feature_spec.token_types) - 1)  # no ids: inputs_embeds
-        slots.kind[rows] = (types[ids].float() if ids is not None else other) + 1
+            projected = self.predictor.mlp.project_hidden(view.hidden.flatten(0, 1)).view(batch, tq, -1)
+        norm = torch.linalg.vector_norm(view.hidden, dim=-1, dtype=torch.float32)
+        if view.token_ids is not None:
+            kind = self.predictor.token_types.to(view.keys.device)[view.token_ids].float() + 1
+        else:  # inputs_embeds: the last type, "other"
+            kind = norm.new_full((batch, tq), float(len(self.predictor.header.feature_spec.token_types)))
+        return projected.to(_PROJECTED_DTYPE), norm, kind
 
     def _refresh(self, view: LayerView) -> None:
         """Recompute every held token's score from its current features. The fast path with a
