@@ -46,8 +46,8 @@ from atskv.selectors.snapkv import check_window, window_votes
 # does it instead). `_STATE` (float32, 0 when a token enters) holds what depends on the token
 # alone: the projected hidden state as bfloat16 pairs, the hidden-state norm and 1 + the token
 # type (0: not entered yet); a `token_tensor`, held once per token while a static cache's prompt
-# is (the prompt's whole length in every managed layer: at the 8B shape, 32K tokens, 1.07 GiB
-# per KV head's copy). `_RECEIVED` (float32) is the attention each slot received; `_SCORE` waits
+# is (the prompt's whole length in every managed layer: at the 8B shape, 32K tokens, a copy per
+# KV head took 1.07 GiB). `_RECEIVED` (float32) is the attention each slot received; `_SCORE` waits
 # at +inf.
 _STATE, _RECEIVED, _SCORE = "learned_state", "learned_received", "learned_score"
 _PINNED = "learned_pinned"  # bool: kept whatever the predictor says (`window_share`)
