@@ -2,10 +2,10 @@
 
 from atskv.hook.decode import generate
 from atskv.hook.sparse import SparseSession, SparsityConfig, sparse
+from atskv.hook.tiered import TieredSession, TieringConfig, tiered
 from atskv.memory.host_pages import HostRetrieval
 from atskv.memory.slot_cache import SparseKVCache, kv_bytes
 from atskv.selectors import SELECTORS, make_selector
-from atskv.hook.tiered import TieredSession, TieringConfig, tiered
 
 __version__ = "0.1.0"
 __all__ = [

@@ -50,6 +50,6 @@ atskv.generate(model, ids, args.selector, args.budget, streamer=watch, **options
 events = watch.profiler.key_averages()
 launches = sum(e.count for e in events if e.device_time_total > 0)
 print(f"{args.model}, {args.context} tokens, B={args.batch}, {args.selector} @ {args.budget}: per decode step "
-      f"{sum(e.device_time_total for e in events) / 1e3 / args.steps:.2f} ms of GPU time in {launches / args.steps:.0f} "
-      "kernels (eager)")
+      f"{sum(e.device_time_total for e in events) / 1e3 / args.steps:.2f} ms of GPU time in "
+      f"{launches / args.steps:.0f} kernels (eager)")
 print(events.table(sort_by="device_time_total", row_limit=args.rows, max_name_column_width=60))

@@ -63,7 +63,8 @@ def digest(folder: Path) -> str:
 
 
 def lightning_args(accelerator: str, n: int, root: Path) -> list[str]:
-    logger = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": str(root), "name": "run"}}
+    logger = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+              "init_args": {"save_dir": str(root), "name": "run"}}
     return [
         "--trainer.accelerator", "gpu" if accelerator == "cuda" else "cpu", "--trainer.devices", str(n),
         "--trainer.strategy", "ddp_spawn" if n > 1 else "auto", "--trainer.log_every_n_steps", "1",
@@ -148,8 +149,9 @@ def main() -> None:
             *(r[k] / records[0][k] for k in ("collect_windows_per_s", "fit_samples_per_s", "finetune_rollouts_per_s"))
         )
         rows.append(
-            f"| {r['devices']} {r['accelerator']}{speed} | {r['collect_windows_per_s']:.3f} | {r['fit_samples_per_s']:.0f} "
-            f"| {r['finetune_rollouts_per_s']:.2f} | {r['collect_wall_s']:.0f}, {r['fit_wall_s']:.0f}, {r['finetune_wall_s']:.0f} |"
+            f"| {r['devices']} {r['accelerator']}{speed} | {r['collect_windows_per_s']:.3f} "
+            f"| {r['fit_samples_per_s']:.0f} | {r['finetune_rollouts_per_s']:.2f} "
+            f"| {r['collect_wall_s']:.0f}, {r['fit_wall_s']:.0f}, {r['finetune_wall_s']:.0f} |"
         )
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()}
     settings["gpu"] = torch.cuda.get_device_name() if accelerator == "cuda" else None

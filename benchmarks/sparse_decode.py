@@ -76,12 +76,13 @@ def main(argv=None) -> None:
         if not args.smoke:
             raise SystemExit("no CUDA device: only --smoke runs here (Triton's interpreter)")
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels module imports triton
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     from atskv.kernels.sparse_decode import (
         choose_split_size,
         sparse_decode_attention_reference,
         sparse_decode_attention_triton,
     )
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     hq, hkv, d = GEOMETRIES[args.geometry]
     dtype = DTYPES[args.dtype]

@@ -6,6 +6,7 @@ kernels that decide per row inside the device (no host sync) call `budget_limit`
 from __future__ import annotations
 
 import torch
+
 from atskv.kernels.backend import jit, tl
 
 

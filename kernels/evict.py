@@ -14,6 +14,7 @@ kernels per layer (a masked minimum, an argmin over positions, a count, the budg
 from __future__ import annotations
 
 import torch
+
 from atskv.kernels.backend import dependent_launch, jit, tl, triton, use_triton, wait_for_inputs
 from atskv.kernels.budget import budget_limit, kept_tokens
 

@@ -32,8 +32,8 @@ import weakref
 
 import torch
 import torch.nn.functional as F
-from atskv.kernels.backend import dependent_launch, jit, tl, triton, use_triton, wait_for_inputs
 
+from atskv.kernels.backend import dependent_launch, jit, tl, triton, use_triton, wait_for_inputs
 from atskv.predictor.features import SCALAR_FEATURES, feature_columns
 
 

@@ -10,6 +10,7 @@ so the traffic is the misses only, with static shapes (one launch inside a CUDA 
 from __future__ import annotations
 
 import torch
+
 from atskv.kernels.backend import jit, tl, triton, use_triton
 
 BLOCK = 1024

@@ -12,9 +12,9 @@ j // G). `dims` may be a broadcast view (stride 0 over heads or queries): nothin
 from __future__ import annotations
 
 import torch
-from atskv.kernels.backend import jit, tl, triton, use_triton
 
 from atskv.hook.gqa import grouped_queries
+from atskv.kernels.backend import jit, tl, triton, use_triton
 
 
 def partial_scores_reference(

@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 
 import torch
-from atskv.kernels.backend import jit, tl, triton, use_triton
 
 from atskv.hook.gqa import grouped_queries
+from atskv.kernels.backend import jit, tl, triton, use_triton
 
 
 def page_bounds(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:

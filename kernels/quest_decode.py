@@ -26,9 +26,9 @@ from __future__ import annotations
 import math
 
 import torch
+
 from atskv.kernels.backend import dependent_launch, jit, tl, triton, use_triton, wait_for_inputs
 from atskv.kernels.budget import budget_limit, kept_tokens
-
 from atskv.kernels.quest import masked_page_bounds, quest_page_scores_reference
 
 

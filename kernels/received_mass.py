@@ -34,9 +34,9 @@ one consistent with the float32 log-sum-exp of the flash kernels.
 from __future__ import annotations
 
 import torch
-from atskv.kernels.backend import jit, tl, triton, use_triton
 
 from atskv.hook.gqa import received_mass
+from atskv.kernels.backend import jit, tl, triton, use_triton
 
 _LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256  # larger head dims take the reference (no model the package supports has one)

@@ -41,10 +41,10 @@ from __future__ import annotations
 import math
 
 import torch
+
 from atskv.kernels.backend import aligned_slots, dependent_launch, jit, tl, triton, use_triton, wait_for_inputs
 from atskv.kernels.budget import budget_limit, kept_tokens
 from atskv.kernels.evict import newest_share
-
 from atskv.kernels.partial_scores import partial_scores, partial_scores_reference
 
 _TINY = torch.finfo(torch.float32).tiny

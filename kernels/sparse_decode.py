@@ -33,9 +33,9 @@ from __future__ import annotations
 import math
 
 import torch
-from atskv.kernels.backend import dependent_launch, jit, sm_count, tl, triton, use_triton, wait_for_inputs
 
 from atskv.hook.gqa import grouped_probs
+from atskv.kernels.backend import dependent_launch, jit, sm_count, tl, triton, use_triton, wait_for_inputs
 
 # Split heuristic (see `choose_split_size`): a split walks at least MIN_SPLIT_TILES tiles, aims at
 # WAVES programs per SM over the whole grid, and never exceeds MAX_SPLITS.

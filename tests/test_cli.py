@@ -17,7 +17,8 @@ from atskv import cli
 from tests.conftest import COMMON, run_cli, tiny_bpe_tokenizer
 
 SUBCOMMANDS = ["demo", "passkey", "generate", "selectors", "collect", "fit", "finetune", "export", "ridge"]
-SUBCOMMANDS += ["eval", "bench", "eval recall", "eval tasks", "eval ppl", "eval peer", "eval heldout", "profile kascade"]
+SUBCOMMANDS += ["eval", "bench", "eval recall", "eval tasks", "eval ppl", "eval peer", "eval heldout"]
+SUBCOMMANDS += ["profile kascade"]
 
 
 @pytest.mark.parametrize("command", [*SUBCOMMANDS, "data fetch", "data list"])

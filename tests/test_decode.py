@@ -7,19 +7,19 @@ import contextlib
 
 import pytest
 import torch
-from tests.conftest import left_padded, random_prompt, tiny_model
 
 import atskv
+from atskv.eval.speed import spaced_profile
 from atskv.hook import decode
 from atskv.hook.decode import causal_attention_from, causal_mass_from, masked_attention, masked_attention_lse
 from atskv.hook.gqa import grouped_attention, prefix_causal_attention, received_mass
-from atskv.eval.speed import spaced_profile
 from atskv.hook.sparse import attach
 from atskv.memory.host_pages import HostRetrieval
 from atskv.memory.static_cache import StaticSlotLayer
 from atskv.selectors.hybrid import HybridSelector
 from atskv.selectors.learned import LearnedSelector
 from atskv.selectors.sparcas import SparCasSelector
+from tests.conftest import left_padded, random_prompt, tiny_model
 
 CASES = [
     ("dense", 0.5), ("oracle", 8), ("quest", 16), ("sparq", 0.1), ("sparcas", 12),

@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.conftest import random_prompt, tiny_model
 
 import atskv
 from atskv.kernels.quest import quest_page_scores_reference
 from atskv.memory.host_pages import (
-    HostPages, HostRetrieval, device_alias, pinned_peak, pinned_zeros, reset_peak_pinned,
+    HostPages,
+    HostRetrieval,
+    device_alias,
+    pinned_peak,
+    pinned_zeros,
+    reset_peak_pinned,
 )  # fmt: skip
+from tests.conftest import random_prompt, tiny_model
 
 B, H, D, PAGE = 2, 2, 8, 4
 

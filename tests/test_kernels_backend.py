@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from atskv.kernels.backend import dependent_launch
 from atskv.kernels.sparse_decode import sparse_decode_attention
 

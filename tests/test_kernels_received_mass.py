@@ -4,13 +4,13 @@ kernel (Triton's interpreter on CPU) against the reference."""
 
 import pytest
 import torch
+
+from atskv.hook.gqa import grouped_attention, prefix_causal_attention, received_mass
 from atskv.kernels.received_mass import (
     prefix_received_mass,
     prefix_received_mass_reference,
     prefix_received_mass_triton,
 )
-
-from atskv.hook.gqa import grouped_attention, prefix_causal_attention, received_mass
 
 SMALL_BLOCKS = {"block_n": 32, "block_m": 16}  # several key and query blocks at test sizes
 

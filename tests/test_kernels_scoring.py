@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from atskv.kernels.partial_scores import partial_scores
 from atskv.kernels.quest import page_bounds, quest_page_scores
 

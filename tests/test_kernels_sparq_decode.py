@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.conftest import left_padded, tiny_model
-from tests.test_decode import _no_host_reads, _reference
 
 import atskv
 from atskv.hook import decode
 from atskv.kernels.partial_scores import partial_scores
 from atskv.kernels.sparq_decode import (
-    pooled_probs, sparq_decode, sparq_decode_reference, sparq_decode_triton, sparq_probs,
+    pooled_probs,
+    sparq_decode,
+    sparq_decode_reference,
+    sparq_decode_triton,
+    sparq_probs,
 )
 from atskv.selectors.base import select_top_budget
+from tests.conftest import left_padded, tiny_model
+from tests.test_decode import _no_host_reads, _reference
 
 RANK = 4
 # small blocks and candidate steps: every loop of the kernels runs several times

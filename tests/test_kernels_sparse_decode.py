@@ -6,6 +6,7 @@ from functools import partial
 
 import pytest
 import torch
+
 from atskv.kernels import sparse_decode
 from atskv.kernels.sparse_decode import (
     choose_split_size,

@@ -8,7 +8,10 @@ import pytest
 import torch
 
 from atskv.kernels.int4_page_scores import (
-    dequantize_int4, int4_page_scores_reference, int4_page_scores_triton, quantize_int4,
+    dequantize_int4,
+    int4_page_scores_reference,
+    int4_page_scores_triton,
+    quantize_int4,
 )  # fmt: skip
 from atskv.memory.host_pages import HostPages, HostRetrieval
 from atskv.memory.key_summary import KEY_SUMMARIES, Int4Keys

@@ -37,7 +37,8 @@ def test_collect_fit_export_then_the_learned_selector_by_name(tmp_path, monkeypa
                 "--trainer.default_root_dir", str(tmp_path / "fit"),
                 "--trainer.logger.init_args.save_dir", str(tmp_path / "fit")]) == 0
     assert next((tmp_path / "fit").rglob("last.ckpt"))
-    checkpoint = next((tmp_path / "fit").rglob("epoch0-window_recall*.ckpt"))  # every window full: kept by window recall
+    # every window full: kept by window recall
+    checkpoint = next((tmp_path / "fit").rglob("epoch0-window_recall*.ckpt"))
     assert f"next: atskv export {checkpoint}" in capsys.readouterr().out, "fit points at the best checkpoint"
     assert run_cli(["export", str(checkpoint), "--model", str(model_dir)]) == 0
     loaded = load_model(str(model_dir))

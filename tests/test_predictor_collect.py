@@ -14,9 +14,9 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 import atskv.predictor.collect as collect_module
+from atskv.cli.predictor import collect as collect_command
 from atskv.data import TASKS
 from atskv.errors import InputError
-from atskv.cli.predictor import collect as collect_command
 from atskv.predictor.collect import collect
 from atskv.predictor.features import SCALAR_FEATURES
 from atskv.predictor.shards import ShardDataset
@@ -241,7 +241,8 @@ def _same_collection(folder: Path, reference: Path) -> None:
     assert {p.name for p in folder.iterdir()} == {s["file"] for s in manifest["shards"]} | {"manifest.json"}
     for shard in manifest["shards"]:
         a, b = load_file(folder / shard["file"]), load_file(reference / shard["file"])
-        assert a.keys() == b.keys() and all(torch.equal(a[c].view(-1).view(torch.uint8), b[c].view(-1).view(torch.uint8)) for c in a)
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[c].view(-1).view(torch.uint8), b[c].view(-1).view(torch.uint8)) for c in a)
 
 
 @pytest.fixture(scope="module")
@@ -279,7 +280,8 @@ def test_bad_input(tmp_path):
     with pytest.raises(InputError, match=r"\(corpus 'corpus', not 'sotu'\)"):
         _run(tmp_path, windows=1, corpus="sotu")
     _run(tmp_path, windows=1, corpus="sotu", start_over=True)
-    assert ShardDataset(tmp_path / "out").keys == ["sotu-w0"] and ShardDataset(tmp_path / "out").meta["corpus"] == "sotu"
+    written = ShardDataset(tmp_path / "out")
+    assert written.keys == ["sotu-w0"] and written.meta["corpus"] == "sotu"
     with pytest.raises(ValueError, match=r"t \+ W \+ 2 <= 64"):
         _run(tmp_path, windows=1, name="w", future_queries=40)
     with pytest.raises(ValueError, match="1 <= t"):

@@ -10,8 +10,8 @@ import torch
 
 import atskv
 from atskv.hook.sparse import SparseSession, SparsityConfig, attach
-from atskv.selectors.hybrid import HybridSelector
 from atskv.selectors.h2o import H2OSelector
+from atskv.selectors.hybrid import HybridSelector
 from tests.conftest import left_padded
 from tests.test_tiered_quest import Checked
 

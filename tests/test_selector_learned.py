@@ -276,7 +276,8 @@ def test_sparse_and_tiered_by_name_find_the_models_exported_predictor(tmp_path, 
     ids = random_prompt(64, seed=3)
     with atskv.sparse(model, "learned", 0.25) as session, torch.no_grad():
         model.generate(ids, max_new_tokens=3, do_sample=False)
-    assert isinstance(session.selector, LearnedSelector) and session.selector.predictor.header.base_model == "tiny-llama"
+    assert isinstance(session.selector, LearnedSelector)
+    assert session.selector.predictor.header.base_model == "tiny-llama"
     assert int(session.cache.layers[MANAGED[0]].occupied.sum(-1).max()) <= 17, "it evicted to its budget"
     tiering = dict(sinks=2, recent=8, refresh_every=4)
     with atskv.tiered(model, selector="learned", budget=0.5, **tiering) as session, torch.no_grad():

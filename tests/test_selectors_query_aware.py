@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from atskv.kernels.quest import page_bounds, quest_page_scores
 
 import atskv
+from atskv.kernels.quest import page_bounds, quest_page_scores
 from atskv.selectors.base import LayerView, Selector, select_top_budget
 from tests.conftest import random_prompt, tiny_model
 

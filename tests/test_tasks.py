@@ -12,9 +12,9 @@ from collections import Counter
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from atskv.cli.eval import tasks as tasks_command
 from atskv.data.tasks import DEPTH_FREE, TASKS, TaskExample
 from atskv.data.tasks.haystack import fresh_item
-from atskv.cli.eval import tasks as tasks_command
 from atskv.eval.tasks import TaskResult, evaluate_tasks, markdown
 from atskv.models.loading import LoadedModel
 from tests.conftest import COMMON, tiny_bpe_tokenizer, tiny_model

@@ -140,7 +140,8 @@ class TwoTierStore(RuleBasedStateMachine):
         for store, written in ((layer.host.keys, self.keys), (layer.host.values, self.values)):
             assert torch.equal(store[on_host], self._written(written, host)[on_host])
         assert torch.equal(layer.slot_tensor(STATE)[on_gpu], self._written(self.keys, gpu)[..., 0][on_gpu])
-        indexed = layer.index.count() if len(layer.index) else torch.zeros(B, H, dtype=torch.long)  # [0, 0] before an add
+        # [0, 0] before an add
+        indexed = layer.index.count() if len(layer.index) else torch.zeros(B, H, dtype=torch.long)
         assert torch.equal(indexed, on_host.sum(-1)), "the index lists exactly the parked tokens"
         assert layer.parked_tokens == int(on_host.sum())
 

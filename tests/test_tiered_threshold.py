@@ -96,7 +96,8 @@ def test_the_gpu_tier_holds_the_protected_tokens_and_those_the_predictor_wants(p
 
 def test_a_policy_given_as_a_dict_is_checked():
     assert atskv.TieringConfig(200, policy={"momentum": 0.0}).policy == LayerPolicy(momentum=0.0)
-    with pytest.raises(ValueError, match="the tiering policy has no option 'bogus'; its options: beta, momentum, promote_margin"):
+    options = "beta, momentum, promote_margin"
+    with pytest.raises(ValueError, match=f"the tiering policy has no option 'bogus'; its options: {options}"):
         atskv.TieringConfig(200, policy={"bogus": 1})
     with pytest.raises(ValueError, match="momentum"):
         atskv.TieringConfig(200, policy={"momentum": 1.0})

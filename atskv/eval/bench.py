@@ -311,7 +311,9 @@ def markdown(records: list[BenchRecord]) -> str:
                 cells.append(f"{r.milliseconds:.3f} ms ({r.speedup:.2f}x)")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     counts = ", ".join(f"B={b} {c / 1024:g}K: {cell[(DENSE, b, c)].layers}" for b, c in cases if (DENSE, b, c) in cell)
-    lines.append(f"\nPer layer; layers per timed step (each its own cache, so the L2 cache does not hold them): {counts}.")
+    lines.append(
+        f"\nPer layer; layers per timed step (each its own cache, so the L2 cache does not hold them): {counts}."
+    )
     return "\n".join(lines)
 
 

@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from atskv.eval.report import write_report
+from atskv.hook.tiered import memory_session
 from atskv.models.cache_names import returned_cache, with_cache
 from atskv.selectors import Selector, make_selector
 from atskv.selectors.base import check_budget
-from atskv.hook.tiered import memory_session
 
 DENSE = "dense"
 

@@ -44,8 +44,8 @@ from atskv.kernels.evict import evict_lowest
 from atskv.kernels.received_mass import prefix_received_mass
 from atskv.kernels.sparse_decode import sparse_decode_attention
 from atskv.memory.host_pages import HostPages, HostRetrieval
-from atskv.memory.static_cache import StaticKVCache, StaticSlotLayer
 from atskv.memory.slot_cache import slot_index
+from atskv.memory.static_cache import StaticKVCache, StaticSlotLayer
 from atskv.models.cache_names import with_cache
 from atskv.models.geometry import decoder_layers
 from atskv.selectors import resolve_selector

@@ -66,8 +66,8 @@ from pathlib import Path
 import torch
 
 from atskv.errors import check_options
-from atskv.hook.sparse import SparseSession, SparsityConfig, attach, sparse
 from atskv.hook.gqa import StreamedAttention, grouped_attention, grouped_queries, sdpa_attention
+from atskv.hook.sparse import SparseSession, SparsityConfig, attach, sparse
 from atskv.memory.host_tier import HostTier
 from atskv.memory.retrieval import INDEXES, make_index
 from atskv.memory.sparsity import INITIAL_MOMENTUM, LayerPolicy, SparsityBudget, SparsityManager

@@ -177,7 +177,9 @@ def collect_window(
     with sparse(model, capture, budget=every_token, dense_layers=spec.dense_layers) as session, torch.inference_mode():
         model(ids[:, :-1])
     managed = sorted(session.managed_layers)
-    grads = influence_gradients(model, ids, managed, spec.decision_times, spec.future_queries) if spec.influence else None
+    grads = None
+    if spec.influence:
+        grads = influence_gradients(model, ids, managed, spec.decision_times, spec.future_queries)
     index = {layer: i for i, layer in enumerate(managed)}
     columns: dict[str, list[torch.Tensor]] = {}
     for g in capture.groups:

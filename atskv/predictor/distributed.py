@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+
 def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 

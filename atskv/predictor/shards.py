@@ -122,7 +122,8 @@ class ShardWriter:
                     if old.get(k) != meta.get(k)
                 )
                 raise InputError(
-                    f"{self.folder} holds another collection ({differ}); pass start_over to replace it, or use another folder"
+                    f"{self.folder} holds another collection ({differ}); "
+                    "pass start_over to replace it, or use another folder"
                 )
             self._shards = manifest["shards"]
         self._meta = meta

@@ -372,7 +372,8 @@ class RolloutData(L.LightningDataModule):
         """`batch_size` contexts per step, shared by the processes (each context a group of one)."""
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
         items = self.items()
-        sampler = GroupBatchSampler(torch.arange(len(items)), self.hparams.batch_size, True, self.shuffle_seed, rank, world)
+        size = self.hparams.batch_size
+        sampler = GroupBatchSampler(torch.arange(len(items)), size, True, self.shuffle_seed, rank, world)
         return DataLoader(items, batch_sampler=sampler, collate_fn=list)
 
 

@@ -170,7 +170,8 @@ def _predictor_for(model_name: str):
     if not (folder / "predictor.safetensors").is_file():
         raise InputError(
             f"no predictor for {model_name!r}: none ships with atskv and none was exported to {folder}; "
-            "run `atskv collect`, `atskv fit` and `atskv export` for this model, or pass LearnedSelector(predictor=PATH)"
+            "run `atskv collect`, `atskv fit` and `atskv export` for this model, "
+            "or pass LearnedSelector(predictor=PATH)"
         )
     return folder
 
