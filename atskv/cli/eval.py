@@ -412,11 +412,11 @@ def heldout(
 
 
 def _exported_predictor(source: str, flag: str) -> Path:
-    """An exported predictor (its file or folder), or a model name's (`find_predictor`): refused
+    """An exported predictor (its file or folder), or a model name's (`predictor_path`): refused
     before the model loads when there is none."""
-    from atskv.predictor.export import find_predictor
+    from atskv.predictor.export import predictor_path
 
-    path = Path(source).expanduser() if Path(source).expanduser().exists() else find_predictor(source)
+    path = predictor_path(source)
     if not (path.is_file() or (path / "predictor.safetensors").is_file()):
         raise InputError(f"{flag} {source}: no exported predictor there; `atskv export` writes one")
     return path

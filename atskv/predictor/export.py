@@ -127,6 +127,13 @@ def find_predictor(model_name: str) -> Path:
     return shipped if (shipped / "predictor.safetensors").is_file() else own
 
 
+def predictor_path(source: str | Path) -> Path:
+    """A predictor file or folder as given, or for a source that is no path, a model name's
+    predictor (`find_predictor`)."""
+    path = Path(source).expanduser()
+    return path if path.exists() else find_predictor(str(source))
+
+
 def checkpoint_provenance(checkpoint: str | Path) -> dict:
     """What a training checkpoint says about how its predictor was made, for a header's `training`:
     the checkpoint, the stage (`fit`, or `finetune` when it holds a policy), the optimiser steps,

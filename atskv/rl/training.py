@@ -76,7 +76,7 @@ from atskv.predictor.batches import GroupBatchSampler
 from atskv.predictor.capture import managed_layers
 from atskv.predictor.collect import TASK_SEED_BASE
 from atskv.predictor.distributed import all_sum, seeded
-from atskv.predictor.export import PredictorHeader, checkpoint_provenance, find_predictor, load_predictor
+from atskv.predictor.export import PredictorHeader, checkpoint_provenance, load_predictor, predictor_path
 from atskv.predictor.features import SCALAR_FEATURES
 from atskv.predictor.model import FeatureSpec, RelevanceMLP
 from atskv.predictor.token_types import token_type_table
@@ -123,7 +123,7 @@ def starting_point(source: str | Path) -> StartingPoint:
         collection = read_checkpoint(path)["hyper_parameters"]["collection"]
         start = StartingPoint(module.model, dict(collection), str(path), checkpoint_provenance(path))
     else:
-        folder = path if path.exists() else find_predictor(str(source))
+        folder = predictor_path(source)
         loaded = load_predictor(folder)
         h = loaded.header
         if not isinstance(loaded.mlp, RelevanceMLP):
