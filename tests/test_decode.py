@@ -327,6 +327,12 @@ def test_a_token_tensor_is_held_once_per_token_until_the_heads_part_at_the_shrin
         for h in range(3):
             kept = layer.slot_pos[b, h] >= 0
             assert held[b, h, kept, 0].tolist() == layer.slot_pos[b, h, kept].float().tolist()
+    kept_all = StaticSlotLayer(capacity=8)  # a layer that decodes without a shrink: each head its copy on first use
+    kept_all.update(k, k)
+    kept_all.token_tensor("t", width=2)[..., :6, 0] = torch.arange(6.0)
+    kept_all.finish_prompt(None)
+    own = kept_all.token_tensor("t", 2)
+    assert own.shape == (2, 3, 8, 2) and own[:, :, :6, 0].tolist() == [[list(map(float, range(6)))] * 3] * 2
 
 
 def test_a_window_layer_keeps_what_the_next_query_sees():
