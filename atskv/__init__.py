@@ -1,14 +1,37 @@
-"""atskv: learned KV-cache relevance prediction and tiered KV memory for long-context LLMs."""
+"""atskv: learned KV-cache relevance prediction and tiered KV memory for long-context LLMs.
 
-from atskv.hook.decode import generate
-from atskv.hook.sparse import SparseSession, SparsityConfig, sparse
-from atskv.hook.tiered import TieredSession, TieringConfig, tiered
-from atskv.memory.host_pages import HostRetrieval
-from atskv.memory.slot_cache import SparseKVCache, kv_bytes
-from atskv.selectors import SELECTORS, make_selector
+The public names load on first use (PEP 562), so that a process which only needs the kernels or
+the vLLM plugin (`atskv.runtime.vllm`, loaded in every vLLM worker) does not import transformers.
+"""
+
+from importlib import import_module
 
 __version__ = "0.1.0"
-__all__ = [
-    "SELECTORS", "HostRetrieval", "SparseKVCache", "generate", "SparseSession", "SparsityConfig", "TieredSession",
-    "TieringConfig", "kv_bytes", "make_selector", "sparse", "tiered",
-]
+
+_HOMES = {
+    "generate": "atskv.hook.decode",
+    "SparseSession": "atskv.hook.sparse",
+    "SparsityConfig": "atskv.hook.sparse",
+    "sparse": "atskv.hook.sparse",
+    "TieredSession": "atskv.hook.tiered",
+    "TieringConfig": "atskv.hook.tiered",
+    "tiered": "atskv.hook.tiered",
+    "HostRetrieval": "atskv.memory.host_pages",
+    "SparseKVCache": "atskv.memory.slot_cache",
+    "kv_bytes": "atskv.memory.slot_cache",
+    "SELECTORS": "atskv.selectors",
+    "make_selector": "atskv.selectors",
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'atskv' has no attribute {name!r}")
+    value = getattr(import_module(_HOMES[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOMES])
