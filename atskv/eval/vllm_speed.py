@@ -1,0 +1,205 @@
+"""vLLM beside atskv in one run: vanilla vLLM (`vllm`) and vLLM with atskv's plugin
+(`vllm:<selector>`), each in its own process, on an 8B-class shape with random weights
+(`load_format="dummy"`, a config.json from `atskv.eval.shapes`, token ids as prompts).
+
+Per method and (context, batch): the time until every request has its first token and the mean
+time to first token, ms per decode step once every request decodes (timed between engine steps),
+tokens/s over the batch, and how many requests of the context the engine's KV blocks hold. With
+`identity_tokens`, each method also writes its greedy tokens on fixed prompts, to compare with
+vanilla vLLM's. Rows are appended to a JSON-lines file as they finish; a rerun skips those there.
+
+    python -m atskv.eval.vllm_speed SPEC.json ROWS.jsonl    (one method: what `measure` starts)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from atskv.eval.shapes import SHAPES
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+VANILLA = "vllm"
+
+
+@dataclass
+class EngineSpec:
+    """One vLLM engine: the method, its shape and what it measures."""
+
+    method: str
+    shape_dir: str
+    runs: list[tuple[int, int]]  # (context, batch) pairs, each timed as one batch
+    new_tokens: int = 64
+    budget: int | float = 0.05
+    dense_layers: int = 2
+    options: dict = field(default_factory=dict)
+    gpu_memory_utilization: float = 0.85
+    identity_tokens: int = 0  # > 0: greedy tokens on fixed prompts first
+    identity_context: int = 2048
+    identity_batch: int = 4
+    label: str = ""  # the rows' name of this engine (default: the method), to run one method twice
+
+    def __post_init__(self):
+        self.label = self.label or self.method
+
+
+def engine_arguments(spec: EngineSpec, max_model_len: int, max_num_seqs: int) -> dict:
+    """`vllm.LLM` keyword arguments of a method: vanilla vLLM, or the CUSTOM backend with atskv's settings."""
+    arguments = dict(
+        model=spec.shape_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+        max_model_len=max_model_len, enable_prefix_caching=False, max_num_seqs=max_num_seqs,
+        gpu_memory_utilization=spec.gpu_memory_utilization, seed=0,
+    )  # fmt: skip
+    if spec.method != VANILLA:
+        selector = spec.method.removeprefix(f"{VANILLA}:")
+        settings = {"selector": selector, "budget": spec.budget, "dense_layers": spec.dense_layers}
+        if spec.options:
+            settings["options"] = spec.options
+        arguments.update(attention_backend="CUSTOM", additional_config={"atskv": settings})
+    return arguments
+
+
+def write_shape(name: str, folder: Path) -> Path:
+    """A folder with the shape's config.json, what vLLM needs to build it with dummy weights."""
+    if name not in SHAPES:
+        raise ValueError(f"no shape {name!r}; shapes: {', '.join(SHAPES)}")
+    config = dict(SHAPES[name])
+    if config["model_type"] not in ARCHITECTURES:
+        raise ValueError(f"vLLM runs of {name} are not wired (architectures: {', '.join(ARCHITECTURES)})")
+    config.update(architectures=[ARCHITECTURES[config["model_type"]]], torch_dtype="bfloat16", bos_token_id=1,
+                  eos_token_id=2)  # fmt: skip
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder
+
+
+def prompts(context: int, batch: int, vocab: int, seed: int) -> list[dict]:
+    """`batch` different prompts of `context` random token ids (reproducible from `seed`)."""
+    import random
+
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(context)]} for _ in range(batch)]
+
+
+def timed_batch(engine, batch_prompts: list[dict], new_tokens: int, tag: str) -> dict:
+    """Runs one batch through the engine step by step: first-token times and decode ms/step."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
+    start = time.perf_counter()
+    for i, prompt in enumerate(batch_prompts):
+        engine.add_request(f"{tag}-{i}", prompt, params)
+    first: dict[str, float] = {}
+    produced: dict[str, int] = {}
+    decode_start = decode_steps = None
+    stop = start
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            produced[out.request_id] = len(out.outputs[0].token_ids)
+            first.setdefault(out.request_id, now)
+        if decode_start is None and len(first) == len(batch_prompts):
+            decode_start, decode_tokens = now, min(produced.values())
+        stop = now
+    decode_steps = min(produced.values()) - decode_tokens
+    step_ms = (stop - decode_start) / decode_steps * 1e3 if decode_steps > 0 else float("nan")
+    return {
+        "prefill_s": decode_start - start,
+        "ttft_mean_s": sum(t - start for t in first.values()) / len(first),
+        "ms_per_step": step_ms,
+        "tokens_per_s": len(batch_prompts) * 1e3 / step_ms if decode_steps > 0 else float("nan"),
+    }
+
+
+def greedy_tokens(llm, batch_prompts: list[dict], new_tokens: int) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(batch_prompts, params, use_tqdm=False)]
+
+
+def run_engine(spec: EngineSpec, rows: Path) -> None:
+    """In this process: one engine for `spec`, every row appended to `rows` as it finishes."""
+    from vllm import LLM
+
+    config = json.loads((Path(spec.shape_dir) / "config.json").read_text())
+    positions = config["max_position_embeddings"]
+    runs = [(min(c, positions - spec.new_tokens), c, b) for c, b in spec.runs]  # a prompt fits the positions
+    longest = max([c for c, _, _ in runs] + [spec.identity_context if spec.identity_tokens else 0])
+    max_model_len = min(positions, longest + spec.new_tokens + 16)
+    llm = LLM(**engine_arguments(spec, max_model_len, max([b for _, _, b in runs] + [spec.identity_batch])))
+    cache = llm.llm_engine.vllm_config.cache_config
+    kv_tokens = cache.num_gpu_blocks * cache.block_size
+
+    def emit(row: dict) -> None:
+        with rows.open("a") as f:
+            f.write(json.dumps({"method": spec.label, "kv_tokens": kv_tokens, **row}) + "\n")
+
+    vocab = config["vocab_size"]
+    greedy_tokens(llm, prompts(256, 1, vocab, seed=99), 4)  # warm-up outside the timings
+    if spec.identity_tokens:
+        fixed = prompts(spec.identity_context, spec.identity_batch, vocab, seed=7)
+        tokens = greedy_tokens(llm, fixed, spec.identity_tokens)
+        emit({"kind": "tokens", "context": spec.identity_context, "tokens": tokens})
+    for context, requested, batch in runs:
+        timing = timed_batch(llm.llm_engine, prompts(context, batch, vocab, seed=context + batch), spec.new_tokens,
+                             f"{context}x{batch}")  # fmt: skip
+        emit({"kind": "speed", "context": requested, "tokens_in_prompt": context, "batch": batch,
+              "requests_held": kv_tokens / (context + spec.new_tokens), **timing})  # fmt: skip
+
+
+def done(rows: Path) -> set[tuple]:
+    """(method, kind, context, batch) of the rows already in `rows`."""
+    if not rows.exists():
+        return set()
+    seen = set()
+    for line in rows.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            seen.add((r["method"], r["kind"], r["context"], r.get("batch")))
+    return seen
+
+
+def measure(specs: list[EngineSpec], rows: Path, timeout_s: float | None = None) -> None:
+    """Each spec's engine in its own process, skipping what `rows` already holds."""
+    rows.parent.mkdir(parents=True, exist_ok=True)
+    for spec in specs:
+        seen = done(rows)
+        wanted = [(c, b) for c, b in spec.runs if (spec.label, "speed", c, b) not in seen]
+        identity = spec.identity_tokens and (spec.label, "tokens", spec.identity_context, None) not in seen
+        if not wanted and not identity:
+            continue
+        todo = EngineSpec(**{**asdict(spec), "runs": wanted, "identity_tokens": int(identity and spec.identity_tokens)})
+        spec_file = rows.with_suffix(f".{spec.label.replace(':', '-')}.spec.json")
+        spec_file.write_text(json.dumps(asdict(todo)))
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        print(f"vLLM engine: {spec.label} (context x batch: {todo.runs})", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "atskv.eval.vllm_speed", str(spec_file), str(rows)], env=env,
+                       check=False, timeout=timeout_s)  # fmt: skip
+
+
+def identity_report(rows: Path) -> list[str]:
+    """For each method with greedy tokens, how many of vanilla vLLM's it repeats (first difference)."""
+    found = [json.loads(line) for line in rows.read_text().splitlines() if line.strip()]
+    tokens = {r["method"]: r["tokens"] for r in found if r["kind"] == "tokens"}
+    if VANILLA not in tokens:
+        return []
+    base, lines = tokens[VANILLA], []
+    for method, rows_tokens in tokens.items():
+        if method == VANILLA:
+            continue
+        same = sum(a == b for a, b in zip(rows_tokens, base))
+        firsts = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(rows_tokens, base)]
+        lines.append(f"{method}: {same}/{len(base)} prompts token-identical to vanilla vLLM; "
+                     f"first differences at {firsts}")  # fmt: skip
+    return lines
+
+
+if __name__ == "__main__":
+    run_engine(EngineSpec(**json.loads(Path(sys.argv[1]).read_text())), Path(sys.argv[2]))

@@ -1,0 +1,136 @@
+"""atskv as a vLLM attention backend: vLLM's FlashAttention backend with its decode reads cut down.
+
+Everything but a decode query's attention stays vLLM's: the KV cache and its layout, prefill and
+chunked prefill (FlashAttention), the batching, prefix caching, torch.compile and CUDA graphs. The
+builder puts decode requests first in each batch (`reorder_batch_threshold = 1`) and counts them;
+the implementation then attends the prefill part with FlashAttention and each decode query over
+the slots its selector picks (`atskv.runtime.vllm.selection`), reading vLLM's paged cache in place.
+Selectors that need per-block key bounds get them from the KV write (`do_kv_cache_update`), kept
+per physical block beside the cache. Full CUDA graphs are captured for pure decode batches only
+(`UNIFORM_SINGLE_TOKEN_DECODE`); mixed batches run piecewise, their attention eager.
+
+Layers that stay vLLM's own: the first `dense_layers`, sliding-window layers, non-decoder
+attention, fp8 caches, ALiBi, attention sinks and soft-capped logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from vllm.config import get_current_vllm_config_or_none
+from vllm.logger import init_logger
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
+from vllm.v1.attention.backends.flash_attn import (
+    FlashAttentionBackend,
+    FlashAttentionImpl,
+    FlashAttentionMetadata,
+    FlashAttentionMetadataBuilder,
+)
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+
+from atskv.kernels.paged import empty_page_bounds, update_page_bounds
+from atskv.runtime.vllm.config import PluginConfig
+from atskv.runtime.vllm.selection import PAGED_SELECTORS, paged_sparse_decode
+
+logger = init_logger(__name__)
+
+
+class AtskvMetadataBuilder(FlashAttentionMetadataBuilder):
+    """FlashAttention's metadata, with the decode requests at the front and counted."""
+
+    _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    reorder_batch_threshold = 1
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> FlashAttentionMetadata:
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        decodes, prefills, decode_tokens, prefill_tokens = split_decodes_and_prefills(common_attn_metadata)
+        metadata.num_decode_reqs, metadata.num_prefill_reqs = decodes, prefills
+        metadata.num_decode_tokens, metadata.num_prefill_tokens = decode_tokens, prefill_tokens
+        return metadata
+
+
+class AtskvAttentionImpl(FlashAttentionImpl):
+    """FlashAttention for prefill tokens; atskv's selection and sparse decode kernel for decodes."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        vllm_config = get_current_vllm_config_or_none()
+        self.config = PluginConfig.from_additional_config(vllm_config.additional_config if vllm_config else None)
+        selector = PAGED_SELECTORS.get(self.config.selector)
+        self.selector = None if self.config.dense else selector(**(self.config.options or {}))
+        self.bounds: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._sparse: bool | None = None  # decided at the first call, which names the layer
+
+    def sparse_layer(self, layer) -> bool:
+        if self._sparse is None:
+            own_rule = (
+                self.selector is None
+                or self.attn_type != AttentionType.DECODER
+                or self.sliding_window != (-1, -1)
+                or self.kv_cache_dtype.startswith("fp8")
+                or self.alibi_slopes is not None
+                or self.sinks is not None
+                or self.logits_soft_cap
+                or self.dcp_world_size > 1
+            )
+            self._sparse = not own_rule and extract_layer_index(layer.layer_name) >= self.config.dense_layers
+        return self._sparse
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        if kv_cache.numel() and self.sparse_layer(layer) and self.selector.needs_bounds:
+            blocks, heads, block_size, _ = kv_cache.shape
+            if self.bounds is None or self.bounds[0].shape[0] != blocks + 1:
+                if torch.cuda.is_current_stream_capturing():  # a fill captured here would replay every step
+                    raise RuntimeError("atskv: the page bounds must be allocated before CUDA graph capture")
+                self.bounds = empty_page_bounds(blocks, heads, self.head_size, key.dtype, key.device)
+                logger.info_once("atskv: page bounds of %d blocks per layer, %.2f GiB per layer", blocks,
+                                 2 * self.bounds[0].numel() * self.bounds[0].element_size() / 2**30)  # fmt: skip
+            update_page_bounds(*self.bounds, key, slot_mapping, block_size)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):  # fmt: skip
+        decodes = 0 if attn_metadata is None else attn_metadata.num_decode_reqs
+        if not decodes or attn_metadata.use_cascade or output_scale is not None or not self.sparse_layer(layer):
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                   output_block_scale)  # fmt: skip
+        tokens = attn_metadata.num_actual_tokens
+        if tokens > decodes:  # the prefill requests behind the decodes: FlashAttention over their share
+            rest = dataclasses.replace(
+                attn_metadata,
+                num_actual_tokens=tokens - decodes,
+                query_start_loc=attn_metadata.query_start_loc[decodes:] - decodes,
+                seq_lens=attn_metadata.seq_lens[decodes:],
+                block_table=attn_metadata.block_table[decodes:],
+                scheduler_metadata=None,
+                max_num_splits=0,
+            )
+            super().forward(layer, query[decodes:], key[decodes:], value[decodes:], kv_cache, rest, output[decodes:])
+        key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+        block_size = kv_cache.shape[2]
+        q = query[:decodes]
+        slots, lengths = self.selector.pick(
+            q, self.num_kv_heads, self.bounds, attn_metadata.block_table[:decodes], attn_metadata.seq_lens[:decodes],
+            block_size, self.config.budget,
+        )  # fmt: skip
+        out = paged_sparse_decode(q, key_cache, value_cache, slots, lengths, self.scale)
+        output[:decodes].view_as(out).copy_(out)
+        return output
+
+
+class AtskvAttentionBackend(FlashAttentionBackend):
+    """vLLM's FlashAttention backend (same cache, same prefill) with atskv's sparse decode."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls() -> type[AtskvAttentionImpl]:
+        return AtskvAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[AtskvMetadataBuilder]:
+        return AtskvMetadataBuilder

@@ -1,0 +1,59 @@
+"""The plugin's settings, read the vLLM way: `LLM(..., attention_backend="CUSTOM",
+additional_config={"atskv": {...}})`, or `vllm serve ... --attention-backend CUSTOM
+--additional-config '{"atskv": {...}}'`. Pure Python: tested without vLLM."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from atskv.errors import InputError, check_options
+
+BUDGET_RULE = (
+    "an int is tokens per KV head (>= 1), a float in (0, 1] a fraction of each request's context "
+    "(1.0: vLLM's own attention)"
+)
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    """`selector`: a name of `atskv.runtime.vllm.selection.PAGED_SELECTORS`, or "dense" (vLLM's own
+    attention everywhere). `budget`: what a decode query reads (`BUDGET_RULE`). `dense_layers`: the
+    first layers attend in full, as in `atskv.sparse` (sliding-window layers always do).
+    `options`: the selector's own (e.g. `{"sinks": 4}` for streaming_llm)."""
+
+    selector: str = "quest"
+    budget: int | float = 0.05
+    dense_layers: int = 2
+    options: dict | None = None
+
+    def __post_init__(self):
+        from atskv.runtime.vllm.selection import PAGED_SELECTORS
+
+        known = ["dense", *PAGED_SELECTORS]
+        if self.selector not in known:
+            raise InputError(f"atskv's vLLM plugin has no selector {self.selector!r}; it has: {', '.join(known)}")
+        budget = self.budget
+        if (
+            isinstance(budget, bool)
+            or not isinstance(budget, (int, float))
+            or (isinstance(budget, int) and budget < 1)
+            or (isinstance(budget, float) and not 0.0 < budget <= 1.0)
+        ):
+            raise InputError(f"atskv: bad budget {budget!r}: {BUDGET_RULE}")
+        if isinstance(self.dense_layers, bool) or not isinstance(self.dense_layers, int) or self.dense_layers < 0:
+            raise InputError(f"atskv: dense_layers must be an int >= 0, got {self.dense_layers!r}")
+
+    @property
+    def dense(self) -> bool:
+        """No layer reads sparsely: every forward is vLLM's own."""
+        return self.selector == "dense" or self.budget == 1.0
+
+    @classmethod
+    def from_additional_config(cls, additional: Any) -> PluginConfig:
+        """From vLLM's `additional_config` (its "atskv" entry; absent: the defaults)."""
+        settings = (additional or {}).get("atskv", {}) if isinstance(additional, dict) else {}
+        if not isinstance(settings, dict):
+            raise InputError(f"additional_config['atskv'] must be a dict, got {type(settings).__name__}")
+        check_options("additional_config['atskv']", settings, [f.name for f in fields(cls)])
+        return cls(**settings)

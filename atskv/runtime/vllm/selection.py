@@ -1,0 +1,94 @@
+"""Which cached tokens a decode query reads, over vLLM's paged cache: one selector a class, each
+declaring what it needs from the engine (`needs_bounds`: per-block key bounds kept on write).
+
+`pick(query [B, Hq, D], kv_heads, bounds (low, high) or None, block_table [B, W], seq_lens [B],
+block_size, budget)` returns the physical slot ids `[B, Hkv, K]` (int32) the sparse decode kernel gathers and how
+many of them count per (request, KV head) `[B, Hkv]`, with fixed shapes and no host sync, so a
+decode step runs inside vLLM's CUDA graphs. Pure torch plus atskv's kernels: tested on the CPU
+against the same selectors over an unpaged cache, without vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from atskv.kernels.budget import kept_tokens
+from atskv.kernels.paged import paged_page_scores, physical_slots
+from atskv.kernels.quest_decode import quest_pick
+from atskv.kernels.sparse_decode import sparse_decode_attention
+
+
+def most_tokens(budget: int | float, capacity: int) -> int:
+    """The largest number of tokens `budget` keeps of a context of at most `capacity` tokens: the
+    fixed width of an index list."""
+    return min(capacity, budget if isinstance(budget, int) else math.ceil(budget * capacity))
+
+
+@dataclass
+class PagedQuest:
+    """Quest (Tang et al., 2024) with vLLM's cache blocks as its pages: the pages of highest key
+    bound for this query, their newest tokens first, cut at the budget (`atskv.kernels.quest_decode`,
+    as on atskv's fast path). Query-aware: nothing is evicted, every block stays reachable."""
+
+    name: ClassVar[str] = "quest"
+    needs_bounds: ClassVar[bool] = True
+
+    def pick(self, query, kv_heads: int, bounds, block_table, seq_lens, block_size: int, budget: int | float):
+        b, hkv = query.shape[0], kv_heads
+        width = block_table.shape[1]
+        slots = width * block_size
+        scores = paged_page_scores(query, *bounds, block_table, seq_lens, block_size)
+        n_pages = min(width, math.ceil(most_tokens(budget, slots) / block_size) + 2)
+        at = torch.arange(slots, device=query.device, dtype=torch.int32)
+        positions = torch.where(at < seq_lens.view(-1, 1), at, -1).unsqueeze(1).expand(b, hkv, slots)
+        logical, lengths = quest_pick(scores, positions, budget, seq_lens, n_pages, block_size)
+        return physical_slots(logical, block_table, block_size), lengths
+
+
+@dataclass
+class PagedStreamingLLM:
+    """StreamingLLM (Xiao et al., 2024): the first `sinks` tokens and the most recent ones, up to
+    the budget, as atskv's `streaming_llm` keeps them; here a read restriction (the rest stays in
+    vLLM's blocks)."""
+
+    name: ClassVar[str] = "streaming_llm"
+    needs_bounds: ClassVar[bool] = False
+    sinks: int = 4
+
+    def pick(self, query, kv_heads: int, bounds, block_table, seq_lens, block_size: int, budget: int | float):
+        b, hkv = query.shape[0], kv_heads
+        width = most_tokens(budget, block_table.shape[1] * block_size)
+        kept = kept_tokens(budget, seq_lens.long())  # [B]
+        j = torch.arange(width, device=query.device)
+        sinks = kept.clamp(max=self.sinks).view(-1, 1)
+        logical = torch.where(j < sinks, j, seq_lens.view(-1, 1).long() - kept.view(-1, 1) + j)
+        logical = logical.clamp(0, block_table.shape[1] * block_size - 1)
+        logical = logical.unsqueeze(1).expand(b, hkv, width)
+        return physical_slots(logical, block_table, block_size), kept.int().view(-1, 1).expand(b, hkv)
+
+
+PAGED_SELECTORS = {cls.name: cls for cls in (PagedQuest, PagedStreamingLLM)}
+
+
+def slot_view(cache: torch.Tensor, requests: int) -> torch.Tensor:
+    """A paged cache `[num_blocks, block_size, Hkv, D]` (any strides that merge blocks and tokens) as
+    the sparse decode kernel's `[B, Hkv, num_slots, D]`, in place: every request sees all slots."""
+    blocks, size, heads, dim = cache.shape
+    if cache.stride(0) != size * cache.stride(1):
+        raise ValueError(
+            "atskv's vLLM plugin reads the KV cache by slot and needs vLLM's NHD layout "
+            f"(blocks, tokens, heads, dim); got strides {cache.stride()}: unset VLLM_KV_CACHE_LAYOUT"
+        )
+    slots = cache.as_strided((blocks * size, heads, dim), (cache.stride(1), cache.stride(2), cache.stride(3)))
+    return slots.transpose(0, 1).unsqueeze(0).expand(requests, heads, blocks * size, dim)
+
+
+def paged_sparse_decode(query, key_cache, value_cache, slots, lengths, scale: float) -> torch.Tensor:
+    """Each request's decode query `[B, Hq, D]` over its picked slots of the paged caches: `[B, Hq, D]`."""
+    b = query.shape[0]
+    keys, values = slot_view(key_cache, b), slot_view(value_cache, b)
+    return sparse_decode_attention(query, keys, values, slots, lengths, scale)

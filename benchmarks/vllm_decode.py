@@ -1,0 +1,45 @@
+"""Vanilla vLLM beside vLLM + atskv in one run (`atskv.eval.vllm_speed`): greedy-token identity on
+fixed prompts, then decode speed per (context, batch); rows in ROWS.jsonl as they finish, resumable.
+
+    python benchmarks/vllm_decode.py ROWS.jsonl --methods vllm vllm:quest --runs 32768x1 32768x8 131072x1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from atskv.eval.vllm_speed import EngineSpec, identity_report, measure, write_shape
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("rows", type=Path)
+parser.add_argument("--shape", default="llama3.1-8b")
+parser.add_argument("--methods", nargs="+", default=["vllm", "vllm:quest"], help="METHOD or LABEL=METHOD")
+parser.add_argument("--runs", nargs="*", default=["32768x1"], help="CONTEXTxBATCH pairs")
+parser.add_argument("--budget", type=json.loads, default=0.05, help="int tokens or a fraction (JSON)")
+parser.add_argument("--new_tokens", type=int, default=64)
+parser.add_argument("--identity_tokens", type=int, default=0)
+parser.add_argument("--identity_context", type=int, default=2048)
+parser.add_argument("--options", type=json.loads, default={}, help="per method, e.g. '{\"vllm:quest\": {...}}'")
+parser.add_argument("--budgets", type=json.loads, default={}, help="a budget per method, overriding --budget")
+args = parser.parse_args()
+shape = write_shape(args.shape, Path(tempfile.mkdtemp()) / args.shape)
+runs = [tuple(int(x) for x in run.split("x")) for run in args.runs]
+labelled = [m.split("=", 1) if "=" in m else (m, m) for m in args.methods]
+specs = [
+    EngineSpec(m, str(shape), runs, args.new_tokens, args.budgets.get(label, args.budget),
+               options=args.options.get(label, {}), identity_tokens=args.identity_tokens,
+               identity_context=args.identity_context, label=label)
+    for label, m in labelled
+]  # fmt: skip
+measure(specs, args.rows)
+for line in identity_report(args.rows):
+    print(line)
+for line in args.rows.read_text().splitlines():
+    row = json.loads(line)
+    if row["kind"] == "speed":
+        print(f"{row['method']:>24} ctx {row['context']:>6} B={row['batch']:<2} {row['ms_per_step']:7.2f} ms/step "
+              f"{row['tokens_per_s']:7.1f} tok/s  prefill {row['prefill_s']:6.2f} s  ttft {row['ttft_mean_s']:6.2f} s  "
+              f"held {row['requests_held']:.2f} requests ({row['kv_tokens']} KV tokens)")

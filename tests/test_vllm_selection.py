@@ -1,0 +1,194 @@
+"""The vLLM plugin's selection over a paged cache, on the CPU and without vLLM: a random cache is
+scattered into blocks through random block tables, and each paged selector's attention must equal
+the same selector's over the unpaged keys (the references atskv's Quest and StreamingLLM run)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from atskv.errors import InputError
+from atskv.kernels.paged import (
+    empty_page_bounds,
+    paged_page_scores_reference,
+    paged_page_scores_triton,
+    physical_slots,
+    update_page_bounds,
+)
+from atskv.kernels.quest import page_bounds, quest_page_scores_reference
+from atskv.kernels.quest_decode import quest_pick_reference
+from atskv.kernels.sparse_decode import sparse_decode_attention_reference
+from atskv.runtime.vllm.config import PluginConfig
+from atskv.runtime.vllm.selection import PagedQuest, PagedStreamingLLM, paged_sparse_decode
+from atskv.selectors.streaming_llm import StreamingLLMSelector
+
+BLOCK = 16
+HQ, HKV, D = 8, 2, 32
+
+
+class PagedCache:
+    """Requests of `lengths` tokens in a paged cache laid out as vLLM's FlashAttention backend
+    lays it out (`[blocks, HKV, BLOCK, 2 * D]` in NHD memory order), their blocks spread at random
+    over the pool, written chunk by chunk the way prefill chunks and decode steps write them."""
+
+    def __init__(self, lengths: list[int], width: int, generator: torch.Generator, spare_blocks: int = 7):
+        self.lengths = lengths
+        blocks = len(lengths) * width + spare_blocks
+        physical = torch.zeros(blocks, BLOCK, HKV, 2 * D)  # NHD memory
+        self.kv_cache = physical.permute(0, 2, 1, 3)  # the backend's logical [blocks, HKV, BLOCK, 2D]
+        order = torch.randperm(blocks, generator=generator)
+        self.block_table = order[: len(lengths) * width].view(len(lengths), width).int()
+        self.keys = [torch.randn(n, HKV, D, generator=generator) for n in lengths]
+        self.values = [torch.randn(n, HKV, D, generator=generator) for n in lengths]
+        self.bounds = empty_page_bounds(blocks, HKV, D, torch.float32, "cpu")
+        # stale garbage from an earlier tenant of the blocks: a block's first token must reset it
+        self.bounds[0].uniform_(-9, -8, generator=generator)
+        self.bounds[1].uniform_(8, 9, generator=generator)
+
+    def slot(self, request: int, positions: torch.Tensor) -> torch.Tensor:
+        return physical_slots(positions.view(1, 1, -1), self.block_table[request : request + 1], BLOCK).view(-1)
+
+    def write(self, request: int, start: int, stop: int, pad: int = 0) -> None:
+        """Tokens [start, stop) of one request, as one forward writes them (with `pad` padding tokens)."""
+        slots = self.slot(request, torch.arange(start, stop))
+        key, value = self.keys[request][start:stop], self.values[request][start:stop]
+        cache = self.kv_cache.transpose(1, 2)  # [blocks, BLOCK, HKV, 2D]
+        flat = cache.reshape(-1, HKV, 2 * D)  # a view: blocks and tokens merge in NHD
+        flat[slots.long(), :, :D] = key
+        flat[slots.long(), :, D:] = value
+        slots = torch.cat([slots, torch.full((pad,), -1, dtype=torch.int32)])
+        key = torch.cat([key, torch.randn(pad, HKV, D)])
+        update_page_bounds(*self.bounds, key, slots, BLOCK)
+
+    def fill(self, chunk: int) -> None:
+        for r, n in enumerate(self.lengths):
+            for start in range(0, n, chunk):
+                self.write(r, start, min(n, start + chunk), pad=3)
+
+    def split(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv_cache.transpose(1, 2).split(D, dim=-1)
+
+
+def padded(tensors: list[torch.Tensor], width: int) -> torch.Tensor:
+    """`[B, HKV, width, D]` of per-request `[n, HKV, D]`, zeros past each request's end."""
+    out = torch.zeros(len(tensors), HKV, width, D)
+    for r, t in enumerate(tensors):
+        out[r, :, : t.shape[0]] = t.transpose(0, 1)
+    return out
+
+
+@pytest.fixture
+def cache() -> PagedCache:
+    generator = torch.Generator().manual_seed(0)
+    paged = PagedCache([37, 100, 16, 161], width=12, generator=generator)
+    paged.fill(chunk=23)
+    return paged
+
+
+def test_page_bounds_follow_the_writes_of_every_chunk(cache):
+    for r, keys in enumerate(cache.keys):
+        low, high = page_bounds(keys.transpose(0, 1).unsqueeze(0), BLOCK)  # [1, HKV, P, D]
+        blocks = cache.block_table[r, : low.shape[2]].long()
+        torch.testing.assert_close(cache.bounds[0][blocks], low[0].transpose(0, 1))
+        torch.testing.assert_close(cache.bounds[1][blocks], high[0].transpose(0, 1))
+
+
+def test_paged_page_scores_kernel_matches_its_reference(cache):
+    query = torch.randn(len(cache.lengths), HQ, D)
+    seq_lens = torch.tensor(cache.lengths, dtype=torch.int32)
+    want = paged_page_scores_reference(query, *cache.bounds, cache.block_table, seq_lens, BLOCK)
+    got = paged_page_scores_triton(query, *cache.bounds, cache.block_table, seq_lens, BLOCK)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert torch.isinf(want[0, :, math.ceil(37 / BLOCK) :]).all()
+
+
+@pytest.mark.parametrize("budget", [24, 48, 0.3])
+def test_paged_quest_attends_what_quest_attends_on_the_unpaged_cache(cache, budget):
+    b = len(cache.lengths)
+    query = torch.randn(b, HQ, D)
+    seq_lens = torch.tensor(cache.lengths, dtype=torch.int32)
+    slots, lengths = PagedQuest().pick(query, HKV, cache.bounds, cache.block_table, seq_lens, BLOCK, budget)
+    got = paged_sparse_decode(query, *cache.split(), slots, lengths, D**-0.5)
+
+    width = cache.block_table.shape[1] * BLOCK
+    keys, values = padded(cache.keys, width), padded(cache.values, width)
+    low, high = page_bounds(keys, BLOCK)
+    pages = quest_page_scores_reference(query, low, high)
+    used = torch.arange(pages.shape[-1]) < ((seq_lens + BLOCK - 1) // BLOCK).view(-1, 1, 1)
+    positions = torch.where(torch.arange(width) < seq_lens.view(-1, 1), torch.arange(width), -1)
+    most = budget if isinstance(budget, int) else math.ceil(budget * width)
+    n_pages = min(pages.shape[-1], math.ceil(most / BLOCK) + 2)
+    pages = pages.masked_fill(~used, -math.inf)
+    positions = positions.unsqueeze(1).expand(b, HKV, width)
+    logical, want_lengths = quest_pick_reference(pages, positions, budget, seq_lens, n_pages, BLOCK)
+    want = sparse_decode_attention_reference(query, keys, values, logical, want_lengths, D**-0.5)
+    assert torch.equal(lengths, want_lengths)
+    torch.testing.assert_close(got, want)
+    assert (lengths < seq_lens.view(-1, 1)).any(), "the budget must leave tokens out somewhere"
+
+
+def test_paged_quest_with_the_whole_context_is_dense_attention(cache):
+    b = len(cache.lengths)
+    query = torch.randn(b, HQ, D)
+    seq_lens = torch.tensor(cache.lengths, dtype=torch.int32)
+    slots, lengths = PagedQuest().pick(query, HKV, cache.bounds, cache.block_table, seq_lens, BLOCK, max(cache.lengths))
+    got = paged_sparse_decode(query, *cache.split(), slots, lengths, D**-0.5)
+    for r, n in enumerate(cache.lengths):
+        q = query[r].view(HKV, HQ // HKV, D)
+        k, v = cache.keys[r].transpose(0, 1), cache.values[r].transpose(0, 1)
+        dense = torch.softmax(q @ k.transpose(1, 2) * D**-0.5, -1) @ v
+        torch.testing.assert_close(got[r], dense.reshape(HQ, D))
+
+
+@pytest.mark.parametrize("budget", [20, 0.25])
+def test_paged_streaming_llm_reads_the_tokens_streaming_llm_keeps(cache, budget):
+    b = len(cache.lengths)
+    query = torch.randn(b, HQ, D)
+    seq_lens = torch.tensor(cache.lengths, dtype=torch.int32)
+    slots, lengths = PagedStreamingLLM(sinks=4).pick(query, HKV, None, cache.block_table, seq_lens, BLOCK, budget)
+    got = paged_sparse_decode(query, *cache.split(), slots, lengths, D**-0.5)
+    for r, n in enumerate(cache.lengths):
+        k = math.ceil(n * budget) if isinstance(budget, float) else min(n, budget)
+        positions = torch.arange(n, dtype=torch.float32)
+        sink = positions < 4
+        scores = torch.where(sink, torch.inf, positions)  # StreamingLLMSelector's scores for one row
+        keep = scores.topk(k).indices.sort().values
+        q = query[r].view(HKV, HQ // HKV, D)
+        keys, values = cache.keys[r][keep].transpose(0, 1), cache.values[r][keep].transpose(0, 1)
+        want = torch.softmax(q @ keys.transpose(1, 2) * D**-0.5, -1) @ values
+        torch.testing.assert_close(got[r], want.reshape(HQ, D))
+        assert int(lengths[r, 0]) == k
+    assert StreamingLLMSelector.name == PagedStreamingLLM.name  # the same selector by name in both runtimes
+
+
+def test_a_cache_not_in_nhd_order_is_refused():
+    hnd = torch.zeros(4, HKV, BLOCK, 2 * D)  # HND memory: blocks and tokens do not merge
+    key_cache = hnd.transpose(1, 2)[..., :D]
+    with pytest.raises(ValueError, match="NHD"):
+        paged_sparse_decode(torch.randn(1, HQ, D), key_cache, key_cache, torch.zeros(1, HKV, 1, dtype=torch.int32),
+                            torch.ones(1, HKV, dtype=torch.int32), 1.0)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"selector": "nope"}, "no selector 'nope'"),
+        ({"budget": 0}, "bad budget"),
+        ({"budget": 1.5}, "bad budget"),
+        ({"budget": True}, "bad budget"),
+        ({"dense_layers": -1}, "dense_layers"),
+        ({"budjet": 0.1}, "no option 'budjet'"),
+    ],
+)
+def test_bad_plugin_settings_are_one_line_errors(settings, message):
+    with pytest.raises(InputError, match=message):
+        PluginConfig.from_additional_config({"atskv": settings})
+
+
+def test_plugin_settings_from_vllms_additional_config():
+    assert PluginConfig.from_additional_config(None) == PluginConfig()
+    config = PluginConfig.from_additional_config({"atskv": {"selector": "streaming_llm", "budget": 512}, "other": 1})
+    assert (config.selector, config.budget, config.dense) == ("streaming_llm", 512, False)
+    assert PluginConfig.from_additional_config({"atskv": {"budget": 1.0}}).dense
