@@ -123,8 +123,9 @@ def _paged_scores_kernel(
     if UPCAST_DOT:  # Triton's interpreter multiplies bf16 as raw integers
         q, lo, hi = q.to(tl.float32), lo.to(tl.float32), hi.to(tl.float32)
     zero = tl.zeros_like(q)
-    bound = tl.dot(tl.maximum(q, zero), tl.trans(hi), input_precision=DOT_PRECISION)  # [G, P]
-    bound += tl.dot(tl.minimum(q, zero), tl.trans(lo), input_precision=DOT_PRECISION)
+    positive, negative = tl.maximum(q, zero).to(hi.dtype), tl.minimum(q, zero).to(lo.dtype)  # max/min upcast bf16
+    bound = tl.dot(positive, tl.trans(hi), input_precision=DOT_PRECISION)  # [G, P]
+    bound += tl.dot(negative, tl.trans(lo), input_precision=DOT_PRECISION)
     bound = tl.where(in_group[:, None], bound, float("-inf"))
     best = tl.where(used, tl.max(bound, 0), float("-inf"))
     tl.store(row, best, mask=p < width)

@@ -36,6 +36,7 @@ import torch
 
 from atskv.hook.gqa import grouped_probs
 from atskv.kernels.backend import dependent_launch, jit, sm_count, tl, triton, use_triton, wait_for_inputs
+from atskv.kernels.paged import physical_slots
 
 # Split heuristic (see `choose_split_size`): a split walks at least MIN_SPLIT_TILES tiles, aims at
 # WAVES programs per SM over the whole grid, and never exceeds MAX_SPLITS.
@@ -56,11 +57,20 @@ def sparse_decode_attention(
     held: torch.Tensor | None = None,
     want_mass: bool = False,
     add_mass_to: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    block_size: int = 0,
+    out: torch.Tensor | None = None,
 ):
     """Attention of each decode query over its KV group's indexed slots, `[B, Hq, D]` in the query
     dtype (with `want_mass`, and the mass `[B, Hkv, K]`; with `add_mass_to`, the mass added there
-    by slot): the Triton kernel on CUDA, the torch reference elsewhere (see `kernels.backend`)."""
-    options = {"held": held, "want_mass": want_mass, "add_mass_to": add_mass_to}
+    by slot): the Triton kernel on CUDA, the torch reference elsewhere (see `kernels.backend`).
+
+    Paged caches (vLLM's): with `block_table` `[B, W]` the indices are each row's logical token
+    positions, read at physical slot `block_table[b, i // block_size] * block_size + i % block_size`
+    of `keys`/`values` (all slots of the cache, `[B, Hkv, num_slots, D]` views). `out` `[B, Hq, D]`:
+    written in place (an engine's output buffer) and returned."""
+    options = {"held": held, "want_mass": want_mass, "add_mass_to": add_mass_to, "block_table": block_table,
+               "block_size": block_size, "out": out}  # fmt: skip
     if use_triton(query):
         return sparse_decode_attention_triton(query, keys, values, indices, lengths, scaling, **options)
     return sparse_decode_attention_reference(query, keys, values, indices, lengths, scaling, **options)
@@ -77,12 +87,17 @@ def sparse_decode_attention_reference(
     held: torch.Tensor | None = None,
     want_mass: bool = False,
     add_mass_to: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    block_size: int = 0,
+    out: torch.Tensor | None = None,
 ):
     """Plain torch: gather the indexed K/V rows (`[B, Hkv, K, D]`, the budget, not the cache), then
     float32 logits, softmax and weighted sum. The CPU path and the kernel's ground truth."""
     scaling = _check(query, keys, values, indices, lengths, scaling, held, want_mass, add_mass_to)
+    _check_paged(block_table, block_size, want_mass, add_mass_to, held)
     b, hq, d = query.shape
-    rows = indices.long().unsqueeze(-1)
+    slots = indices if block_table is None else physical_slots(indices, block_table, block_size)
+    rows = slots.long().unsqueeze(-1)
     picked_keys = keys.gather(2, rows.expand(-1, -1, -1, d)).float()
     picked_values = values.gather(2, rows.expand(-1, -1, -1, values.shape[-1])).float()
     valid = _valid_indices(indices, lengths)  # [B, Hkv, K]
@@ -90,7 +105,8 @@ def sparse_decode_attention_reference(
         valid = valid & (held.gather(2, indices.long()) >= 0)
     probs = grouped_probs(query.unsqueeze(2).float(), picked_keys, valid.unsqueeze(2), scaling)
     probs = probs * valid.any(-1)[..., None, None, None]  # empty rows: zeros, not a uniform average
-    out = torch.matmul(probs, picked_values.unsqueeze(2)).reshape(b, hq, -1).to(query.dtype)  # from [B, Hkv, G, 1, D]
+    result = torch.matmul(probs, picked_values.unsqueeze(2)).reshape(b, hq, -1).to(query.dtype)  # [B, Hkv, G, 1, D]
+    out = result if out is None else out.copy_(result)
     if want_mass:
         return out, probs.sum(dim=(2, 3))
     if add_mass_to is not None:  # uncounted positions add zeros
@@ -109,6 +125,9 @@ def sparse_decode_attention_triton(
     held: torch.Tensor | None = None,
     want_mass: bool = False,
     add_mass_to: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    block_size: int = 0,
+    out: torch.Tensor | None = None,
     split_size: int | None = None,
 ):
     """The Triton kernel. `split_size` (indices per split; whole tiles are fastest) overrides
@@ -116,6 +135,7 @@ def sparse_decode_attention_triton(
     if triton is None:
         raise RuntimeError("the sparse decode kernel needs Triton (pip install 'atskv[gpu]' or 'atskv[test]')")
     scaling = _check(query, keys, values, indices, lengths, scaling, held, want_mass, add_mass_to)
+    _check_paged(block_table, block_size, want_mass, add_mass_to, held)
     b, hq, d = query.shape
     hkv, num_indices = keys.shape[1], indices.shape[-1]
     group = hq // hkv
@@ -124,7 +144,12 @@ def sparse_decode_attention_triton(
     if split_size < 1:
         raise ValueError(f"split_size must be >= 1, got {split_size}")
     splits = max(1, math.ceil(num_indices / split_size))
-    out = torch.empty(b, hq, d, dtype=query.dtype, device=query.device)
+    if out is None:
+        out = torch.empty(b, hq, d, dtype=query.dtype, device=query.device)
+    elif out.shape != query.shape or out.stride(-1) != 1 or out.stride(1) != d or out.dtype != query.dtype:
+        raise ValueError(f"out must be [B, Hq, D] = {tuple(query.shape)} rows of {d}, got {tuple(out.shape)}")
+    paged = block_table is not None
+    table = block_table if paged else indices  # an unused pointer without a table
     if splits == 1:
         partial = max_logit = total = out  # the split kernel writes the output itself
     else:
@@ -141,11 +166,12 @@ def sparse_decode_attention_triton(
         lse = torch.empty(b * hq, dtype=torch.float32, device=query.device)
     grid = (b * hkv, splits)
     _split_kernel[grid](
-        query, keys, values, indices, lengths, held, partial, max_logit, total, logits, lse,
+        query, keys, values, indices, lengths, held, table, partial, max_logit, total, logits, lse, out,
         *query.stride(), *keys.stride(), *values.stride(), *indices.stride(), lengths.stride(0), lengths.stride(1),
-        *held.stride()[:3], hkv, num_indices, split_size, splits, scaling * _LOG2E,
+        *held.stride()[:3], table.stride(0), table.stride(-1), out.stride(0), hkv, num_indices, split_size, splits,
+        max(block_size, 1), scaling * _LOG2E,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_N=_block_n(d),
-        HAS_LENGTHS=has_lengths, HAS_HELD=has_held, WANT_MASS=with_mass, SINGLE_SPLIT=splits == 1,
+        HAS_LENGTHS=has_lengths, HAS_HELD=has_held, PAGED=paged, WANT_MASS=with_mass, SINGLE_SPLIT=splits == 1,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,  # fp32 stays fp32, not TF32
         # Triton's interpreter (the only way to run on CPU tensors) multiplies bf16 as raw integers
         UPCAST_DOT=query.dtype == torch.bfloat16 and not query.is_cuda,
@@ -154,7 +180,7 @@ def sparse_decode_attention_triton(
     if splits > 1:
         grid = (b * hq,)
         _merge_kernel[grid](
-            partial, max_logit, total, out, lse, group, splits,
+            partial, max_logit, total, out, lse, group, splits, out.stride(0), hq,
             HEAD_DIM=d, BLOCK_S=triton.next_power_of_2(splits), WANT_LSE=with_mass, num_warps=4,
             **dependent_launch(query, grid),
         )  # fmt: skip
@@ -192,6 +218,15 @@ def _block_n(head_dim: int) -> int:
     gathered before the products, stay 16 KB in bf16. Compiled for sm_90 with 4 warps this takes
     183-194 registers and no spills (two programs per SM); 8 KB more per tile spills."""
     return min(64, 4096 // head_dim)
+
+
+def _check_paged(block_table, block_size: int, want_mass: bool, add_mass_to, held) -> None:
+    if block_table is None:
+        return
+    if block_size < 1 or block_table.dim() != 2 or block_table.is_floating_point():
+        raise ValueError(f"a paged read needs an integer block_table [B, W] and block_size >= 1, got {block_size}")
+    if want_mass or add_mass_to is not None or held is not None:
+        raise ValueError("a paged read takes no held slots and returns no mass")
 
 
 def _valid_indices(indices: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
@@ -232,16 +267,17 @@ def _check(query, keys, values, indices, lengths, scaling, held=None, want_mass=
 
 @jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, idx_ptr, len_ptr, held_ptr, out_ptr, max_ptr, sum_ptr, logit_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, idx_ptr, len_ptr, held_ptr, table_ptr, out_ptr, max_ptr, sum_ptr, logit_ptr, lse_ptr, res_ptr,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_ib, stride_ih, stride_ik,
     stride_lb, stride_lh,
-    stride_pb, stride_ph, stride_ps,
-    num_kv_heads, num_indices, split_size, num_splits, qk_scale,
+    stride_pb, stride_ph, stride_ps, stride_tb, stride_tw, stride_rb,
+    num_kv_heads, num_indices, split_size, num_splits, block_size, qk_scale,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_LENGTHS: tl.constexpr, HAS_HELD: tl.constexpr, WANT_MASS: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr, HAS_HELD: tl.constexpr, PAGED: tl.constexpr, WANT_MASS: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
@@ -280,6 +316,9 @@ def _split_kernel(
         offs = n + tl.arange(0, BLOCK_N)
         valid = offs < stop
         slot = tl.load(idx_row + offs * stride_ik, mask=valid, other=0).to(tl.int64)
+        if PAGED:  # a logical position: through the row's block table to its physical slot
+            block = tl.load(table_ptr + b * stride_tb + (slot // block_size) * stride_tw, mask=valid, other=0)
+            slot = block.to(tl.int64) * block_size + slot % block_size
         if HAS_HELD:  # a free slot is skipped: a tile may then have no finite logit
             valid &= tl.load(held_ptr + b * stride_pb + h * stride_ph + slot * stride_ps, mask=valid, other=-1) >= 0
         k = tl.load(k_row + slot[:, None] * stride_ks + d[None, :] * stride_kd, mask=valid[:, None], other=0.0)
@@ -302,8 +341,8 @@ def _split_kernel(
             lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
             tl.store(lse_ptr + row, lse, mask=in_group)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty row has acc = 0: zeros
-        out_rows = out_ptr + row[:, None] * HEAD_DIM + d[None, :]
-        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=in_group[:, None])
+        out_rows = res_ptr + b * stride_rb + (h * GROUP + g)[:, None] * HEAD_DIM + d[None, :]
+        tl.store(out_rows, out.to(res_ptr.dtype.element_ty), mask=in_group[:, None])
     else:
         part = (bh * num_splits + split) * GROUP + g
         tl.store(out_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=in_group[:, None])
@@ -313,7 +352,7 @@ def _split_kernel(
 
 @jit
 def _merge_kernel(
-    acc_ptr, max_ptr, sum_ptr, out_ptr, lse_ptr, group, num_splits,
+    acc_ptr, max_ptr, sum_ptr, out_ptr, lse_ptr, group, num_splits, stride_ob, num_heads,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, WANT_LSE: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
@@ -333,7 +372,8 @@ def _merge_kernel(
     weight = tl.exp2(m - tl.where(m_all > float("-inf"), m_all, 0.0))
     total = tl.sum(weight * partial_sum, 0)
     out = tl.sum(weight[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
+    at = out_ptr + (row // num_heads) * stride_ob + (row % num_heads) * HEAD_DIM + d
+    tl.store(at, out.to(out_ptr.dtype.element_ty))
     if WANT_LSE:
         tl.store(lse_ptr + row, tl.where(total > 0, m_all + tl.log2(tl.maximum(total, 1e-30)), float("-inf")))
 

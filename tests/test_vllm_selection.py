@@ -109,8 +109,8 @@ def test_paged_quest_attends_what_quest_attends_on_the_unpaged_cache(cache, budg
     b = len(cache.lengths)
     query = torch.randn(b, HQ, D)
     seq_lens = torch.tensor(cache.lengths, dtype=torch.int32)
-    slots, lengths = PagedQuest().pick(query, HKV, cache.bounds, cache.block_table, seq_lens, BLOCK, budget)
-    got = paged_sparse_decode(query, *cache.split(), slots, lengths, D**-0.5)
+    positions, lengths = PagedQuest().pick(query, HKV, cache.bounds, cache.block_table, seq_lens, BLOCK, budget)
+    got = paged_sparse_decode(query, *cache.split(), positions, lengths, cache.block_table, D**-0.5)
 
     width = cache.block_table.shape[1] * BLOCK
     keys, values = padded(cache.keys, width), padded(cache.values, width)
@@ -133,8 +133,11 @@ def test_paged_quest_with_the_whole_context_is_dense_attention(cache):
     b = len(cache.lengths)
     query = torch.randn(b, HQ, D)
     seq_lens = torch.tensor(cache.lengths, dtype=torch.int32)
-    slots, lengths = PagedQuest().pick(query, HKV, cache.bounds, cache.block_table, seq_lens, BLOCK, max(cache.lengths))
-    got = paged_sparse_decode(query, *cache.split(), slots, lengths, D**-0.5)
+    positions, lengths = PagedQuest().pick(query, HKV, cache.bounds, cache.block_table, seq_lens, BLOCK,
+                                           max(cache.lengths))  # fmt: skip
+    out = torch.full_like(query, torch.nan)
+    got = paged_sparse_decode(query, *cache.split(), positions, lengths, cache.block_table, D**-0.5, out=out)
+    assert got is out
     for r, n in enumerate(cache.lengths):
         q = query[r].view(HKV, HQ // HKV, D)
         k, v = cache.keys[r].transpose(0, 1), cache.values[r].transpose(0, 1)
@@ -147,8 +150,8 @@ def test_paged_streaming_llm_reads_the_tokens_streaming_llm_keeps(cache, budget)
     b = len(cache.lengths)
     query = torch.randn(b, HQ, D)
     seq_lens = torch.tensor(cache.lengths, dtype=torch.int32)
-    slots, lengths = PagedStreamingLLM(sinks=4).pick(query, HKV, None, cache.block_table, seq_lens, BLOCK, budget)
-    got = paged_sparse_decode(query, *cache.split(), slots, lengths, D**-0.5)
+    positions, lengths = PagedStreamingLLM(sinks=4).pick(query, HKV, None, cache.block_table, seq_lens, BLOCK, budget)
+    got = paged_sparse_decode(query, *cache.split(), positions, lengths, cache.block_table, D**-0.5)
     for r, n in enumerate(cache.lengths):
         k = math.ceil(n * budget) if isinstance(budget, float) else min(n, budget)
         positions = torch.arange(n, dtype=torch.float32)
@@ -167,8 +170,8 @@ def test_a_cache_not_in_nhd_order_is_refused():
     hnd = torch.zeros(4, HKV, BLOCK, 2 * D)  # HND memory: blocks and tokens do not merge
     key_cache = hnd.transpose(1, 2)[..., :D]
     with pytest.raises(ValueError, match="NHD"):
-        paged_sparse_decode(torch.randn(1, HQ, D), key_cache, key_cache, torch.zeros(1, HKV, 1, dtype=torch.int32),
-                            torch.ones(1, HKV, dtype=torch.int32), 1.0)  # fmt: skip
+        one = torch.ones(1, HKV, dtype=torch.int32)
+        paged_sparse_decode(torch.randn(1, HQ, D), key_cache, key_cache, one.unsqueeze(-1), one, one, 1.0)
 
 
 @pytest.mark.parametrize(
@@ -192,3 +195,23 @@ def test_plugin_settings_from_vllms_additional_config():
     config = PluginConfig.from_additional_config({"atskv": {"selector": "streaming_llm", "budget": 512}, "other": 1})
     assert (config.selector, config.budget, config.dense) == ("streaming_llm", 512, False)
     assert PluginConfig.from_additional_config({"atskv": {"budget": 1.0}}).dense
+
+
+@pytest.mark.parametrize("split_size", [32, 10_000])
+def test_the_sparse_decode_kernel_reads_a_paged_cache_as_its_reference_does(cache, split_size):
+    from atskv.kernels.sparse_decode import sparse_decode_attention_triton
+    from atskv.runtime.vllm.selection import slot_view
+
+    b = len(cache.lengths)
+    query = torch.randn(b, HQ, D)
+    seq_lens = torch.tensor(cache.lengths, dtype=torch.int32)
+    positions, lengths = PagedQuest().pick(query, HKV, cache.bounds, cache.block_table, seq_lens, BLOCK, 40)
+    key_cache, value_cache = cache.split()
+    keys, values = slot_view(key_cache, b), slot_view(value_cache, b)
+    options = dict(block_table=cache.block_table, block_size=BLOCK)
+    want = sparse_decode_attention_reference(query, keys, values, positions, lengths, D**-0.5, **options)
+    out = torch.full((b, HQ, D), torch.nan)
+    got = sparse_decode_attention_triton(query, keys, values, positions, lengths, D**-0.5, out=out,
+                                         split_size=split_size, **options)  # fmt: skip
+    assert got is out
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -4,7 +4,7 @@
 # and unpacked into /tmp/vsite once all are there; atskv from this tree without an install:
 # `kernels/` mapped to `atskv.kernels`, and a dist-info whose entry point vLLM's plugin loader finds.
 # vLLM runs with the image's transformers (5.17): the plugin does not import transformers.
-mkdir -p /tmp/vst && for part in .device/v*/vllm.tar.xz.part.*; do [ -f "$part" ] && cp -n "$part" /tmp/vst/; done
+mkdir -p /tmp/vst && for part in .device/v*/vllm.tar.xz.part.*; do [ -f "$part" ] && cp --update=none "$part" /tmp/vst/; done
 if [ ! -f /tmp/vsite/.done ] && [ "$(ls /tmp/vst | wc -l)" -ge "${VLLM_PARTS:-4}" ]; then
   mkdir -p /tmp/vsite && cat /tmp/vst/vllm.tar.xz.part.* | tar xJ -C /tmp/vsite && touch /tmp/vsite/.done
 fi

@@ -110,13 +110,12 @@ class AtskvAttentionImpl(FlashAttentionImpl):
             super().forward(layer, query[decodes:], key[decodes:], value[decodes:], kv_cache, rest, output[decodes:])
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
         block_size = kv_cache.shape[2]
-        q = query[:decodes]
-        slots, lengths = self.selector.pick(
-            q, self.num_kv_heads, self.bounds, attn_metadata.block_table[:decodes], attn_metadata.seq_lens[:decodes],
-            block_size, self.config.budget,
-        )  # fmt: skip
-        out = paged_sparse_decode(q, key_cache, value_cache, slots, lengths, self.scale)
-        output[:decodes].view_as(out).copy_(out)
+        q, table = query[:decodes], attn_metadata.block_table[:decodes]
+        seq_lens = attn_metadata.seq_lens[:decodes]
+        positions, lengths = self.selector.pick(q, self.num_kv_heads, self.bounds, table, seq_lens, block_size,
+                                                self.config.budget)  # fmt: skip
+        paged_sparse_decode(q, key_cache, value_cache, positions, lengths, table, self.scale,
+                            out=output[:decodes].view(q.shape))  # fmt: skip
         return output
 
 

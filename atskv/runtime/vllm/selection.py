@@ -2,8 +2,9 @@
 declaring what it needs from the engine (`needs_bounds`: per-block key bounds kept on write).
 
 `pick(query [B, Hq, D], kv_heads, bounds (low, high) or None, block_table [B, W], seq_lens [B],
-block_size, budget)` returns the physical slot ids `[B, Hkv, K]` (int32) the sparse decode kernel gathers and how
-many of them count per (request, KV head) `[B, Hkv]`, with fixed shapes and no host sync, so a
+block_size, budget)` returns each request's logical token positions `[B, Hkv, K]` (int32), which the
+sparse decode kernel reads through the block table, and how many count per (request, KV head)
+`[B, Hkv]`, with fixed shapes and no host sync, so a
 decode step runs inside vLLM's CUDA graphs. Pure torch plus atskv's kernels: tested on the CPU
 against the same selectors over an unpaged cache, without vLLM.
 """
@@ -17,7 +18,7 @@ from typing import ClassVar
 import torch
 
 from atskv.kernels.budget import kept_tokens
-from atskv.kernels.paged import paged_page_scores, physical_slots
+from atskv.kernels.paged import paged_page_scores
 from atskv.kernels.quest_decode import quest_pick
 from atskv.kernels.sparse_decode import sparse_decode_attention
 
@@ -45,8 +46,7 @@ class PagedQuest:
         n_pages = min(width, math.ceil(most_tokens(budget, slots) / block_size) + 2)
         at = torch.arange(slots, device=query.device, dtype=torch.int32)
         positions = torch.where(at < seq_lens.view(-1, 1), at, -1).unsqueeze(1).expand(b, hkv, slots)
-        logical, lengths = quest_pick(scores, positions, budget, seq_lens, n_pages, block_size)
-        return physical_slots(logical, block_table, block_size), lengths
+        return quest_pick(scores, positions, budget, seq_lens, n_pages, block_size)
 
 
 @dataclass
@@ -67,8 +67,7 @@ class PagedStreamingLLM:
         sinks = kept.clamp(max=self.sinks).view(-1, 1)
         logical = torch.where(j < sinks, j, seq_lens.view(-1, 1).long() - kept.view(-1, 1) + j)
         logical = logical.clamp(0, block_table.shape[1] * block_size - 1)
-        logical = logical.unsqueeze(1).expand(b, hkv, width)
-        return physical_slots(logical, block_table, block_size), kept.int().view(-1, 1).expand(b, hkv)
+        return logical.int().unsqueeze(1).expand(b, hkv, width), kept.int().view(-1, 1).expand(b, hkv)
 
 
 PAGED_SELECTORS = {cls.name: cls for cls in (PagedQuest, PagedStreamingLLM)}
@@ -87,8 +86,10 @@ def slot_view(cache: torch.Tensor, requests: int) -> torch.Tensor:
     return slots.transpose(0, 1).unsqueeze(0).expand(requests, heads, blocks * size, dim)
 
 
-def paged_sparse_decode(query, key_cache, value_cache, slots, lengths, scale: float) -> torch.Tensor:
-    """Each request's decode query `[B, Hq, D]` over its picked slots of the paged caches: `[B, Hq, D]`."""
+def paged_sparse_decode(query, key_cache, value_cache, positions, lengths, block_table, scale: float, out=None):
+    """Each request's decode query `[B, Hq, D]` over its picked token `positions` in the paged caches
+    `[num_blocks, block_size, Hkv, D]`: `[B, Hq, D]` (into `out` when given)."""
     b = query.shape[0]
     keys, values = slot_view(key_cache, b), slot_view(value_cache, b)
-    return sparse_decode_attention(query, keys, values, slots, lengths, scale)
+    return sparse_decode_attention(query, keys, values, positions, lengths, scale, block_table=block_table,
+                                   block_size=key_cache.shape[1], out=out)  # fmt: skip

@@ -1,0 +1,73 @@
+"""Where a decode step of the vLLM plugin goes, per layer, outside vLLM: the plugin's stages on a
+synthetic paged cache of the 8B shape (32/8 heads, dim 128, blocks of 16), each graph-captured and
+timed alone (`triton.testing.do_bench_cudagraph`, median), beside SDPA over the whole context.
+`--capacity` is the engine's max_model_len: the block table's width, which sizes a fractional
+budget's index lists.
+
+    python benchmarks/vllm_step_profile.py [--budget 0.05] [--capacity 131072]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench_cudagraph
+
+from atskv.kernels.paged import paged_page_scores
+from atskv.kernels.quest_decode import quest_pick
+from atskv.runtime.vllm.selection import PagedQuest, PagedStreamingLLM, paged_sparse_decode
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--budget", type=float, default=0.05)
+parser.add_argument("--capacity", type=int, default=131072)
+parser.add_argument("--runs", nargs="+", default=["32768x1", "32768x8", "131072x1"])
+args = parser.parse_args()
+HQ, HKV, D, BS = 32, 8, 128, 16
+dev, dt = "cuda", torch.bfloat16
+print(f"{'context x batch':>16} {'stage':>28} {'us':>8}")
+for run in args.runs:
+    context, batch = (int(x) for x in run.split("x"))
+    width = args.capacity // BS
+    blocks = batch * width + 64
+    kv = torch.randn(blocks, BS, HKV, 2 * D, device=dev, dtype=dt).permute(0, 2, 1, 3)  # HND view of NHD memory
+    key_cache, value_cache = kv.transpose(1, 2).split(D, dim=-1)
+    low = torch.randn(blocks + 1, HKV, D, device=dev, dtype=dt)
+    high = low + torch.rand_like(low)
+    table = torch.randperm(blocks, device=dev)[: batch * width].view(batch, width).int()
+    seq_lens = torch.full((batch,), context, device=dev, dtype=torch.int32)
+    query = torch.randn(batch, HQ, D, device=dev, dtype=dt)
+    dense_k = torch.randn(batch, HKV, context, D, device=dev, dtype=dt)
+    dense_v = torch.randn_like(dense_k)
+    quest, streaming = PagedQuest(), PagedStreamingLLM()
+    scores = paged_page_scores(query, low, high, table, seq_lens, BS)
+    n_pages = min(width, -(-int(args.budget * width * BS) // BS) + 2)
+    at = torch.arange(width * BS, device=dev, dtype=torch.int32)
+    positions = torch.where(at < seq_lens.view(-1, 1), at, -1).unsqueeze(1).expand(batch, HKV, -1)
+    picked, lengths = quest_pick(scores, positions, args.budget, seq_lens, n_pages, BS)
+
+    def quest_step():
+        chosen = quest.pick(query, HKV, (low, high), table, seq_lens, BS, args.budget)
+        return paged_sparse_decode(query, key_cache, value_cache, *chosen, table, D**-0.5)
+
+    def streaming_step():
+        chosen = streaming.pick(query, HKV, None, table, seq_lens, BS, args.budget)
+        return paged_sparse_decode(query, key_cache, value_cache, *chosen, table, D**-0.5)
+
+    stages = {
+        "SDPA, whole context": lambda: F.scaled_dot_product_attention(
+            query.unsqueeze(2), dense_k, dense_v, enable_gqa=True),
+        "quest: page scores": lambda: paged_page_scores(query, low, high, table, seq_lens, BS),
+        "quest: positions": lambda: torch.where(at < seq_lens.view(-1, 1), at, -1),
+        "quest: pick": lambda: quest_pick(scores, positions, args.budget, seq_lens, n_pages, BS),
+        "sparse decode of the pick": lambda: paged_sparse_decode(
+            query, key_cache, value_cache, picked, lengths, table, D**-0.5),
+        "quest: whole step": quest_step,
+        "streaming: pick": lambda: streaming.pick(query, HKV, None, table, seq_lens, BS, args.budget),
+        "streaming: whole step": streaming_step,
+    }  # fmt: skip
+    for name, fn in stages.items():
+        fn()
+        torch.cuda.synchronize()
+        print(f"{run:>16} {name:>28} {do_bench_cudagraph(fn, rep=50) * 1e3:8.1f}", flush=True)
