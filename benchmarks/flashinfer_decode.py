@@ -6,7 +6,7 @@ SDPA, Llama-3-8B attention (32 query heads, 8 KV heads, head dim 128, bf16), one
         --batch 1 16 --context 32768 131072 --budget 0.05 --page_size 16
 
 (.whl/flashinfer: flashinfer-python 0.7.2.post1, repacked with LZMA to travel, and apache-tvm-ffi, its one
-import-time need the GPU image lacks. Our kernel loads from kernels/ with or without an install of atskv.)
+import-time need the GPU image lacks. Our kernel loads from atskv/kernels/ with or without an install of atskv.)
 
 Methods, for each (batch B, context S); the cache is ours, K/V [B, Hkv, S, D], read in place by all:
   sdpa_dense       torch SDPA (flash backend, enable_gqa) over the whole cache
@@ -88,7 +88,7 @@ def load_sparse_kernel():
         from atskv.kernels.sparse_decode import sparse_decode_attention
     except ImportError:  # atskv not installed: bare packages over the repo's folders, without atskv/__init__'s
         for name, folder in (("atskv", "atskv"), ("atskv.kernels", "kernels")):  # imports (the kernel needs
-            sys.modules[name] = types.ModuleType(name)  # only torch, triton, atskv.hook.gqa)
+            sys.modules[name] = types.ModuleType(name)  # only torch, triton, atskv.attention)
             sys.modules[name].__path__ = [str(REPO / folder)]
         from atskv.kernels.sparse_decode import sparse_decode_attention
     return sparse_decode_attention

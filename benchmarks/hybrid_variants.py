@@ -43,9 +43,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from atskv.attention import sdpa_attention
 from atskv.data import corpus_windows
 from atskv.eval.recall import RecallProbe, attention_recall, pooled_probs, topk_mass
-from atskv.hook.gqa import sdpa_attention
 from atskv.hook.sparse import SparsityConfig, attach
 from atskv.kernels.sparq_decode import sparq_probs
 from atskv.models import load_model

@@ -15,7 +15,7 @@ reference over the whole chunk (`vs_bf16_reference_max_abs`; the reference round
 bf16, so it is off by a few percent per probability). `--sweep` also times each block / warp /
 stage setting of the kernel at `--sweep_offset` (one line each).
 
-    . benchmarks/device/env.sh   # on the GPU machine: maps kernels/ to atskv.kernels
+    . benchmarks/device/env.sh   # on the GPU machine: the carried wheels, ATSKV_CACHE
     python3 benchmarks/received_mass_timing.py [--sweep] [--out mass.jsonl]
 
 `--device cpu` runs it at toy sizes in Triton's interpreter, to check the script itself:
@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from atskv.hook.gqa import prefix_causal_attention
+from atskv.attention import prefix_causal_attention
 from atskv.kernels.received_mass import (
     choose_config,
     prefix_received_mass_reference,

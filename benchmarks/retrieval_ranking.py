@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from atskv.attention import grouped_queries
 from atskv.data import corpus_windows
 from atskv.eval.perplexity import evaluate_perplexity
-from atskv.hook.gqa import grouped_queries
 from atskv.models import load_model, resolve_device
 from atskv.selectors.base import LayerView, Selector
 

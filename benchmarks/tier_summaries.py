@@ -41,9 +41,9 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from atskv.attention import grouped_queries
 from atskv.data import filler_text
 from atskv.eval.leaderboard import build_examples
-from atskv.hook.gqa import grouped_queries
 from atskv.kernels.quest import masked_page_bounds, quest_page_scores_reference
 from atskv.models import load_model
 from atskv.selectors.base import LayerView

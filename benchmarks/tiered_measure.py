@@ -275,7 +275,7 @@ def plot(runs: dict[str, dict], path: Path) -> None:
     import matplotlib
     from matplotlib.figure import Figure
 
-    from atskv.eval.figures import save_figure
+    from atskv.figures import save_figure
 
     first = next(iter(runs.values()))
     measure = "cache_owned_bytes" if first["decode"]["dense"]["cache_owned_bytes"] else "cache_kv_bytes"

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import atskv
+from atskv.budget import check_budget, resolve_budget
 from atskv.errors import InputError
 from atskv.eval import peer
 from atskv.rl.policy import GumbelTopKPolicy
-from atskv.selectors.base import check_budget, resolve_budget
 from tests.conftest import random_prompt, run_cli, tiny_model
 
 REJECTED = [1.0, 0, 0.0, -1, -0.5, 1.5, 2.0, True, False, "0.1", "256", None, float("nan")]

@@ -202,9 +202,9 @@ def test_generate_tiered_with_a_composition_from_the_command_line(tiny_model_dir
 def export_random_predictor(model_dir: str, folder=None, managed_layers=(2, 3)):
     """A random predictor for the model in `model_dir`, exported into `folder` (default: where
     `learned` finds the model's own); returns the folder."""
+    from atskv.features import SCALAR_FEATURES
     from atskv.models import load_model, model_geometry
     from atskv.predictor.export import default_predictor_dir, export_predictor
-    from atskv.predictor.features import SCALAR_FEATURES
     from atskv.predictor.model import FeatureSpec, RelevanceMLP
 
     loaded = load_model(model_dir, device="cpu")

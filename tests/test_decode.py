@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import atskv
+from atskv.attention import grouped_attention, prefix_causal_attention, received_mass
 from atskv.eval.speed import spaced_profile
 from atskv.hook import decode
 from atskv.hook.decode import causal_attention_from, causal_mass_from, masked_attention, masked_attention_lse
-from atskv.hook.gqa import grouped_attention, prefix_causal_attention, received_mass
 from atskv.hook.sparse import attach
 from atskv.memory.host_pages import HostRetrieval
 from atskv.memory.static_cache import StaticSlotLayer
@@ -481,9 +481,9 @@ def test_graph_replay_gives_the_eager_tokens(tmp_path, selector):
 
 
 def _random_predictor(model, folder, managed):
+    from atskv.features import SCALAR_FEATURES
     from atskv.models.geometry import model_geometry
     from atskv.predictor.export import export_predictor
-    from atskv.predictor.features import SCALAR_FEATURES
     from atskv.predictor.model import FeatureSpec, RelevanceMLP
 
     torch.manual_seed(1)

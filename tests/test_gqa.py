@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from atskv.hook.gqa import StreamedAttention, grouped_attention, grouped_probs, sdpa_attention
+from atskv.attention import StreamedAttention, grouped_attention, grouped_probs, sdpa_attention
 
 
 def reference(query, keys, values, mask, scaling):

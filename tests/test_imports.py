@@ -9,18 +9,15 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# `kernels/` is installed as `atskv.kernels` (pyproject's package-dir)
-PACKAGES = {"atskv": ROOT / "atskv", "atskv.kernels": ROOT / "kernels"}
 
 
 def module_files() -> dict[str, Path]:
     modules = {}
-    for package, folder in PACKAGES.items():
-        for path in sorted(folder.rglob("*.py")):
-            parts = [package, *path.relative_to(folder).with_suffix("").parts]
-            if parts[-1] == "__init__":
-                parts.pop()
-            modules[".".join(parts)] = path
+    for path in sorted((ROOT / "atskv").rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
     return modules
 
 

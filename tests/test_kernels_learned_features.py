@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from atskv.features import SCALAR_FEATURES
 from atskv.kernels.learned_features import refresh_scores, slot_scalars, write_token_features
-from atskv.predictor.features import SCALAR_FEATURES
 from atskv.predictor.model import FeatureSpec, RelevanceMLP
 
 B, H, S, D, D_MODEL, POSITIONS = 2, 3, 40, 16, 48, 300

@@ -5,7 +5,7 @@ kernel (Triton's interpreter on CPU) against the reference."""
 import pytest
 import torch
 
-from atskv.hook.gqa import grouped_attention, prefix_causal_attention, received_mass
+from atskv.attention import grouped_attention, prefix_causal_attention, received_mass
 from atskv.kernels.received_mass import (
     prefix_received_mass,
     prefix_received_mass_reference,

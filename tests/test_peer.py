@@ -41,7 +41,7 @@ def test_budget_compression_ratio_mapping():
         assert peer.budget_fraction(peer.compression_ratio(budget)) == budget
     with pytest.raises(ValueError, match="fractions of the prompt"):
         peer.compression_ratio(256)  # a valid budget, but tokens: kvpress takes fractions only
-    for bad in (1.0, 0.0, 1.5, -0.1, True):  # not budgets at all (atskv.selectors.base.check_budget)
+    for bad in (1.0, 0.0, 1.5, -0.1, True):  # not budgets at all (atskv.budget.check_budget)
         with pytest.raises(ValueError, match=f"bad budget {bad!r}"):
             peer.compression_ratio(bad)
     for ratio in (1.0, 0.0):
@@ -157,7 +157,8 @@ def test_real_kvpress_on_smollm2(tmp_path):
     python = peer.default_kvpress_python()
     if not python.is_file() or not (SMOLLM2_DIR / "config.json").is_file():
         pytest.skip("needs the kvpress venv (benchmarks/peer_kvpress/setup.sh) and SmolLM2 converted by `atskv demo`")
-    from atskv.eval.generation import encode_prompt, generate
+    from atskv.data.prompts import encode_prompt
+    from atskv.eval.generation import generate
     from atskv.models import load_model
 
     loaded = load_model(SMOLLM2_DIR)

@@ -17,8 +17,8 @@ import atskv.predictor.collect as collect_module
 from atskv.cli.predictor import collect as collect_command
 from atskv.data import TASKS
 from atskv.errors import InputError
+from atskv.features import SCALAR_FEATURES
 from atskv.predictor.collect import collect
-from atskv.predictor.features import SCALAR_FEATURES
 from atskv.predictor.shards import ShardDataset
 from atskv.predictor.token_types import token_type_table
 from tests.conftest import COMMON, random_prompt, tiny_bpe_tokenizer, tiny_model

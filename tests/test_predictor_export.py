@@ -171,7 +171,7 @@ def test_a_damaged_or_missing_checkpoint_is_one_line_naming_it(tmp_path):
 
 def test_an_ablated_mlp_round_trips_and_runs_in_the_learned_selector(tmp_path):
     import atskv
-    from atskv.predictor.features import SCALAR_FEATURES
+    from atskv.features import SCALAR_FEATURES
     from atskv.selectors.learned import LearnedSelector
     from tests.conftest import random_prompt
 

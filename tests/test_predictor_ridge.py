@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 import atskv
+from atskv.features import SCALAR_FEATURES
 from atskv.models import model_geometry
 from atskv.predictor.export import export_predictor, load_predictor
-from atskv.predictor.features import SCALAR_FEATURES
 from atskv.predictor.model import FeatureSpec
 from atskv.predictor.ridge import RidgeScorer, fit_ridge
 from atskv.predictor.shards import ShardWriter

@@ -18,11 +18,11 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 
 import atskv
 from atskv.data import synthetic_filler
+from atskv.features import SCALAR_FEATURES
 from atskv.models import load_model, model_geometry
 from atskv.models.cache_names import returned_cache, with_cache
 from atskv.predictor.attention_bias import DROPPED, BiasSession
 from atskv.predictor.export import export_predictor, load_predictor
-from atskv.predictor.features import SCALAR_FEATURES
 from atskv.predictor.model import FeatureSpec, RelevanceMLP
 from atskv.predictor.token_types import token_type_table
 from atskv.rl.evaluate import (

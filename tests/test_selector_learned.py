@@ -10,11 +10,12 @@ import torch
 
 import atskv
 from atskv.errors import InputError
+from atskv.features import SCALAR_FEATURES
 from atskv.hook import decode
 from atskv.kernels import learned_features
 from atskv.models import model_geometry
 from atskv.predictor.export import default_predictor_dir, export_predictor
-from atskv.predictor.features import SCALAR_FEATURES, attention_so_far, scalar_features
+from atskv.predictor.features import attention_so_far, scalar_features
 from atskv.predictor.model import FeatureSpec, RelevanceMLP
 from atskv.selectors.learned import LearnedSelector
 from tests.conftest import EVERY_TOKEN, VOCAB, random_prompt, tiny_model

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import atskv
-from atskv.hook.gqa import grouped_probs
+from atskv.attention import grouped_probs
 from atskv.selectors import make_selector
 from atskv.selectors.base import Selector
 from atskv.selectors.oracle import OracleSelector

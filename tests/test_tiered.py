@@ -375,8 +375,9 @@ def test_real_smollm2_passkey_with_most_of_the_kv_on_the_host():
     """SmolLM2-135M (the embedded default) with the shipped learned predictor: a pass key in a
     1K-token haystack is still found when 3/4 of every managed layer's KV waits in host memory,
     and the GPU holds well under the dense KV."""
+    from atskv.data.prompts import encode_prompt
     from atskv.data.tasks import TASKS
-    from atskv.eval.generation import encode_prompt, generate
+    from atskv.eval.generation import generate
     from atskv.models import load_model
     from atskv.selectors import selectors_for_model
 

@@ -49,8 +49,8 @@ def load_with_selectors(model: str, device: str, dtype: str, selectors: list[str
 
 def check_selection(selectors: list[str], budget: int | float) -> None:
     """Refuse a bad budget or an unknown selector before any model is loaded."""
+    from atskv.budget import check_budget
     from atskv.selectors import check_selector_names
-    from atskv.selectors.base import check_budget
 
     check_budget(budget)
     check_selector_names(selectors)

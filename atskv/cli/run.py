@@ -97,7 +97,8 @@ def passkey(
         dtype: float32, bfloat16, float16, or auto (bfloat16 on GPU, float32 on CPU).
     """
     from atskv.data import filler_text, passkey_example
-    from atskv.eval.generation import encode_prompt, generate, markdown_table
+    from atskv.data.prompts import encode_prompt
+    from atskv.eval.generation import generate, markdown_table
 
     haystack = filler_text(filler)
     loaded, chosen = load_with_selectors(model, device, dtype, selectors, [budget], predictor, selector_options)
@@ -160,8 +161,8 @@ def generate(
         device: cpu, cuda, or auto.
         dtype: float32, bfloat16, float16, or auto.
     """
+    from atskv.data.prompts import encode_prompt
     from atskv.errors import InputError
-    from atskv.eval.generation import encode_prompt
     from atskv.eval.generation import generate as run_generation
     from atskv.selectors import selector_options as by_name
     from atskv.selectors import selectors_for_model

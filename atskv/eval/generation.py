@@ -66,17 +66,6 @@ class TokenClock(BaseStreamer):
         return [b - a for a, b in zip(tokens, tokens[1:])]
 
 
-def encode_prompt(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
-    """Token ids `[1, T]`; an instruct model's chat template wraps the prompt when `chat`."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )["input_ids"]
-    else:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-    return ids
-
-
 def _pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 

@@ -35,9 +35,10 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from atskv.data import TASKS, TaskExample, filler_text
+from atskv.data.prompts import encode_prompt
 from atskv.errors import InputError, built_from_option
 from atskv.eval import peer
-from atskv.eval.generation import encode_prompt, generate_batch, pad_left
+from atskv.eval.generation import generate_batch, pad_left
 from atskv.eval.report import write_report
 from atskv.eval.tasks import answer_room
 from atskv.selectors import check_selector_names

@@ -25,12 +25,13 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from atskv.budget import check_budget
 from atskv.data import TaskExample
 from atskv.errors import InputError
 from atskv.eval.report import write_report
 from atskv.eval.tasks import DENSE
 from atskv.paths import default_cache_dir
-from atskv.selectors.base import Selector, check_budget
+from atskv.selectors.base import Selector
 
 PEER_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "peer_kvpress"
 KVPRESS_SCRIPT = PEER_DIR / "run_presses.py"
@@ -333,7 +334,8 @@ def compare_with_kvpress(
     kvpress.json under `out`. Returns the summary rows and the table with its notes. `device` and
     `dtype` (by name) are the model's; kvpress gets the same."""
     from atskv.data import filler_text
-    from atskv.eval.generation import encode_prompt, generate
+    from atskv.data.prompts import encode_prompt
+    from atskv.eval.generation import generate
     from atskv.eval.tasks import answer_room
 
     model_dir = Path(loaded.model.name_or_path)

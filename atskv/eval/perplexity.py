@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from atskv.budget import check_budget
 from atskv.eval.report import write_report
 from atskv.hook.tiered import memory_session
 from atskv.models.cache_names import returned_cache, with_cache
 from atskv.selectors import Selector, make_selector
-from atskv.selectors.base import check_budget
 
 DENSE = "dense"
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from atskv.budget import check_budget
 from atskv.data import corpus_windows, filler_text
 from atskv.errors import InputError
 from atskv.eval import tasks as task_eval
@@ -20,7 +21,6 @@ from atskv.predictor.collect import collect
 from atskv.predictor.export import export_checkpoint
 from atskv.predictor.training import fit_predictor
 from atskv.selectors import check_selector_names
-from atskv.selectors.base import check_budget
 from atskv.selectors.learned import LearnedSelector, check_window_share
 
 PASSKEY_DEPTH = 0.5  # SmolLM2-135M finds a 2K-token pass key there when dense, not at 0.1 or 0.9

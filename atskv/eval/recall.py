@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from atskv.eval.figures import save_figure
+from atskv.attention import grouped_probs, sdpa_attention
 from atskv.eval.report import write_report
-from atskv.hook.gqa import grouped_probs, sdpa_attention
+from atskv.figures import save_figure
 from atskv.hook.sparse import SparseSession, SparsityConfig, attach
 from atskv.hook.tiered import TieredSession, tiered_configs
 from atskv.models.cache_names import with_cache

@@ -31,12 +31,12 @@ import torch
 from tqdm.auto import tqdm
 
 import atskv
+from atskv.budget import check_budget
 from atskv.eval.generation import TokenClock
 from atskv.eval.report import write_report
 from atskv.eval.shapes import SHAPES
 from atskv.memory.host_pages import HostRetrieval, pinned_peak, reset_peak_pinned
 from atskv.selectors import make_selector
-from atskv.selectors.base import check_budget
 
 PLAIN = "plain"
 PLAIN_STATIC = "plain-static"
@@ -107,10 +107,10 @@ def shape_model(name: str, device: str = "cuda", dtype: torch.dtype = torch.bflo
 def random_predictor(model, dense_layers: int, folder: Path) -> Path:
     """A predictor of `model`'s shape with random weights (the default widths), exported to
     `folder`: what the learned selector costs does not depend on what it learned."""
+    from atskv.features import SCALAR_FEATURES
     from atskv.models.geometry import model_geometry
     from atskv.predictor.capture import managed_layers
     from atskv.predictor.export import export_predictor
-    from atskv.predictor.features import SCALAR_FEATURES
     from atskv.predictor.model import FeatureSpec, RelevanceMLP
 
     text = model.config.get_text_config(decoder=True)

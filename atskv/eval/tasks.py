@@ -16,11 +16,12 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from atskv.budget import check_budget
+from atskv.data.prompts import encode_prompt
 from atskv.data.tasks import DEPTH_FREE, TASKS, TaskExample
-from atskv.eval.generation import encode_prompt, generate_batch, pad_left
+from atskv.eval.generation import generate_batch, pad_left
 from atskv.eval.report import write_report
 from atskv.selectors import Selector, check_selector_names
-from atskv.selectors.base import check_budget
 
 DENSE = "dense"
 

@@ -37,7 +37,8 @@ from dataclasses import replace
 
 import torch
 
-from atskv.hook.gqa import group_matmul, grouped_attention, prefix_causal_attention, received_mass, sdpa_attention
+from atskv.attention import group_matmul, grouped_attention, prefix_causal_attention, received_mass, sdpa_attention
+from atskv.budget import resolve_budget
 from atskv.hook.sparse import STATIC_ATTENTION_NAME, SparseSession, SparsityConfig, attach
 from atskv.kernels.backend import aligned_slots
 from atskv.kernels.evict import evict_lowest
@@ -49,7 +50,7 @@ from atskv.memory.static_cache import StaticKVCache, StaticSlotLayer
 from atskv.models.cache_names import with_cache
 from atskv.models.geometry import decoder_layers
 from atskv.selectors import resolve_selector
-from atskv.selectors.base import LAST_QUERIES, LayerView, Selector, resolve_budget
+from atskv.selectors.base import LAST_QUERIES, LayerView, Selector
 from atskv.selectors.hybrid import HybridSelector
 from atskv.selectors.spark import SparKSelector
 

@@ -21,12 +21,13 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from atskv.hook.gqa import grouped_attention, sdpa_attention
+from atskv.attention import grouped_attention, sdpa_attention
+from atskv.budget import check_budget
 from atskv.memory.slot_cache import SlotLayer, SparseKVCache
 from atskv.models.cache_names import cache_argument, pop_cache
 from atskv.models.geometry import attention_modules
 from atskv.selectors import resolve_selector
-from atskv.selectors.base import LayerView, Selector, check_budget, select_top_budget, without_unwanted
+from atskv.selectors.base import LayerView, Selector, select_top_budget, without_unwanted
 
 ATTENTION_NAME = "atskv"
 # the same attention function under a name with no mask function: transformers then builds no mask

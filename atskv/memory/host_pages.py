@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
+from atskv.budget import check_budget
 from atskv.kernels.page_copy import page_copy
 from atskv.memory.key_summary import KEY_SUMMARIES
-from atskv.selectors.base import check_budget
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from atskv.hook.gqa import group_matmul, grouped_probs, grouped_queries
+from atskv.attention import group_matmul, grouped_probs, grouped_queries
 from atskv.hook.sparse import ATTENTION_NAME, attach
 
 DROPPED = torch.finfo(torch.float32).min  # the bias that drops a token: the mask's own fill value, probability 0

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from atskv.hook.gqa import grouped_probs
+from atskv.attention import grouped_probs
 from atskv.predictor.features import attention_so_far, scalar_features
 from atskv.selectors.base import LayerView, Selector
 

@@ -39,10 +39,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from atskv.features import SCALAR_FEATURES
 from atskv.models import model_geometry
 from atskv.predictor.capture import managed_layers
 from atskv.predictor.distributed import barrier, rank, stable_seed, world_size
-from atskv.predictor.features import SCALAR_FEATURES
 from atskv.predictor.kvzip import REPEAT_PROMPT, repeat_scores
 from atskv.predictor.labels import LABELS, LabelCapture, influence_gradients
 from atskv.predictor.model import FeatureSpec
@@ -101,7 +101,7 @@ def task_prompt(tokenizer, task: str, n_tokens: int, seed: int) -> tuple[torch.T
     """Token ids of a synthetic task prompt (at most `n_tokens`, classic filler, needle depth
     varying with the seed) and of its answer as the model should continue it (" " + answer)."""
     from atskv.data import CLASSIC_FILLER, TASKS
-    from atskv.eval.generation import encode_prompt
+    from atskv.data.prompts import encode_prompt
 
     depth = (seed * 0.37) % 1.0
     example = TASKS[task](tokenizer, n_tokens, depth, seed, filler=CLASSIC_FILLER)

@@ -1,4 +1,5 @@
-"""The predictor's scalar features and its labels for one managed layer at a decision time t.
+"""The predictor's scalar features (columns defined in `atskv.features`) and its labels for one
+managed layer at a decision time t.
 
 Everything here is a small pure function of tensors: the collection (`atskv collect`) computes
 it from one layer's attention probabilities pooled over each KV group's query heads,
@@ -9,14 +10,7 @@ are t+1..t+W, the ones a cache chosen at time t would serve.
 
 import torch
 
-SCALAR_FEATURES = (
-    "attention",  # attention token i received from queries i..t, mean over the group's heads and those queries
-    "position",  # i / t: where the token sits in the context so far
-    "log_age",  # log1p(t - i): how long ago it was written
-    "hidden_norm",  # ||h_i||_2 of the attention input (the projection sees RMS-normalised h)
-    "key_norm",  # ||k_{i,h}||_2 of the post-RoPE cache key of this KV head
-    "prev_attention",  # `attention` in the previous managed layer, mean over its KV heads (0 in the first)
-)
+from atskv.features import feature_columns
 
 
 def attention_so_far(probs: torch.Tensor, t: int) -> torch.Tensor:
@@ -62,25 +56,3 @@ def scalar_features(
         attention.float(), per_head(pos), newest, per_head(hidden.float().norm(dim=-1)), keys.float().norm(dim=-1),
         per_head(prev),
     )
-
-
-def feature_columns(
-    attention: torch.Tensor,
-    position: torch.Tensor,
-    newest: torch.Tensor,
-    hidden_norm: torch.Tensor,
-    key_norm: torch.Tensor,
-    prev_attention: torch.Tensor,
-) -> torch.Tensor:
-    """`[..., F]` float32 in `SCALAR_FEATURES` order from the raw parts, all `[...]` except `newest`
-    (broadcast): the one definition of each column, for the collection (`scalar_features`, tokens
-    0..t) and the learned selector at run time (tokens in slots, at any positions)."""
-    columns = {
-        "attention": attention,
-        "position": position / newest.clamp(min=1.0),
-        "log_age": torch.log1p((newest - position).clamp(min=0)),
-        "hidden_norm": hidden_norm,
-        "key_norm": key_norm,
-        "prev_attention": prev_attention,
-    }
-    return torch.stack([columns[name] for name in SCALAR_FEATURES], dim=-1)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from atskv.hook.gqa import grouped_probs, sdpa_attention
+from atskv.attention import grouped_probs, sdpa_attention
 from atskv.hook.sparse import ATTENTION_NAME, attach
 from atskv.predictor.attention_bias import allowed
 

@@ -56,7 +56,7 @@ from torchmetrics import MeanMetric, Metric
 from torchmetrics.classification import BinaryAUROC
 from torchmetrics.utilities import dim_zero_cat
 
-from atskv.eval.figures import save_figure
+from atskv.figures import save_figure
 from atskv.predictor.batches import GroupBatchSampler
 from atskv.predictor.distributed import counter_hash, global_means, globalise_batch_norms
 from atskv.predictor.model import FeatureSpec, RelevanceMLP

@@ -47,7 +47,7 @@ import torch
 from tqdm.auto import tqdm
 
 from atskv.eval import report
-from atskv.eval.figures import save_figure
+from atskv.figures import save_figure
 from atskv.models import model_geometry
 from atskv.models.cache_names import with_cache
 from atskv.predictor.model import RelevanceMLP

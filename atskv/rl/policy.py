@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from atskv.selectors.base import check_budget
+from atskv.budget import check_budget
 
 
 @dataclass(frozen=True)

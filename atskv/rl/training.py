@@ -71,13 +71,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgre
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from torch.utils.data import DataLoader
 
+from atskv.features import SCALAR_FEATURES
 from atskv.models import DEFAULT_MODEL, ModelGeometry, resolve_device
 from atskv.predictor.batches import GroupBatchSampler
 from atskv.predictor.capture import managed_layers
 from atskv.predictor.collect import TASK_SEED_BASE
 from atskv.predictor.distributed import all_sum, seeded
 from atskv.predictor.export import PredictorHeader, checkpoint_provenance, load_predictor, predictor_path
-from atskv.predictor.features import SCALAR_FEATURES
 from atskv.predictor.model import FeatureSpec, RelevanceMLP
 from atskv.predictor.token_types import token_type_table
 from atskv.rl.items import RolloutItem, corpus_items, task_items

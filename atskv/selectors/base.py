@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from atskv.errors import InputError
-from atskv.kernels.budget import kept_tokens
+from atskv.budget import resolve_budget
 
 if TYPE_CHECKING:
     from atskv.memory.slot_cache import SlotLayer
@@ -166,37 +165,6 @@ def check_view_fits(view: LayerView, geometry, layers, made_for: str, remedy: st
 # the prompt's last queries a selector's `prefill` sees on the fast path (the reference path shows
 # it the whole prompt): a window of queries (SnapKV's, the learned selector's) must fit in it
 LAST_QUERIES = 64
-BUDGET_RULE = (
-    "a budget is an int, the tokens kept per layer and KV head (at least 1 token), or a float "
-    "strictly between 0 and 1, that fraction of each row's context"
-)
-
-
-def resolve_budget(budget: int | float, context: torch.Tensor) -> torch.Tensor:
-    """Tokens to keep per row (`check_budget`'s rule): an int is a token count, a float in (0, 1)
-    that fraction of each row's own context length, rounded up (so a left-padded row gets the
-    same budget as when run alone); never more than the context."""
-    return kept_tokens(check_budget(budget), context)
-
-
-def check_budget(budget: int | float) -> int | float:
-    """The one meaning of a budget, for the hook, the tiered store, the evaluations and the CLI:
-    an int is tokens (>= 1), a float strictly between 0 and 1 a fraction of the context. Anything
-    else is an `InputError` naming the budget and the rule: 1.0 (a whole context or one token? for
-    every token pass the context length as an int), 0, negatives, bools, strings. Checked before
-    any work; returns the budget."""
-    if (
-        isinstance(budget, bool)
-        or not isinstance(budget, (int, float))
-        or (isinstance(budget, int) and budget < 1)
-        or (isinstance(budget, float) and not 0.0 < budget < 1.0)
-    ):
-        one = isinstance(budget, float) and budget == 1.0
-        keep_all = "; to keep every token, pass the context length as an int" if one else ""
-        raise InputError(f"bad budget {budget!r}: {BUDGET_RULE}{keep_all}")
-    return budget
-
-
 def select_top_budget(
     scores: torch.Tensor, valid: torch.Tensor, budget: int | float, slot_pos: torch.Tensor, context: torch.Tensor
 ) -> torch.Tensor:

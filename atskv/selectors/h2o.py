@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
+from atskv.budget import resolve_budget
 from atskv.kernels.evict import newest_share
-from atskv.selectors.base import LayerView, Selector, resolve_budget
+from atskv.selectors.base import LayerView, Selector
 
 
 @dataclass

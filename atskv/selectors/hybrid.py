@@ -25,9 +25,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from atskv.budget import check_budget
 from atskv.errors import InputError
 from atskv.memory.slot_cache import slot_index
-from atskv.selectors.base import LayerView, Selector, check_budget
+from atskv.selectors.base import LayerView, Selector
 
 RESIDENCY_FACTOR = 4  # default residency: this many times the attention budget
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from atskv.errors import InputError
+from atskv.features import SCALAR_FEATURES
 from atskv.kernels.learned_features import (
     attention_by_position,
     refresh_scores,
@@ -36,7 +37,6 @@ from atskv.kernels.learned_features import (
     write_token_features,
 )
 from atskv.predictor.export import LoadedPredictor, load_predictor
-from atskv.predictor.features import SCALAR_FEATURES
 from atskv.predictor.model import RelevanceMLP
 from atskv.selectors.base import LayerView, Selector, budget_tokens, check_view_fits
 from atskv.selectors.snapkv import check_window, window_votes

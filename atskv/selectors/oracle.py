@@ -7,7 +7,7 @@ ceiling for any selector at the same budget, query-aware or not.
 
 from dataclasses import dataclass
 
-from atskv.hook.gqa import grouped_probs
+from atskv.attention import grouped_probs
 from atskv.selectors.base import LayerView, Selector
 
 

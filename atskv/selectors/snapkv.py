@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from atskv.hook.gqa import grouped_probs
+from atskv.attention import grouped_probs
 from atskv.selectors.base import LAST_QUERIES, LayerView, Selector
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from atskv.hook.gqa import grouped_queries
+from atskv.attention import grouped_queries
 from atskv.kernels.partial_scores import partial_scores
 from atskv.kernels.sparq_decode import pooled_probs, sparq_decode
 from atskv.memory.slot_cache import slot_index

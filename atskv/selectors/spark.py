@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from atskv.hook.gqa import grouped_queries
+from atskv.attention import grouped_queries
 from atskv.memory.static_cache import StaticSlotLayer
 from atskv.selectors.base import LayerView, Selector
 from atskv.selectors.snapkv import SnapKVSelector

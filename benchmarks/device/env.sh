@@ -1,13 +1,12 @@
 # Source on the GPU machine (`run` tool) from the repository root: installs the carried wheels
-# (.whl/: transformers 5.24 and friends; the image has 5.17) once per machine, maps `kernels/` to
-# `atskv.kernels` without an install, unpacks the carried corpora, and points ATSKV_CACHE there.
+# (.whl/: transformers 5.24 and friends; the image has 5.17) once per machine, unpacks
+# the carried corpora, and points ATSKV_CACHE there.
 # What `benchmarks/device/stage.sh` staged travels in `carry`: model GGUFs in parts (.device/s1,
 # .device/g1, ...: one part a call) are gathered in /tmp/mdl and joined by `assemble`; kvpress's
 # wheels (.device/kvw) become /tmp/kvpy/python, its own environment; a HEAD snapshot
 # (.device/head.tar) becomes /tmp/head, a tree for background jobs that no later call rewrites.
 [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl $(ls .device/wh/*.whl 2>/dev/null)
 export PYTHONPATH=/tmp/site:$PWD ATSKV_CACHE=/tmp/atskv-cache
-ln -sfn ../kernels atskv/kernels
 # (a failed fetch leaves the folder empty: unpack unless a corpus text is there)
 if [ -f .device/corpora.tar.xz ] && [ -z "$(find "$ATSKV_CACHE/corpora" -name '*.txt' -print -quit 2>/dev/null)" ]; then
   mkdir -p "$ATSKV_CACHE" && tar xJf .device/corpora.tar.xz -C "$ATSKV_CACHE"
@@ -18,7 +17,7 @@ if [ -d .device/kvw ] && [ ! -d /tmp/kvsite ]; then
   chmod +x /tmp/kvpy/python
 fi
 if [ -f .device/head.tar ] && [ ! -d /tmp/head ]; then
-  mkdir -p /tmp/head && tar xf .device/head.tar -C /tmp/head && ln -sfn ../kernels /tmp/head/atskv/kernels
+  mkdir -p /tmp/head && tar xf .device/head.tar -C /tmp/head
 fi
 mkdir -p /tmp/mdl && for part in .device/*.part.* .device/*/*.part.*; do [ -f "$part" ] && cp "$part" /tmp/mdl/; done
 assemble() {  # assemble NAME: /tmp/mdl/NAME from its parts

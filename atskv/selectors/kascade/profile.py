@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from atskv.hook.gqa import grouped_probs
+from atskv.attention import grouped_probs
 from atskv.models import ModelGeometry, attention_modules, model_geometry
 from atskv.paths import default_cache_dir
 from atskv.selectors.base import LayerView, Selector

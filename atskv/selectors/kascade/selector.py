@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from atskv.hook.gqa import grouped_probs
+from atskv.attention import grouped_probs
 from atskv.memory.static_cache import StaticSlotLayer
 from atskv.selectors.base import LayerView, Selector, check_view_fits
 from atskv.selectors.kascade.profile import HOW_TO_COMPUTE, KascadeProfile

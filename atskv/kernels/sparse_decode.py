@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from atskv.hook.gqa import grouped_probs
+from atskv.attention import grouped_probs
 from atskv.kernels.backend import dependent_launch, jit, sm_count, tl, triton, use_triton, wait_for_inputs
 from atskv.kernels.paged import physical_slots
 

@@ -6,7 +6,7 @@
   this write: `StaticSlotLayer.reset_by_selector`). In torch that was ~10 small kernels per layer
   and step (~25 us at the Llama-3-8B shape, B=1), for a GEMV of 64 outputs, and the cache's
   reset of the slot two more.
-- `refresh_scores`: every slot's scalar features (`atskv.predictor.features.SCALAR_FEATURES`)
+- `refresh_scores`: every slot's scalar features (`atskv.features.SCALAR_FEATURES`)
   and the `RelevanceMLP` over them, every `refresh_every` steps. In torch that was ~50 kernels
   per layer, among them a float32 GEMM of ~60 us (32K context, 5%) whose `[slots, hidden]`
   activations then went through memory twice more (ReLU, W2). The first kernel (256 us at 32K,
@@ -33,8 +33,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from atskv.features import SCALAR_FEATURES, feature_columns
 from atskv.kernels.backend import dependent_launch, jit, tl, triton, use_triton, wait_for_inputs
-from atskv.predictor.features import SCALAR_FEATURES, feature_columns
 
 
 # --- a decode token's fixed features ----------------------------------------------------------

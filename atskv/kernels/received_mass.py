@@ -9,7 +9,7 @@ log-sum-exp over what it saw (`lse` `[B, Hq, Tq]` float32, as `prefix_causal_att
 it), the mass of slot `j` is `sum over the group's G = Hq / Hkv heads and the queries that see j
 of exp(q . k_j * scaling - lse)`, `[B, Hkv, S]` float32. Slots past `offset + Tq` (the static
 buffer's free ones) get 0, and a query whose `lse` is -inf (it saw nothing) gives nothing, as in
-`atskv.hook.gqa.received_mass`. The GQA group shares its KV head's keys, which are never expanded.
+`atskv.attention.received_mass`. The GQA group shares its KV head's keys, which are never expanded.
 
 Why a kernel: the torch path (`received_mass`, a block of queries at a time) writes and reads a
 `[B, Hkv, G, block, S]` float32 logits buffer, then its exp, mask and sum. At the Llama-3.1-8B
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from atskv.hook.gqa import received_mass
+from atskv.attention import received_mass
 from atskv.kernels.backend import jit, tl, triton, use_triton
 
 _LOG2E = 1.4426950408889634

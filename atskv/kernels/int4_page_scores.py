@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from atskv.hook.gqa import grouped_queries
+from atskv.attention import grouped_queries
 from atskv.kernels.backend import dependent_launch, jit, tl, triton, use_triton, wait_for_inputs
 
 LEVELS = 7  # codes in [-7, 7]; -8 stays unused so the range is symmetric

@@ -1,6 +1,6 @@
 """The one rule turning a budget into tokens, for torch code and for kernels: an int is tokens,
 a float in (0, 1) that fraction of the row's context rounded up, at least 1, never more than the
-context. `atskv.selectors.base.resolve_budget` checks the budget and applies `kept_tokens`;
+context. `atskv.budget.resolve_budget` checks the budget and applies `kept_tokens`;
 kernels that decide per row inside the device (no host sync) call `budget_limit`."""
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from atskv.hook.gqa import grouped_queries
+from atskv.attention import grouped_queries
 from atskv.kernels.backend import jit, tl, triton, use_triton
 
 
