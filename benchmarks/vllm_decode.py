@@ -11,7 +11,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from atskv.eval.vllm_speed import EngineSpec, identity_report, measure, write_shape
+from atskv.eval.vllm_speed import EngineSpec, identity_report, measure, table, write_shape
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("rows", type=Path)
@@ -37,9 +37,4 @@ specs = [
 measure(specs, args.rows)
 for line in identity_report(args.rows):
     print(line)
-for line in args.rows.read_text().splitlines():
-    row = json.loads(line)
-    if row["kind"] == "speed":
-        print(f"{row['method']:>24} ctx {row['context']:>6} B={row['batch']:<2} {row['ms_per_step']:7.2f} ms/step "
-              f"{row['tokens_per_s']:7.1f} tok/s  prefill {row['prefill_s']:6.2f} s  ttft {row['ttft_mean_s']:6.2f} s  "
-              f"held {row['requests_held']:.2f} requests ({row['kv_tokens']} KV tokens)")
+print(table(args.rows))

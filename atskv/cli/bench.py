@@ -97,7 +97,10 @@ def decode(
         model: an 8B-class shape with random weights (llama3.1-8b, qwen3-8b, mistral-7b), or a
             real model (a name, a Hugging Face directory or a .gguf file).
         methods: plain, plain-static, dense, selector names (fast path), tiered:<selector> (fast
-            path with the host tier; an evicting selector), hook:<selector> (reference path).
+            path with the host tier; an evicting selector), hook:<selector> (reference path),
+            vllm (vanilla vLLM) and vllm:<selector> (vLLM with atskv's plugin: quest, streaming_llm),
+            each engine in its own process on the shape's config with dummy weights; their rows go
+            to OUT/vllm.jsonl as they finish, and a rerun skips the rows already there.
         contexts: prompt lengths in tokens.
         batch_sizes: batch sizes.
         budget: KV budget per managed layer and KV head: tokens (int) or a fraction of the context.
@@ -129,10 +132,17 @@ def decode(
     import sys
 
     from atskv.errors import built_from_option
-    from atskv.eval import speed
+    from atskv.eval import speed, vllm_speed
     from atskv.memory.host_pages import HostRetrieval
     from atskv.selectors import selector_options as options_for
 
+    if any(vllm_speed.is_vllm(m) for m in methods):
+        vllm_rows = _vllm_methods([m for m in methods if vllm_speed.is_vllm(m)], model, contexts, batch_sizes, budget,
+                                  new_tokens, dense_layers, selector_options, Path(out))  # fmt: skip
+        print(vllm_speed.table(vllm_rows))
+        methods = [m for m in methods if not vllm_speed.is_vllm(m)]
+        if not methods:
+            return
     names = [m.split(":")[-1] for m in methods if m not in (speed.PLAIN, speed.PLAIN_STATIC)]
     options = options_for(sorted(set(names)), selector_options, predictor)
     tier = built_from_option("--host_tier", lambda: HostRetrieval(**(host_tier or {})))
@@ -164,6 +174,25 @@ def decode(
     table = speed.write(records, Path(out), meta)
     print(table.read_text())
     print(f"written to {out}/ (table.md, speed.json, speed.png)")
+
+
+def _vllm_methods(methods, model, contexts, batches, budget, new_tokens, dense_layers, selector_options, out: Path):
+    """The vLLM methods of `decode`, each engine in its own process; returns the rows' file."""
+    import tempfile
+
+    from atskv.errors import InputError
+    from atskv.eval import vllm_speed
+
+    if model not in vllm_speed.SHAPES:
+        raise InputError(f"vllm methods run a shape with dummy weights; shapes: {', '.join(vllm_speed.SHAPES)}")
+    shape = vllm_speed.write_shape(model, Path(tempfile.mkdtemp()) / model)
+    runs = [(c, b) for c in contexts for b in batches]
+    options = selector_options or {}
+    specs = [vllm_speed.EngineSpec(m, str(shape), runs, new_tokens, budget, dense_layers,
+                                   options.get(m.removeprefix("vllm:"), {})) for m in methods]  # fmt: skip
+    rows = out / "vllm.jsonl"
+    vllm_speed.measure(specs, rows)
+    return rows
 
 
 COMMANDS = {

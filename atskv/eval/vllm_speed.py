@@ -184,6 +184,26 @@ def measure(specs: list[EngineSpec], rows: Path, timeout_s: float | None = None)
                        check=False, timeout=timeout_s)  # fmt: skip
 
 
+def is_vllm(method: str) -> bool:
+    return method == VANILLA or method.startswith(f"{VANILLA}:")
+
+
+def table(rows: Path) -> str:
+    """Markdown of the speed rows, each with its ratio to vanilla vLLM's tokens/s at that shape."""
+    found = [json.loads(line) for line in rows.read_text().splitlines() if line.strip()]
+    speed = [r for r in found if r["kind"] == "speed"]
+    base = {(r["context"], r["batch"]): r["tokens_per_s"] for r in speed if r["method"] == VANILLA}
+    lines = ["| method | context | batch | ms/step | tokens/s | x vLLM | prefill s | mean TTFT s | requests held |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in speed:
+        ratio = r["tokens_per_s"] / base[(r["context"], r["batch"])] if (r["context"], r["batch"]) in base else None
+        cells = [r["method"], r["context"], r["batch"], f"{r['ms_per_step']:.2f}", f"{r['tokens_per_s']:.0f}",
+                 "" if ratio is None else f"{ratio:.2f}", f"{r['prefill_s']:.2f}", f"{r['ttft_mean_s']:.2f}",
+                 f"{r['requests_held']:.2f}"]  # fmt: skip
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def identity_report(rows: Path) -> list[str]:
     """For each method with greedy tokens, how many of vanilla vLLM's it repeats (first difference)."""
     found = [json.loads(line) for line in rows.read_text().splitlines() if line.strip()]
