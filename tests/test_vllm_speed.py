@@ -1,0 +1,57 @@
+"""The same-run vLLM benchmark's bookkeeping, without vLLM: engine arguments per method, resuming
+from the rows already written, the table's ratios and the identity report."""
+
+from __future__ import annotations
+
+import json
+
+from atskv.eval import vllm_speed
+from atskv.eval.vllm_speed import EngineSpec, engine_arguments, identity_report, measure, table, write_shape
+
+
+def test_vanilla_is_vllms_own_backend_and_a_selector_is_atskvs(tmp_path):
+    shape = write_shape("llama3.1-8b", tmp_path / "shape")
+    config = json.loads((shape / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["num_key_value_heads"] == 8
+    vanilla = engine_arguments(EngineSpec("vllm", str(shape), [(1024, 1)]), 2048, 1)
+    plugin = engine_arguments(EngineSpec("vllm:quest", str(shape), [(1024, 1)], budget=256), 2048, 1)
+    assert "attention_backend" not in vanilla and vanilla["load_format"] == "dummy"
+    assert plugin["attention_backend"] == "CUSTOM"
+    assert plugin["additional_config"] == {"atskv": {"selector": "quest", "budget": 256, "dense_layers": 2}}
+
+
+def rows(path, *found):
+    path.write_text("".join(json.dumps(r) + "\n" for r in found))
+    return path
+
+
+def speed_row(method, context, batch, tokens_per_s):
+    return {"method": method, "kind": "speed", "context": context, "batch": batch, "ms_per_step": 1e3 / tokens_per_s,
+            "tokens_per_s": tokens_per_s, "prefill_s": 1.0, "ttft_mean_s": 1.0, "requests_held": 6.0}  # fmt: skip
+
+
+def test_a_rerun_starts_engines_only_for_the_rows_missing(tmp_path, monkeypatch):
+    started = []
+    def run(command, **_):
+        started.append(json.loads(open(command[-2]).read()))
+
+    monkeypatch.setattr(vllm_speed.subprocess, "run", run)
+    path = rows(tmp_path / "rows.jsonl", speed_row("vllm", 4096, 1, 100.0))
+    specs = [EngineSpec("vllm", "shape", [(4096, 1), (4096, 8)]), EngineSpec("vllm:quest", "shape", [(4096, 1)])]
+    measure(specs, path)
+    assert [(s["method"], s["runs"]) for s in started] == [("vllm", [[4096, 8]]), ("vllm:quest", [[4096, 1]])]
+    assert all(s["identity_tokens"] == 0 for s in started)
+
+
+def test_the_table_gives_each_row_its_ratio_to_vanilla_vllm_at_its_shape(tmp_path):
+    path = rows(tmp_path / "rows.jsonl", speed_row("vllm", 4096, 8, 500.0), speed_row("quest", 4096, 8, 1250.0),
+                speed_row("quest", 8192, 1, 90.0))  # fmt: skip
+    lines = table(path).splitlines()
+    assert "| quest | 4096 | 8 | 0.80 | 1250 | 2.50 |" in lines[3]
+    assert "| quest | 8192 | 1 |" in lines[4] and "|  |" in lines[4]  # no vanilla row at that shape: no ratio
+
+
+def test_the_identity_report_names_the_first_differing_token(tmp_path):
+    vanilla = {"method": "vllm", "kind": "tokens", "context": 8, "tokens": [[1, 2, 3], [4, 5, 6]]}
+    path = rows(tmp_path / "rows.jsonl", vanilla, {**vanilla, "method": "dense", "tokens": [[1, 2, 3], [4, 9, 6]]})
+    assert identity_report(path) == ["dense: 1/2 prompts token-identical to vanilla vLLM; first differences at [3, 1]"]
