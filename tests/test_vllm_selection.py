@@ -215,3 +215,14 @@ def test_the_sparse_decode_kernel_reads_a_paged_cache_as_its_reference_does(cach
                                          split_size=split_size, **options)  # fmt: skip
     assert got is out
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("budget", [20, 0.25, 3])
+def test_the_sink_recent_kernel_matches_its_reference(budget, monkeypatch):
+    from atskv.kernels.paged import sink_recent_positions
+
+    seq_lens = torch.tensor([37, 100, 2, 161], dtype=torch.int32)
+    want = sink_recent_positions(seq_lens, budget, 4, 48, HKV)
+    monkeypatch.setenv("ATSKV_KERNELS", "triton")
+    got = sink_recent_positions(seq_lens, budget, 4, 48, HKV)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -20,6 +20,7 @@ import math
 import torch
 
 from atskv.kernels.backend import dependent_launch, jit, tl, triton, use_triton, wait_for_inputs
+from atskv.kernels.budget import budget_limit, kept_tokens
 from atskv.kernels.quest import quest_page_scores_reference
 
 
@@ -129,3 +130,41 @@ def _paged_scores_kernel(
     bound = tl.where(in_group[:, None], bound, float("-inf"))
     best = tl.where(used, tl.max(bound, 0), float("-inf"))
     tl.store(row, best, mask=p < width)
+
+
+def sink_recent_positions(seq_lens: torch.Tensor, budget: int | float, sinks: int, width: int, kv_heads: int):
+    """StreamingLLM's read set as logical positions `[B, Hkv, width]` (int32) and how many count
+    `[B, Hkv]`: the first `sinks` tokens, then the most recent ones up to the budget (`kept_tokens`'
+    rule), the same for every KV head; past the count, position 0. One kernel on CUDA."""
+    if use_triton(seq_lens):
+        b = seq_lens.shape[0]
+        positions = torch.empty(b, width, dtype=torch.int32, device=seq_lens.device)
+        lengths = torch.empty(b, dtype=torch.int32, device=seq_lens.device)
+        block = 1024
+        grid = (b, triton.cdiv(width, block))
+        _sink_recent_kernel[grid](seq_lens, positions, lengths, width, budget, sinks,
+                                  FRACTION=isinstance(budget, float), BLOCK=block,
+                                  **dependent_launch(seq_lens, grid))  # fmt: skip
+    else:
+        kept = kept_tokens(budget, seq_lens.long())
+        j = torch.arange(width, device=seq_lens.device)
+        recent = seq_lens.view(-1, 1).long() - kept.view(-1, 1) + j
+        positions = torch.where(j < kept.clamp(max=sinks).view(-1, 1), j, recent)
+        positions = torch.where(j < kept.view(-1, 1), positions, 0).int()
+        lengths = kept.int()
+    b = seq_lens.shape[0]
+    return positions.unsqueeze(1).expand(b, kv_heads, width), lengths.view(-1, 1).expand(b, kv_heads)
+
+
+@jit
+def _sink_recent_kernel(len_ptr, pos_ptr, kept_ptr, width, budget, sinks, FRACTION: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):  # fmt: skip
+    wait_for_inputs(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    context = tl.load(len_ptr + b).to(tl.int64)
+    kept = budget_limit(context, budget, FRACTION)
+    position = tl.where(j < tl.minimum(kept, sinks), j, context - kept + j)
+    tl.store(pos_ptr + b * width + j, tl.where(j < kept, position, 0).to(tl.int32), mask=j < width)
+    if tl.program_id(1) == 0:
+        tl.store(kept_ptr + b, kept.to(tl.int32))

@@ -17,8 +17,7 @@ from typing import ClassVar
 
 import torch
 
-from atskv.kernels.budget import kept_tokens
-from atskv.kernels.paged import paged_page_scores
+from atskv.kernels.paged import paged_page_scores, sink_recent_positions
 from atskv.kernels.quest_decode import quest_pick
 from atskv.kernels.sparse_decode import sparse_decode_attention
 
@@ -60,14 +59,8 @@ class PagedStreamingLLM:
     sinks: int = 4
 
     def pick(self, query, kv_heads: int, bounds, block_table, seq_lens, block_size: int, budget: int | float):
-        b, hkv = query.shape[0], kv_heads
         width = most_tokens(budget, block_table.shape[1] * block_size)
-        kept = kept_tokens(budget, seq_lens.long())  # [B]
-        j = torch.arange(width, device=query.device)
-        sinks = kept.clamp(max=self.sinks).view(-1, 1)
-        logical = torch.where(j < sinks, j, seq_lens.view(-1, 1).long() - kept.view(-1, 1) + j)
-        logical = logical.clamp(0, block_table.shape[1] * block_size - 1)
-        return logical.int().unsqueeze(1).expand(b, hkv, width), kept.int().view(-1, 1).expand(b, hkv)
+        return sink_recent_positions(seq_lens, budget, self.sinks, width, kv_heads)
 
 
 PAGED_SELECTORS = {cls.name: cls for cls in (PagedQuest, PagedStreamingLLM)}
