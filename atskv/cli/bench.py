@@ -130,7 +130,7 @@ def decode(
 
     from atskv.errors import built_from_option
     from atskv.eval import speed
-    from atskv.memory.host_pages import HostRetrieval
+    from atskv.runtime.fast.host_pages import HostRetrieval
     from atskv.selectors import selector_options as options_for
 
     names = [m.split(":")[-1] for m in methods if m not in (speed.PLAIN, speed.PLAIN_STATIC)]

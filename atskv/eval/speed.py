@@ -34,7 +34,7 @@ import atskv
 from atskv.budget import check_budget
 from atskv.eval.generation import TokenClock
 from atskv.eval.report import write_report
-from atskv.memory.host_pages import HostRetrieval, pinned_peak, reset_peak_pinned
+from atskv.runtime.fast.host_pages import HostRetrieval, pinned_peak, reset_peak_pinned
 from atskv.selectors import make_selector
 
 # published configs (config.json of the named checkpoints), enough to build the shape
