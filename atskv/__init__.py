@@ -9,14 +9,14 @@ from importlib import import_module
 __version__ = "0.1.0"
 
 _HOMES = {
-    "generate": "atskv.hook.decode",
-    "SparseSession": "atskv.hook.sparse",
-    "SparsityConfig": "atskv.hook.sparse",
-    "sparse": "atskv.hook.sparse",
-    "TieredSession": "atskv.hook.tiered",
-    "TieringConfig": "atskv.hook.tiered",
-    "tiered": "atskv.hook.tiered",
-    "HostRetrieval": "atskv.memory.host_pages",
+    "generate": "atskv.runtime.fast.loop",
+    "SparseSession": "atskv.runtime.reference.sparse",
+    "SparsityConfig": "atskv.runtime.reference.sparse",
+    "sparse": "atskv.runtime.reference.sparse",
+    "TieredSession": "atskv.runtime.reference.tiered",
+    "TieringConfig": "atskv.runtime.reference.tiered",
+    "tiered": "atskv.runtime.reference.tiered",
+    "HostRetrieval": "atskv.runtime.fast.host_pages",
     "SparseKVCache": "atskv.memory.slot_cache",
     "kv_bytes": "atskv.memory.slot_cache",
     "SELECTORS": "atskv.selectors",

@@ -7,6 +7,8 @@ against it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -227,3 +229,72 @@ def received_mass(
         probs = torch.exp(logits - lse[:, :, start:stop].view(b, hkv, -1, stop - start, 1))
         mass += torch.where(allowed(start, stop).unsqueeze(2), probs, 0.0).sum(dim=(2, 3))
     return mass
+
+
+def masked_attention(query, keys, values, allowed: Callable[[int, int], torch.Tensor], scaling: float,
+                     span: Callable[[int, int], slice] | None = None,
+                     max_elements: int = 1 << 27) -> torch.Tensor:  # fmt: skip
+    """`masked_attention_lse`'s output alone, through fused SDPA (`sdpa_attention`), for the layers
+    whose received mass no selector reads (a sliding-window layer, a padded batch's unmanaged
+    layers): no float32 `[n, S]` logits in torch (Gemma 3 270M, 2 x 4096 tokens on the CPU:
+    its 15 sliding-window layers took 77% of the prefill that way)."""
+    b, hq, tq, _ = query.shape
+    out = query.new_empty(b, hq, tq, values.shape[-1])
+    for start, stop, cols in _query_blocks(tq, b * hq * keys.shape[2], span, max_elements):
+        out[:, :, start:stop] = sdpa_attention(query[:, :, start:stop], keys[:, :, cols], values[:, :, cols],
+                                               allowed(start, stop)[..., cols], scaling).transpose(1, 2)  # fmt: skip
+    return out
+
+
+def masked_attention_lse(query, keys, values, allowed: Callable[[int, int], torch.Tensor], scaling: float,
+                         span: Callable[[int, int], slice] | None = None, max_elements: int = 1 << 27):  # fmt: skip
+    """Attention of `query` `[B, Hq, Tq, D]` over `keys` `[B, Hkv, S, D]` where `allowed(start, stop)`
+    (`[B, 1, n, S]`) permits, a block of queries at a time (sliding windows, padded batches).
+    `span(start, stop)`: the slots a block can be allowed at all, the only ones read (a causal
+    prefix, a sliding window; none: every slot). Returns `[B, Hq, Tq, D]` and the log-sum-exp
+    `[B, Hq, Tq]`; a query with nothing allowed gets zeros."""
+    b, hq, tq, d = query.shape
+    hkv = keys.shape[1]
+    out = query.new_empty(b, hq, tq, values.shape[-1])
+    lse = torch.empty(b, hq, tq, dtype=torch.float32, device=query.device)
+    k = keys.transpose(-1, -2)
+    for start, stop, cols in _query_blocks(tq, b * hq * keys.shape[2], span, max_elements):
+        q = query[:, :, start:stop].reshape(b, hkv, hq // hkv, stop - start, d)
+        logits = group_matmul(q, k[..., cols]).float() * scaling
+        logits = logits.masked_fill(~allowed(start, stop)[..., cols].unsqueeze(2), -torch.inf)
+        block_lse = logits.logsumexp(-1)
+        probs = torch.exp(logits - block_lse.nan_to_num(neginf=0.0).unsqueeze(-1))
+        block = group_matmul(probs.to(values.dtype), values[:, :, cols])
+        out[:, :, start:stop] = block.reshape(b, hq, stop - start, -1)
+        lse[:, :, start:stop] = block_lse.reshape(b, hq, stop - start)
+    return out, lse
+
+
+def causal_attention_from(query, keys, values, first: int, start: int, scaling: float):
+    """A causal chunk's attention (`prefix_causal_attention`: the C queries are the last C of the
+    S slots) for its queries from `first` over the slots from `start`, a left-padded row's real
+    part; the pad queries before `first` get zeros and a log-sum-exp of -inf, as under a mask."""
+    b, hq, c, _ = query.shape
+    if (first, start) == (0, 0):
+        return prefix_causal_attention(query, keys, values, keys.shape[2] - c, scaling)
+    out = query.new_zeros(b, hq, c, values.shape[-1])
+    lse = torch.full((b, hq, c), -torch.inf, dtype=torch.float32, device=query.device)
+    if first < c:
+        out[:, :, first:], lse[:, :, first:] = prefix_causal_attention(
+            query[:, :, first:], keys[:, :, start:], values[:, :, start:], keys.shape[2] - start - (c - first), scaling
+        )
+    return out, lse
+
+
+SPAN_BLOCK = 1024  # queries a block when a span bounds the keys: each block reads its queries' span, not the cache
+
+
+def _query_blocks(tq: int, row_elements: int, span, max_elements: int):
+    """`(start, stop, slots)` for each block of queries: at most `max_elements` logits a block
+    over every slot (`row_elements` a query), or `SPAN_BLOCK` queries over their `span`."""
+    step = max(1, max_elements // max(1, row_elements))
+    if span is not None:
+        step = min(step, SPAN_BLOCK)
+    for start in range(0, tq, step):
+        stop = min(start + step, tq)
+        yield start, stop, span(start, stop) if span is not None else slice(None)

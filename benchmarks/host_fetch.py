@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from atskv.memory.host_pages import device_alias
+from atskv.runtime.fast.host_pages import device_alias
 
 
 def _time(fn, repeats: int = 50) -> float:

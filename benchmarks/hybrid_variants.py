@@ -46,9 +46,9 @@ import torch.nn.functional as F
 from atskv.attention import sdpa_attention
 from atskv.data import corpus_windows
 from atskv.eval.recall import RecallProbe, attention_recall, pooled_probs, topk_mass
-from atskv.hook.sparse import SparsityConfig, attach
 from atskv.kernels.sparq_decode import sparq_probs
 from atskv.models import load_model
+from atskv.runtime.reference.sparse import SparsityConfig, attach
 from atskv.selectors import selectors_for_model
 from atskv.selectors.base import select_top_budget
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 import atskv
-from atskv.memory import host_pages
 from atskv.models import load_model
+from atskv.runtime.fast import host_pages
 from atskv.selectors import resolve_selector
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -1,6 +1,6 @@
 """Which compact GPU summary of parked keys finds what exact scores find, per byte of GPU memory?
 
-The host tier (`atskv.memory.host_pages`) keeps every token in host memory and only a summary of the keys on
+The host tier (`atskv.runtime.fast.host_pages`) keeps every token in host memory and only a summary of the keys on
 the GPU; each decode step reads back the 16-token pages the summary ranks best. Quest's 16-token page bounds
 lose needles that 4-token bounds and exact scores find (docs/results.md, "Page size decides what the fast tier
 finds"), but 4-token bounds cost a quarter of the KV's bytes. This offline study ranks the fetch pages with

@@ -1,4 +1,4 @@
-"""The fast path (`atskv.generate`, atskv/hook/decode.py): the same tokens as the reference session,
+"""The fast path (`atskv.generate`, atskv/runtime/fast/): the same tokens as the reference session,
 static shapes and no host synchronisation in a decode step, and its pieces against references."""
 
 from __future__ import annotations
@@ -9,13 +9,23 @@ import pytest
 import torch
 
 import atskv
-from atskv.attention import grouped_attention, prefix_causal_attention, received_mass
+import atskv.runtime.fast.compiled as fast_compiled
+import atskv.runtime.fast.graph as fast_graph
+import atskv.runtime.fast.loop as fast_loop
+import atskv.runtime.fast.session as fast_session
+from atskv.attention import (
+    causal_attention_from,
+    grouped_attention,
+    masked_attention,
+    masked_attention_lse,
+    prefix_causal_attention,
+    received_mass,
+)
 from atskv.eval.speed import spaced_profile
-from atskv.hook import decode
-from atskv.hook.decode import causal_attention_from, causal_mass_from, masked_attention, masked_attention_lse
-from atskv.hook.sparse import attach
-from atskv.memory.host_pages import HostRetrieval
 from atskv.memory.static_cache import StaticSlotLayer
+from atskv.runtime.fast.host_pages import HostRetrieval
+from atskv.runtime.fast.session import causal_mass_from
+from atskv.runtime.reference.sparse import attach
 from atskv.selectors.hybrid import HybridSelector
 from atskv.selectors.learned import LearnedSelector
 from atskv.selectors.sparcas import SparCasSelector
@@ -253,7 +263,7 @@ def _no_host_reads():
 )  # fmt: skip
 def test_a_decode_step_reads_nothing_back_to_the_host(monkeypatch, tmp_path, selector):
     steps = []
-    plain_call = decode.GraphedStep.__call__
+    plain_call = fast_graph.GraphedStep.__call__
 
     def guarded(self, variant=None):
         with _no_host_reads():
@@ -261,7 +271,7 @@ def test_a_decode_step_reads_nothing_back_to_the_host(monkeypatch, tmp_path, sel
         steps.append(out.shape)
         return out
 
-    monkeypatch.setattr(decode.GraphedStep, "__call__", guarded)
+    monkeypatch.setattr(fast_graph.GraphedStep, "__call__", guarded)
     model = tiny_model("gemma3")  # sliding-window and global layers
     tier = HostRetrieval(tokens=32) if selector.endswith("host tier") else None
     threshold = THRESHOLD["gemma3"] if "threshold" in selector else None
@@ -283,7 +293,7 @@ def test_the_planted_host_read_is_caught():
 
 def test_evicting_layers_shrink_to_budget_plus_one():
     model = tiny_model("llama")
-    session = decode.StaticSession(model, atskv.make_selector("snapkv"), atskv.SparsityConfig(12, 1), 150, 4, 64)
+    session = fast_session.StaticSession(model, atskv.make_selector("snapkv"), atskv.SparsityConfig(12, 1), 150, 4, 64)
     with attach(model, session), torch.no_grad():
         cache = session.new_cache()
         model(random_prompt(150), past_key_values=cache, use_cache=True)
@@ -426,17 +436,17 @@ def test_a_left_padded_batch_attends_row_by_row_as_the_masked_path_does():
         return mask[:, start:stop].view(b, 1, stop - start, s)
 
     out, lse = masked_attention_lse(q, k, v, allowed, 0.25)
-    assert decode.left_padding(real) == pads
+    assert fast_loop.left_padding(real) == pads
     parts = [(min(c, max(0, pad - (s - c))), pad) for pad in pads]
-    got, got_lse = decode._per_row(parts, lambda rows, part: causal_attention_from(q[rows], k[rows], v[rows], *part,
-                                                                                    0.25))  # fmt: skip
+    per_row = fast_session._per_row
+    got, got_lse = per_row(parts, lambda rows, part: causal_attention_from(q[rows], k[rows], v[rows], *part, 0.25))
     torch.testing.assert_close(got, out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_lse, lse, atol=1e-5, rtol=1e-5)
-    mass = decode._per_row(parts, lambda rows, part: causal_mass_from(q[rows], k[rows], got_lse[rows], *part, 0.25))
+    mass = per_row(parts, lambda rows, part: causal_mass_from(q[rows], k[rows], got_lse[rows], *part, 0.25))
     torch.testing.assert_close(mass, received_mass(q, k, lse, allowed, 0.25), atol=1e-5, rtol=1e-5)
     inside = real.clone()
     inside[0, 3] = False  # a pad after a real token: no causal parts
-    assert decode.left_padding(inside) is None
+    assert fast_loop.left_padding(inside) is None
 
 
 def test_unsupported_selectors_and_chunks_are_refused():
@@ -444,7 +454,7 @@ def test_unsupported_selectors_and_chunks_are_refused():
     ids = random_prompt(80)
     with pytest.raises(ValueError, match="no fast decode path"):  # the reference prunes at every (dense) step
         atskv.generate(model, ids, atskv.make_selector("spark", base="dense"), 16)
-    # not as a composition's part (`decode.ALONE_ONLY`)
+    # not as a composition's part (`fast_session.ALONE_ONLY`)
     spark_sparq = HybridSelector(atskv.make_selector("snapkv"), atskv.make_selector("spark", base="sparq"))
     for composed in ("snapkv+quest", "snapkv+sparcas", spark_sparq):
         with pytest.raises(ValueError, match="no fast decode path"):
@@ -531,7 +541,7 @@ def _held_around_evictions(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor
     """Filled as the fast path runs: each decode eviction's held slots per (row, KV head) `[B, Hkv]`,
     before it (the new token included) and after it."""
     held = []
-    plain = decode.evict_lowest
+    plain = fast_session.evict_lowest
 
     def counting(scores, slot_pos, *args):
         before = (slot_pos >= 0).sum(-1)
@@ -539,7 +549,7 @@ def _held_around_evictions(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor
         held.append((before, (slot_pos >= 0).sum(-1)))
         return freed
 
-    monkeypatch.setattr(decode, "evict_lowest", counting)
+    monkeypatch.setattr(fast_session, "evict_lowest", counting)
     return held
 
 
@@ -564,13 +574,13 @@ def test_a_host_tier_parks_what_a_threshold_drops(monkeypatch, tmp_path, family)
     selector = LearnedSelector(predictor=_random_predictor(model, tmp_path, managed), refresh_every=4,
                                threshold=THRESHOLD[family])  # fmt: skip
     held, sessions = _held_around_evictions(monkeypatch), []
-    plain_attach = decode.attach
+    plain_attach = fast_loop.attach
 
     def attach_and_keep(model, session):
         sessions.append(session)
         return plain_attach(model, session)
 
-    monkeypatch.setattr(decode, "attach", attach_and_keep)
+    monkeypatch.setattr(fast_loop, "attach", attach_and_keep)
     tiered = atskv.generate(model, ids, selector, 24, tier=HostRetrieval(tokens=10_000), **run)
     _assert_a_threshold_dropped_tokens(held, 24)
     session = sessions[0]
@@ -586,13 +596,13 @@ def test_an_evicting_selector_prefills_a_batch_one_row_at_a_time(monkeypatch):
     """Each row's prompt is compressed before the next is read, so the prompt KV of one row, not
     of the batch, is the prefill's peak: what lets a compressed cache serve a larger batch."""
     rows = []
-    plain_prefill = decode._prefill
+    plain_prefill = fast_loop._prefill
 
     def counting(model, session, ids, *args):
         rows.append(ids.shape[0])
         return plain_prefill(model, session, ids, *args)
 
-    monkeypatch.setattr(decode, "_prefill", counting)
+    monkeypatch.setattr(fast_loop, "_prefill", counting)
     model = tiny_model("llama")
     atskv.generate(model, random_prompt(80, batch=3), "snapkv", 16, max_new_tokens=2, prefill_chunk=64)
     atskv.generate(model, random_prompt(80, batch=3), "quest", 16, max_new_tokens=2, prefill_chunk=64)
@@ -613,4 +623,4 @@ def test_compiled_layers_give_the_eager_tokens(family, selector):
                               compile=True)  # fmt: skip
     assert counters["stats"]["unique_graphs"] > 0  # something was compiled
     assert torch.equal(compiled, eager)
-    assert all("forward" not in layer.__dict__ for layer in decode.decoder_layers(model))  # restored
+    assert all("forward" not in layer.__dict__ for layer in fast_compiled.decoder_layers(model))  # restored

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import atskv
-from atskv.hook.sparse import SparseSession
+from atskv.runtime.reference.sparse import SparseSession
 from atskv.selectors.learned import LearnedSelector
 from tests.conftest import random_prompt, tiny_model
 from tests.test_decode import _random_predictor

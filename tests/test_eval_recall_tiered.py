@@ -9,9 +9,9 @@ import torch
 
 from atskv.errors import InputError
 from atskv.eval.recall import TIERED_SUFFIX, RecallSums, TieredRecallProbe, attention_recall
-from atskv.hook.sparse import attach
-from atskv.hook.tiered import tiered_configs
-from atskv.memory.sparsity import LayerPolicy
+from atskv.runtime.reference.sparse import attach
+from atskv.runtime.reference.sparsity import LayerPolicy
+from atskv.runtime.reference.tiered import tiered_configs
 from atskv.selectors import make_selector
 from tests.conftest import EVERY_TOKEN, random_prompt, tiny_model
 from tests.test_hybrid import predictor_dir as hybrid_predictor_dir

@@ -9,7 +9,7 @@ import torch
 
 import atskv
 from atskv.kernels.quest import quest_page_scores_reference
-from atskv.memory.host_pages import (
+from atskv.runtime.fast.host_pages import (
     HostPages,
     HostRetrieval,
     device_alias,
@@ -58,7 +58,7 @@ def test_fetch_takes_the_best_parked_pages_by_their_quest_bound():
 
 
 def test_a_page_asked_for_again_comes_from_the_gpu_cache(monkeypatch):
-    from atskv.memory import host_pages
+    from atskv.runtime.fast import host_pages
 
     copied = []
     real_copy = host_pages.page_copy

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import atskv
-from atskv.hook import decode
+import atskv.runtime.fast.graph as fast_graph
 from atskv.kernels.partial_scores import partial_scores
 from atskv.kernels.sparq_decode import (
     pooled_probs,
@@ -194,14 +194,14 @@ def test_fast_generate_through_the_kernel_gives_the_reference_tokens(monkeypatch
     model, ids, mask = left_padded("llama", 100, 20, seed=3)
     expected = _reference(model, ids, atskv.make_selector("sparq", recent=recent), 0.2, 6, mask)
     calls = []
-    original = decode.GraphedStep.__call__
+    original = fast_graph.GraphedStep.__call__
 
     def guarded(self, variant=None):
         with _no_host_reads():
             calls.append(variant)
             return original(self, variant)
 
-    monkeypatch.setattr(decode.GraphedStep, "__call__", guarded)
+    monkeypatch.setattr(fast_graph.GraphedStep, "__call__", guarded)
     monkeypatch.setenv("ATSKV_KERNELS", "triton")
     fast = atskv.generate(model, ids, atskv.make_selector("sparq", recent=recent), 0.2, attention_mask=mask,
                           max_new_tokens=6, dense_layers=1, prefill_chunk=64)  # fmt: skip

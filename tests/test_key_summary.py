@@ -1,4 +1,4 @@
-"""The host tier's GPU key summaries (`atskv.memory.key_summary`): int4 keys' storage and page-score kernel
+"""The host tier's GPU key summaries (`atskv.runtime.fast.key_summary`): int4 keys' storage and page-score kernel
 (Triton's interpreter on CPU) against its reference, and why int4 is there: it finds a lone strong key
 that 16-token page bounds rank below a page of broad-range filler."""
 
@@ -13,8 +13,8 @@ from atskv.kernels.int4_page_scores import (
     int4_page_scores_triton,
     quantize_int4,
 )  # fmt: skip
-from atskv.memory.host_pages import HostPages, HostRetrieval
-from atskv.memory.key_summary import KEY_SUMMARIES, Int4Keys
+from atskv.runtime.fast.host_pages import HostPages, HostRetrieval
+from atskv.runtime.fast.key_summary import KEY_SUMMARIES, Int4Keys
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

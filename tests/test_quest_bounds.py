@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 import atskv
-from atskv.hook.sparse import SparseSession, SparsityConfig, attach
+from atskv.runtime.reference.sparse import SparseSession, SparsityConfig, attach
 from atskv.selectors.h2o import H2OSelector
 from atskv.selectors.hybrid import HybridSelector
 from tests.conftest import left_padded

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from atskv.memory.retrieval import ExactIndex, FaissIndex, KeyIndex, LSHIndex, make_index
+from atskv.runtime.reference.retrieval import ExactIndex, FaissIndex, KeyIndex, LSHIndex, make_index
 
 B, H, G, D = 2, 3, 3, 16
 INDEXES = [("lsh", {"rank": "collisions"}), ("lsh", {"rank": "hamming"}), ("faiss", {}), ("exact", {})]

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import atskv
+import atskv.runtime.fast.loop as fast_loop
 from atskv.errors import InputError
 from atskv.features import SCALAR_FEATURES
-from atskv.hook import decode
 from atskv.kernels import learned_features
 from atskv.models import model_geometry
 from atskv.predictor.export import default_predictor_dir, export_predictor
@@ -178,8 +178,8 @@ def test_the_fast_path_gives_the_reference_tokens_and_state(predictor_dir, monke
     for name in ("write_token_features_triton", "refresh_scores_triton"):
         kernel = getattr(learned_features, name)
         monkeypatch.setattr(learned_features, name, lambda *a, kernel=kernel: launched.append(kernel) or kernel(*a))
-    plain_generate = decode._generate
-    monkeypatch.setattr(decode, "_generate", lambda model, session, *a: sessions.append(session) or
+    plain_generate = fast_loop._generate
+    monkeypatch.setattr(fast_loop, "_generate", lambda model, session, *a: sessions.append(session) or
                         plain_generate(model, session, *a))  # fmt: skip
     monkeypatch.setenv("ATSKV_KERNELS", kernels)
     fast = atskv.generate(model, ids, LearnedSelector(predictor=predictor_dir, refresh_every=3), 0.2,

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from atskv.memory.sparsity import INITIAL_MOMENTUM, LayerPolicy, SparsityBudget, SparsityManager
+from atskv.runtime.reference.sparsity import INITIAL_MOMENTUM, LayerPolicy, SparsityBudget, SparsityManager
 
 
 def fixed_q(q: float, **kw) -> LayerPolicy:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from atskv.eval import speed
-from atskv.memory.host_pages import HostRetrieval
+from atskv.runtime.fast.host_pages import HostRetrieval
 from tests.conftest import tiny_model
 
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import atskv
-from atskv.memory.host_tier import HostTier
-from atskv.memory.retrieval import INDEXES, FaissIndex, make_index
-from atskv.memory.sparsity import LayerPolicy
-from atskv.memory.tiered_cache import MOMENTUM, TieredLayer, TierStats
+from atskv.runtime.reference.host_tier import HostTier
+from atskv.runtime.reference.retrieval import INDEXES, FaissIndex, make_index
+from atskv.runtime.reference.sparsity import LayerPolicy
+from atskv.runtime.reference.tiered_cache import MOMENTUM, TieredLayer, TierStats
 from tests.conftest import random_prompt, tiny_model
 from tests.test_retrieval import whole_capacity
 from tests.test_selector_learned import predictor_dir as learned_predictor_dir

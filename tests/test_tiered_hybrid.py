@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import atskv
-import atskv.hook.tiered as tiered_module
+import atskv.runtime.reference.tiered as tiered_module
 from atskv.eval.perplexity import evaluate_perplexity
-from atskv.hook.tiered import TieredSession
 from atskv.memory.slot_cache import SlotLayer
-from atskv.memory.sparsity import LayerPolicy
-from atskv.memory.tiered_cache import TierStats
+from atskv.runtime.reference.sparsity import LayerPolicy
+from atskv.runtime.reference.tiered import TieredSession
+from atskv.runtime.reference.tiered_cache import TierStats
 from atskv.selectors import make_selector
 from atskv.selectors.base import LayerView, select_top_budget
 from atskv.selectors.hybrid import HybridSelector

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from atskv.memory.host_tier import HostTier
-from atskv.memory.retrieval import make_index
-from atskv.memory.tiered_cache import TieredLayer, TierStats
+from atskv.runtime.reference.host_tier import HostTier
+from atskv.runtime.reference.retrieval import make_index
+from atskv.runtime.reference.tiered_cache import TieredLayer, TierStats
 
 B, H, D = 2, 3, 4
 CAPACITY = 96  # the most tokens a sequence reaches

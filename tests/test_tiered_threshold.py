@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import atskv
-from atskv.memory.sparsity import LayerPolicy, SparsityBudget, SparsityManager
+from atskv.runtime.reference.sparsity import LayerPolicy, SparsityBudget, SparsityManager
 from atskv.selectors.learned import LearnedSelector
 from tests.conftest import random_prompt, tiny_model
 from tests.test_selector_learned import predictor_dir as learned_predictor_dir

@@ -133,7 +133,7 @@ def decode(
 
     from atskv.errors import built_from_option
     from atskv.eval import speed, vllm_speed
-    from atskv.memory.host_pages import HostRetrieval
+    from atskv.runtime.fast.host_pages import HostRetrieval
     from atskv.selectors import selector_options as options_for
 
     if any(vllm_speed.is_vllm(m) for m in methods):

@@ -40,7 +40,7 @@ def kascade(
         dtype: float32, bfloat16, float16, or auto (bfloat16 on GPU, float32 on CPU).
     """
     from atskv.data import corpus_windows
-    from atskv.hook.sparse import sparse
+    from atskv.runtime.reference.sparse import sparse
     from atskv.selectors.kascade import compute_kascade_profile, default_profile_path
 
     loaded = load(model, device, dtype, announce=False)

@@ -200,7 +200,7 @@ def generate(
 def selectors() -> None:
     """List the registered selectors, how the hook treats each, and which run on `atskv.generate`'s
     fast path (the others: `atskv.sparse` with `model.generate`, the reference path)."""
-    from atskv.hook.decode import FAST_SELECTORS, has_fast_path
+    from atskv.runtime.fast.session import FAST_SELECTORS, has_fast_path
     from atskv.selectors import SELECTORS
     from atskv.selectors.hybrid import HybridSelector, check_parts
 

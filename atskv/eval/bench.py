@@ -34,8 +34,9 @@ from tqdm.auto import tqdm
 from transformers import LlamaConfig
 
 from atskv.eval.report import write_report
-from atskv.hook.decode import StaticSession, prompt_chunks
-from atskv.hook.sparse import SparseSession, SparsityConfig
+from atskv.runtime.fast.loop import prompt_chunks
+from atskv.runtime.fast.session import StaticSession
+from atskv.runtime.reference.sparse import SparseSession, SparsityConfig
 from atskv.selectors import check_selector_names, make_selector
 
 GEOMETRIES = {  # query heads, KV heads, head dim

@@ -161,8 +161,8 @@ def check_tiering(grid: Grid, tiering: dict | None, sparse_prefill: bool, host_t
     """An `InputError` before any model loads for `tiered:` or `host:` rows their store cannot
     run: options `TieringConfig` or `HostRetrieval` does not take, a `host:` row whose selector
     does not evict (the host tier parks what it drops), or sparse prefill (both prefill densely)."""
-    from atskv.hook.tiered import TieringConfig
-    from atskv.memory.host_pages import HostRetrieval
+    from atskv.runtime.fast.host_pages import HostRetrieval
+    from atskv.runtime.reference.tiered import TieringConfig
     from atskv.selectors import SELECTORS, name_parts
 
     if (grid.tiered or grid.hosted) and sparse_prefill:
@@ -326,8 +326,8 @@ def run_leaderboard(
     on the reference path (`atskv.sparse` under `model.generate`); the `tiered:` rows run
     `atskv.tiered` under `model.generate` and the `host:` rows the fast path either way; dense is
     always transformers' own `generate`."""
-    from atskv.hook.decode import has_fast_path
-    from atskv.memory.host_pages import HostRetrieval
+    from atskv.runtime.fast.host_pages import HostRetrieval
+    from atskv.runtime.fast.session import has_fast_path
     from atskv.selectors import selectors_for_model
 
     check_tiering(grid, tiering, sparse_prefill, host_tier)

@@ -19,8 +19,8 @@ from tqdm.auto import tqdm
 
 from atskv.budget import check_budget
 from atskv.eval.report import write_report
-from atskv.hook.tiered import memory_session
 from atskv.models.cache_names import returned_cache, with_cache
+from atskv.runtime.reference.tiered import memory_session
 from atskv.selectors import Selector, make_selector
 
 DENSE = "dense"

@@ -37,9 +37,9 @@ from tqdm.auto import tqdm
 from atskv.attention import grouped_probs, sdpa_attention
 from atskv.eval.report import write_report
 from atskv.figures import save_figure
-from atskv.hook.sparse import SparseSession, SparsityConfig, attach
-from atskv.hook.tiered import TieredSession, tiered_configs
 from atskv.models.cache_names import with_cache
+from atskv.runtime.reference.sparse import SparseSession, SparsityConfig, attach
+from atskv.runtime.reference.tiered import TieredSession, tiered_configs
 from atskv.selectors import Selector, make_selector, resolve_selector
 from atskv.selectors.base import LayerView
 

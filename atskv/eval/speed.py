@@ -35,7 +35,7 @@ from atskv.budget import check_budget
 from atskv.eval.generation import TokenClock
 from atskv.eval.report import write_report
 from atskv.eval.shapes import SHAPES
-from atskv.memory.host_pages import HostRetrieval, pinned_peak, reset_peak_pinned
+from atskv.runtime.fast.host_pages import HostRetrieval, pinned_peak, reset_peak_pinned
 from atskv.selectors import make_selector
 
 PLAIN = "plain"

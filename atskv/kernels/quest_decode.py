@@ -1,4 +1,4 @@
-"""Quest's decode step in three kernels, for the fast path's static cache (`atskv.hook.decode`).
+"""Quest's decode step in three kernels, for the fast path's static cache (`atskv.generate`).
 
 The unfused step ran ~40 small torch kernels per layer (a page recompute by gather/scatter, the
 page scores, a mask of empty pages, `topk`, candidate slots, a stable `argsort`), 165 us at the

@@ -1,4 +1,4 @@
-"""SparQ's decode step in four kernels, for the fast path's static cache (`atskv.hook.decode`).
+"""SparQ's decode step in four kernels, for the fast path's static cache (`atskv.generate`).
 
 The unfused step ran ~15 torch kernels per layer: |q| top-r, `partial_scores` gathering r channels
 per query head from row-major keys `[B, Hkv, S, D]` (16 random channels of 128 touch ~7 of every 8

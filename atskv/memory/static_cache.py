@@ -173,7 +173,7 @@ class StaticSlotLayer(SlotLayer):
 
 
 class StaticKVCache(Cache):
-    """The cache of `atskv.hook.decode`: a `StaticSlotLayer` for every layer, its capacity from
+    """The cache of `atskv.generate`: a `StaticSlotLayer` for every layer, its capacity from
     `capacity(layer_idx, window)` (window: the layer's sliding window, None for global layers)."""
 
     is_compileable = True

@@ -3,7 +3,7 @@ decision time t, so that gradients can be taken through them (influence labels,
 `atskv.predictor.labels`) or tokens dropped exactly (the policy rollouts, `atskv.rl.rollout`),
 where each query may read back its best dropped tokens, as a two-tier store's host tier does.
 The hook's fused paths give neither, so the biased layers attend eagerly through a session of
-their own, attached by the hook's one attention registration (`atskv.hook.sparse.attach`)."""
+their own, attached by the hook's one attention registration (`atskv.runtime.reference.sparse.attach`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from atskv.attention import group_matmul, grouped_probs, grouped_queries
-from atskv.hook.sparse import ATTENTION_NAME, attach
+from atskv.runtime.reference.sparse import ATTENTION_NAME, attach
 
 DROPPED = torch.finfo(torch.float32).min  # the bias that drops a token: the mask's own fill value, probability 0
 

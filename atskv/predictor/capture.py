@@ -21,7 +21,7 @@ from atskv.selectors.base import LayerView, Selector
 
 def managed_layers(model, dense_layers: int) -> list[int]:
     """The layers the hook manages with `dense_layers` (what the learned selector will score)."""
-    from atskv.hook.sparse import SparseSession, SparsityConfig
+    from atskv.runtime.reference.sparse import SparseSession, SparsityConfig
 
     config = SparsityConfig(1, dense_layers)  # the budget plays no part in which layers are managed
     return sorted(SparseSession(model, FeatureCapture(), config).managed_layers)
@@ -69,7 +69,7 @@ def decision_features(
     """`{managed layer: (hidden [t+1, d_model], scalars [Hkv, t+1, F])}`: the features of every
     token 0..t at decision time t, from one dense forward of `ids[:, :t+1]` (`[1, >t]`) through
     the hook. No gradients (`no_grad`, not `inference_mode`: the results may feed a trained MLP)."""
-    from atskv.hook.sparse import sparse
+    from atskv.runtime.reference.sparse import sparse
 
     capture = FeatureCapture((t,))
     with sparse(model, capture, budget=t + 1, dense_layers=dense_layers), torch.no_grad():  # every token

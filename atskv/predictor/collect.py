@@ -158,7 +158,7 @@ def collect_window(
     `instruction`: the ids of `REPEAT_PROMPT` (read with `label="kvzip"` only); `full`: keep every
     token 0..t of each group. With `spec.full_windows` > 0 the columns include `full` and
     `sampled` (see the module docstring), whether or not this window is full."""
-    from atskv.hook.sparse import sparse
+    from atskv.runtime.reference.sparse import sparse
 
     device = next(model.parameters()).device
     ids = window[: spec.span + 1].reshape(1, -1).to(device)

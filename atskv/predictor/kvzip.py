@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from atskv.attention import grouped_probs, sdpa_attention
-from atskv.hook.sparse import ATTENTION_NAME, attach
 from atskv.predictor.attention_bias import allowed
+from atskv.runtime.reference.sparse import ATTENTION_NAME, attach
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n\n"
 

@@ -100,7 +100,7 @@ class Selector:
         return None
 
     def static_write(self, view: LayerView) -> None:
-        """Fast path (`atskv.hook.decode`): tokens were just written into the static cache (a prompt
+        """Fast path (`atskv.generate`): tokens were just written into the static cache (a prompt
         chunk, or one decode token at `layer.write_slot`); update state the cache does not reset
         itself (Quest's page bounds, the learned selector's fixed features), in place and, for a
         decode token, with no host sync."""

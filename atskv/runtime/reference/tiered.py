@@ -68,11 +68,11 @@ import torch
 from atskv.attention import StreamedAttention, grouped_attention, grouped_queries, sdpa_attention
 from atskv.budget import check_budget
 from atskv.errors import check_options
-from atskv.hook.sparse import SparseSession, SparsityConfig, attach, sparse
-from atskv.memory.host_tier import HostTier
-from atskv.memory.retrieval import INDEXES, make_index
-from atskv.memory.sparsity import INITIAL_MOMENTUM, LayerPolicy, SparsityBudget, SparsityManager
-from atskv.memory.tiered_cache import MOMENTUM, TieredKVCache, TieredLayer
+from atskv.runtime.reference.host_tier import HostTier
+from atskv.runtime.reference.retrieval import INDEXES, make_index
+from atskv.runtime.reference.sparse import SparseSession, SparsityConfig, attach, sparse
+from atskv.runtime.reference.sparsity import INITIAL_MOMENTUM, LayerPolicy, SparsityBudget, SparsityManager
+from atskv.runtime.reference.tiered_cache import MOMENTUM, TieredKVCache, TieredLayer
 from atskv.selectors import resolve_selector
 from atskv.selectors.base import LayerView, Selector
 from atskv.selectors.hybrid import RESIDENCY_FACTOR, HybridSelector

@@ -4,7 +4,7 @@ step reads back the pages its query needs, with no host work and inside the step
 
 Why this shape (ShadowKV, arXiv:2410.21465, and Quest, arXiv:2406.10774, decide on the GPU from a
 compact summary of what is off it): the GPU keeps, per row and KV head, a summary of every page's
-keys that scores it against a query (`atskv.memory.key_summary`: int4 keys, by default, or Quest's
+keys that scores it against a query (`atskv.runtime.fast.key_summary`: int4 keys, by default, or Quest's
 key min/max, 1/8 of the keys at 16 tokens a page) and a flag per token saying whether it is
 resident in the GPU slots; the evicting selector decides residency as on the fast path without a
 tier. A step scores the pages that hold a non-resident token, takes the best `pages`, and gathers
@@ -30,7 +30,7 @@ import torch
 
 from atskv.budget import check_budget
 from atskv.kernels.page_copy import page_copy
-from atskv.memory.key_summary import KEY_SUMMARIES
+from atskv.runtime.fast.key_summary import KEY_SUMMARIES
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class HostRetrieval:
     KV head (an int, or a fraction of the prompt as budgets are), in whole pages of `page_size`;
     the GPU keeps `cache` times as many pages as a step reads (>= 1: the pages read last step are
     always kept), so a page asked for again is not fetched again. `summary`: what ranks the pages on
-    the GPU, a key of `KEY_SUMMARIES` (see `atskv.memory.key_summary`): int4 keys by default, which
+    the GPU, a key of `KEY_SUMMARIES` (see `atskv.runtime.fast.key_summary`): int4 keys by default, which
     find needles that 16-token page bounds lose, for 0.55 ms more a step at the 8B shape, 32K, B=1,
     with its kernel before it unpacked by bits (docs/results.md, "The host tier on the fast path")."""
 

@@ -1,6 +1,6 @@
 """The GPU-resident summary of a host tier's keys (`HostRetrieval(summary=...)`) that ranks its pages.
 
-Every token's key lives in host memory (`atskv.memory.host_pages`); the GPU keeps only enough to
+Every token's key lives in host memory (`atskv.runtime.fast.host_pages`); the GPU keeps only enough to
 score each page against the step's query, per row and KV head:
 - "bounds": Quest's page key min/max (arXiv:2406.10774), 2 * D values a page, 1/8 of the keys at
   16 tokens. A page's bound covers all its tokens at once, so one sharp match among small keys

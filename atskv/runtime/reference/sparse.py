@@ -31,7 +31,7 @@ from atskv.selectors.base import LayerView, Selector, select_top_budget, without
 
 ATTENTION_NAME = "atskv"
 # the same attention function under a name with no mask function: transformers then builds no mask
-# at all, for the static decode path (atskv.hook.decode), which knows positions and padding itself
+# at all, for the static decode path (atskv.generate), which knows positions and padding itself
 STATIC_ATTENTION_NAME = "atskv-static"
 _SESSION_ATTR = "_atskv_session"
 

@@ -1,6 +1,5 @@
-"""`atskv.generate`: the fast path. A chunked prefill that never builds a `[T, T]` buffer, then
-decode steps with static shapes and no host synchronisation, captured once in a CUDA graph and
-replayed for every token.
+"""The fast path's session (`StaticSession`, run by `atskv.generate`): the same selection as the
+reference session `SparseSession`, over a static cache with no host synchronisation per step.
 
 Why a second session beside `SparseSession` (which stays the reference): the reference cache
 grows and compacts, its masks are `[B, Hkv, Tq, S]`, and it asks the host how many slots each
@@ -30,26 +29,28 @@ synchronisation.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 
-from atskv.attention import group_matmul, grouped_attention, prefix_causal_attention, received_mass, sdpa_attention
+from atskv.attention import (
+    causal_attention_from,
+    grouped_attention,
+    masked_attention,
+    masked_attention_lse,
+    received_mass,
+)
 from atskv.budget import resolve_budget
-from atskv.hook.sparse import STATIC_ATTENTION_NAME, SparseSession, SparsityConfig, attach
 from atskv.kernels.backend import aligned_slots
 from atskv.kernels.evict import evict_lowest
 from atskv.kernels.received_mass import prefix_received_mass
 from atskv.kernels.sparse_decode import sparse_decode_attention
-from atskv.memory.host_pages import HostPages, HostRetrieval
 from atskv.memory.slot_cache import slot_index
 from atskv.memory.static_cache import StaticKVCache, StaticSlotLayer
-from atskv.models.cache_names import with_cache
-from atskv.models.geometry import decoder_layers
-from atskv.selectors import resolve_selector
+from atskv.runtime.fast.host_pages import HostPages, HostRetrieval
+from atskv.runtime.reference.sparse import STATIC_ATTENTION_NAME, SparseSession, SparsityConfig
 from atskv.selectors.base import LAST_QUERIES, LayerView, Selector
 from atskv.selectors.hybrid import HybridSelector
 from atskv.selectors.spark import SparKSelector
@@ -383,61 +384,6 @@ class StaticSession(SparseSession):
         return self._identity[key]
 
 
-def masked_attention(query, keys, values, allowed: Callable[[int, int], torch.Tensor], scaling: float,
-                     span: Callable[[int, int], slice] | None = None,
-                     max_elements: int = 1 << 27) -> torch.Tensor:  # fmt: skip
-    """`masked_attention_lse`'s output alone, through fused SDPA (`sdpa_attention`), for the layers
-    whose received mass no selector reads (a sliding-window layer, a padded batch's unmanaged
-    layers): no float32 `[n, S]` logits in torch (Gemma 3 270M, 2 x 4096 tokens on the CPU:
-    its 15 sliding-window layers took 77% of the prefill that way)."""
-    b, hq, tq, _ = query.shape
-    out = query.new_empty(b, hq, tq, values.shape[-1])
-    for start, stop, cols in _query_blocks(tq, b * hq * keys.shape[2], span, max_elements):
-        out[:, :, start:stop] = sdpa_attention(query[:, :, start:stop], keys[:, :, cols], values[:, :, cols],
-                                               allowed(start, stop)[..., cols], scaling).transpose(1, 2)  # fmt: skip
-    return out
-
-
-def masked_attention_lse(query, keys, values, allowed: Callable[[int, int], torch.Tensor], scaling: float,
-                         span: Callable[[int, int], slice] | None = None, max_elements: int = 1 << 27):  # fmt: skip
-    """Attention of `query` `[B, Hq, Tq, D]` over `keys` `[B, Hkv, S, D]` where `allowed(start, stop)`
-    (`[B, 1, n, S]`) permits, a block of queries at a time (sliding windows, padded batches).
-    `span(start, stop)`: the slots a block can be allowed at all, the only ones read (a causal
-    prefix, a sliding window; none: every slot). Returns `[B, Hq, Tq, D]` and the log-sum-exp
-    `[B, Hq, Tq]`; a query with nothing allowed gets zeros."""
-    b, hq, tq, d = query.shape
-    hkv = keys.shape[1]
-    out = query.new_empty(b, hq, tq, values.shape[-1])
-    lse = torch.empty(b, hq, tq, dtype=torch.float32, device=query.device)
-    k = keys.transpose(-1, -2)
-    for start, stop, cols in _query_blocks(tq, b * hq * keys.shape[2], span, max_elements):
-        q = query[:, :, start:stop].reshape(b, hkv, hq // hkv, stop - start, d)
-        logits = group_matmul(q, k[..., cols]).float() * scaling
-        logits = logits.masked_fill(~allowed(start, stop)[..., cols].unsqueeze(2), -torch.inf)
-        block_lse = logits.logsumexp(-1)
-        probs = torch.exp(logits - block_lse.nan_to_num(neginf=0.0).unsqueeze(-1))
-        block = group_matmul(probs.to(values.dtype), values[:, :, cols])
-        out[:, :, start:stop] = block.reshape(b, hq, stop - start, -1)
-        lse[:, :, start:stop] = block_lse.reshape(b, hq, stop - start)
-    return out, lse
-
-
-def causal_attention_from(query, keys, values, first: int, start: int, scaling: float):
-    """A causal chunk's attention (`prefix_causal_attention`: the C queries are the last C of the
-    S slots) for its queries from `first` over the slots from `start`, a left-padded row's real
-    part; the pad queries before `first` get zeros and a log-sum-exp of -inf, as under a mask."""
-    b, hq, c, _ = query.shape
-    if (first, start) == (0, 0):
-        return prefix_causal_attention(query, keys, values, keys.shape[2] - c, scaling)
-    out = query.new_zeros(b, hq, c, values.shape[-1])
-    lse = torch.full((b, hq, c), -torch.inf, dtype=torch.float32, device=query.device)
-    if first < c:
-        out[:, :, first:], lse[:, :, first:] = prefix_causal_attention(
-            query[:, :, first:], keys[:, :, start:], values[:, :, start:], keys.shape[2] - start - (c - first), scaling
-        )
-    return out, lse
-
-
 def causal_mass_from(query, keys, lse, first: int, start: int, scaling: float) -> torch.Tensor:
     """The mass `[B, Hkv, S]` each slot receives from `causal_attention_from`'s queries (the pad
     slots before `start` none)."""
@@ -447,162 +393,6 @@ def causal_mass_from(query, keys, lse, first: int, start: int, scaling: float) -
     mass = prefix_received_mass(query[:, :, first:], keys[:, :, start:], lse[:, :, first:],
                                 keys.shape[2] - start - (c - first), scaling)  # fmt: skip
     return torch.nn.functional.pad(mass, (start, 0))
-
-
-SPAN_BLOCK = 1024  # queries a block when a span bounds the keys: each block reads its queries' span, not the cache
-
-
-def _query_blocks(tq: int, row_elements: int, span, max_elements: int):
-    """`(start, stop, slots)` for each block of queries: at most `max_elements` logits a block
-    over every slot (`row_elements` a query), or `SPAN_BLOCK` queries over their `span`."""
-    step = max(1, max_elements // max(1, row_elements))
-    if span is not None:
-        step = min(step, SPAN_BLOCK)
-    for start in range(0, tq, step):
-        stop = min(start + step, tq)
-        yield start, stop, span(start, stop) if span is not None else slice(None)
-
-
-class GraphedStep:
-    """`step()` per variant (`__call__(variant)`): run eagerly the first time (a real decode step
-    that also warms up kernels and allocators), captured in a CUDA graph the second time, replayed
-    from then on; the variants' graphs share one memory pool. Off CUDA, or with `enabled=False`,
-    every call runs eagerly."""
-
-    def __init__(self, step: Callable[[], torch.Tensor], device: torch.device, enabled: bool = True):
-        self.step, self.device = step, device
-        self.enabled = enabled and device.type == "cuda"
-        self.calls: dict[object, int] = {}
-        self.graphs: dict[object, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = None
-
-    def __call__(self, variant: object = None) -> torch.Tensor:
-        self.calls[variant] = self.calls.get(variant, 0) + 1
-        if not self.enabled:
-            return self.step()
-        if variant in self.graphs:
-            graph, output = self.graphs[variant]
-            graph.replay()
-            return output
-        if self.calls[variant] == 1:  # warm-up: a side stream, as CUDA graph capture wants
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                out = self.step()
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            return out
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            output = self.step()
-        self.pool = graph.pool()
-        self.graphs[variant] = (graph, output)
-        graph.replay()
-        return output
-
-
-@torch.no_grad()
-def generate(
-    model,
-    input_ids: torch.Tensor,
-    selector: Selector | str = "dense",
-    budget: int | float = 0.1,
-    *,
-    attention_mask: torch.Tensor | None = None,
-    max_new_tokens: int = 32,
-    dense_layers: int = 2,
-    prefill_chunk: int = 4096,
-    cuda_graph: bool = True,
-    eos_token_id: int | None = None,
-    streamer=None,
-    tier: HostRetrieval | None = None,
-    compile: bool = False,
-) -> torch.Tensor:
-    """Greedy generation under a selector and budget on the fast path: `[B, T + new]` token ids.
-
-    >>> out = atskv.generate(model, ids, "quest", budget=0.05, max_new_tokens=64)
-
-    Same tokens as `with atskv.sparse(model, selector, budget): model.generate(ids, do_sample=False)`
-    for the selectors in `FAST_SELECTORS`; prompts are processed `prefill_chunk` tokens at a time.
-    `streamer`: as transformers' (`put` gets the prompt, then each new token `[B, 1]`; `end`).
-    `tier`: keep every token in pinned host memory as well and read the best parked pages back
-    at each step (`HostRetrieval`); `budget` is then what stays on the GPU.
-    `compile`: run the decode steps through `torch.compile`d decoder layers (`compiled_layers`):
-    the model's own norms, rotary embedding and MLP glue fused (8B shape, 32K: 7.6 -> 6.0 ms per
-    step on an H200); the first call in a process compiles, ~15 s at that shape. Rounding then
-    differs from the eager reference in bf16, as any fused kernel's does."""
-    selector = resolve_selector(selector, model)  # as atskv.sparse: a name finds the model's own predictor
-    if max_new_tokens < 1 or prefill_chunk < LAST_QUERIES:
-        raise ValueError(
-            f"need max_new_tokens >= 1 and prefill_chunk >= {LAST_QUERIES}, got {max_new_tokens}, {prefill_chunk}"
-        )
-    b, t = input_ids.shape
-    session = StaticSession(model, selector, SparsityConfig(budget, dense_layers), t, max_new_tokens, prefill_chunk,
-                            tier, batch=b)  # fmt: skip
-    with attach(model, session):
-        return _generate(model, session, input_ids, attention_mask, max_new_tokens, prefill_chunk, cuda_graph,
-                         eos_token_id, streamer, compile)  # fmt: skip
-
-
-@contextlib.contextmanager
-def compiled_layers(model, enabled: bool = True) -> Iterator[None]:
-    """Inside the block, each decoder layer runs `torch.compile`d, with atskv's cache write and
-    attention left out of the compiled graphs (they are `torch.compiler.disable`d: the selectors
-    keep Python state). What is compiled is the model's own per-layer work, which eager runs as
-    ~35 small kernels per layer (norms, rotary, residuals, the MLP's activation) between the
-    projections. No CUDA graphs of its own: `GraphedStep` captures the compiled step. Every
-    layer is its own compiled entry (its index is a constant), so the recompile limit is raised
-    to the layer count for the block."""
-    if not enabled:
-        yield
-        return
-    layers = decoder_layers(model)
-    own = [layer.__dict__.get("forward") for layer in layers]
-    limit = max(torch._dynamo.config.recompile_limit, 2 * len(layers))
-    with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(256, 8 * limit)):
-        for layer in layers:
-            layer.forward = torch.compile(layer.forward, dynamic=False)
-        try:
-            yield
-        finally:
-            for layer, forward in zip(layers, own):
-                del layer.forward
-                if forward is not None:
-                    layer.forward = forward
-
-
-def prompt_chunks(tokens: int, chunk: int) -> list[tuple[int, int]]:
-    """`(start, stop)` of each prompt chunk: a short first one, then full ones, so the last chunk
-    (whose queries SnapKV-style selectors read, `LAST_QUERIES`) is a full one."""
-    first = tokens - (math.ceil(tokens / chunk) - 1) * chunk
-    starts = [0, *range(first, tokens, chunk)]
-    return [(start, min(start + (first if start == 0 else chunk), tokens)) for start in starts]
-
-
-def _prefill(model, session: StaticSession, ids, positions, real, chunk: int,
-             row: int = 0) -> tuple[StaticKVCache, torch.Tensor]:  # fmt: skip
-    """The prompt in chunks of `chunk` tokens (the last one full) into a new cache, finished for
-    decoding; returns it and the last position's logits `[B, vocab]`. `row`: which row of the
-    call `ids` is, when rows are prefilled one at a time (a host tier parks it there)."""
-    t = ids.shape[1]
-    session.real, session.pads, session.row = real, left_padding(real), row
-    cache = session.new_cache()
-    given = with_cache(model, cache)
-    for start, stop in prompt_chunks(t, chunk):
-        logits = model(input_ids=ids[:, start:stop], position_ids=positions[:, start:stop], **given, use_cache=True,
-                       logits_to_keep=1).logits  # fmt: skip
-    session.finish_prompt(real)
-    session.real = session.pads = None
-    return cache, logits[:, -1]
-
-
-def left_padding(real: torch.Tensor | None) -> list[int] | None:
-    """How many pad tokens lead each row of `real` `[B, T]`, when no pad follows a real token in
-    any row (None: no mask, or pads inside a row). One host sync per prefill."""
-    if real is None:
-        return None
-    pads = (~real).sum(-1)
-    leading = torch.arange(real.shape[1], device=real.device) >= pads.unsqueeze(-1)
-    return pads.tolist() if bool((real == leading).all()) else None
 
 
 def _per_row(parts: list[tuple[int, int]], attend: Callable):
@@ -615,55 +405,3 @@ def _per_row(parts: list[tuple[int, int]], attend: Callable):
     if isinstance(rows[0], torch.Tensor):
         return torch.cat(rows)
     return tuple(torch.cat(pieces) for pieces in zip(*rows))
-
-
-def _generate(model, session, input_ids, attention_mask, max_new_tokens, prefill_chunk, cuda_graph, eos_token_id,
-              streamer, compile: bool):  # fmt: skip
-    b, t = input_ids.shape
-    emit = streamer.put if streamer is not None else lambda tokens: None
-    emit(input_ids)
-    device = input_ids.device
-    real = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()
-    if real is not None:
-        positions = (real.long().cumsum(-1) - 1).clamp(min=0)
-    else:
-        positions = torch.arange(t, device=device).expand(b, t)
-    if session.selector.evicts and b > 1:  # each row compressed before the next: the prompt KV of one row at a time
-        rows = [_prefill(model, session, input_ids[i : i + 1], positions[i : i + 1],
-                         None if real is None or bool(real[i].all()) else real[i : i + 1], prefill_chunk, i)
-                for i in range(b)]  # fmt: skip
-        cache, logits = StaticKVCache.stack([c for c, _ in rows]), torch.cat([lg for _, lg in rows])
-    else:
-        cache, logits = _prefill(model, session, input_ids, positions, real, prefill_chunk)
-    token = logits.argmax(-1)
-    emit(token.view(b, 1))
-    ids_in = token.view(b, 1).clone()
-    pos_in = positions[:, -1:] + 1
-
-    counted = session.step_counters(cache)
-    given = with_cache(model, cache)
-
-    def step() -> torch.Tensor:
-        return counted(lambda: model(input_ids=ids_in, position_ids=pos_in, **given, use_cache=True).logits[:, -1])
-
-    run = GraphedStep(step, device, cuda_graph)
-    out = [token]
-    done = torch.zeros(b, dtype=torch.bool, device=device)
-    first_managed = min((i for i in session.managed_layers if session.is_managed(i)), default=None)
-    with compiled_layers(model, compile):
-        for _ in range(max_new_tokens - 1):
-            if eos_token_id is not None:
-                done |= token == eos_token_id
-            for layer in cache.layers:  # host-side count of tokens written (the step writes one)
-                layer.seen += 1
-            variant = None if first_managed is None else session.selector.decode_variant(cache.layers[first_managed])
-            token = run(variant).argmax(-1)
-            if eos_token_id is not None:
-                token = token.masked_fill(done, eos_token_id)
-            out.append(token)
-            emit(token.view(b, 1))
-            ids_in.copy_(token.view(b, 1))
-            pos_in += 1
-    if streamer is not None:
-        streamer.end()
-    return torch.cat([input_ids, torch.stack(out, dim=1)], dim=1)
