@@ -17,8 +17,10 @@ counted index's slot, which saves the add kernel of every step. The kernel then 
 (float32, `[B * Hq, K]`) and a third small kernel turns them into probabilities once the splits'
 log-sum-exp is known.
 
-The Triton kernel gives each program one (batch row, KV head) and one contiguous share ("split")
-of its index list. The G queries are loaded once, padded to at least 16 rows so both products run
+The Triton kernel gives each program one (batch row, KV head) and one share ("split") of its
+index list: every `splits`-th tile from the split's own, so the tiles that count (the first
+`lengths[b, h]` indices) spread over all splits even when the list is much longer than what
+counts (vLLM's fractional budgets are sized for the longest context the engine takes). The G queries are loaded once, padded to at least 16 rows so both products run
 through `tl.dot` on tensor cores. The padding wastes MMA work when G is small (4 on Llama-3-8B),
 but a decode step is bound by the random-access gathers of K/V rows, not by arithmetic; the
 alternative, a broadcast product `q[:, None, :] * k[None, :, :]` on CUDA cores, holds a
@@ -130,8 +132,9 @@ def sparse_decode_attention_triton(
     out: torch.Tensor | None = None,
     split_size: int | None = None,
 ):
-    """The Triton kernel. `split_size` (indices per split; whole tiles are fastest) overrides
-    `choose_split_size`, to cover the split merge in tests or to tune on a GPU."""
+    """The Triton kernel. `split_size` (the list's indices per split: `ceil(K / split_size)` splits,
+    which take its tiles in turn) overrides `choose_split_size`, to cover the split merge in tests or
+    to tune on a GPU."""
     if triton is None:
         raise RuntimeError("the sparse decode kernel needs Triton (pip install 'atskv[gpu]' or 'atskv[test]')")
     scaling = _check(query, keys, values, indices, lengths, scaling, held, want_mass, add_mass_to)
@@ -168,7 +171,7 @@ def sparse_decode_attention_triton(
     _split_kernel[grid](
         query, keys, values, indices, lengths, held, table, partial, max_logit, total, logits, lse, out,
         *query.stride(), *keys.stride(), *values.stride(), *indices.stride(), lengths.stride(0), lengths.stride(1),
-        *held.stride()[:3], table.stride(0), table.stride(-1), out.stride(0), hkv, num_indices, split_size, splits,
+        *held.stride()[:3], table.stride(0), table.stride(-1), out.stride(0), hkv, num_indices, splits,
         max(block_size, 1), scaling * _LOG2E,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_N=_block_n(d),
         HAS_LENGTHS=has_lengths, HAS_HELD=has_held, PAGED=paged, WANT_MASS=with_mass, SINGLE_SPLIT=splits == 1,
@@ -274,7 +277,7 @@ def _split_kernel(
     stride_ib, stride_ih, stride_ik,
     stride_lb, stride_lh,
     stride_pb, stride_ph, stride_ps, stride_tb, stride_tw, stride_rb,
-    num_kv_heads, num_indices, split_size, num_splits, block_size, qk_scale,
+    num_kv_heads, num_indices, num_splits, block_size, qk_scale,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LENGTHS: tl.constexpr, HAS_HELD: tl.constexpr, PAGED: tl.constexpr, WANT_MASS: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
@@ -302,8 +305,7 @@ def _split_kernel(
     length = num_indices
     if HAS_LENGTHS:
         length = tl.minimum(tl.load(len_ptr + b * stride_lb + h * stride_lh).to(tl.int32), num_indices)
-    start = split * split_size
-    stop = tl.minimum(start + split_size, length)
+    tiles = tl.cdiv(length, BLOCK_N)
     idx_row = idx_ptr + b * stride_ib + h * stride_ih
     k_row = k_ptr + b * stride_kb + h * stride_kh
     v_row = v_ptr + b * stride_vb + h * stride_vh
@@ -312,9 +314,9 @@ def _split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    for n in range(start, stop, BLOCK_N):
-        offs = n + tl.arange(0, BLOCK_N)
-        valid = offs < stop
+    for tile in range(split, tiles, num_splits):
+        offs = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = offs < length
         slot = tl.load(idx_row + offs * stride_ik, mask=valid, other=0).to(tl.int64)
         if PAGED:  # a logical position: through the row's block table to its physical slot
             block = tl.load(table_ptr + b * stride_tb + (slot // block_size) * stride_tw, mask=valid, other=0)
@@ -327,7 +329,7 @@ def _split_kernel(
         qk = tl.where(valid[None, :], qk, float("-inf"))
         if WANT_MASS:
             tl.store(logit_ptr + row[:, None] * num_indices + offs[None, :], qk,
-                     mask=in_group[:, None] & (offs < stop)[None, :])  # fmt: skip
+                     mask=in_group[:, None] & (offs < length)[None, :])  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # no NaN from (-inf) - (-inf)
         alpha = tl.exp2(m_i - m_safe)
