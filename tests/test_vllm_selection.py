@@ -226,3 +226,14 @@ def test_the_sink_recent_kernel_matches_its_reference(budget, monkeypatch):
     monkeypatch.setenv("ATSKV_KERNELS", "triton")
     got = sink_recent_positions(seq_lens, budget, 4, 48, HKV)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_one_forwards_layers_share_the_batchs_usable_positions(cache):
+    seq_lens = torch.tensor(cache.lengths, dtype=torch.int32)
+    query = torch.randn(len(cache.lengths), HQ, D)
+    step = {}
+    first = PagedQuest().pick(query, HKV, cache.bounds, cache.block_table, seq_lens, BLOCK, 24, step)
+    shared = step["positions"]
+    again = PagedQuest().pick(query, HKV, cache.bounds, cache.block_table, seq_lens, BLOCK, 24, step)
+    assert step["positions"] is shared and torch.equal(first[0], again[0])
+    assert (shared[:, 0] >= 0).sum(-1).tolist() == cache.lengths

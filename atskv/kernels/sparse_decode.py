@@ -20,8 +20,9 @@ log-sum-exp is known.
 The Triton kernel gives each program one (batch row, KV head) and one share ("split") of its
 index list: every `splits`-th tile from the split's own, so the tiles that count (the first
 `lengths[b, h]` indices) spread over all splits even when the list is much longer than what
-counts (vLLM's fractional budgets are sized for the longest context the engine takes). The G queries are loaded once, padded to at least 16 rows so both products run
-through `tl.dot` on tensor cores. The padding wastes MMA work when G is small (4 on Llama-3-8B),
+counts (vLLM's fractional budgets are sized for the longest context the engine takes). The G
+queries are loaded once, padded to at least 16 rows so both products run through `tl.dot` on
+tensor cores. The padding wastes MMA work when G is small (4 on Llama-3-8B),
 but a decode step is bound by the random-access gathers of K/V rows, not by arithmetic; the
 alternative, a broadcast product `q[:, None, :] * k[None, :, :]` on CUDA cores, holds a
 `G x BLOCK_N x D` float32 tile in registers (forcing small tiles, so fewer gathers in flight) and

@@ -112,8 +112,9 @@ class AtskvAttentionImpl(FlashAttentionImpl):
         block_size = kv_cache.shape[2]
         q, table = query[:decodes], attn_metadata.block_table[:decodes]
         seq_lens = attn_metadata.seq_lens[:decodes]
+        step = attn_metadata.__dict__.setdefault("atskv_step", {})  # one forward's metadata: shared by its layers
         positions, lengths = self.selector.pick(q, self.num_kv_heads, self.bounds, table, seq_lens, block_size,
-                                                self.config.budget)  # fmt: skip
+                                                self.config.budget, step)  # fmt: skip
         paged_sparse_decode(q, key_cache, value_cache, positions, lengths, table, self.scale,
                             out=output[:decodes].view(q.shape))  # fmt: skip
         return output

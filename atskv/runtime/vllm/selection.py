@@ -2,7 +2,8 @@
 declaring what it needs from the engine (`needs_bounds`: per-block key bounds kept on write).
 
 `pick(query [B, Hq, D], kv_heads, bounds (low, high) or None, block_table [B, W], seq_lens [B],
-block_size, budget)` returns each request's logical token positions `[B, Hkv, K]` (int32), which the
+block_size, budget, step)` (`step`: a dict shared by one forward's layers, for what a selector
+computes once per batch) returns each request's logical token positions `[B, Hkv, K]` (int32), which the
 sparse decode kernel reads through the block table, and how many count per (request, KV head)
 `[B, Hkv]`, with fixed shapes and no host sync, so a
 decode step runs inside vLLM's CUDA graphs. Pure torch plus atskv's kernels: tested on the CPU
@@ -37,15 +38,24 @@ class PagedQuest:
     name: ClassVar[str] = "quest"
     needs_bounds: ClassVar[bool] = True
 
-    def pick(self, query, kv_heads: int, bounds, block_table, seq_lens, block_size: int, budget: int | float):
-        b, hkv = query.shape[0], kv_heads
+    def pick(self, query, kv_heads: int, bounds, block_table, seq_lens, block_size: int, budget: int | float,
+             step: dict | None = None):  # fmt: skip
         width = block_table.shape[1]
         slots = width * block_size
         scores = paged_page_scores(query, *bounds, block_table, seq_lens, block_size)
         n_pages = min(width, math.ceil(most_tokens(budget, slots) / block_size) + 2)
-        at = torch.arange(slots, device=query.device, dtype=torch.int32)
-        positions = torch.where(at < seq_lens.view(-1, 1), at, -1).unsqueeze(1).expand(b, hkv, slots)
-        return quest_pick(scores, positions, budget, seq_lens, n_pages, block_size)
+        step = {} if step is None else step
+        if "positions" not in step:  # the batch's usable slots, the same in every layer
+            step["positions"] = usable_positions(seq_lens, slots)
+        positions = step["positions"]
+        return quest_pick(scores, positions.expand(-1, kv_heads, -1), budget, seq_lens, n_pages, block_size)
+
+
+def usable_positions(seq_lens: torch.Tensor, slots: int) -> torch.Tensor:
+    """`[B, 1, slots]` int32: each logical slot's position where the request holds a token, else -1
+    (Quest's pick takes it as what may be read)."""
+    at = torch.arange(slots, device=seq_lens.device, dtype=torch.int32)
+    return torch.where(at < seq_lens.view(-1, 1), at, -1).unsqueeze(1)
 
 
 @dataclass
@@ -58,7 +68,8 @@ class PagedStreamingLLM:
     needs_bounds: ClassVar[bool] = False
     sinks: int = 4
 
-    def pick(self, query, kv_heads: int, bounds, block_table, seq_lens, block_size: int, budget: int | float):
+    def pick(self, query, kv_heads: int, bounds, block_table, seq_lens, block_size: int, budget: int | float,
+             step: dict | None = None):  # fmt: skip
         width = most_tokens(budget, block_table.shape[1] * block_size)
         return sink_recent_positions(seq_lens, budget, self.sinks, width, kv_heads)
 
