@@ -55,3 +55,25 @@ def test_the_identity_report_names_the_first_differing_token(tmp_path):
     vanilla = {"method": "vllm", "kind": "tokens", "context": 8, "tokens": [[1, 2, 3], [4, 5, 6]]}
     path = rows(tmp_path / "rows.jsonl", vanilla, {**vanilla, "method": "dense", "tokens": [[1, 2, 3], [4, 9, 6]]})
     assert identity_report(path) == ["dense: 1/2 prompts token-identical to vanilla vLLM; first differences at [3, 1]"]
+
+
+def test_a_trace_is_reproducible_poisson_arrivals_of_long_prompts():
+    from atskv.eval.vllm_trace import Trace
+
+    trace = Trace(rate=2.0, requests=400, shortest=16384, longest=131072, seed=1)
+    arrivals = trace.arrivals()
+    assert arrivals == Trace(rate=2.0, requests=400, shortest=16384, longest=131072, seed=1).arrivals()
+    times = [t for t, _ in arrivals]
+    assert times == sorted(times) and abs(times[-1] / 400 - 0.5) < 0.1  # mean gap 1 / rate
+    assert all(16384 <= n <= 131072 for _, n in arrivals) and len({n for _, n in arrivals}) > 300
+
+
+def test_trace_figures_from_arrivals_and_token_times():
+    from atskv.eval.vllm_trace import summarise
+
+    arrived = {"a": 0.0, "b": 1.0}
+    stamps = {"a": [0.5, 0.6, 0.7], "b": [3.0, 3.2]}
+    figures = summarise(arrived, stamps, {"a"}, wall=5.0)
+    assert figures["output_tokens_per_s"] == 1.0 and figures["finished"] == 1
+    assert abs(figures["ttft_mean_s"] - 1.25) < 1e-9 and abs(figures["ttft_p99_s"] - 2.0) < 1e-9
+    assert abs(figures["tbt_mean_ms"] - 400 / 3) < 1e-6 and abs(figures["tbt_p99_ms"] - 200) < 1e-6

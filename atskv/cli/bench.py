@@ -195,8 +195,59 @@ def _vllm_methods(methods, model, contexts, batches, budget, new_tokens, dense_l
     return rows
 
 
+def serve(
+    model: str = "llama3.1-8b",
+    methods: list[str] = ["vllm", "vllm:streaming_llm", "vllm:quest"],  # noqa: B006
+    rates: list[float] = [0.25, 0.5, 1.0],  # noqa: B006
+    requests: int = 32,
+    shortest: int = 16384,
+    longest: int = 131072,
+    new_tokens: int = 128,
+    budget: int | float = 0.05,
+    dense_layers: int = 2,
+    limit_s: float = 300.0,
+    out: Path = Path("results/serve"),
+) -> None:
+    """A serving trace through vanilla vLLM and vLLM + atskv, in one run on one GPU.
+
+    Requests of `shortest`-`longest` prompt tokens (log-uniform) arrive as a Poisson process at each
+    rate; reports output tokens/s, mean and P99 time to first token and between tokens, and the
+    requests finished within `limit_s`. Each engine runs in its own process on the shape's config
+    with dummy weights; rows go to OUT/trace.jsonl as they finish and a rerun skips those there.
+
+    Args:
+        model: an 8B-class shape (llama3.1-8b, qwen3-8b, mistral-7b).
+        methods: vllm (vanilla) and vllm:<selector> (atskv's plugin: quest, streaming_llm).
+        rates: arrival rates, requests per second.
+        requests: requests per trace.
+        shortest: the shortest prompt, tokens.
+        longest: the longest prompt, tokens (cut to the shape's positions less new_tokens).
+        new_tokens: tokens each request generates.
+        budget: the plugin's KV budget per KV head: tokens (int) or a fraction of the context.
+        dense_layers: first layers kept dense by the plugin.
+        limit_s: a trace stops here, finished or not.
+        out: output folder.
+    """
+    import tempfile
+
+    from atskv.errors import InputError
+    from atskv.eval import vllm_speed, vllm_trace
+
+    if model not in vllm_speed.SHAPES:
+        raise InputError(f"serve runs a shape with dummy weights; shapes: {', '.join(vllm_speed.SHAPES)}")
+    if any(not vllm_speed.is_vllm(m) for m in methods):
+        raise InputError(f"serve runs vllm and vllm:<selector> methods, got {methods}")
+    shape = vllm_speed.write_shape(model, Path(tempfile.mkdtemp()) / model)
+    specs = [vllm_speed.EngineSpec(m, str(shape), [], new_tokens, budget, dense_layers) for m in methods]
+    traces = [vllm_trace.Trace(r, requests, shortest, longest, new_tokens, limit_s=limit_s) for r in rates]
+    rows = Path(out) / "trace.jsonl"
+    vllm_trace.measure(specs, traces, rows)
+    print(vllm_trace.table(rows))
+
+
 COMMANDS = {
     "attention": attention,
     "decode": decode,
-    "_help": "Speed: end-to-end decode against plain transformers, or one attention step.",
+    "serve": serve,
+    "_help": "Speed: end-to-end decode against plain transformers and vLLM, a serving trace, or one attention step.",
 }

@@ -155,14 +155,14 @@ def run_engine(spec: EngineSpec, rows: Path) -> None:
 
 
 def done(rows: Path) -> set[tuple]:
-    """(method, kind, context, batch) of the rows already in `rows`."""
+    """(method, kind, context, batch or a trace's rate) of the rows already in `rows`."""
     if not rows.exists():
         return set()
     seen = set()
     for line in rows.read_text().splitlines():
         if line.strip():
             r = json.loads(line)
-            seen.add((r["method"], r["kind"], r["context"], r.get("batch")))
+            seen.add((r["method"], r["kind"], r["context"], r.get("batch", r.get("rate"))))
     return seen
 
 

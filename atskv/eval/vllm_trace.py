@@ -1,0 +1,149 @@
+"""A serving trace through vanilla vLLM and vLLM + atskv: long requests (prompt lengths drawn
+between `shortest` and `longest` tokens) arriving as a Poisson process at a given rate, each
+wanting `new_tokens` tokens. Per method and rate: output tokens/s over the run, mean and P99 time
+to first token, mean and P99 time between tokens, requests finished, and the KV tokens the engine
+holds. Each method's engine runs in its own process (as in `atskv.eval.vllm_speed`); rows are
+appended as they finish and a rerun skips (method, rate) rows already there.
+
+    python -m atskv.eval.vllm_trace SPEC.json TRACE.json ROWS.jsonl   (one engine: what `measure` starts)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from atskv.eval.vllm_speed import EngineSpec, done, engine_arguments
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Requests and their arrivals (seconds from the start), reproducible from `seed`."""
+
+    rate: float  # requests per second
+    requests: int = 32
+    shortest: int = 16384
+    longest: int = 131072
+    new_tokens: int = 128
+    seed: int = 0
+    limit_s: float = 300.0  # the run stops here, finished or not
+
+    def arrivals(self) -> list[tuple[float, int]]:
+        """(arrival time, prompt tokens) of each request, log-uniform lengths."""
+        rng, now, out = random.Random(self.seed), 0.0, []
+        for _ in range(self.requests):
+            now += rng.expovariate(self.rate)
+            length = int(self.shortest * (self.longest / self.shortest) ** rng.random())
+            out.append((now, length))
+        return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summarise(arrived: dict[str, float], stamps: dict[str, list[float]], finished: set[str], wall: float) -> dict:
+    """The trace's figures from each request's arrival and token times."""
+    firsts = [stamps[r][0] - arrived[r] for r in stamps if stamps[r]]
+    gaps = [b - a for times in stamps.values() for a, b in zip(times, times[1:])]
+    tokens = sum(len(times) for times in stamps.values())
+    return {
+        "output_tokens_per_s": tokens / wall if wall > 0 else float("nan"),
+        "ttft_mean_s": sum(firsts) / len(firsts) if firsts else float("nan"),
+        "ttft_p99_s": percentile(firsts, 0.99),
+        "tbt_mean_ms": 1e3 * sum(gaps) / len(gaps) if gaps else float("nan"),
+        "tbt_p99_ms": 1e3 * percentile(gaps, 0.99),
+        "finished": len(finished),
+        "wall_s": wall,
+    }
+
+
+def run_trace(spec: EngineSpec, trace: Trace, rows: Path) -> None:
+    """In this process: the trace through one engine; one row appended to `rows`."""
+    from vllm import LLM, SamplingParams
+
+    from atskv.eval.vllm_speed import prompts
+
+    config = json.loads((Path(spec.shape_dir) / "config.json").read_text())
+    longest = min(trace.longest, config["max_position_embeddings"] - trace.new_tokens)
+    arrivals = [(t, min(n, longest)) for t, n in trace.arrivals()]
+    llm = LLM(**engine_arguments(spec, longest + trace.new_tokens, 64))
+    engine = llm.llm_engine
+    cache = llm.llm_engine.vllm_config.cache_config
+    params = SamplingParams(max_tokens=trace.new_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
+    vocab = config["vocab_size"]
+    pending = [(t, f"t{i}", prompts(n, 1, vocab, seed=i)[0]) for i, (t, n) in enumerate(arrivals)]
+    arrived: dict[str, float] = {}
+    stamps: dict[str, list[float]] = {}
+    finished: set[str] = set()
+    start = time.perf_counter()
+    while (pending or engine.has_unfinished_requests()) and time.perf_counter() - start < trace.limit_s:
+        now = time.perf_counter() - start
+        while pending and pending[0][0] <= now:
+            at, request, prompt = pending.pop(0)
+            engine.add_request(request, prompt, params)
+            arrived[request] = at
+            stamps[request] = []
+        if not engine.has_unfinished_requests():
+            time.sleep(min(0.01, max(0.0, pending[0][0] - now)))
+            continue
+        outputs = engine.step()
+        now = time.perf_counter() - start
+        for out in outputs:
+            produced = len(out.outputs[0].token_ids)
+            stamps[out.request_id] += [now] * (produced - len(stamps[out.request_id]))
+            if out.finished:
+                finished.add(out.request_id)
+    row = {"method": spec.label, "kind": "trace", "context": trace.longest, "rate": trace.rate,
+           "kv_tokens": cache.num_gpu_blocks * cache.block_size, "trace": asdict(trace),
+           **summarise(arrived, stamps, finished, time.perf_counter() - start)}  # fmt: skip
+    with rows.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def measure(specs: list[EngineSpec], traces: list[Trace], rows: Path) -> None:
+    """Each (method, rate) not yet in `rows` through its own engine process."""
+    rows.parent.mkdir(parents=True, exist_ok=True)
+    for spec in specs:
+        for trace in traces:
+            if (spec.label, "trace", trace.longest, trace.rate) in done(rows):
+                continue
+            stem = f"{spec.label.replace(':', '-')}-{trace.rate}"
+            spec_file, trace_file = rows.with_suffix(f".{stem}.spec.json"), rows.with_suffix(f".{stem}.trace.json")
+            spec_file.write_text(json.dumps(asdict(spec)))
+            trace_file.write_text(json.dumps(asdict(trace)))
+            print(f"vLLM trace: {spec.label} at {trace.rate} requests/s", file=sys.stderr)
+            env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+            subprocess.run([sys.executable, "-m", "atskv.eval.vllm_trace", str(spec_file), str(trace_file), str(rows)],
+                           env=env, check=False)  # fmt: skip
+
+
+def table(rows: Path) -> str:
+    """Markdown of the trace rows, with each row's throughput against vanilla vLLM's at its rate."""
+    found = [json.loads(line) for line in rows.read_text().splitlines() if line.strip()]
+    found = [r for r in found if r["kind"] == "trace"]
+    base = {r["rate"]: r["output_tokens_per_s"] for r in found if r["method"] == "vllm"}
+    lines = ["| method | rate (req/s) | output tok/s | x vLLM | TTFT mean / P99 s | TBT mean / P99 ms | finished |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in found:
+        ratio = f"{r['output_tokens_per_s'] / base[r['rate']]:.2f}" if base.get(r["rate"]) else ""
+        ttft = f"{r['ttft_mean_s']:.2f} / {r['ttft_p99_s']:.2f}"
+        tbt = f"{r['tbt_mean_ms']:.1f} / {r['tbt_p99_ms']:.1f}"
+        cells = [r["method"], r["rate"], f"{r['output_tokens_per_s']:.0f}", ratio, ttft, tbt,
+                 f"{r['finished']}/{r['trace']['requests']}"]  # fmt: skip
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    spec = EngineSpec(**json.loads(Path(sys.argv[1]).read_text()))
+    run_trace(spec, Trace(**json.loads(Path(sys.argv[2]).read_text())), Path(sys.argv[3]))
