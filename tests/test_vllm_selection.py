@@ -237,3 +237,27 @@ def test_one_forwards_layers_share_the_batchs_usable_positions(cache):
     again = PagedQuest().pick(query, HKV, cache.bounds, cache.block_table, seq_lens, BLOCK, 24, step)
     assert step["positions"] is shared and torch.equal(first[0], again[0])
     assert (shared[:, 0] >= 0).sum(-1).tolist() == cache.lengths
+
+
+def test_the_prefill_share_of_a_batch_starts_after_its_decodes():
+    from dataclasses import dataclass
+
+    from atskv.runtime.vllm.batch import prefill_share
+
+    @dataclass
+    class Metadata:  # the fields of vLLM's FlashAttentionMetadata that the split touches
+        num_actual_tokens: int
+        query_start_loc: torch.Tensor
+        seq_lens: torch.Tensor
+        block_table: torch.Tensor
+        scheduler_metadata: object
+        max_num_splits: int
+
+    # three decodes (1 token each), then prefill chunks of 5 and 7 tokens
+    batch = Metadata(15, torch.tensor([0, 1, 2, 3, 8, 15]), torch.tensor([40, 9, 17, 5, 30]),
+                     torch.arange(25).view(5, 5), object(), 16)  # fmt: skip
+    rest = prefill_share(batch, 3)
+    assert rest.num_actual_tokens == 12 and rest.query_start_loc.tolist() == [0, 5, 12]
+    assert rest.seq_lens.tolist() == [5, 30] and torch.equal(rest.block_table, batch.block_table[3:])
+    assert rest.scheduler_metadata is None and rest.max_num_splits == 0
+    assert batch.num_actual_tokens == 15  # the batch's own metadata is left as it was

@@ -15,8 +15,6 @@ attention, fp8 caches, ALiBi, attention sinks and soft-capped logits.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from vllm.config import get_current_vllm_config_or_none
 from vllm.logger import init_logger
@@ -31,6 +29,7 @@ from vllm.v1.attention.backends.flash_attn import (
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from atskv.kernels.paged import empty_page_bounds, update_page_bounds
+from atskv.runtime.vllm.batch import prefill_share
 from atskv.runtime.vllm.config import PluginConfig
 from atskv.runtime.vllm.selection import PAGED_SELECTORS, paged_sparse_decode
 
@@ -98,15 +97,7 @@ class AtskvAttentionImpl(FlashAttentionImpl):
                                    output_block_scale)  # fmt: skip
         tokens = attn_metadata.num_actual_tokens
         if tokens > decodes:  # the prefill requests behind the decodes: FlashAttention over their share
-            rest = dataclasses.replace(
-                attn_metadata,
-                num_actual_tokens=tokens - decodes,
-                query_start_loc=attn_metadata.query_start_loc[decodes:] - decodes,
-                seq_lens=attn_metadata.seq_lens[decodes:],
-                block_table=attn_metadata.block_table[decodes:],
-                scheduler_metadata=None,
-                max_num_splits=0,
-            )
+            rest = prefill_share(attn_metadata, decodes)
             super().forward(layer, query[decodes:], key[decodes:], value[decodes:], kv_cache, rest, output[decodes:])
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
         block_size = kv_cache.shape[2]
