@@ -1,5 +1,8 @@
 """Vanilla vLLM beside vLLM + atskv in one run (`atskv.eval.vllm_speed`): greedy-token identity on
 fixed prompts, then decode speed per (context, batch); rows in ROWS.jsonl as they finish, resumable.
+What `atskv bench decode --methods '[vllm, vllm:quest]'` runs, plus labels (one method under two
+budgets) and the identity check, without importing the CLI (the GPU image's transformers is older
+than atskv's CLI needs; the plugin and this driver need none).
 
     python benchmarks/vllm_decode.py ROWS.jsonl --methods vllm vllm:quest --runs 32768x1 32768x8 131072x1
 """
