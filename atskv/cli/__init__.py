@@ -23,10 +23,11 @@ import sys
 import threading
 from collections.abc import Callable
 
-from jsonargparse import auto_cli
+from jsonargparse import ArgumentParser, auto_cli
 
 from atskv.cli import bench, data, predictor, profile, run
 from atskv.cli import eval as evaluation
+from atskv.errors import OneLineParseErrors
 
 COMMANDS: dict[str, Callable | dict] = {
     **run.COMMANDS,
@@ -68,6 +69,10 @@ def for_help(commands: dict) -> dict:
     }  # fmt: skip
 
 
+class OneLineParser(OneLineParseErrors, ArgumentParser):
+    """The commands' parser: a parse error is one line and exit code 2."""
+
+
 class Interrupted(BaseException):
     """Ctrl-C in the `atskv` process; not a KeyboardInterrupt, so that no library (Lightning
     catches those and exits with 1) turns it into something else on its way out."""
@@ -91,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
             command, rest = found
             command(rest)
         else:
-            auto_cli(for_help(COMMANDS), args=argv, as_positional=True, prog="atskv")
+            auto_cli(for_help(COMMANDS), args=argv, as_positional=True, prog="atskv", parser_class=OneLineParser)
     except (Interrupted, KeyboardInterrupt):
         print("atskv: interrupted; finished work is kept (a rerun of collect resumes it)", file=sys.stderr)
         raise SystemExit(130) from None

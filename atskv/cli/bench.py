@@ -141,7 +141,7 @@ def decode(
     if gpu_memory is not None and (gpu_memory <= 0 or max_batch < 1):
         raise ValueError(f"need gpu_memory > 0 GiB and max_batch >= 1, got {gpu_memory} and {max_batch}")
     if not torch.cuda.is_available():
-        print("note: no CUDA GPU here; these timings say nothing about GPU speed")
+        print("note: no CUDA GPU here; these timings say nothing about GPU speed", file=sys.stderr)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if model in speed.SHAPES:
         loaded = speed.shape_model(model, device)
