@@ -69,6 +69,16 @@ def for_help(commands: dict) -> dict:
     }  # fmt: skip
 
 
+# what a command interrupted by Ctrl-C keeps, where it keeps anything
+KEPT = {
+    "collect": "the finished windows are kept: a rerun resumes from there",
+    "fit": "checkpoints written so far are kept",
+    "finetune": "checkpoints written so far are kept",
+    "bench decode": "a rerun into the same --out measures only what is missing",
+    "eval leaderboard": "a rerun into the same --out measures only what is missing",
+}
+
+
 class OneLineParser(OneLineParseErrors, ArgumentParser):
     """The commands' parser: a parse error is one line and exit code 2."""
 
@@ -80,7 +90,8 @@ class Interrupted(BaseException):
 
 def main(argv: list[str] | None = None) -> None:
     """Run one command. Bad input is one line on stderr and exit code 2; Ctrl-C is one line and
-    exit code 130 (what was written is kept: a rerun of `collect` resumes from its last shard)."""
+    exit code 130, saying what the command keeps (`KEPT`: a rerun of `collect` resumes from its
+    last shard, `bench decode` and `eval leaderboard` from their last row)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     argv = sys.argv[1:] if argv is None else argv
     owner = os.getpid()
@@ -98,7 +109,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             auto_cli(for_help(COMMANDS), args=argv, as_positional=True, prog="atskv", parser_class=OneLineParser)
     except (Interrupted, KeyboardInterrupt):
-        print("atskv: interrupted; finished work is kept (a rerun of collect resumes it)", file=sys.stderr)
+        kept = next((text for command, text in KEPT.items() if argv[: len(command.split())] == command.split()), None)
+        print("atskv: interrupted" + (f"; {kept}" if kept else ""), file=sys.stderr)
         raise SystemExit(130) from None
     except (ValueError, OSError, ImportError, TypeError) as error:
         print(f"atskv: error: {one_line(error)}", file=sys.stderr)
