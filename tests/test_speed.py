@@ -178,7 +178,8 @@ def test_a_decode_bench_killed_mid_way_keeps_its_records_and_resumes(tmp_path, m
             "--contexts", "[96]", "--budget", "16", "--new_tokens", "3", "--prefill_chunk", "64",
             "--out", str(tmp_path)]  # fmt: skip
     assert run_cli(args) == 130
-    assert capsys.readouterr().err.endswith("atskv: interrupted; a rerun into the same --out measures only what is missing\n")
+    kept_line = "atskv: interrupted; a rerun into the same --out measures only what is missing\n"
+    assert capsys.readouterr().err.endswith(kept_line)
     kept = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
     assert [r["method"] for r in kept] == ["plain"] and kept[0]["ms_per_step"] > 0
     assert not (tmp_path / "table.md").exists()

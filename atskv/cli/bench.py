@@ -162,7 +162,8 @@ def decode(
         records = speed.measure(loaded, model, methods, contexts, batch_sizes, run, store=store)
     else:
         records = [r for c in contexts
-                   for r in speed.largest_batches(loaded, model, methods, c, gpu_memory, run, max_batch, store=store)]  # fmt: skip
+                   for r in speed.largest_batches(loaded, model, methods, c, gpu_memory, run, max_batch,
+                                                  store=store)]  # fmt: skip
     meta = {
         "command": "atskv bench decode " + " ".join(sys.argv[3:]),
         "gpu": gpu,

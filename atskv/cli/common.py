@@ -64,7 +64,8 @@ def load(model: str, device: str, dtype: str, *, announce: bool = True):
 
     device, torch_dtype = resolve_device(device, dtype)
     if announce:
-        print(f"loading {model} on {device} ({str(torch_dtype).removeprefix('torch.')}) ...", file=sys.stderr, flush=True)
+        dtype_name = str(torch_dtype).removeprefix("torch.")
+        print(f"loading {model} on {device} ({dtype_name}) ...", file=sys.stderr, flush=True)
     return load_model(model, dtype=torch_dtype, device=device)
 
 

@@ -271,7 +271,8 @@ def _generate(model, method: str, ids: torch.Tensor, run: DecodeRun, selector, s
 
 
 def measure(model, model_name: str, methods: Sequence[str], contexts: Sequence[int], batches: Sequence[int],
-            run: DecodeRun = DecodeRun(), seed: int = 0, store: RowStore | None = None) -> list[SpeedRecord]:  # fmt: skip
+            run: DecodeRun = DecodeRun(), seed: int = 0,
+            store: RowStore | None = None) -> list[SpeedRecord]:  # fmt: skip
     """Every method at every (context, batch), each shape's ratios from its own run. Methods:
     `plain` (transformers' default cache and SDPA), `plain-static` (transformers' static cache,
     its decode step compiled by transformers), `dense` or a selector name (atskv's fast path),

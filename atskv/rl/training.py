@@ -80,8 +80,8 @@ from atskv.predictor.distributed import all_sum, seeded
 from atskv.predictor.export import PredictorHeader, checkpoint_provenance, load_predictor, predictor_path
 from atskv.predictor.features import SCALAR_FEATURES
 from atskv.predictor.model import FeatureSpec, RelevanceMLP
-from atskv.predictor.training import OneLineLightningParser
 from atskv.predictor.token_types import token_type_table
+from atskv.predictor.training import OneLineLightningParser
 from atskv.rl.items import RolloutItem, corpus_items, task_items
 from atskv.rl.policy import Policy, Selection, make_policy, marginal_kl
 from atskv.rl.reward import check_alpha, leave_one_out, reward
