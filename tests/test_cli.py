@@ -27,6 +27,27 @@ def test_every_subcommand_has_help(command, capsys):
     assert "usage: atskv" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("group", ["", "eval", "data", "bench", "profile"])
+def test_the_lists_of_subcommands_show_whole_summaries(group, capsys):
+    """Each listed summary is its docstring's whole first paragraph, not the first line of it."""
+    import inspect
+
+    entries = cli.COMMANDS[group] if group else cli.COMMANDS
+    assert run_cli([*group.split(), "--help"]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    for name, entry in entries.items():
+        if name != "_help":
+            doc = entry["_help"] if isinstance(entry, dict) else entry.__doc__
+            summary = " ".join(inspect.cleandoc(doc).partition("\n\n")[0].split())
+            assert f"{name} {summary}" in shown, name
+
+
+def test_help_names_a_path_option_s_type_plainly(capsys):
+    assert run_cli(["export", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "(required, type: Path)" in out and "<class" not in out
+
+
 @pytest.fixture
 def no_model_loading(monkeypatch):
     def refuse(*args, **kwargs):

@@ -144,3 +144,14 @@ def test_fit_points_at_the_best_checkpoint_only_where_whole_windows_chose_it(cap
     callback = SimpleNamespace(monitor=monitor, best_model_path=best, last_model_path="l.ckpt", dirpath="d")
     wrote_checkpoints(SimpleNamespace(checkpoint_callback=callback))
     assert capsys.readouterr().out.strip().endswith(f"next: atskv export {exported}")
+
+
+def test_the_shipped_predictors_headers_name_no_local_paths():
+    """A shipped header says what it was trained on, not a folder on the machine that trained it."""
+    from atskv.predictor.export import SHIPPED, load_predictor
+
+    for folder in sorted(p for p in SHIPPED.iterdir() if (p / "predictor.safetensors").is_file()):
+        training = load_predictor(folder).header.training
+        for value in (training["checkpoint"], training["data"]["folder"]):
+            assert not value.startswith(("/", "~")) and "/tmp/" not in value, (folder.name, value)
+        assert "austen and moby-dick" in training["data"]["folder"]

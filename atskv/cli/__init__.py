@@ -16,14 +16,16 @@ as it is and parses it itself.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
+import re
 import signal
 import sys
 import threading
 from collections.abc import Callable
 
-from jsonargparse import ArgumentParser, auto_cli
+from jsonargparse import ArgumentParser, DefaultHelpFormatter, auto_cli
 
 from atskv.cli import bench, data, predictor, profile, run
 from atskv.cli import eval as evaluation
@@ -52,7 +54,8 @@ def passed_argv(commands: dict, argv: list[str]) -> tuple[Callable, list[str]] |
 
 def for_help(commands: dict) -> dict:
     """The registry as jsonargparse gets it: a `passes_argv` command becomes a command without
-    options and the same docstring (it only shows in the list of subcommands)."""
+    options and the same docstring (it only shows in the list of subcommands); every command's
+    summary (its docstring's first paragraph) on one line, which is what the list shows."""
 
     def stand_in(command: Callable) -> Callable:
         def listed() -> None:
@@ -61,10 +64,15 @@ def for_help(commands: dict) -> dict:
         listed.__doc__ = command.__doc__
         return listed
 
+    def summarised(command: Callable) -> Callable:
+        summary, _, rest = inspect.cleandoc(command.__doc__).partition("\n\n")
+        command.__doc__ = " ".join(summary.split()) + (f"\n\n{rest}" if rest else "")
+        return command
+
     return {
         name: for_help(entry) if isinstance(entry, dict)
-        else stand_in(entry) if getattr(entry, "passes_argv", False)
-        else entry
+        else entry if name == "_help"
+        else summarised(stand_in(entry) if getattr(entry, "passes_argv", False) else entry)
         for name, entry in commands.items()
     }  # fmt: skip
 
@@ -79,8 +87,20 @@ KEPT = {
 }
 
 
+class HelpFormatter(DefaultHelpFormatter):
+    """jsonargparse's, with a plain `Path` option's type shown as `Path`, not `<class 'Path'>`
+    (a private method of jsonargparse's formatter: check on an upgrade)."""
+
+    def _get_type_str(self, action) -> str | None:
+        shown = super()._get_type_str(action)
+        return shown and re.sub(r"<class '(\w+)'>", r"\1", shown)
+
+
 class OneLineParser(OneLineParseErrors, ArgumentParser):
-    """The commands' parser: a parse error is one line and exit code 2."""
+    """The commands' parser: a parse error is one line and exit code 2; help through `HelpFormatter`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{"formatter_class": HelpFormatter, **kwargs})
 
 
 class Interrupted(BaseException):

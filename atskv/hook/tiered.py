@@ -67,7 +67,7 @@ import torch
 
 from atskv.errors import check_options
 from atskv.hook.gqa import StreamedAttention, grouped_attention, grouped_queries, sdpa_attention
-from atskv.hook.sparse import SparseSession, SparsityConfig, attach, sparse
+from atskv.hook.sparse import SparseSession, SparsityConfig, attach, reenterable, sparse
 from atskv.memory.host_tier import HostTier
 from atskv.memory.retrieval import INDEXES, make_index
 from atskv.memory.sparsity import INITIAL_MOMENTUM, LayerPolicy, SparsityBudget, SparsityManager
@@ -109,7 +109,7 @@ class TieringConfig:
     policy: LayerPolicy = LayerPolicy()
 
     def __post_init__(self):
-        check_budget(self.budget)
+        object.__setattr__(self, "budget", check_budget(self.budget))  # frozen; a NumPy count as its int
         if isinstance(self.policy, dict):
             check_options("the tiering policy", self.policy, [f.name for f in fields(LayerPolicy)])
             object.__setattr__(self, "policy", LayerPolicy(**self.policy))  # frozen
@@ -349,7 +349,7 @@ class TieredSession(SparseSession):
         layer.state[_REFRESHED_AT] = layer.seen
 
 
-@contextlib.contextmanager
+@reenterable
 def tiered(
     model,
     selector: Selector | str = "h2o",
