@@ -1,4 +1,4 @@
-# Two entry points that do all set-up on a fresh machine:
+# Two entry points that do all set-up on a fresh machine (Python with venv and pip's index; no npm or apt):
 #   make demo   - install into .venv, then collect, fit, export and compare a predictor on SmolLM2-135M (results/demo/, ~0.4 GB)
 #   make test   - install into .venv, then run the test suite (fast tests; `make test-slow` for all)
 # The venv sees system site-packages, so a GPU machine keeps the torch it has; a CPU machine
