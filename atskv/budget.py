@@ -6,6 +6,8 @@ rule for torch and for kernels that decide per row on the device)."""
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from atskv.errors import InputError
@@ -29,7 +31,10 @@ def check_budget(budget: int | float) -> int | float:
     an int is tokens (>= 1), a float strictly between 0 and 1 a fraction of the context. Anything
     else is an `InputError` naming the budget and the rule: 1.0 (a whole context or one token? for
     every token pass the context length as an int), 0, negatives, bools, strings. Checked before
-    any work; returns the budget."""
+    any work; returns the budget as a Python int or float (a NumPy count, `np.int64(32)`, is
+    its int; `np.float32(0.1)` its float)."""
+    if isinstance(budget, numbers.Real) and not isinstance(budget, bool):
+        budget = int(budget) if isinstance(budget, numbers.Integral) else float(budget)
     if (
         isinstance(budget, bool)
         or not isinstance(budget, (int, float))

@@ -5,7 +5,8 @@ anything the user can fix: wrong paths, corrupt or mismatched files, budgets out
 corpora. Its message is the whole story: what was wrong and what to do.
 """
 
-
+import re
+import sys
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
@@ -31,3 +32,42 @@ def built_from_option(option: str, build: Callable[[], T]) -> T:
         return build()
     except (TypeError, ValueError) as error:
         raise InputError(f"{option}: {error}") from None
+
+
+class OneLineParseErrors:
+    """A jsonargparse parser mixin: a parse error (a value of the wrong type, an unknown option on
+    the command line or in a `--config` file) is one line on stderr naming the option and what it
+    accepts, and exit code 2, instead of the usage block and the type checker's report."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if not self.exit_on_error:
+            return super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        command = parser.prog.replace(" [options]", "")
+        sys.stderr.write(f"atskv: error: {parse_error_line(message, parser._actions, command)}\n")
+        self.exit(2)
+
+
+def parse_error_line(message: str, actions, command: str) -> str:
+    """jsonargparse's error `message` in one line: for a value that does not parse, the option,
+    the type it accepts (from its action among `actions`) and the value given; otherwise the
+    message's first line, with where to find the options when one is unknown."""
+    lines = [line.strip() for line in message.strip().splitlines()]
+    bad_value = re.match(r'Parser key "([^"]+)":\s*(.*)', lines[0])
+    if not bad_value:
+        unknown = "unrecognized arguments" in lines[0] or "does not accept option" in lines[0]
+        return lines[0] + (f"; see `{command} --help`" if unknown else "")
+    key, detail = bad_value.groups()
+    given = next((found.group(1) for line in lines if (found := re.search(r"(?:Got|Given) value: (.*)", line))), None)
+    if given is None:
+        return f"--{key}: {detail or lines[1]}"
+    hint = next((getattr(a, "_typehint", None) for a in actions if a.dest == key), None)
+    accepts = type_name(hint) if hint is not None else "another value"
+    return f"--{key} takes {accepts}; got {given!r}"
+
+
+def type_name(hint) -> str:
+    """A type hint as a user reads it: `int | float`, `list[int]`, `Path | None`."""
+    text = hint.__name__ if isinstance(hint, type) and not getattr(hint, "__args__", None) else str(hint)
+    text = re.sub(r"\b(?:typing|pathlib|collections\.abc)\.", "", text).replace("NoneType", "None")
+    return re.sub(r"^Optional\[(.*)\]$", r"\1 | None", text)

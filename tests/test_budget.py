@@ -75,3 +75,12 @@ def test_the_command_line_refuses_them_before_loading_a_model(value, capsys, mon
     assert run_cli(["generate", "hi", "--selector", "h2o", "--budget", value]) == 2
     err = capsys.readouterr().err
     assert f"bad budget {value}" in err and "\n" not in err.strip()
+
+
+def test_a_numpy_count_is_a_token_budget_and_a_numpy_fraction_a_fraction():
+    import numpy as np
+
+    assert check_budget(np.int64(32)) == 32 and type(check_budget(np.int64(32))) is int
+    assert type(check_budget(np.float32(0.25))) is float
+    with pytest.raises(InputError, match="bad budget"):
+        check_budget(np.int64(0))

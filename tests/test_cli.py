@@ -27,6 +27,27 @@ def test_every_subcommand_has_help(command, capsys):
     assert "usage: atskv" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("group", ["", "eval", "data", "bench", "profile"])
+def test_the_lists_of_subcommands_show_whole_summaries(group, capsys):
+    """Each listed summary is its docstring's whole first paragraph, not the first line of it."""
+    import inspect
+
+    entries = cli.COMMANDS[group] if group else cli.COMMANDS
+    assert run_cli([*group.split(), "--help"]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    for name, entry in entries.items():
+        if name != "_help":
+            doc = entry["_help"] if isinstance(entry, dict) else entry.__doc__
+            summary = " ".join(inspect.cleandoc(doc).partition("\n\n")[0].split())
+            assert f"{name} {summary}" in shown, name
+
+
+def test_help_names_a_path_option_s_type_plainly(capsys):
+    assert run_cli(["export", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "(required, type: Path)" in out and "<class" not in out
+
+
 @pytest.fixture
 def no_model_loading(monkeypatch):
     def refuse(*args, **kwargs):
@@ -98,7 +119,7 @@ def test_ctrl_c_is_one_line_and_code_130(monkeypatch, capsys):
     monkeypatch.setitem(cli.COMMANDS, "selectors", interrupted)
     before = signal.getsignal(signal.SIGINT)  # not always Python's default: a shell or CI may ignore SIGINT
     assert run_cli(["selectors"]) == 130
-    assert capsys.readouterr().err == "atskv: interrupted; finished work is kept (a rerun of collect resumes it)\n"
+    assert capsys.readouterr().err == "atskv: interrupted\n", "selectors keeps nothing: no talk of resuming"
     assert signal.getsignal(signal.SIGINT) is before, "the handler is put back"
 
 
@@ -159,12 +180,58 @@ def test_passkey_end_to_end_on_a_tiny_model(tiny_model_dir, capsys):
     assert held["snapkv@32"] < held["dense"] / 2, "evicting selectors must hold less KV than dense"
 
 
-def test_generate_refuses_a_budget_larger_than_the_whole_context(tiny_model_dir, capsys):
-    """A token budget that covers prompt plus new tokens could never drop anything: a clear error."""
-    args = ["generate", "short prompt", "--model", tiny_model_dir, "--selector", "h2o", "--max_new_tokens", "4"]
-    assert run_cli([*args, "--budget", "4096", "--device", "cpu"]) == 2
-    assert "not smaller than the whole context" in capsys.readouterr().err
-    assert run_cli([*args, "--budget", "3", "--device", "cpu", "--chat", "false"]) == 0
+def test_generate_runs_dense_with_a_note_when_the_budget_covers_the_context(tiny_model_dir, capsys):
+    """A short prompt at the default budget (256 tokens, more than prompt plus new tokens) is the
+    first thing a user tries: it runs dense, saying so in one line on stderr, not refused."""
+    args = ["generate", "short prompt", "--model", tiny_model_dir, "--selector", "learned", "--max_new_tokens", "4",
+            "--device", "cpu", "--chat", "false"]  # fmt: skip
+    assert run_cli(args) == 0
+    err = capsys.readouterr().err
+    notes = [line for line in err.splitlines() if line.startswith("note: budget 256 covers the whole context")]
+    assert len(notes) == 1 and notes[0].endswith("so learned would drop nothing: running dense")
+    assert "[dense]" in err
+    assert run_cli([*args[:5], "h2o", *args[6:], "--budget", "3"]) == 0
+    assert "[h2o@3]" in capsys.readouterr().err
+
+
+def test_generate_writes_only_the_completion_to_stdout(tiny_model_dir, capsys):
+    """`atskv generate ... > out.txt` gets the completion alone: loading and timing lines go to stderr."""
+    args = ["generate", "short prompt", "--model", tiny_model_dir, "--max_new_tokens", "4", "--device", "cpu",
+            "--chat", "false"]  # fmt: skip
+    assert run_cli(args) == 0
+    out, err = capsys.readouterr()
+    assert "loading" not in out and "loading " in err and "[dense]" in err
+    from atskv.data.prompts import encode_prompt
+    from atskv.eval.generation import generate
+    from atskv.models import load_model
+
+    loaded = load_model(tiny_model_dir, device="cpu")
+    run = generate(loaded.model, loaded.tokenizer, encode_prompt(loaded.tokenizer, "short prompt", False),
+                   max_new_tokens=4)  # fmt: skip
+    assert out == run.text + "\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["passkey", "--budget", "abc"], "--budget takes int | float; got 'abc'"),
+        (["eval", "recall", "--window_tokens", "2k"], "--window_tokens takes int; got '2k'"),
+        (["generate", "hi", "--tiering", "[1"], "--tiering takes dict | None; got '[1'"),
+        (["passkey", "--budgte", "3"], "unrecognized arguments: --budgte 3; see `atskv passkey --help`"),
+        (["passkey", "--config", "{config}"],
+         "Subcommand 'passkey' does not accept option 'budgte'; see `atskv passkey --help`"),
+        (["fit", "--trainer.max_epochs", "abc"], "--trainer.max_epochs takes int | None; got 'abc'"),
+        (["fit", "--config", "{config}"], "Subcommand 'fit' does not accept option 'budgte'; see `atskv fit --help`"),
+        (["finetune", "--model.alpha", "x"], "--model.alpha takes float; got 'x'"),
+    ],
+)
+def test_a_parse_error_is_one_line_naming_the_option(args, line, tmp_path, capsys, no_model_loading):
+    """A value of the wrong type or a misspelt key (on the command line or in a --config file) is
+    one line naming the option and what it takes, exit code 2, not jsonargparse's usage block."""
+    config = tmp_path / "typo.yaml"
+    config.write_text("budgte: 3\n")
+    assert run_cli([arg.replace("{config}", str(config)) for arg in args]) == 2
+    assert capsys.readouterr().err == f"atskv: error: {line}\n"
 
 
 def test_generate_tiered_from_the_command_line(tiny_model_dir, capsys):

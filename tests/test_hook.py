@@ -373,3 +373,19 @@ def test_slot_state_with_a_width_follows_its_token_through_eviction_reuse_and_co
     assert layer.length < layer.seen, "eviction must have freed and reused slots"
     state = layer.slot_tensor("snapshot", width=8)
     assert torch.equal(state[occupied], layer.keys[:, :, : layer.length][occupied])
+
+
+def test_a_session_object_can_be_entered_again_and_takes_a_numpy_budget():
+    """`s = atskv.sparse(...)` entered twice gives a fresh session each time (contextlib's one-shot
+    manager raised AttributeError on the second `with`), and a NumPy count is a token budget."""
+    import numpy as np
+
+    model, ids = tiny_model("llama"), random_prompt(48)
+    for make in (lambda b: atskv.sparse(model, "snapkv", b), lambda b: atskv.tiered(model, "h2o", b, recent=8)):
+        session = make(np.int64(32))
+        with session as first:
+            model(ids)
+        with session as second:
+            model(ids)
+        assert second is not first and second.config.budget == 32 and type(second.config.budget) is int
+        assert first.cache.get_seq_length() == second.cache.get_seq_length() == 48

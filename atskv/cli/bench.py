@@ -91,7 +91,8 @@ def decode(
     reference hook (`hook:<selector>`: `atskv.sparse` + `model.generate`). Reports ms/step,
     tokens/s, the allocator's peak above the weights, pinned host memory and the ratio to plain;
     with `gpu_memory`, the largest batch each method fits instead; writes table.md, speed.json
-    and speed.png.
+    and speed.png. Each record is kept in OUT/records.jsonl as it finishes: a rerun into OUT with
+    the same settings (model, budget, GPU, ...) measures only the records it lacks.
 
     Args:
         model: an 8B-class shape with random weights (llama3.1-8b, qwen3-8b, mistral-7b), or a
@@ -115,7 +116,7 @@ def decode(
         gpu_memory: GiB of GPU memory above the weights: find the largest batch (1, 2, 4, ...,
             max_batch) each method fits in it, at each context, instead of timing batch_sizes.
         max_batch: the largest batch tried with gpu_memory.
-        out: output folder.
+        out: output folder (resumable: records.jsonl, settings.json).
         predictor: the learned selector's predictor (file or folder); default: a random one of the
             model's shape (its cost does not depend on what it learned).
         selector_options: options per selector name, e.g. '{quest: {page_size: 32}}'.
@@ -128,7 +129,9 @@ def decode(
             profiler's trace there and, on a GPU, the allocator's history with stacks (for
             https://pytorch.org/memory_viz); profiled runs are slower, so time without it.
     """
+    import dataclasses
     import datetime
+    import json
     import sys
 
     from atskv.errors import built_from_option
@@ -151,8 +154,14 @@ def decode(
     if gpu_memory is not None and (gpu_memory <= 0 or max_batch < 1):
         raise ValueError(f"need gpu_memory > 0 GiB and max_batch >= 1, got {gpu_memory} and {max_batch}")
     if not torch.cuda.is_available():
-        print("note: no CUDA GPU here; these timings say nothing about GPU speed")
+        print("note: no CUDA GPU here; these timings say nothing about GPU speed", file=sys.stderr)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    shared = dict(model=model, gpu=gpu, torch=torch.__version__, budget=budget, new_tokens=new_tokens,
+                  prefill_chunk=prefill_chunk, dense_layers=dense_layers, host_tier=dataclasses.asdict(tier),
+                  selector_options=options, compile=compile, padding=padding, gpu_memory=gpu_memory,
+                  max_batch=max_batch)  # fmt: skip
+    store = speed.record_store(Path(out), json.loads(json.dumps(shared, default=str)))
     if model in speed.SHAPES:
         loaded = speed.shape_model(model, device)
     else:
@@ -160,13 +169,14 @@ def decode(
 
         loaded = load_model(model, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32).model
     if gpu_memory is None:
-        records = speed.measure(loaded, model, methods, contexts, batch_sizes, run)
+        records = speed.measure(loaded, model, methods, contexts, batch_sizes, run, store=store)
     else:
         records = [r for c in contexts
-                   for r in speed.largest_batches(loaded, model, methods, c, gpu_memory, run, max_batch)]  # fmt: skip
+                   for r in speed.largest_batches(loaded, model, methods, c, gpu_memory, run, max_batch,
+                                                  store=store)]  # fmt: skip
     meta = {
         "command": "atskv bench decode " + " ".join(sys.argv[3:]),
-        "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "gpu": gpu,
         "date": datetime.date.today().isoformat(),
         "new_tokens": new_tokens,
         "torch": torch.__version__,

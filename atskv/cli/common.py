@@ -4,6 +4,7 @@ the checks made before any model loads, and loading a model with one line of pro
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from collections.abc import Callable
 
@@ -58,12 +59,13 @@ def check_selection(selectors: list[str], budget: int | float) -> None:
 
 def load(model: str, device: str, dtype: str, *, announce: bool = True):
     """`atskv.models.load_model` on the device and dtype the options name (auto: the GPU with
-    bfloat16 when there is one); prints a line first unless `announce` is false."""
+    bfloat16 when there is one); says so on stderr first unless `announce` is false."""
     from atskv.models import load_model
 
     device, torch_dtype = resolve_device(device, dtype)
     if announce:
-        print(f"loading {model} on {device} ({str(torch_dtype).removeprefix('torch.')}) ...", flush=True)
+        dtype_name = str(torch_dtype).removeprefix("torch.")
+        print(f"loading {model} on {device} ({dtype_name}) ...", file=sys.stderr, flush=True)
     return load_model(model, dtype=torch_dtype, device=device)
 
 

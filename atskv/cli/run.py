@@ -149,7 +149,8 @@ def generate(
         prompt: the prompt text, or @FILE to read it from a file.
         model: a named model, a Hugging Face directory or a .gguf file.
         selector: a selector name (see `atskv selectors`); none for dense KV.
-        budget: KV tokens kept per layer and KV head (int), or a fraction of the context (float).
+        budget: KV tokens kept per layer and KV head (int), or a fraction of the context (float);
+            a token budget that covers prompt and new tokens runs dense, with a note.
         dense_layers: the first layers stay dense.
         sparse_prefill: select during the prompt too (default: dense prefill, sparse decode).
         max_new_tokens: tokens to generate.
@@ -178,6 +179,11 @@ def generate(
         options = by_name([selector], selector_options, predictor)
     loaded = load(model, device, dtype)
     ids = encode_prompt(loaded.tokenizer, prompt, chat)
+    whole = ids.shape[1] + max_new_tokens
+    if selector is not None and isinstance(budget, int) and budget >= whole:
+        print(f"note: budget {budget} covers the whole context ({whole} tokens: prompt plus {max_new_tokens} new), "
+              f"so {selector} would drop nothing: running dense", file=sys.stderr)
+        selector = None
     run = run_generation(
         loaded.model,
         loaded.tokenizer,

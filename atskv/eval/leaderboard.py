@@ -40,6 +40,7 @@ from atskv.errors import InputError, built_from_option
 from atskv.eval import peer
 from atskv.eval.generation import generate_batch, pad_left
 from atskv.eval.report import write_report
+from atskv.eval.rows import RowStore
 from atskv.eval.tasks import answer_room
 from atskv.selectors import check_selector_names
 
@@ -187,41 +188,15 @@ def build_examples(tokenizer, task: str, context: int, seed: int, n: int, filler
 # --- the folder: cells done so far and the settings they were made with ------------------------
 
 
-class CellStore:
+class CellStore(RowStore[Cell]):
     """`cells.jsonl` (one finished cell per line, appended as it finishes) and `settings.json`."""
 
     def __init__(self, out: Path, settings: dict):
-        self.out, self.path = Path(out), Path(out) / "cells.jsonl"
-        self.out.mkdir(parents=True, exist_ok=True)
-        settings_path = self.out / "settings.json"
-        if settings_path.is_file():
-            before = json.loads(settings_path.read_text())
-            changed = {k: (before.get(k), v) for k, v in settings.items() if before.get(k) != v}
-            if changed:
-                raise InputError(
-                    f"{self.out} holds cells made with other settings "
-                    f"({', '.join(f'{k}: {a!r} there, {b!r} now' for k, (a, b) in changed.items())}); "
-                    "choose another --out or the same settings"
-                )
-        else:
-            settings_path.write_text(json.dumps(settings, indent=1))
-        self.cells: dict[tuple, Cell] = {}
-        if self.path.is_file():
-            for line in self.path.read_text().splitlines():
-                if line.strip():  # a line cut by a crash is not a cell: it is computed again
-                    try:
-                        cell = _cell_from_json(json.loads(line))
-                    except (json.JSONDecodeError, TypeError):
-                        continue
-                    self.cells[cell.key] = cell
+        super().__init__(out, settings, "cells.jsonl", key=lambda cell: cell.key, from_json=_cell_from_json)
 
-    def __contains__(self, key: tuple) -> bool:
-        return key in self.cells
-
-    def add(self, cell: Cell) -> None:
-        self.cells[cell.key] = cell
-        with self.path.open("a") as f:
-            f.write(json.dumps(asdict(cell)) + "\n")
+    @property
+    def cells(self) -> dict[tuple, Cell]:
+        return self.rows
 
 
 def _cell_from_json(item: dict) -> Cell:

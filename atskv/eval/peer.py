@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -360,7 +361,8 @@ def compare_with_kvpress(
             method = DENSE if selector is None else f"atskv:{selector.name}"
             kv = held_fraction(run.kv_bytes, run.prompt_tokens, run.new_tokens, bytes_per_token[e.id])
             runs.append(PeerRun(method, budget, e.id, e.length, run.score, kv, run.text))
-            print(f"{runs[-1].label:>28} {e.id}: score {run.score:.2f} {run.text.strip()[:32]!r}", flush=True)
+            print(f"{runs[-1].label:>28} {e.id}: score {run.score:.2f} {run.text.strip()[:32]!r}", file=sys.stderr,
+                  flush=True)  # fmt: skip
 
     records = run_kvpress(
         python, out / "examples.json", model_dir, ["none", *presses], budgets, out / "kvpress.json",

@@ -34,6 +34,7 @@ import atskv
 from atskv.budget import check_budget
 from atskv.eval.generation import TokenClock
 from atskv.eval.report import write_report
+from atskv.eval.rows import RowStore
 from atskv.eval.shapes import SHAPES
 from atskv.runtime.fast.host_pages import HostRetrieval, pinned_peak, reset_peak_pinned
 from atskv.selectors import make_selector
@@ -240,26 +241,46 @@ def _generate(model, method: str, ids: torch.Tensor, run: DecodeRun, selector, s
 
 
 def measure(model, model_name: str, methods: Sequence[str], contexts: Sequence[int], batches: Sequence[int],
-            run: DecodeRun = DecodeRun(), seed: int = 0) -> list[SpeedRecord]:  # fmt: skip
+            run: DecodeRun = DecodeRun(), seed: int = 0,
+            store: RowStore | None = None) -> list[SpeedRecord]:  # fmt: skip
     """Every method at every (context, batch), each shape's ratios from its own run. Methods:
     `plain` (transformers' default cache and SDPA), `plain-static` (transformers' static cache,
     its decode step compiled by transformers), `dense` or a selector name (atskv's fast path),
     `tiered:<selector>` (the fast path with its host tier), `hook:<selector>` (atskv's reference
-    session under `model.generate`)."""
+    session under `model.generate`). With a `store` (`record_store`), each record is kept there as
+    it finishes and one the store already has is not measured again."""
     grid = [(c, b, m) for c in contexts for b in batches for m in methods]
-    records = [_timed(model, model_name, m, c, b, run, seed) for c, b, m in
-               tqdm(grid, desc=f"decode speed, {model_name}", unit="run")]  # fmt: skip
+    records = []
+    for c, b, m in tqdm(grid, desc=f"decode speed, {model_name}", unit="run"):
+        key = (model_name, m, c, b)
+        if store is None or key not in store:
+            record = _timed(model, model_name, m, c, b, run, seed)
+            if store is not None:
+                store.add(record)
+        records.append(store.rows[key] if store is not None else record)
     _ratios(records)
     return records
 
 
+def record_store(out: Path, settings: dict) -> RowStore[SpeedRecord]:
+    """`out/records.jsonl`: the records of runs made with `settings` (what every record of the
+    folder shares: model, budget, GPU, ...), by (model, method, context, batch; None for a largest
+    batch)."""
+    return RowStore(out, settings, "records.jsonl", key=_record_key, from_json=lambda item: SpeedRecord(**item))
+
+
+def _record_key(r: SpeedRecord) -> tuple:
+    return r.model, r.method, r.context, None if r.gpu_limit_gib is not None else r.batch
+
+
 def largest_batches(
     model, model_name: str, methods: Sequence[str], context: int, kv_gib: float, run: DecodeRun = DecodeRun(),
-    max_batch: int = 256, seed: int = 0,
+    max_batch: int = 256, seed: int = 0, store: RowStore | None = None,
 ) -> list[SpeedRecord]:  # fmt: skip
     """Per method, the largest batch (1, 2, 4, ...) that runs at `context` when the GPU may hold
     the weights plus `kv_gib` GiB (the allocator's per-process limit), with its throughput; a
-    method that fits no batch gets its out-of-memory record. CUDA only."""
+    method that fits no batch gets its out-of-memory record. CUDA only. With a `store`, as in
+    `measure`: a method's record is kept once its search ends."""
     device = next(model.parameters()).device
     if device.type != "cuda":
         raise ValueError("largest_batches needs a CUDA GPU (it sets the allocator's memory limit)")
@@ -269,6 +290,9 @@ def largest_batches(
     records = []
     try:
         for method in tqdm(methods, desc=f"largest batch in {kv_gib:g} GiB, {model_name}", unit="method"):
+            if store is not None and (model_name, method, context, None) in store:
+                records.append(store.rows[model_name, method, context, None])
+                continue
             best, batch = None, 1
             while batch <= max_batch:
                 record = _timed(model, model_name, method, context, batch, run, seed)
@@ -276,6 +300,8 @@ def largest_batches(
                     break
                 best, batch = record, batch * 2
             records.append(replace(best or record, gpu_limit_gib=kv_gib))
+            if store is not None:
+                store.add(records[-1])
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
     return records

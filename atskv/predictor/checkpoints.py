@@ -20,6 +20,10 @@ _UNREADABLE = (RuntimeError, KeyError, EOFError, pickle.UnpicklingError, zipfile
 def checked_path(checkpoint: str | Path) -> Path:
     """`checkpoint` as a path to an existing file, else an `InputError` naming it."""
     path = Path(checkpoint).expanduser()
+    if path.is_dir():
+        found = sorted(path.rglob("*.ckpt"))
+        hint = f" (it holds {found[0]}" + (f" and {len(found) - 1} more)" if len(found) > 1 else ")") if found else ""
+        raise InputError(f"{path} is a folder, not a checkpoint; give a .ckpt file{hint}")
     if not path.is_file():
         raise InputError(f"{path}: no such checkpoint; `atskv fit` and `atskv finetune` write them under runs/")
     return path
@@ -49,4 +53,6 @@ def load_module(cls, checkpoint: str | Path):
 
 def _unreadable(path: Path, error: Exception) -> InputError:
     reason = (str(error).splitlines() or [""])[0] or type(error).__name__
+    if "weights_only" in reason:  # torch's advice to unpickle anything: the file is not a checkpoint
+        reason = "not a checkpoint torch can read"
     return InputError(f"{path} is not a readable checkpoint ({type(error).__name__}: {reason}); it may be truncated")

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from atskv.errors import InputError
 from atskv.models.geometry import ModelGeometry, model_geometry
 from atskv.models.identity import config_hash, model_name
-from atskv.paths import default_cache_dir
+from atskv.paths import default_cache_dir, readable_as_umask_allows
 from atskv.predictor.checkpoints import read_checkpoint
 from atskv.predictor.model import FeatureSpec, RelevanceMLP, RelevanceScorer
 from atskv.predictor.ridge import RidgeScorer
@@ -200,6 +200,7 @@ def export_predictor(
     path = folder / "predictor.safetensors"
     partial = path.with_name(path.name + ".partial")
     save_file(tensors, str(partial), metadata={_HEADER_KEY: header.to_json()})
+    readable_as_umask_allows(partial)
     os.replace(partial, path)
     (folder / "predictor.json").write_text(header.to_json() + "\n")
     return path

@@ -8,6 +8,11 @@ manifest that lists only complete shards; a reopened writer removes what a kille
 behind and skips the keys the manifest lists. The manifest's `meta` (base model geometry,
 feature spec) guards against mixing collections made for different models or features.
 
+Each entry records its file's size and SHA-256. A reopened writer checks both and drops a shard
+that no longer matches (truncated, overwritten, missing), so a rerun of the collection makes it
+again; a dataset checks the sizes when it opens the folder and refuses a damaged shard in one
+line naming its file (`InputError`).
+
 Several processes may write one folder (`atskv collect --devices N`): one opens it (clean-up,
 meta check), the others `join` it; each names its shards by the work item's index, which no two
 share, and adds its entries to the manifest under an exclusive lock on the folder (read, append,
@@ -16,7 +21,9 @@ replace), so no process's entry is lost; `order` finally puts the entries in wor
 
 import bisect
 import contextlib
+import hashlib
 import json
+import logging
 import os
 import re
 from collections import OrderedDict
@@ -24,16 +31,18 @@ from collections.abc import Collection, Iterable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch.utils.data import Dataset
 
 from atskv.errors import InputError
+from atskv.paths import readable_as_umask_allows
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 _TMP_SUFFIX = ".tmp"
 _SHARD_NAME = re.compile(r"shard-\d+\.safetensors")
+log = logging.getLogger(__name__)
 
 
 def _canonical(meta: dict) -> dict:
@@ -81,6 +90,27 @@ def _schema(tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
     }
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 23):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _damage(folder: Path, entry: dict, *, by_hash: bool) -> str | None:
+    """What is wrong with a listed shard's file (missing, another size, with `by_hash` another
+    SHA-256 than the manifest records), or None; entries of older collections record neither."""
+    path = folder / entry["file"]
+    if not path.is_file():
+        return "missing"
+    if "bytes" in entry and path.stat().st_size != entry["bytes"]:
+        return f"{path.stat().st_size} bytes, the manifest lists {entry['bytes']}"
+    if by_hash and "sha256" in entry and _sha256(path) != entry["sha256"]:
+        return "its SHA-256 differs from the manifest's"
+    return None
+
+
 def _read_manifest(folder: Path) -> dict:
     path = folder / MANIFEST
     if not folder.is_dir():
@@ -125,7 +155,7 @@ class ShardWriter:
                     f"{self.folder} holds another collection ({differ}); "
                     "pass start_over to replace it, or use another folder"
                 )
-            self._shards = manifest["shards"]
+            self._shards = self._intact(manifest["shards"]) if not join else manifest["shards"]
         self._meta = meta
         if not join:
             with _locked(self.folder):
@@ -164,9 +194,12 @@ class ShardWriter:
         tmp = self.folder / (name + _TMP_SUFFIX)
         save_file(tensors, tmp, metadata={"key": key})
         _fsync_file(tmp)
+        readable_as_umask_allows(tmp)
+        size, digest = tmp.stat().st_size, _sha256(tmp)
         os.replace(tmp, self.folder / name)
         _fsync_dir(self.folder)
-        entry = {"key": key, "file": name, "rows": next(iter(rows.values())), "tensors": _schema(tensors)}
+        entry = {"key": key, "file": name, "rows": next(iter(rows.values())), "tensors": _schema(tensors),
+                 "bytes": size, "sha256": digest}  # fmt: skip
         with _locked(self.folder):  # other processes may have listed shards since we last read
             shards = _read_manifest(self.folder)["shards"] + [entry]
             self._write_manifest(shards)
@@ -180,6 +213,19 @@ class ShardWriter:
             shards.sort(key=lambda s: place.get(s["key"], len(place)))
             self._write_manifest(shards)
         self._shards = shards
+
+    def _intact(self, shards: list[dict]) -> list[dict]:
+        """The listed shards whose files match the manifest; each other one is logged and left
+        unlisted (its file removed with the leftovers), so the collection makes it again."""
+        kept = []
+        for entry in shards:
+            damage = _damage(self.folder, entry, by_hash=True)
+            if damage:
+                log.warning("%s: damaged shard of %r (%s); it is collected again", self.folder / entry["file"],
+                            entry["key"], damage)  # fmt: skip
+            else:
+                kept.append(entry)
+        return kept
 
     def _check_columns(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
         """Every shard has the same columns with the same dtype and per-row shape."""
@@ -244,6 +290,10 @@ class ShardDataset(Dataset):
         missing = [c for c in self.columns if shards and c not in available]
         if missing:
             raise KeyError(f"columns {missing} not in {self.folder}; it has {available}")
+        for entry in shards:
+            damage = _damage(self.folder, entry, by_hash=False)
+            if damage:
+                raise InputError(_damaged(self.folder / entry["file"], damage, self.folder))
         self._shards = shards
         self._ends = [0]
         for s in shards:
@@ -332,7 +382,10 @@ class ShardDataset(Dataset):
         if file in self._handles:
             self._handles.move_to_end(file)
         else:
-            self._handles[file] = safe_open(self.folder / file, framework="pt")
+            try:
+                self._handles[file] = safe_open(self.folder / file, framework="pt")
+            except SafetensorError as error:
+                raise InputError(_damaged(self.folder / file, str(error), self.folder)) from None
             if len(self._handles) > self.open_files:
                 self._handles.popitem(last=False)
         return self._handles[file]
@@ -342,6 +395,10 @@ class ShardDataset(Dataset):
         state = self.__dict__.copy()
         state["_handles"] = OrderedDict()
         return state
+
+
+def _damaged(path: Path, damage: str, folder: Path) -> str:
+    return f"{path}: damaged shard ({damage}); rerun `atskv collect` into {folder} to collect it again"
 
 
 def stacked(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

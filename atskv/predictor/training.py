@@ -39,8 +39,10 @@ Choices where the plan leaves one:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -56,6 +58,7 @@ from torchmetrics import MeanMetric, Metric
 from torchmetrics.classification import BinaryAUROC
 from torchmetrics.utilities import dim_zero_cat
 
+from atskv.errors import OneLineParseErrors
 from atskv.figures import save_figure
 from atskv.predictor.batches import GroupBatchSampler
 from atskv.predictor.distributed import counter_hash, global_means, globalise_batch_norms
@@ -329,9 +332,19 @@ class RelevanceModule(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
 
 
+class OneLineLightningParser(OneLineParseErrors, LightningArgumentParser):
+    """`atskv fit`'s and `atskv finetune`'s parser: a parse error is one line and exit code 2."""
+
+
 class RelevanceCLI(LightningCLI):
     """LightningCLI with the collection's meta linked from the data and a checkpoint on the window
     recall, or the mass recall when the validation split has no full groups."""
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Lightning's own, with its progress bar (written to stdout) on stderr (a private method of
+        LightningCLI: check on a Lightning upgrade)."""
+        with contextlib.redirect_stdout(sys.stderr):
+            super()._run_subcommand(subcommand)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.collection", "model.collection", apply_on="instantiate")
@@ -373,7 +386,7 @@ def fit_main(args: list[str] | None = None) -> RelevanceCLI:
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
         return RelevanceCLI(
             RelevanceModule, RelevanceData, args=args, save_config_kwargs={"overwrite": True},
-            parser_kwargs={"prog": "atskv"},
+            parser_kwargs={"prog": "atskv"}, parser_class=OneLineLightningParser,
         )
 
 
@@ -398,7 +411,8 @@ def fit_predictor(
         enable_model_summary=False, enable_progress_bar=progress, use_distributed_sampler=False,
         default_root_dir=str(out), log_every_n_steps=10,
     )  # fmt: skip
-    trainer.fit(module, datamodule=data)
+    with contextlib.redirect_stdout(sys.stderr):  # Lightning's progress bar writes to stdout
+        trainer.fit(module, datamodule=data)
     path = Path(out) / "last.ckpt"
     trainer.save_checkpoint(path)
     return path

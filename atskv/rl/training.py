@@ -60,6 +60,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +81,7 @@ from atskv.predictor.distributed import all_sum, seeded
 from atskv.predictor.export import PredictorHeader, checkpoint_provenance, load_predictor, predictor_path
 from atskv.predictor.model import FeatureSpec, RelevanceMLP
 from atskv.predictor.token_types import token_type_table
+from atskv.predictor.training import OneLineLightningParser
 from atskv.rl.items import RolloutItem, corpus_items, task_items
 from atskv.rl.policy import Policy, Selection, make_policy, marginal_kl
 from atskv.rl.reward import check_alpha, leave_one_out, reward
@@ -440,6 +442,8 @@ def finetune_main(args: list[str] | None = None) -> FinetuneCLI:
             run=False,
             save_config_kwargs={"overwrite": True},
             parser_kwargs={"prog": "atskv finetune"},
+            parser_class=OneLineLightningParser,
         )
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    with contextlib.redirect_stdout(sys.stderr):  # Lightning's progress bar writes to stdout
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     return cli

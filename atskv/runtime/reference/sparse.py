@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +46,7 @@ class SparsityConfig:
     sparse_decode: bool = True
 
     def __post_init__(self):
-        check_budget(self.budget)
+        object.__setattr__(self, "budget", check_budget(self.budget))  # frozen; a NumPy count as its int
         if self.dense_layers < 0:
             raise ValueError(f"dense_layers must be >= 0, got {self.dense_layers}")
 
@@ -203,7 +203,37 @@ AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 AttentionInterface.register(STATIC_ATTENTION_NAME, atskv_attention_forward)
 
 
-@contextlib.contextmanager
+class Reenterable(contextlib.AbstractContextManager):
+    """A context manager that can be entered again after it exits, each time through a fresh one
+    from `make` (`contextlib.contextmanager`'s can be entered once: a second `with` raised an
+    `AttributeError` from contextlib)."""
+
+    def __init__(self, make: Callable[[], contextlib.AbstractContextManager]):
+        self._make, self._entered = make, []
+
+    def __enter__(self):
+        manager = self._make()
+        value = manager.__enter__()
+        self._entered.append(manager)
+        return value
+
+    def __exit__(self, *exc):
+        return self._entered.pop().__exit__(*exc)
+
+
+def reenterable(function: Callable[..., Iterator]) -> Callable[..., Reenterable]:
+    """`contextlib.contextmanager`, with a result that can be entered again (`Reenterable`): each
+    `with` runs `function` anew with the same arguments (a new session on the model)."""
+    once = contextlib.contextmanager(function)
+
+    @functools.wraps(function)
+    def manager(*args, **kwargs) -> Reenterable:
+        return Reenterable(lambda: once(*args, **kwargs))
+
+    return manager
+
+
+@reenterable
 def sparse(
     model,
     selector: Selector | str = "oracle",

@@ -70,7 +70,7 @@ from atskv.budget import check_budget
 from atskv.errors import check_options
 from atskv.runtime.reference.host_tier import HostTier
 from atskv.runtime.reference.retrieval import INDEXES, make_index
-from atskv.runtime.reference.sparse import SparseSession, SparsityConfig, attach, sparse
+from atskv.runtime.reference.sparse import SparseSession, SparsityConfig, attach, reenterable, sparse
 from atskv.runtime.reference.sparsity import INITIAL_MOMENTUM, LayerPolicy, SparsityBudget, SparsityManager
 from atskv.runtime.reference.tiered_cache import MOMENTUM, TieredKVCache, TieredLayer
 from atskv.selectors import resolve_selector
@@ -110,7 +110,7 @@ class TieringConfig:
     policy: LayerPolicy = LayerPolicy()
 
     def __post_init__(self):
-        check_budget(self.budget)
+        object.__setattr__(self, "budget", check_budget(self.budget))  # frozen; a NumPy count as its int
         if isinstance(self.policy, dict):
             check_options("the tiering policy", self.policy, [f.name for f in fields(LayerPolicy)])
             object.__setattr__(self, "policy", LayerPolicy(**self.policy))  # frozen
@@ -350,7 +350,7 @@ class TieredSession(SparseSession):
         layer.state[_REFRESHED_AT] = layer.seen
 
 
-@contextlib.contextmanager
+@reenterable
 def tiered(
     model,
     selector: Selector | str = "h2o",
