@@ -1,0 +1,35 @@
+# The vLLM plugin's GPU plan, one stage a call (each well under the 10-minute limit), after the
+# four staging calls of vllm_env.sh (send every call in ONE message: a pause loses the machine):
+#   bash benchmarks/device/vllm_plan.sh profile   # per-stage kernel times (~40 s, no vLLM needed)
+#   bash benchmarks/device/vllm_plan.sh decode    # vanilla vLLM, Quest, StreamingLLM: 3 shapes (~7.5 min)
+#   bash benchmarks/device/vllm_plan.sh tests     # the plugin's GPU tests in a small engine (~4 min)
+#   bash benchmarks/device/vllm_plan.sh trace     # a Poisson trace at one rate, vanilla and StreamingLLM
+# Rows land under $OUT (JSON lines, as they finish), with the logs.
+set -uo pipefail
+source benchmarks/device/vllm_env.sh
+case "$1" in
+  profile)
+    python3 benchmarks/vllm_step_profile.py | tee "$OUT/profile.txt"
+    python3 benchmarks/vllm_step_profile.py --capacity 32784 --runs 32768x1 32768x8 | tee -a "$OUT/profile.txt" ;;
+  decode)
+    python3 benchmarks/vllm_decode.py "$OUT/decode.jsonl" --methods vllm quest=vllm:quest streaming=vllm:streaming_llm \
+      --runs 32768x1 32768x8 131072x1 --new_tokens 64 --identity_tokens 32 > "$OUT/decode.log" 2>&1
+    grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" "$OUT/decode.log" | tail -20 ;;
+  tests)
+    python3 -m pip install -q --no-index --no-deps --target /tmp/pt .device/pt/*.whl 2>/dev/null
+    PYTHONPATH=/tmp/pt:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider tests/test_vllm_engine.py \
+      tests/test_vllm_selection.py 2>&1 | tee "$OUT/tests.log" | tail -15 ;;
+  trace)
+    python3 - "$OUT" <<'PY' 2>&1 | grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" | tail -12
+import sys, tempfile
+from pathlib import Path
+from atskv.eval import vllm_speed, vllm_trace
+shape = vllm_speed.write_shape("llama3.1-8b", Path(tempfile.mkdtemp()) / "llama3.1-8b")
+specs = [vllm_speed.EngineSpec(m, str(shape), []) for m in ("vllm", "vllm:streaming_llm")]
+rows = Path(sys.argv[1]) / "trace.jsonl"
+vllm_trace.measure(specs, [vllm_trace.Trace(rate=0.5, requests=24, limit_s=150)], rows)
+print(vllm_trace.table(rows))
+PY
+    ;;
+  *) echo "usage: vllm_plan.sh profile|decode|tests|trace" >&2; exit 2 ;;
+esac
