@@ -131,16 +131,16 @@ def test_selectors_lists_the_registry(capsys):
 
 
 def test_selectors_says_which_run_on_the_fast_path(capsys, monkeypatch):
-    """Each selector's line says whether `atskv.generate` runs it (`FAST_SELECTORS`); a last line
+    """Each selector's line says whether `atskv.generate` runs it (`Selector.fast_path`); a last line
     names the composition parts it runs (quest and kascade keep their structure only alone)."""
-    import atskv.runtime.fast.session as fast_session
+    from atskv.selectors import SELECTORS
 
     assert run_cli(["selectors"]) == 0
     out = capsys.readouterr().out.splitlines()
     lines = {line.split()[0]: line for line in out if line and not line.startswith(" ")}
     for name in ["dense", "h2o", "snapkv", "quest", "sparq", "learned", "kascade"]:
-        assert name in fast_session.FAST_SELECTORS and lines[name].endswith("fast path")
-    monkeypatch.setattr(fast_session, "FAST_SELECTORS", tuple(n for n in fast_session.FAST_SELECTORS if n != "kascade"))
+        assert SELECTORS[name].fast_path and lines[name].endswith("fast path")
+    monkeypatch.setattr(SELECTORS["kascade"], "fast_path", False)
     assert run_cli(["selectors"]) == 0
     assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("kascade")][0].endswith(
         "reference only"

@@ -22,9 +22,9 @@ from atskv.attention import (
     received_mass,
 )
 from atskv.eval.speed import spaced_profile
-from atskv.memory.static_cache import StaticSlotLayer
 from atskv.runtime.fast.host_pages import HostRetrieval
 from atskv.runtime.fast.session import causal_mass_from
+from atskv.runtime.fast.static_cache import StaticSlotLayer
 from atskv.runtime.reference.sparse import attach
 from atskv.selectors.hybrid import HybridSelector
 from atskv.selectors.learned import LearnedSelector
@@ -454,7 +454,7 @@ def test_unsupported_selectors_and_chunks_are_refused():
     ids = random_prompt(80)
     with pytest.raises(ValueError, match="no fast decode path"):  # the reference prunes at every (dense) step
         atskv.generate(model, ids, atskv.make_selector("spark", base="dense"), 16)
-    # not as a composition's part (`fast_session.ALONE_ONLY`)
+    # not as a composition's part (`Selector.fast_path_as_part`)
     spark_sparq = HybridSelector(atskv.make_selector("snapkv"), atskv.make_selector("spark", base="sparq"))
     for composed in ("snapkv+quest", "snapkv+sparcas", spark_sparq):
         with pytest.raises(ValueError, match="no fast decode path"):

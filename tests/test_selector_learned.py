@@ -197,7 +197,7 @@ def test_the_fast_path_holds_a_prompt_tokens_features_once_for_all_kv_heads(pred
     """The prompt's projected hidden states, norms and types are the token's, not the KV head's:
     held `[B, 1, S]` while every head holds the whole prompt, each head's own only for the slots it
     keeps after the prompt's eviction (2 KV heads here; 8 at the Llama-3.1-8B shape)."""
-    from atskv.memory.static_cache import StaticSlotLayer
+    from atskv.runtime.fast.static_cache import StaticSlotLayer
 
     shapes, shrink = [], StaticSlotLayer.shrink
 

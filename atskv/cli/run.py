@@ -206,27 +206,23 @@ def generate(
 def selectors() -> None:
     """List the registered selectors, how the hook treats each, and which run on `atskv.generate`'s
     fast path (the others: `atskv.sparse` with `model.generate`, the reference path)."""
-    from atskv.runtime.fast.session import FAST_SELECTORS, has_fast_path
     from atskv.selectors import SELECTORS
-    from atskv.selectors.hybrid import HybridSelector, check_parts
+    from atskv.selectors.hybrid import check_parts, parts_have_fast_path
 
     for name, cls in sorted(SELECTORS.items()):
         kind = "keeps all" if cls.keeps_all else ("query-aware" if cls.query_aware else "query-agnostic")
-        fast = "fast path" if name in FAST_SELECTORS else "reference only"
+        fast = "fast path" if cls.fast_path else "reference only"
         print(f"{name:15s} {kind:15s} {'evicts' if cls.evicts else '':6s}  {fast}")
     print("compositions: residency+attention, e.g. learned+sparq, h2o+oracle (an evicting query-agnostic "
           "part holds residency_budget tokens; a query-aware part attends the budget among them)")
 
     def fast_pair(residency: str, attention: str) -> bool:
-        """Whether `residency+attention` with default options runs on the fast path: `has_fast_path`
-        on the composition of bare parts (built without their per-model state: the learned
-        selector's predictor, Kascade's profile)."""
+        """Whether `residency+attention` runs on the fast path, from the parts' classes."""
         try:
             check_parts(SELECTORS[residency], SELECTORS[attention])
         except ValueError:  # cannot play that role
             return False
-        bare = [object.__new__(SELECTORS[name]) for name in (residency, attention)]
-        return has_fast_path(HybridSelector(*bare))
+        return parts_have_fast_path(SELECTORS[residency], SELECTORS[attention])
 
     residency = [name for name in sorted(SELECTORS) if fast_pair(name, "oracle")]
     attention = [name for name in sorted(SELECTORS) if fast_pair("h2o", name)]

@@ -136,12 +136,9 @@ def fast_step(name: str, shape: Shape, budget: float, room: int, folder: Path,
     b, context = shape.batch, shape.context
     hq, hkv, d = shape.geometry
     model = SimpleNamespace(config=shape.config(layers))
-    options = {}
-    if name == "learned":
-        from atskv.eval.speed import random_predictor
+    from atskv.eval.speed import synthetic_options
 
-        options["predictor"] = random_predictor(model, 0, folder)
-    selector = make_selector(name, **options)
+    selector = make_selector(name, **synthetic_options(model, name, {}, 0, folder))
     chunk = min(PREFILL_CHUNK, context)
     session = StaticSession(model, selector, SparsityConfig(budget, dense_layers=0), context, room, chunk, batch=b)
     cache = session.bind(session.new_cache())

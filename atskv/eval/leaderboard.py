@@ -302,7 +302,6 @@ def run_leaderboard(
     `atskv.tiered` under `model.generate` and the `host:` rows the fast path either way; dense is
     always transformers' own `generate`."""
     from atskv.runtime.fast.host_pages import HostRetrieval
-    from atskv.runtime.fast.session import has_fast_path
     from atskv.selectors import selectors_for_model
 
     check_tiering(grid, tiering, sparse_prefill, host_tier)
@@ -321,11 +320,11 @@ def run_leaderboard(
     }  # fmt: skip
     built = dict(zip(grid.selector_names, selectors_for_model(grid.selector_names, loaded.name, selector_options)))
     selectors = {m: built[selector_of(m)] for m in grid.selectors}  # a tiered: or host: row shares its selector
-    if fast and (slow := [m for m, s in selectors.items() if m not in grid.tiered and not has_fast_path(s)]):
+    if fast and (slow := [m for m, s in selectors.items() if m not in grid.tiered and not s.has_fast_path()]):
         raise InputError(f"{', '.join(slow)} run on the reference path only; run the leaderboard with --fast false")
     if fast and sparse_prefill:
         raise InputError("the fast path prefills densely; sparse prefill needs --fast false")
-    if no_host := [m for m in grid.hosted if not has_fast_path(selectors[m])]:
+    if no_host := [m for m in grid.hosted if not selectors[m].has_fast_path()]:
         raise InputError(f"{', '.join(no_host)}: the host tier lives on the fast path, which this selector lacks")
     store = CellStore(Path(out), settings)
     python = Path(kvpress_python) if kvpress_python else peer.default_kvpress_python()

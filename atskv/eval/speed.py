@@ -37,7 +37,7 @@ from atskv.eval.report import write_report
 from atskv.eval.rows import RowStore
 from atskv.eval.shapes import SHAPES
 from atskv.runtime.fast.host_pages import HostRetrieval, pinned_peak, reset_peak_pinned
-from atskv.selectors import make_selector
+from atskv.selectors import SELECTORS, make_selector, name_parts
 
 PLAIN = "plain"
 PLAIN_STATIC = "plain-static"
@@ -140,16 +140,27 @@ def spaced_profile(model, dense_layers: int, anchors: int = 5):
                           [1.0] * n, topk=0, queries=0, dev_set="")  # fmt: skip
 
 
+def synthetic_options(model, name: str, options: dict, dense_layers: int, folder: Path) -> dict:
+    """`options` given made-up per-model state (`Selector.per_model`) for each part of `name` that
+    needs some and was not given (a composition takes a part's options under the part's name): a
+    timing needs the model's shape, not state measured on it."""
+    synthetic = {
+        "predictor": lambda: random_predictor(model, dense_layers, folder),
+        "profile": lambda: spaced_profile(model, dense_layers),
+    }
+    for part in name_parts(name):
+        argument = SELECTORS[part].per_model
+        if argument is not None:
+            given = options if part == name else options.setdefault(part, {})
+            if argument not in given:
+                given[argument] = synthetic[argument]()
+    return options
+
+
 def _selector(model, method: str, run: DecodeRun, folder: Path):
     name = method.removeprefix(HOOK).removeprefix(TIERED)
     options = {key: dict(v) if isinstance(v, dict) else v for key, v in run.selector_options.get(name, {}).items()}
-    if "learned" in name.split("+"):  # a composition takes its learned part's options under its name
-        learned = options if name == "learned" else options.setdefault("learned", {})
-        if "predictor" not in learned:
-            learned["predictor"] = random_predictor(model, run.dense_layers, folder)
-    if name == "kascade" and "profile" not in options:
-        options["profile"] = spaced_profile(model, run.dense_layers)
-    return make_selector(name, **options)
+    return make_selector(name, **synthetic_options(model, name, options, run.dense_layers, folder))
 
 
 def ragged_mask(batch: int, context: int, padding: float, device=None) -> torch.Tensor | None:

@@ -24,6 +24,7 @@ class SlotLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = False
     min_growth = 16
+    static = False  # the fast path's layer, sized once (`StaticSlotLayer`): selectors write into it in place
 
     def __init__(self, **kwargs):
         super().__init__()

@@ -60,22 +60,18 @@ def name_parts(name: str) -> list[str]:
 
 
 def selectors_for_model(names: list[str], model_name: str, options: dict[str, dict] | None = None) -> list[Selector]:
-    """Selector instances for one loaded model: Kascade reads that model's profile (written by
-    `atskv profile kascade`) and the learned selector its predictor (the user's `atskv export`,
-    else the one shipped for the model); every other selector needs only its name. `options`:
+    """Selector instances for one loaded model: a selector with per-model state (`Selector.per_model`:
+    Kascade's profile written by `atskv profile kascade`, the learned selector's predictor, the
+    user's `atskv export` else the one shipped for the model) finds it by the model's name
+    (`Selector.for_model`); every other selector needs only its name. `options`:
     constructor arguments by selector name (`selector_options`), which win over those defaults,
     e.g. `{"learned": {"predictor": PATH, "threshold": 0.0}}`."""
-    from atskv.selectors.kascade import default_profile_path
-
     options = options or {}
-    per_model = {  # the argument each needs, and where it is found by default
-        "kascade": ("profile", lambda: default_profile_path(model_name)),
-        "learned": ("predictor", lambda: _predictor_for(model_name)),
-    }
 
     def with_defaults(name: str, given: dict) -> dict:
-        if name in per_model and per_model[name][0] not in given:
-            given[per_model[name][0]] = per_model[name][1]()
+        cls = SELECTORS.get(name)  # None: a composition, whose parts' options hold their own
+        if cls is not None and cls.per_model is not None and cls.per_model not in given:
+            given[cls.per_model] = cls.for_model(model_name)
         return given
 
     built = []
@@ -147,33 +143,16 @@ def resolve_selector(selector: Selector | str, model) -> Selector:
     if isinstance(selector, str):
         check_selector_names([selector])
         name = model_name(model)
-        per_model = [part for part in name_parts(selector) if part in ("learned", "kascade")]
+        per_model = [SELECTORS[part] for part in name_parts(selector) if SELECTORS[part].per_model is not None]
         if name is None and per_model:
-            what = "LearnedSelector(predictor=PATH)" if per_model[0] == "learned" else "KascadeSelector(profile=PATH)"
+            cls = per_model[0]
             raise InputError(
-                f"the {per_model[0]} selector is made per model and this one has no name to find it by: "
-                f"load the model with atskv.models.load_model, or pass {what}"
+                f"the {cls.name} selector is made per model and this one has no name to find it by: "
+                f"load the model with atskv.models.load_model, or pass {cls.__name__}({cls.per_model}=PATH)"
             )
         selector = selectors_for_model([selector], name)[0]
-    # SparK runs another selector, a composition two
-    for part in (selector, getattr(selector, "base", None), getattr(selector, "residency", None)):
-        if isinstance(part, LearnedSelector):
-            part.check_model(model)
+    selector.check_model(model)  # SparK asks its base, a composition its parts
     return selector
-
-
-def _predictor_for(model_name: str):
-    """The predictor folder for a model (`find_predictor`), or an `InputError` saying how to get one."""
-    from atskv.predictor.export import find_predictor
-
-    folder = find_predictor(model_name)
-    if not (folder / "predictor.safetensors").is_file():
-        raise InputError(
-            f"no predictor for {model_name!r}: none ships with atskv and none was exported to {folder}; "
-            "run `atskv collect`, `atskv fit` and `atskv export` for this model, "
-            "or pass LearnedSelector(predictor=PATH)"
-        )
-    return folder
 
 
 def check_selector_names(names: list[str]) -> None:

@@ -57,6 +57,12 @@ class LayerView:
         return self.visible
 
     @property
+    def fixed_shapes(self) -> bool:
+        """A decode step of the fast path: its shapes fixed ahead to `longest`, it may be captured in
+        a CUDA graph and replayed for every token, so nothing read on the host may change per token."""
+        return self.longest is not None
+
+    @property
     def group_size(self) -> int:
         return self.query.shape[1] // self.keys.shape[1]
 
@@ -64,12 +70,18 @@ class LayerView:
 class Selector:
     """Base class of all selectors. Subclasses are small dataclasses holding their hyper-parameters.
 
-    Class attributes say how the hook must treat a selector:
+    Class attributes say what a selector is and can do; the runtimes ask them, not lists of names:
     - `query_aware`: its choice depends on the current query, so the full cache must stay reachable;
     - `evicts`: what it does not keep is dropped from the cache for good (real memory savings);
     - `keeps_all`: the budget is ignored (the dense reference).
-        - `needs_attention` / `needs_hidden`: the hook passes the attention mass to `observe` / the
+    - `needs_attention` / `needs_hidden`: the hook passes the attention mass to `observe` / the
       new tokens' hidden states and ids in `LayerView.hidden` and `LayerView.token_ids`.
+    - `fast_path`: `atskv.generate` makes the reference's choices for it: its decode-time state
+      lives in slot tensors or is written in place (`static_write`), with no Python value that
+      changes per token (`tests/test_decode.py` checks the tokens against the reference);
+      `fast_path_as_part`: also as a part of a composition there (`has_fast_path`).
+    - `per_model`: the constructor argument that holds state made for one model (a predictor, a
+      profile), found by `for_model` when not given; None: the name alone builds it.
     """
 
     name: ClassVar[str] = ""
@@ -78,6 +90,32 @@ class Selector:
     keeps_all: ClassVar[bool] = False
     needs_attention: ClassVar[bool] = False
     needs_hidden: ClassVar[bool] = False
+    fast_path: ClassVar[bool] = False
+    fast_path_as_part: ClassVar[bool] = True
+    per_model: ClassVar[str | None] = None
+
+    @classmethod
+    def for_model(cls, model_name: str) -> object:
+        """The default value of the `per_model` argument for the model named `model_name`."""
+        raise NotImplementedError(f"{cls.name} needs no per-model state")
+
+    def has_fast_path(self) -> bool:
+        """Whether `atskv.generate` runs this selector as the reference does (`fast_path`); a
+        selector made of others (a composition, SparK) asks its parts."""
+        return self.fast_path
+
+    def check_model(self, model) -> None:
+        """Refuse a model this selector's per-model state was not made for (nothing to check here)."""
+
+    def roles(self) -> tuple[Selector, Selector | None]:
+        """Who decides what the cache holds, and who chooses what a query reads among it (None:
+        the same selector; a composition names its two parts)."""
+        return self, None
+
+    def held_budget(self, budget: int | float) -> int | float | None:
+        """The budget of what the cache holds when a query reads `budget` tokens: the same, or a
+        composition's residency budget (None: it would hold every token)."""
+        return budget
 
     def scores(self, view: LayerView) -> torch.Tensor:
         """Relevance of every slot, `[B, Hkv, Tq or 1, S]`; higher is kept first."""
@@ -207,7 +245,7 @@ def select_top_indices(scores: torch.Tensor, valid: torch.Tensor, view: LayerVie
 
 def budget_tokens(view: LayerView) -> int:
     """The budget in tokens for the newest query of the longest row, from host-side counts only."""
-    longest = view.longest if view.longest is not None else view.layer.seen
+    longest = view.longest if view.fixed_shapes else view.layer.seen
     if isinstance(view.budget, int):  # plain arithmetic: a decode step must not read tensors back
         return min(longest, view.budget)
     return min(longest, max(1, math.ceil(longest * view.budget)))

@@ -8,4 +8,5 @@ from atskv.selectors.base import Selector
 @dataclass
 class DenseSelector(Selector):
     name = "dense"
+    fast_path = True
     keeps_all = True

@@ -18,6 +18,7 @@ from atskv.selectors.base import LayerView, Selector
 @dataclass
 class H2OSelector(Selector):
     name = "h2o"
+    fast_path = True
     evicts = True
     needs_attention = True
     recent_fraction: float = 0.5

@@ -82,6 +82,19 @@ class HybridSelector(Selector):
         self.needs_attention = self.residency.needs_attention
         self.needs_hidden = self.residency.needs_hidden or self.attention.needs_hidden
 
+    def has_fast_path(self) -> bool:
+        return parts_have_fast_path(self.residency, self.attention)
+
+    def check_model(self, model) -> None:
+        self.residency.check_model(model)
+        self.attention.check_model(model)
+
+    def roles(self) -> tuple[Selector, Selector | None]:
+        return self.residency, self.attention
+
+    def held_budget(self, budget: int | float) -> int | float | None:
+        return self.budgets(budget).residency
+
     def budgets(self, attention: int | float) -> HybridBudget:
         """Both budgets, for the session's (attention) budget."""
         return HybridBudget.of(attention, self.residency_budget)
@@ -133,6 +146,12 @@ def check_parts(residency: Selector | type[Selector], attention: Selector | type
             f"{attention.name!r} cannot choose among the resident tokens: that takes a query-aware selector "
             "that keeps the cache (sparq, quest, oracle)"
         )
+
+
+def parts_have_fast_path(residency: Selector | type[Selector], attention: Selector | type[Selector]) -> bool:
+    """Whether `atskv.generate` runs the composition of these parts (selectors, or their classes)
+    as the reference does: both have a fast path and may be a composition's part there."""
+    return all(part.fast_path and part.fast_path_as_part for part in (residency, attention))
 
 
 def resident_view(view: LayerView) -> tuple[LayerView, torch.Tensor]:

@@ -36,7 +36,7 @@ from atskv.kernels.learned_features import (
     slot_scalars,
     write_token_features,
 )
-from atskv.predictor.export import LoadedPredictor, load_predictor
+from atskv.predictor.export import LoadedPredictor, find_predictor, load_predictor
 from atskv.predictor.model import RelevanceMLP
 from atskv.selectors.base import LayerView, Selector, budget_tokens, check_view_fits
 from atskv.selectors.snapkv import check_window, window_votes
@@ -70,6 +70,8 @@ class _Slots:
 @dataclass
 class LearnedSelector(Selector):
     name = "learned"
+    fast_path = True
+    per_model = "predictor"
     evicts = True
     needs_attention = True
     needs_hidden = True
@@ -134,12 +136,12 @@ class LearnedSelector(Selector):
         for the mask)."""
         if self.threshold is None:
             return None
-        if view.longest is not None and view.layer.state[self.name]["refreshed_at"] != view.layer.seen:
+        if view.fixed_shapes and view.layer.state[self.name]["refreshed_at"] != view.layer.seen:
             return None
         return view.layer.slot_tensor(_SCORE, init=torch.inf) <= self.threshold
 
     def scores(self, view: LayerView) -> torch.Tensor:
-        if view.longest is None:  # the fast path enters new tokens in `static_write`
+        if not view.fixed_shapes:  # the fast path enters new tokens in `static_write`
             self._enter(view)
         state = view.layer.state.setdefault(self.name, {"refreshed_at": view.layer.seen})
         if view.layer.seen - state["refreshed_at"] >= self.refresh_every:
@@ -172,6 +174,19 @@ class LearnedSelector(Selector):
             projected = mlp.project_hidden(hidden)
         norm = torch.linalg.vector_norm(hidden, dim=-1, dtype=torch.float32)
         scatter_token_features(projected, norm, self.predictor.token_types[ids].float() + 1, *state)
+
+    @classmethod
+    def for_model(cls, model_name: str) -> Path:
+        """The predictor folder for a model (`find_predictor`: the user's export, else the one that
+        ships), or an `InputError` saying how to get one."""
+        folder = find_predictor(model_name)
+        if not (folder / "predictor.safetensors").is_file():
+            raise InputError(
+                f"no predictor for {model_name!r}: none ships with atskv and none was exported to {folder}; "
+                "run `atskv collect`, `atskv fit` and `atskv export` for this model, "
+                "or pass LearnedSelector(predictor=PATH)"
+            )
+        return folder
 
     def check_model(self, model) -> None:
         """Refuse a base model other than the predictor's (`PredictorHeader.check_model`)."""
@@ -260,7 +275,7 @@ class LearnedSelector(Selector):
         state as `features` reads."""
         layer, mlp, slots = view.layer, self.predictor.mlp, self._slots(view.layer)
         score, index = layer.slot_tensor(_SCORE, init=torch.inf), self._layer_index[view.layer_idx]
-        if view.longest is not None and _fused(mlp):
+        if view.fixed_shapes and _fused(mlp):
             previous = self._previous_sums(view)
             sums = torch.zeros(view.slot_pos.shape[0], 2, view.longest + 1, device=score.device)
             refresh_scores(mlp, index, slots.projected, slots.hidden_norm, slots.kind, slots.received, view.keys,
@@ -312,10 +327,10 @@ def _training_data(training: dict) -> str:
 def _seen(view: LayerView):
     """Tokens written so far, the current one included: the host count on the reference path, the
     cache's device counter on the fast path (a captured graph must not bake a Python number in)."""
-    return view.layer.position if view.longest is not None else view.layer.seen
+    return view.layer.position if view.fixed_shapes else view.layer.seen
 
 
 def _positions(view: LayerView) -> int:
     """Width of the by-position buffers: the tokens seen, or on the fast path the longest context
     of the call (fixed shapes; positions not yet written stay zero)."""
-    return view.longest if view.longest is not None else view.layer.seen
+    return view.longest if view.fixed_shapes else view.layer.seen

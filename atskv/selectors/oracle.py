@@ -14,6 +14,7 @@ from atskv.selectors.base import LayerView, Selector
 @dataclass
 class OracleSelector(Selector):
     name = "oracle"
+    fast_path = True
     query_aware = True
 
     def scores(self, view: LayerView):

@@ -59,6 +59,9 @@ class _PageBounds:
 @dataclass
 class QuestSelector(Selector):
     name = "quest"
+    fast_path = True
+    # not a composition's part on the fast path: Quest's pages need position-ordered slots
+    fast_path_as_part = False
     query_aware = True
     page_size: int = 16
 

@@ -20,6 +20,7 @@ from atskv.selectors.base import LAST_QUERIES, LayerView, Selector
 @dataclass
 class SnapKVSelector(Selector):
     name = "snapkv"
+    fast_path = True
     evicts = True
     window: int = 32
     kernel: int = 7

@@ -33,7 +33,6 @@ from atskv.attention import grouped_queries
 from atskv.kernels.partial_scores import partial_scores
 from atskv.kernels.sparq_decode import pooled_probs, sparq_decode
 from atskv.memory.slot_cache import slot_index
-from atskv.memory.static_cache import StaticSlotLayer
 from atskv.selectors.base import LayerView, Selector, budget_tokens
 from atskv.selectors.buffers import with_room
 
@@ -50,6 +49,10 @@ class _CompactKeys:
 @dataclass
 class SparCasSelector(Selector):
     name = "sparcas"
+    fast_path = True
+    # not a composition's part on the fast path: the reference's composition makes SparCas choose
+    # new dimensions after each eviction
+    fast_path_as_part = False
     query_aware = True
     dims: int = 16
     refresh_every: int = 64
@@ -57,14 +60,14 @@ class SparCasSelector(Selector):
     def prefill(self, view: LayerView) -> None:
         state = self._refresh(view)
         state.prompt_end = view.layer.seen
-        if isinstance(view.layer, StaticSlotLayer):  # the fast path (module docstring)
+        if view.layer.static:  # the fast path (module docstring)
             compact = view.layer.slot_tensor(self.name, dtype=state.keys.dtype, width=state.keys.shape[-1])
             state.keys = compact.copy_(state.keys)
             view.layer.reset_by_selector.add(self.name)  # `static_write` writes a decode token's entry
 
     def scores(self, view: LayerView):
         state = view.layer.state.get(self.name)
-        if view.longest is None:  # on the fast path `static_write` keeps the copy up to date
+        if not view.fixed_shapes:  # on the fast path `static_write` keeps the copy up to date
             if state is None or view.layer.seen - state.refreshed_at >= self.refresh_every:
                 state = self._refresh(view)
             else:
@@ -78,7 +81,7 @@ class SparCasSelector(Selector):
         over the compact copy read channel-major through its strides: the torch scores and top-k
         took 158 us a layer at the 8B shape, 32K); elsewhere the default ranking of `scores`."""
         state = view.layer.state.get(self.name)
-        if view.longest is None or state is None:
+        if not view.fixed_shapes or state is None:
             return super().decode_indices(view)
         k = min(budget_tokens(view), view.keys.shape[2])
         return sparq_decode(view.query[:, :, -1], view.keys, state.keys.transpose(2, 3), view.slot_pos,

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from atskv.attention import grouped_queries
-from atskv.memory.static_cache import StaticSlotLayer
 from atskv.selectors.base import LayerView, Selector
 from atskv.selectors.snapkv import SnapKVSelector
 
@@ -46,6 +45,9 @@ class SparKSelector(Selector):
     it needs: attention mass, hidden states) and passes every call through, on the recovered keys."""
 
     name = "spark"
+    fast_path = True
+    # not a composition's part on the fast path: it attends the cached keys, not SparK's recovered ones
+    fast_path_as_part = False
     base: Selector = field(default_factory=SnapKVSelector)
     prune_ratio: float = 0.5
     window: int = 32
@@ -57,6 +59,14 @@ class SparKSelector(Selector):
             raise ValueError(f"spark needs another selector as its base, got {self.base!r}")
         for flag in ("query_aware", "evicts", "keeps_all", "needs_attention", "needs_hidden"):
             setattr(self, flag, getattr(self.base, flag))
+
+    def has_fast_path(self) -> bool:
+        """Its base's; not over a base that keeps every token: on the reference path every step is
+        then a dense one, which prunes every token again."""
+        return not self.keeps_all and self.base.has_fast_path()
+
+    def check_model(self, model) -> None:
+        self.base.check_model(model)
 
     def kept_channels(self, head_dim: int) -> int:
         """T: key channels each pruned token keeps."""
@@ -83,7 +93,7 @@ class SparKSelector(Selector):
         top = saliency.topk(kept, dim=-1).values  # [B, Hkv, S, T]
         threshold = top[..., -1].masked_fill(view.slot_pos < 0, -torch.inf)
         pruned_mean = (saliency.sum(-1) - top.sum(-1)) / (d - kept)
-        if isinstance(view.layer, StaticSlotLayer):  # the fast path: into the cache (module docstring)
+        if view.layer.static:  # the fast path: into the cache (module docstring)
             view.keys.copy_(self._recovered(view.keys, scale, threshold, pruned_mean))
             return
         view.layer.state[_QUERY_SCALE] = scale

@@ -41,6 +41,7 @@ from atskv.selectors.base import LayerView, Selector, budget_tokens
 @dataclass
 class SparQSelector(Selector):
     name = "sparq"
+    fast_path = True
     query_aware = True
     rank_fraction: float = 1 / 8
     recent: int = 0
@@ -65,7 +66,7 @@ class SparQSelector(Selector):
         """On the fast path the fused step over the channel-major copy (`sparq_decode`: the same
         slots as ranking `scores`, exactly equal probabilities going to the higher slot, listed in
         no particular order); elsewhere the default ranking of `scores`."""
-        keys_t = view.layer.state.get(self.name) if view.longest is not None else None
+        keys_t = view.layer.state.get(self.name) if view.fixed_shapes else None
         if keys_t is None:
             return super().decode_indices(view)
         k = min(budget_tokens(view), view.keys.shape[2])

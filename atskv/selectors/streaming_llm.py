@@ -15,6 +15,7 @@ from atskv.selectors.base import LayerView, Selector
 @dataclass
 class StreamingLLMSelector(Selector):
     name = "streaming_llm"
+    fast_path = True
     evicts = True
     sinks: int = 4
 

@@ -8,12 +8,12 @@ import math
 
 import torch
 
-from atskv.memory.static_cache import StaticKVCache
 from atskv.models.cache_names import with_cache
 from atskv.runtime.fast.compiled import compiled_layers
 from atskv.runtime.fast.graph import GraphedStep
 from atskv.runtime.fast.host_pages import HostRetrieval
 from atskv.runtime.fast.session import StaticSession
+from atskv.runtime.fast.static_cache import StaticKVCache
 from atskv.runtime.reference.sparse import SparsityConfig, attach
 from atskv.selectors import resolve_selector
 from atskv.selectors.base import LAST_QUERIES, Selector
@@ -41,7 +41,8 @@ def generate(
     >>> out = atskv.generate(model, ids, "quest", budget=0.05, max_new_tokens=64)
 
     Same tokens as `with atskv.sparse(model, selector, budget): model.generate(ids, do_sample=False)`
-    for the selectors in `FAST_SELECTORS`; prompts are processed `prefill_chunk` tokens at a time.
+    for a selector that has a fast path (`Selector.has_fast_path`); prompts are processed `prefill_chunk`
+    tokens at a time.
     `streamer`: as transformers' (`put` gets the prompt, then each new token `[B, 1]`; `end`).
     `tier`: keep every token in pinned host memory as well and read the best parked pages back
     at each step (`HostRetrieval`); `budget` is then what stays on the GPU.

@@ -48,40 +48,10 @@ from atskv.kernels.evict import evict_lowest
 from atskv.kernels.received_mass import prefix_received_mass
 from atskv.kernels.sparse_decode import sparse_decode_attention
 from atskv.memory.slot_cache import slot_index
-from atskv.memory.static_cache import StaticKVCache, StaticSlotLayer
 from atskv.runtime.fast.host_pages import HostPages, HostRetrieval
+from atskv.runtime.fast.static_cache import StaticKVCache, StaticSlotLayer
 from atskv.runtime.reference.sparse import STATIC_ATTENTION_NAME, SparseSession, SparsityConfig
 from atskv.selectors.base import LAST_QUERIES, LayerView, Selector
-from atskv.selectors.hybrid import HybridSelector
-from atskv.selectors.spark import SparKSelector
-
-# selectors whose decode state is written by the hook alone (slot tensors, in place) or by a
-# `static_write`; the others still need host-side bookkeeping per step
-FAST_SELECTORS = (
-    "dense", "oracle", "quest", "sparq", "sparcas", "streaming_llm", "snapkv", "h2o", "learned", "spark", "kascade",
-)  # fmt: skip
-# ... but not as a composition's part: Quest's pages need position-ordered slots, the reference's
-# composition makes SparCas choose new dimensions after each eviction, and it attends on the cached
-# keys, not on SparK's recovered ones
-ALONE_ONLY = ("quest", "sparcas", "spark", "kascade")
-
-
-def has_fast_path(selector: Selector) -> bool:
-    """Whether `StaticSession` makes the reference's choices for `selector`: its parts (a
-    composition's two, SparK and its base) in `FAST_SELECTORS`. SparK over a base that keeps every
-    token is refused: on the reference path every step is then a dense one, which prunes every
-    token again. A budget that is a cap (the learned selector's `threshold`, `Selector.unwanted`)
-    is kept as the reference keeps it (`kernels.evict`)."""
-    parts = [selector]
-    if isinstance(selector, HybridSelector):
-        parts = [selector.residency, selector.attention]
-        if any(p.name in ALONE_ONLY for p in parts):
-            return False
-    elif isinstance(selector, SparKSelector):
-        if selector.keeps_all:
-            return False
-        parts.append(selector.base)
-    return all(p.name in FAST_SELECTORS for p in parts)
 
 
 class StaticSession(SparseSession):
@@ -93,10 +63,10 @@ class StaticSession(SparseSession):
         self, model, selector: Selector, config: SparsityConfig, prompt_tokens: int, max_new_tokens: int,
         prefill_chunk: int, tier: HostRetrieval | None = None, batch: int = 1,
     ):  # fmt: skip
-        if not has_fast_path(selector):
+        if not selector.has_fast_path():
             raise ValueError(
-                f"selector {selector.name!r} has no fast decode path yet; use one of {', '.join(FAST_SELECTORS)}, "
-                "or `atskv.sparse` with `model.generate` (the reference path)"
+                f"selector {selector.name!r} has no fast decode path yet (`Selector.has_fast_path`; `atskv "
+                "selectors` lists those that have); use `atskv.sparse` with `model.generate` (the reference path)"
             )
         if tier is not None and not selector.evicts:
             raise ValueError(
@@ -109,11 +79,9 @@ class StaticSession(SparseSession):
         self.prompt_tokens, self.max_new_tokens, self.prefill_chunk = prompt_tokens, max_new_tokens, prefill_chunk
         self.longest = prompt_tokens + max_new_tokens
         # who decides what the GPU holds, at which budget, and (a hybrid) who chooses what a query reads
-        self.keeper, self.keep_budget, self.chooser = selector, config.budget, None
-        if isinstance(selector, HybridSelector):
-            self.keeper, self.chooser = selector.residency, selector.attention
-            # None: the residency keeps every token (its budget reached the context), as the reference's does
-            self.keep_budget = selector.budgets(config.budget).residency or self.longest
+        self.keeper, self.chooser = selector.roles()
+        # None: a composition's residency keeps every token (its budget reached the context), as the reference's does
+        self.keep_budget = selector.held_budget(config.budget) or self.longest
         self.budget_cap = int(resolve_budget(self.keep_budget, torch.tensor([self.longest])))
         self.real: torch.Tensor | None = None  # [B, T] bool: the prompt's non-padding tokens
         self.pads: list[int] | None = None  # every row's pads leading: how many, per row (`left_padding`)

@@ -75,7 +75,7 @@ from atskv.runtime.reference.sparsity import INITIAL_MOMENTUM, LayerPolicy, Spar
 from atskv.runtime.reference.tiered_cache import MOMENTUM, TieredKVCache, TieredLayer
 from atskv.selectors import resolve_selector
 from atskv.selectors.base import LayerView, Selector
-from atskv.selectors.hybrid import RESIDENCY_FACTOR, HybridSelector
+from atskv.selectors.hybrid import RESIDENCY_FACTOR
 
 _REFRESHED_AT, _PROMPT = "tiered_refreshed_at", "tiered_prompt_tokens"
 
@@ -160,16 +160,14 @@ def gpu_budget(selector: Selector, budget: int | float) -> int | float:
     itself, or a composition's residency budget (`budget` is then what a query attends; module
     docstring). A composition that would keep every token resident is refused: nothing would be
     parked, and its attention part alone does the same."""
-    if not isinstance(selector, HybridSelector):
-        return budget
-    residency = selector.budgets(budget).residency
-    if residency is None:
+    held = selector.held_budget(budget)
+    if held is None:
         raise ValueError(
             f"{selector.name} at budget {budget} keeps every token on the GPU (its residency budget, "
             f"{RESIDENCY_FACTOR} x {budget}, reaches the whole context): set residency_budget below the context, "
-            f"or run {selector.attention.name} alone"
+            f"or run {selector.roles()[1].name} alone"
         )
-    return residency
+    return held
 
 
 def composition_retrieve(budget: int | float) -> int | float:
@@ -193,8 +191,8 @@ class TieredSession(SparseSession):
         self.tiering = tiering
         self.manager: SparsityManager | None = None
         # who ranks active tokens for demotion: the selector, or a composition's residency part
-        self.composed = isinstance(selector, HybridSelector)
-        self.ranker = selector.residency if self.composed else selector
+        self.ranker, chooser = selector.roles()
+        self.composed = chooser is not None
         if self.composed:
             gpu_budget(selector, config.budget)  # refuses before any work, as `tiered` does
 
@@ -383,12 +381,13 @@ def tiered_configs(
     config = SparsityConfig(budget, dense_layers, sparse_prefill=False, sparse_decode=True)
     active = gpu_budget(selector, check_budget(budget))
     check_options("tiering", tiering, [f.name for f in fields(TieringConfig) if f.name != "budget"])
-    if isinstance(selector, HybridSelector) and "retrieve" not in tiering:
+    composed = selector.roles()[1] is not None
+    if composed and "retrieve" not in tiering:
         tiering = {**tiering, "retrieve": composition_retrieve(budget)}
     try:
         return config, TieringConfig(active, **tiering)
     except ValueError as error:
-        if not isinstance(selector, HybridSelector):
+        if not composed:
             raise
         raise ValueError(f"{selector.name} holds its residency budget {active} on the GPU: {error}") from None
 

@@ -26,9 +26,8 @@ from pathlib import Path
 import torch
 
 from atskv.attention import grouped_probs
-from atskv.memory.static_cache import StaticSlotLayer
 from atskv.selectors.base import LayerView, Selector, check_view_fits
-from atskv.selectors.kascade.profile import HOW_TO_COMPUTE, KascadeProfile
+from atskv.selectors.kascade.profile import HOW_TO_COMPUTE, KascadeProfile, default_profile_path
 
 _STATE = "kascade_topk"  # anchor layer state: (layer.seen when scored, scores by slot or by logical position)
 
@@ -36,6 +35,9 @@ _STATE = "kascade_topk"  # anchor layer state: (layer.seen when scored, scores b
 @dataclass
 class KascadeSelector(Selector):
     name = "kascade"
+    fast_path = True
+    fast_path_as_part = False
+    per_model = "profile"
     query_aware = True
     profile: KascadeProfile | str | Path | None = None
     # anchor layer index -> its cache layer, for the forward step under way only
@@ -51,6 +53,11 @@ class KascadeSelector(Selector):
         if not isinstance(self.profile, KascadeProfile):
             self.profile = KascadeProfile.load(self.profile)
         self._anchor_set = frozenset(self.profile.anchors)
+
+    @classmethod
+    def for_model(cls, model_name: str) -> Path:
+        """Where `atskv profile kascade` saves the model's profile by default."""
+        return default_profile_path(model_name)
 
     def scores(self, view: LayerView):
         self._check(view)
@@ -102,4 +109,4 @@ class KascadeSelector(Selector):
 def _slots_align(layer) -> bool:
     """A decoding layer of the fast path's static cache that appends: its slots hold the same
     tokens as every other such layer's (see the module docstring)."""
-    return isinstance(layer, StaticSlotLayer) and layer.decoding and layer.window is None
+    return layer.static and layer.decoding and layer.window is None

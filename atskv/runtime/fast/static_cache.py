@@ -27,6 +27,8 @@ from atskv.memory.slot_cache import SlotLayer, slot_index
 class StaticSlotLayer(SlotLayer):
     """One layer's KV in preallocated slots; see the module docstring."""
 
+    static = True
+
     def __init__(self, capacity: int, window: int | None = None):
         super().__init__()
         self.capacity = capacity
