@@ -128,6 +128,7 @@ def test_selectors_lists_the_registry(capsys):
     out = capsys.readouterr().out
     assert all(name in out for name in ["dense", "oracle", "snapkv", "h2o", "streaming_llm"])
     assert "learned+sparq" in out  # compositions are named too
+    assert "inside vLLM (atskv[vllm], attention_backend=CUSTOM): quest, streaming_llm" in out
 
 
 def test_selectors_says_which_run_on_the_fast_path(capsys, monkeypatch):

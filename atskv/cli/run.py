@@ -204,8 +204,9 @@ def generate(
 
 
 def selectors() -> None:
-    """List the registered selectors, how the hook treats each, and which run on `atskv.generate`'s
-    fast path (the others: `atskv.sparse` with `model.generate`, the reference path)."""
+    """List the registered selectors, how the hook treats each, which run on `atskv.generate`'s
+    fast path (the others: `atskv.sparse` with `model.generate`, the reference path) and which run
+    inside vLLM through the plugin."""
     from atskv.selectors import SELECTORS
     from atskv.selectors.hybrid import check_parts, parts_have_fast_path
 
@@ -228,6 +229,9 @@ def selectors() -> None:
     attention = [name for name in sorted(SELECTORS) if fast_pair("h2o", name)]
     print(f"  on the fast path: residency {', '.join(residency)} with attention {', '.join(attention)}; "
           "every composition runs on the reference path and under atskv.tiered")
+    from atskv.runtime.vllm.selection import PAGED_SELECTORS
+
+    print(f"inside vLLM (atskv[vllm], attention_backend=CUSTOM): {', '.join(sorted(PAGED_SELECTORS))}")
 
 
 selector_help(passkey, generate)
