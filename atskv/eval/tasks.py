@@ -195,7 +195,8 @@ def plot(results: Sequence[TaskResult], path: Path) -> None:
             ax.axhline(mean[task, None, None], color="black", linestyle="--", label=DENSE)
         for n, selector in enumerate(selectors):
             apart = 0.25 * (n - (len(selectors) - 1) / 2) / max(len(selectors), 1)
-            points = [(i + apart, mean[task, selector, b]) for i, b in enumerate(budgets) if (task, selector, b) in mean]
+            points = [(i + apart, mean[task, selector, b])
+                      for i, b in enumerate(budgets) if (task, selector, b) in mean]  # fmt: skip
             ax.plot(*zip(*points), marker=MARKERS[n % len(MARKERS)], label=selector)
         prompts = sorted({c for (t, s, _), c in counts.items() if t == task and s is not None})
         over = f"{prompts[0]} prompt{'s' if prompts[0] != 1 else ''}" if len(prompts) == 1 else "prompts"
