@@ -332,6 +332,8 @@ def attention_recall(
     device = next(model.parameters()).device
     bar = tqdm(total=len(probes) * math.ceil(len(windows) / batch_size), desc="recall", disable=not progress)
     for probe in probes:
+        what = "ceilings" if probe is ceilings else f"{probe.recorder.name} at budget {probe.recorder.budget}"
+        bar.set_postfix_str(what, refresh=True)
         with attach(model, probe), torch.no_grad():
             for start in range(0, len(windows), batch_size):
                 batch = windows[start : start + batch_size].to(device)
