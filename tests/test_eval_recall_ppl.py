@@ -67,6 +67,12 @@ def test_streaming_llm_recall_equals_direct_computation(recall_run):
             assert measured[(budget, layer)].mask_difference > 0
 
 
+def test_the_recall_progress_bar_names_the_selector_and_budget_it_runs(capsys):
+    attention_recall(tiny_model("llama"), random_prompt(24), ["snapkv"], [8, 16], n_queries=4)
+    bar = capsys.readouterr().err
+    assert "ceilings" in bar and "snapkv at budget 8" in bar and "snapkv at budget 16" in bar
+
+
 def test_recall_refuses_budgets_not_below_the_prompt():
     with pytest.raises(ValueError, match="budgets must be token counts"):
         attention_recall(tiny_model("llama"), random_prompt(20), ["oracle"], [16], n_queries=5, progress=False)

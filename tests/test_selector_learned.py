@@ -332,6 +332,11 @@ def test_loading_logs_one_line_with_path_base_model_and_training_data(tmp_path, 
     (record,) = [r for r in caplog.records if r.name == "atskv"]
     line = record.getMessage()
     assert str(tmp_path) in line and "'tiny-llama'" in line and "data/collect-austen" in line and "\n" not in line
+    assert line.endswith("(best measured: window_share 0.5, --selector_options '{learned: {window_share: 0.5}}')")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="atskv"):
+        LearnedSelector(predictor=tmp_path, window_share=0.5)
+    assert "best measured" not in caplog.records[0].getMessage()
 
 
 @pytest.mark.slow

@@ -110,7 +110,9 @@ def summary(passkey: list, recall: dict[tuple[str, int], float], plan: DemoPlan)
     for r in passkey:
         accuracy.setdefault(r.selector or "dense", []).append(r.score)
     budgets = sorted(plan.recall_budgets)
-    head = f"| method | pass key @{plan.passkey_budget} | " + " | ".join(f"recall k={b}" for b in budgets) + " |"
+    prompts = f"{plan.passkey_trials} prompt{'s' if plan.passkey_trials != 1 else ''}"
+    head = (f"| method | pass key @{plan.passkey_budget} ({prompts}) | "
+            + " | ".join(f"recall k={b}" for b in budgets) + " |")  # fmt: skip
     lines = [head, "|---" * (len(budgets) + 2) + "|"]
     for name in ["dense", "learned", *plan.baselines, ORACLE_CEILING]:
         key = f"{sum(accuracy[name]) / len(accuracy[name]):.2f}" if name in accuracy else ""

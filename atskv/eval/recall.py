@@ -267,7 +267,9 @@ class RecallReport:
         names = list(dict.fromkeys(s for s, _ in means if not s.startswith("ceiling")))
         colours = dict(zip(names, plt.get_cmap("tab20").colors[::2] + plt.get_cmap("tab20").colors[1::2]))
         colours.update({ORACLE_CEILING: "black", WINDOW_CEILING: "dimgray"})
-        for name in [*names, ORACLE_CEILING, WINDOW_CEILING]:
+        # the oracle selector keeps each query's top-k: the per-query ceiling's curve, drawn once
+        ceilings = [WINDOW_CEILING] if "oracle" in names else [ORACLE_CEILING, WINDOW_CEILING]
+        for name in [*names, *ceilings]:
             style = dict(linestyle="--" if name.startswith("ceiling") else "-", color=colours[name], label=name)
             xs = [b for b in budgets if (name, b) in means]
             ax_budget.plot(xs, [means[(name, b)] for b in xs], marker="o", **style)
@@ -279,7 +281,7 @@ class RecallReport:
         ax_budget.minorticks_off()
         ax_layer.set(xlabel="layer", ylabel=f"attention recall at k={mid}", ylim=(0, 1.02))
         ax_budget.legend(fontsize=7)
-        windows = f"{self.n_windows} windows of {self.window_tokens} tokens"
+        windows = f"{self.n_windows} window{'s' if self.n_windows != 1 else ''} of {self.window_tokens} tokens"
         fig.suptitle(f"{self.model}: {windows}, last {self.n_queries} queries")
         save_figure(fig, path)
 
@@ -330,6 +332,8 @@ def attention_recall(
     device = next(model.parameters()).device
     bar = tqdm(total=len(probes) * math.ceil(len(windows) / batch_size), desc="recall", disable=not progress)
     for probe in probes:
+        what = "ceilings" if probe is ceilings else f"{probe.recorder.name} at budget {probe.recorder.budget}"
+        bar.set_postfix_str(what, refresh=True)
         with attach(model, probe), torch.no_grad():
             for start in range(0, len(windows), batch_size):
                 batch = windows[start : start + batch_size].to(device)

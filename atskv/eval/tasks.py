@@ -9,7 +9,7 @@ plot of score against budget.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,23 +175,33 @@ def _table(results: Sequence[TaskResult], value) -> str:
     return "\n".join(lines)
 
 
+MARKERS = "osD^vPX*"
+
+
 def plot(results: Sequence[TaskResult], path: Path) -> None:
     """Mean score against budget (over lengths, depths and seeds), one line per selector and one
-    panel per task; dense as a horizontal line. Budgets sit at even steps in the given order."""
+    panel per task; dense as a horizontal line. Budgets sit at even steps in the given order, each
+    selector's points a little apart and with a marker of its own (one budget's equal scores would
+    hide each other); each panel's title says how many prompts a point is the mean of."""
     from matplotlib.figure import Figure  # renders with Agg; no pyplot, no display
 
     tasks = list(dict.fromkeys(r.task for r in results))
     budgets = list(dict.fromkeys(r.budget for r in results if r.selector is not None))
     selectors = list(dict.fromkeys(r.selector for r in results if r.selector is not None))
     mean = _means(results, lambda r: (r.task, r.selector, r.budget))
+    counts = Counter((r.task, r.selector, r.budget) for r in results)
     fig = Figure(figsize=(4 * len(tasks), 3.4), layout="constrained")
     for ax, task in zip(fig.subplots(1, len(tasks), squeeze=False)[0], tasks):
         if (task, None, None) in mean:
             ax.axhline(mean[task, None, None], color="black", linestyle="--", label=DENSE)
-        for selector in selectors:
-            points = [(i, mean[task, selector, b]) for i, b in enumerate(budgets) if (task, selector, b) in mean]
-            ax.plot(*zip(*points), marker="o", label=selector)
-        ax.set(title=task, xlabel="budget", ylabel="mean score", ylim=(-0.05, 1.05))
+        for n, selector in enumerate(selectors):
+            apart = 0.25 * (n - (len(selectors) - 1) / 2) / max(len(selectors), 1)
+            points = [(i + apart, mean[task, selector, b])
+                      for i, b in enumerate(budgets) if (task, selector, b) in mean]  # fmt: skip
+            ax.plot(*zip(*points), marker=MARKERS[n % len(MARKERS)], label=selector)
+        prompts = sorted({c for (t, s, _), c in counts.items() if t == task and s is not None})
+        over = f"{prompts[0]} prompt{'s' if prompts[0] != 1 else ''}" if len(prompts) == 1 else "prompts"
+        ax.set(title=f"{task} (mean over {over})", xlabel="budget", ylabel="mean score", ylim=(-0.05, 1.05))
         ax.set_xticks(range(len(budgets)), [str(b) for b in budgets])
     fig.axes[0].legend(fontsize="small")
     fig.savefig(path, dpi=120)

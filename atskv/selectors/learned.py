@@ -50,6 +50,9 @@ from atskv.selectors.snapkv import check_window, window_votes
 # KV head took 1.07 GiB). `_RECEIVED` (float32) is the attention each slot received; `_SCORE` waits
 # at +inf.
 _STATE, _RECEIVED, _SCORE = "learned_state", "learned_received", "learned_score"
+# the default stays 0 until the figures measured at it are rerun (NOTES.md); the leaderboard's best
+WINDOW_SHARE_HINT = ("; window_share 0: the predictor alone (best measured: window_share 0.5, "
+                     "--selector_options '{learned: {window_share: 0.5}}')")
 _PINNED = "learned_pinned"  # bool: kept whatever the predictor says (`window_share`)
 # the projected hidden state is as wide per token and KV head as a head's K+V in bf16 (64 floats):
 # kept in bfloat16 it costs half of that, not as much GPU memory as the KV it serves
@@ -100,8 +103,9 @@ class LearnedSelector(Selector):
             self.predictor = load_predictor(path)
             header = self.predictor.header
             logger.info(
-                "learned selector: predictor %s, base model %r (config %s), trained on %s",
+                "learned selector: predictor %s, base model %r (config %s), trained on %s%s",
                 path, header.base_model, header.config_hash or "not recorded", _training_data(header.training),
+                "" if self.window_share else WINDOW_SHARE_HINT,
             )
         if tuple(self.predictor.header.feature_spec.scalar_features) != SCALAR_FEATURES:
             raise ValueError(

@@ -1,6 +1,6 @@
 # Source on the GPU machine (`run` tool) from the repository root: vLLM 0.26.0 as staged by
 # ../shared/scripts/stage-vllm, carried one part a call (.device/v1 ... .device/v4: the parts
-# re-split to 36 MiB so that a part and the ~21 MiB tree fit in one call), gathered in /tmp/vst
+# re-split to 36 MiB so that a part and the tree, ~12 MiB, fit in one call), gathered in /tmp/vst
 # and unpacked into /tmp/vsite once all are there; atskv from this tree without an install,
 # with a dist-info whose entry point vLLM's plugin loader finds.
 # vLLM runs with the image's transformers (5.17): the plugin does not import transformers.
