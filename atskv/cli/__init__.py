@@ -65,7 +65,9 @@ def for_help(commands: dict) -> dict:
         return listed
 
     def summarised(command: Callable) -> Callable:
-        summary, _, rest = inspect.cleandoc(command.__doc__ or "").partition("\n\n")
+        if not command.__doc__:
+            return command
+        summary, _, rest = inspect.cleandoc(command.__doc__).partition("\n\n")
         command.__doc__ = " ".join(summary.split()) + (f"\n\n{rest}" if rest else "")
         return command
 

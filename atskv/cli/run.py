@@ -54,7 +54,7 @@ def demo(
     plan.check()
     quiet_lightning()
     loaded = load(model, device, dtype)
-    result = run_demo(loaded, out, plan)
+    result = run_demo(loaded, out, plan, log=lambda line: print(line, file=sys.stderr, flush=True))
     print(f"\n{result.table}\n")
     width = max(map(len, result.paths))
     print("wrote:\n" + "\n".join(f"  {kind:<{width}}  {path}" for kind, path in result.paths.items()))
