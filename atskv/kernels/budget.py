@@ -1,13 +1,23 @@
 """The one rule turning a budget into tokens, for torch code and for kernels: an int is tokens,
 a float in (0, 1) that fraction of the row's context rounded up, at least 1, never more than the
-context. `atskv.budget.resolve_budget` checks the budget and applies `kept_tokens`;
+context. `atskv.budget.resolve_budget` checks the budget and applies `kept_tokens` (per row;
+`kept_count` for one count on the host);
 kernels that decide per row inside the device (no host sync) call `budget_limit`."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from atskv.kernels.backend import jit, tl
+
+
+def kept_count(budget: int | float, context: int) -> int:
+    """`kept_tokens` for one host-side count: a Python int, no tensor read back."""
+    if isinstance(budget, float):
+        return min(context, max(1, math.ceil(context * budget)))
+    return min(context, budget)
 
 
 def kept_tokens(budget: int | float, context: torch.Tensor) -> torch.Tensor:

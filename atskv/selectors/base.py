@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from atskv.budget import resolve_budget
+from atskv.kernels.budget import kept_count
 
 if TYPE_CHECKING:
     from atskv.memory.slot_cache import SlotLayer
@@ -246,9 +247,7 @@ def select_top_indices(scores: torch.Tensor, valid: torch.Tensor, view: LayerVie
 def budget_tokens(view: LayerView) -> int:
     """The budget in tokens for the newest query of the longest row, from host-side counts only."""
     longest = view.longest if view.fixed_shapes else view.layer.seen
-    if isinstance(view.budget, int):  # plain arithmetic: a decode step must not read tensors back
-        return min(longest, view.budget)
-    return min(longest, max(1, math.ceil(longest * view.budget)))
+    return kept_count(view.budget, longest)  # plain arithmetic: a decode step must not read tensors back
 
 
 def budget_lengths(view: LayerView, valid: torch.Tensor) -> torch.Tensor:

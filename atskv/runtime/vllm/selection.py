@@ -3,10 +3,10 @@ declaring what it needs from the engine (`needs_bounds`: per-block key bounds ke
 
 `pick(query [B, Hq, D], kv_heads, bounds (low, high) or None, block_table [B, W], seq_lens [B],
 block_size, budget, step)` (`step`: a dict shared by one forward's layers, for what a selector
-computes once per batch) returns each request's logical token positions `[B, Hkv, K]` (int32), which the
-sparse decode kernel reads through the block table, and how many count per (request, KV head)
-`[B, Hkv]`, with fixed shapes and no host sync, so a
-decode step runs inside vLLM's CUDA graphs. Pure torch plus atskv's kernels: tested on the CPU
+computes once per batch) returns each request's logical token positions `[B, Hkv, K]` (int32),
+which the sparse decode kernel reads through the block table, and how many count per (request,
+KV head) `[B, Hkv]`, with fixed shapes and no host sync, so a decode step runs inside vLLM's CUDA
+graphs. Pure torch plus atskv's kernels: tested on the CPU
 against the same selectors over an unpaged cache, without vLLM.
 """
 
@@ -18,15 +18,10 @@ from typing import ClassVar
 
 import torch
 
+from atskv.kernels.budget import kept_count
 from atskv.kernels.paged import paged_page_scores, sink_recent_positions
 from atskv.kernels.quest_decode import quest_pick
 from atskv.kernels.sparse_decode import sparse_decode_attention
-
-
-def most_tokens(budget: int | float, capacity: int) -> int:
-    """The largest number of tokens `budget` keeps of a context of at most `capacity` tokens: the
-    fixed width of an index list."""
-    return min(capacity, budget if isinstance(budget, int) else math.ceil(budget * capacity))
 
 
 @dataclass
@@ -43,7 +38,7 @@ class PagedQuest:
         width = block_table.shape[1]
         slots = width * block_size
         scores = paged_page_scores(query, *bounds, block_table, seq_lens, block_size)
-        n_pages = min(width, math.ceil(most_tokens(budget, slots) / block_size) + 2)
+        n_pages = min(width, math.ceil(kept_count(budget, slots) / block_size) + 2)  # the widest request's
         step = {} if step is None else step
         if "positions" not in step:  # the batch's usable slots, the same in every layer
             step["positions"] = usable_positions(seq_lens, slots)
@@ -70,7 +65,7 @@ class PagedStreamingLLM:
 
     def pick(self, query, kv_heads: int, bounds, block_table, seq_lens, block_size: int, budget: int | float,
              step: dict | None = None):  # fmt: skip
-        width = most_tokens(budget, block_table.shape[1] * block_size)
+        width = kept_count(budget, block_table.shape[1] * block_size)  # what the widest request keeps
         return sink_recent_positions(seq_lens, budget, self.sinks, width, kv_heads)
 
 
