@@ -3,8 +3,9 @@ slots to the cache's physical ones.
 
 A paged cache holds a layer's keys as `[num_blocks, block_size, Hkv, D]` physical blocks; request
 `r`'s token `t` lives in block `block_table[r, t // block_size]` at offset `t % block_size`. Its
-physical slot `block * block_size + offset` indexes the cache viewed as `[num_slots, Hkv, D]`, so
-the sparse decode kernel (`atskv.kernels.sparse_decode`) reads a paged cache by slot ids in place.
+physical slot `block * block_size + offset` indexes the cache viewed as `[num_slots, Hkv, D]`; the
+sparse decode kernel (`atskv.kernels.sparse_decode`, given the block table) makes that map itself
+and reads a paged cache in place (`physical_slots` is the map in torch, for its reference).
 
 One page is one cache block. Its bounds (Quest's element-wise key min and max) live per physical
 block, `[num_blocks + 1, Hkv, D]` (the last row takes the writes of padding tokens): a block shared

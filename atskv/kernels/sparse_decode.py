@@ -56,13 +56,7 @@ def sparse_decode_attention(
     indices: torch.Tensor,
     lengths: torch.Tensor | None = None,
     scaling: float | None = None,
-    *,
-    held: torch.Tensor | None = None,
-    want_mass: bool = False,
-    add_mass_to: torch.Tensor | None = None,
-    block_table: torch.Tensor | None = None,
-    block_size: int = 0,
-    out: torch.Tensor | None = None,
+    **options,
 ):
     """Attention of each decode query over its KV group's indexed slots, `[B, Hq, D]` in the query
     dtype (with `want_mass`, and the mass `[B, Hkv, K]`; with `add_mass_to`, the mass added there
@@ -71,9 +65,8 @@ def sparse_decode_attention(
     Paged caches (vLLM's): with `block_table` `[B, W]` the indices are each row's logical token
     positions, read at physical slot `block_table[b, i // block_size] * block_size + i % block_size`
     of `keys`/`values` (all slots of the cache, `[B, Hkv, num_slots, D]` views). `out` `[B, Hq, D]`:
-    written in place (an engine's output buffer) and returned."""
-    options = {"held": held, "want_mass": want_mass, "add_mass_to": add_mass_to, "block_table": block_table,
-               "block_size": block_size, "out": out}  # fmt: skip
+    written in place (an engine's output buffer) and returned. `options` (`held`, `want_mass`,
+    `add_mass_to`, `block_table`, `block_size`, `out`) are the two implementations' keywords."""
     if use_triton(query):
         return sparse_decode_attention_triton(query, keys, values, indices, lengths, scaling, **options)
     return sparse_decode_attention_reference(query, keys, values, indices, lengths, scaling, **options)
