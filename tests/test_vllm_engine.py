@@ -14,7 +14,14 @@ vllm = pytest.importorskip("vllm")
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]  # fmt: skip
 
-from atskv.eval.vllm_speed import EngineSpec, engine_arguments, prompts, write_shape  # noqa: E402
+from atskv.eval.vllm_speed import (  # noqa: E402
+    EngineSpec,
+    engine_arguments,
+    greedy,
+    greedy_tokens,
+    prompts,
+    write_shape,
+)
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +35,6 @@ def engine(shape, method: str, budget):
     return vllm.LLM(**arguments)
 
 
-def greedy(llm, batch, new_tokens=24):
-    params = vllm.SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
-    return [list(o.outputs[0].token_ids) for o in llm.generate(batch, params, use_tqdm=False)]
-
-
 def free_blocks(llm) -> int:
     return llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
@@ -40,17 +42,17 @@ def free_blocks(llm) -> int:
 def test_budget_one_gives_vanilla_vllms_tokens(shape):
     batch = prompts(1500, 4, 49152, seed=3)
     vanilla = engine(shape, "vllm", 1.0)
-    want = greedy(vanilla, batch)
+    want = greedy_tokens(vanilla, batch, 24)
     del vanilla
     torch.cuda.empty_cache()
     plugin = engine(shape, "vllm:quest", 1.0)
-    assert greedy(plugin, batch) == want
+    assert greedy_tokens(plugin, batch, 24) == want
 
 
 def test_aborted_requests_give_their_blocks_back(shape):
     llm = engine(shape, "vllm:quest", 64)
     idle = free_blocks(llm)
-    params = vllm.SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0, detokenize=False)
+    params = greedy(40)
     for i, prompt in enumerate(prompts(900, 6, 49152, seed=5)):
         llm.llm_engine.add_request(f"r{i}", prompt, params)
     for _ in range(8):

@@ -77,3 +77,17 @@ def test_trace_figures_from_arrivals_and_token_times():
     assert figures["output_tokens_per_s"] == 1.0 and figures["finished"] == 1
     assert abs(figures["ttft_mean_s"] - 1.25) < 1e-9 and abs(figures["ttft_p99_s"] - 2.0) < 1e-9
     assert abs(figures["tbt_mean_ms"] - 400 / 3) < 1e-6 and abs(figures["tbt_p99_ms"] - 200) < 1e-6
+
+
+def test_a_row_cut_short_by_a_kill_is_measured_again(tmp_path, monkeypatch):
+    started = []
+
+    def run(command, **_):
+        started.append(json.loads(open(command[-2]).read()))
+
+    monkeypatch.setattr(vllm_speed.subprocess, "run", run)
+    path = rows(tmp_path / "rows.jsonl", speed_row("vllm", 4096, 1, 100.0))
+    with path.open("a") as f:
+        f.write(json.dumps(speed_row("vllm", 4096, 8, 100.0))[:40])  # the engine was killed mid-line
+    measure([EngineSpec("vllm", "shape", [(4096, 1), (4096, 8)])], path)
+    assert [s["runs"] for s in started] == [[[4096, 8]]]

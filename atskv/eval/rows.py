@@ -4,7 +4,8 @@ loses only the row it was on and a rerun into the same folder goes on from there
 `settings.json` records what every row shares (model, budget, ...): a rerun with other settings
 is refused rather than mixed in. Each finished row is one JSON line appended to the rows file the
 moment it finishes; a line cut short by a kill is not a row and is measured again. The
-leaderboard's cells (`atskv eval leaderboard`) and `atskv bench decode`'s records are kept so.
+leaderboard's cells (`atskv eval leaderboard`) and `atskv bench decode`'s records are kept so;
+the vLLM benchmarks, whose rows engines in other processes append, read theirs by `json_lines`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,19 @@ from typing import Generic, TypeVar
 from atskv.errors import InputError
 
 Row = TypeVar("Row")
+
+
+def json_lines(path: Path) -> list[dict]:
+    """The whole JSON lines of a rows file (none if it is missing); a line cut short by a kill is
+    not a row and is left out."""
+    found = []
+    if Path(path).is_file():
+        for line in Path(path).read_text().splitlines():
+            try:
+                found.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return found
 
 
 class RowStore(Generic[Row]):
@@ -41,14 +55,12 @@ class RowStore(Generic[Row]):
         else:
             settings_path.write_text(json.dumps(settings, indent=1))
         self.rows: dict[Hashable, Row] = {}
-        if self.path.is_file():
-            for line in self.path.read_text().splitlines():
-                if line.strip():  # a line cut by a crash is not a row: it is measured again
-                    try:
-                        row = from_json(json.loads(line))
-                    except (json.JSONDecodeError, TypeError):
-                        continue
-                    self.rows[key(row)] = row
+        for found in json_lines(self.path):
+            try:
+                row = from_json(found)
+            except TypeError:  # not a row of this store's kind
+                continue
+            self.rows[key(row)] = row
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self.rows

@@ -21,6 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from atskv.eval.rows import json_lines
 from atskv.eval.shapes import SHAPES
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
@@ -86,11 +87,22 @@ def prompts(context: int, batch: int, vocab: int, seed: int) -> list[dict]:
     return [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(context)]} for _ in range(batch)]
 
 
-def timed_batch(engine, batch_prompts: list[dict], new_tokens: int, tag: str) -> dict:
-    """Runs one batch through the engine step by step: first-token times and decode ms/step."""
+def greedy(new_tokens: int):
+    """vLLM's sampling parameters of every run here: `new_tokens` greedy tokens, token ids only."""
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
+    return SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
+
+
+def engine_process(module: str, *files: Path) -> None:
+    """`python -m module files...` with vLLM's engine in that process (one engine a process)."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    subprocess.run([sys.executable, "-m", module, *map(str, files)], env=env, check=False)
+
+
+def timed_batch(engine, batch_prompts: list[dict], new_tokens: int, tag: str) -> dict:
+    """Runs one batch through the engine step by step: first-token times and decode ms/step."""
+    params = greedy(new_tokens)
     start = time.perf_counter()
     for i, prompt in enumerate(batch_prompts):
         engine.add_request(f"{tag}-{i}", prompt, params)
@@ -118,10 +130,7 @@ def timed_batch(engine, batch_prompts: list[dict], new_tokens: int, tag: str) ->
 
 
 def greedy_tokens(llm, batch_prompts: list[dict], new_tokens: int) -> list[list[int]]:
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
-    return [list(o.outputs[0].token_ids) for o in llm.generate(batch_prompts, params, use_tqdm=False)]
+    return [list(o.outputs[0].token_ids) for o in llm.generate(batch_prompts, greedy(new_tokens), use_tqdm=False)]
 
 
 def run_engine(spec: EngineSpec, rows: Path) -> None:
@@ -156,17 +165,10 @@ def run_engine(spec: EngineSpec, rows: Path) -> None:
 
 def done(rows: Path) -> set[tuple]:
     """(method, kind, context, batch or a trace's rate) of the rows already in `rows`."""
-    if not rows.exists():
-        return set()
-    seen = set()
-    for line in rows.read_text().splitlines():
-        if line.strip():
-            r = json.loads(line)
-            seen.add((r["method"], r["kind"], r["context"], r.get("batch", r.get("rate"))))
-    return seen
+    return {(r["method"], r["kind"], r["context"], r.get("batch", r.get("rate"))) for r in json_lines(rows)}
 
 
-def measure(specs: list[EngineSpec], rows: Path, timeout_s: float | None = None) -> None:
+def measure(specs: list[EngineSpec], rows: Path) -> None:
     """Each spec's engine in its own process, skipping what `rows` already holds."""
     rows.parent.mkdir(parents=True, exist_ok=True)
     for spec in specs:
@@ -178,10 +180,8 @@ def measure(specs: list[EngineSpec], rows: Path, timeout_s: float | None = None)
         todo = EngineSpec(**{**asdict(spec), "runs": wanted, "identity_tokens": int(identity and spec.identity_tokens)})
         spec_file = rows.with_suffix(f".{spec.label.replace(':', '-')}.spec.json")
         spec_file.write_text(json.dumps(asdict(todo)))
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         print(f"vLLM engine: {spec.label} (context x batch: {todo.runs})", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "atskv.eval.vllm_speed", str(spec_file), str(rows)], env=env,
-                       check=False, timeout=timeout_s)  # fmt: skip
+        engine_process("atskv.eval.vllm_speed", spec_file, rows)
 
 
 def is_vllm(method: str) -> bool:
@@ -190,8 +190,7 @@ def is_vllm(method: str) -> bool:
 
 def table(rows: Path) -> str:
     """Markdown of the speed rows, each with its ratio to vanilla vLLM's tokens/s at that shape."""
-    found = [json.loads(line) for line in rows.read_text().splitlines() if line.strip()]
-    speed = [r for r in found if r["kind"] == "speed"]
+    speed = [r for r in json_lines(rows) if r["kind"] == "speed"]
     base = {(r["context"], r["batch"]): r["tokens_per_s"] for r in speed if r["method"] == VANILLA}
     lines = ["| method | context | batch | ms/step | tokens/s | x vLLM | prefill s | mean TTFT s | requests held |",
              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -206,8 +205,7 @@ def table(rows: Path) -> str:
 
 def identity_report(rows: Path) -> list[str]:
     """For each method with greedy tokens, how many of vanilla vLLM's it repeats (first difference)."""
-    found = [json.loads(line) for line in rows.read_text().splitlines() if line.strip()]
-    tokens = {r["method"]: r["tokens"] for r in found if r["kind"] == "tokens"}
+    tokens = {r["method"]: r["tokens"] for r in json_lines(rows) if r["kind"] == "tokens"}
     if VANILLA not in tokens:
         return []
     base, lines = tokens[VANILLA], []

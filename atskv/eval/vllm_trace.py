@@ -11,15 +11,14 @@ appended as they finish and a rerun skips (method, rate) rows already there.
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from atskv.eval.vllm_speed import EngineSpec, done, engine_arguments
+from atskv.eval.rows import json_lines
+from atskv.eval.vllm_speed import EngineSpec, done, engine_arguments, engine_process, greedy, prompts
 
 
 @dataclass(frozen=True)
@@ -69,9 +68,7 @@ def summarise(arrived: dict[str, float], stamps: dict[str, list[float]], finishe
 
 def run_trace(spec: EngineSpec, trace: Trace, rows: Path) -> None:
     """In this process: the trace through one engine; one row appended to `rows`."""
-    from vllm import LLM, SamplingParams
-
-    from atskv.eval.vllm_speed import prompts
+    from vllm import LLM
 
     config = json.loads((Path(spec.shape_dir) / "config.json").read_text())
     longest = min(trace.longest, config["max_position_embeddings"] - trace.new_tokens)
@@ -79,7 +76,7 @@ def run_trace(spec: EngineSpec, trace: Trace, rows: Path) -> None:
     llm = LLM(**engine_arguments(spec, longest + trace.new_tokens, 64))
     engine = llm.llm_engine
     cache = llm.llm_engine.vllm_config.cache_config
-    params = SamplingParams(max_tokens=trace.new_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
+    params = greedy(trace.new_tokens)
     vocab = config["vocab_size"]
     pending = [(t, f"t{i}", prompts(n, 1, vocab, seed=i)[0]) for i, (t, n) in enumerate(arrivals)]
     arrived: dict[str, float] = {}
@@ -122,15 +119,12 @@ def measure(specs: list[EngineSpec], traces: list[Trace], rows: Path) -> None:
             spec_file.write_text(json.dumps(asdict(spec)))
             trace_file.write_text(json.dumps(asdict(trace)))
             print(f"vLLM trace: {spec.label} at {trace.rate} requests/s", file=sys.stderr)
-            env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-            subprocess.run([sys.executable, "-m", "atskv.eval.vllm_trace", str(spec_file), str(trace_file), str(rows)],
-                           env=env, check=False)  # fmt: skip
+            engine_process("atskv.eval.vllm_trace", spec_file, trace_file, rows)
 
 
 def table(rows: Path) -> str:
     """Markdown of the trace rows, with each row's throughput against vanilla vLLM's at its rate."""
-    found = [json.loads(line) for line in rows.read_text().splitlines() if line.strip()]
-    found = [r for r in found if r["kind"] == "trace"]
+    found = [r for r in json_lines(rows) if r["kind"] == "trace"]
     base = {r["rate"]: r["output_tokens_per_s"] for r in found if r["method"] == "vllm"}
     lines = ["| method | rate (req/s) | output tok/s | x vLLM | TTFT mean / P99 s | TBT mean / P99 ms | finished |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
