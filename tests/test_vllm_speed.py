@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from atskv.eval import vllm_speed
 from atskv.eval.vllm_speed import EngineSpec, engine_arguments, identity_report, measure, table, write_shape
 
@@ -30,12 +32,19 @@ def speed_row(method, context, batch, tokens_per_s):
             "tokens_per_s": tokens_per_s, "prefill_s": 1.0, "ttft_mean_s": 1.0, "requests_held": 6.0}  # fmt: skip
 
 
-def test_a_rerun_starts_engines_only_for_the_rows_missing(tmp_path, monkeypatch):
-    started = []
+@pytest.fixture
+def started(monkeypatch) -> list[dict]:
+    """The specs of the engine processes a measurement starts (none is started)."""
+    specs = []
+
     def run(command, **_):
-        started.append(json.loads(open(command[-2]).read()))
+        specs.append(json.loads(open(command[-2]).read()))
 
     monkeypatch.setattr(vllm_speed.subprocess, "run", run)
+    return specs
+
+
+def test_a_rerun_starts_engines_only_for_the_rows_missing(tmp_path, started):
     path = rows(tmp_path / "rows.jsonl", speed_row("vllm", 4096, 1, 100.0))
     specs = [EngineSpec("vllm", "shape", [(4096, 1), (4096, 8)]), EngineSpec("vllm:quest", "shape", [(4096, 1)])]
     measure(specs, path)
@@ -79,13 +88,7 @@ def test_trace_figures_from_arrivals_and_token_times():
     assert abs(figures["tbt_mean_ms"] - 400 / 3) < 1e-6 and abs(figures["tbt_p99_ms"] - 200) < 1e-6
 
 
-def test_a_row_cut_short_by_a_kill_is_measured_again(tmp_path, monkeypatch):
-    started = []
-
-    def run(command, **_):
-        started.append(json.loads(open(command[-2]).read()))
-
-    monkeypatch.setattr(vllm_speed.subprocess, "run", run)
+def test_a_row_cut_short_by_a_kill_is_measured_again(tmp_path, started):
     path = rows(tmp_path / "rows.jsonl", speed_row("vllm", 4096, 1, 100.0))
     with path.open("a") as f:
         f.write(json.dumps(speed_row("vllm", 4096, 8, 100.0))[:40])  # the engine was killed mid-line
