@@ -1,10 +1,13 @@
 """The plugin inside a real vLLM engine (GPU and vLLM needed; skipped elsewhere): at budget 1.0 its
 greedy tokens are vanilla vLLM's; with Quest at a small budget, requests aborted mid-decode give
-their blocks back (the pool returns to its size) and the rest finish. A small Llama shape with
+their blocks back (the pool returns to its size) and the rest finish; StreamingLLM with
+`free_blocks` gives the tokens and log-probabilities it gives without, while its requests hold
+only the blocks it reads. A small Llama shape with
 dummy weights; each engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`)."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -30,9 +33,17 @@ def shape(tmp_path_factory):
     return write_shape("smollm2-135m-shape", tmp_path_factory.mktemp("shape") / "smollm2")
 
 
-def engine(shape, method: str, budget):
-    arguments = engine_arguments(EngineSpec(method, str(shape), [], budget=budget, gpu_memory_utilization=0.3), 4096, 8)
-    return vllm.LLM(**arguments)
+def engine(shape, method: str, budget, **settings):
+    spec = EngineSpec(method, str(shape), [], budget=budget, gpu_memory_utilization=0.3, **settings)
+    return vllm.LLM(**engine_arguments(spec, 4096, 8))
+
+
+def tokens_and_logprobs(llm, batch, new_tokens: int):
+    params = vllm.SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0, detokenize=False, logprobs=0)
+    outputs = [o.outputs[0] for o in llm.generate(batch, params, use_tqdm=False)]
+    tokens = [list(o.token_ids) for o in outputs]
+    logprobs = [[step[t].logprob for t, step in zip(o.token_ids, o.logprobs)] for o in outputs]
+    return tokens, torch.tensor(logprobs)
 
 
 def free_blocks(llm) -> int:
@@ -44,6 +55,7 @@ def test_budget_one_gives_vanilla_vllms_tokens(shape):
     vanilla = engine(shape, "vllm", 1.0)
     want = greedy_tokens(vanilla, batch, 24)
     del vanilla
+    gc.collect()
     torch.cuda.empty_cache()
     plugin = engine(shape, "vllm:quest", 1.0)
     assert greedy_tokens(plugin, batch, 24) == want
@@ -65,4 +77,36 @@ def test_aborted_requests_give_their_blocks_back(shape):
             if out.finished:
                 finished[out.request_id] = len(out.outputs[0].token_ids)
     assert finished == {f"r{i}": 40 for i in (0, 2, 3, 5)}
+    assert free_blocks(llm) == idle
+
+
+def test_freed_blocks_change_no_token_and_no_logprob(shape):
+    batch = prompts(1500, 3, 49152, seed=11)
+    kept = engine(shape, "vllm:streaming_llm", 64)
+    want_tokens, want_logprobs = tokens_and_logprobs(kept, batch, 24)
+    del kept
+    gc.collect()
+    torch.cuda.empty_cache()
+    freeing = engine(shape, "vllm:streaming_llm", 64, free_blocks=True)  # dense_layers=2: vLLM's hybrid groups
+    tokens, logprobs = tokens_and_logprobs(freeing, batch, 24)
+    assert tokens == want_tokens
+    torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=1e-3)
+
+
+def test_freed_blocks_go_back_to_the_pool_while_requests_decode(shape):
+    llm = engine(shape, "vllm:streaming_llm", 64, free_blocks=True, dense_layers=0)
+    idle = free_blocks(llm)
+    params = greedy(30)
+    for i, prompt in enumerate(prompts(1500, 4, 49152, seed=5)):
+        llm.llm_engine.add_request(f"r{i}", prompt, params)
+    produced = {}
+    while len(produced) < 4 or min(produced.values()) < 10:
+        for out in llm.llm_engine.step():
+            produced[out.request_id] = len(out.outputs[0].token_ids)
+    held = idle - free_blocks(llm)
+    # each request holds its sink block and the blocks of its 60 recent tokens (+ the margin and
+    # the block being written), not the 94 blocks of its 1500-token prompt
+    assert 0 < held <= 4 * 8, held
+    while llm.llm_engine.has_unfinished_requests():
+        llm.llm_engine.step()
     assert free_blocks(llm) == idle

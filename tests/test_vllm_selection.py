@@ -15,6 +15,7 @@ from atskv.kernels.paged import (
     paged_page_scores_reference,
     paged_page_scores_triton,
     physical_slots,
+    sink_recent_positions,
     update_page_bounds,
 )
 from atskv.kernels.quest import page_bounds, quest_page_scores_reference
@@ -26,6 +27,7 @@ from atskv.selectors.streaming_llm import StreamingLLMSelector
 
 BLOCK = 16
 HQ, HKV, D = 8, 2, 32
+KERNELS = "cuda" if torch.cuda.is_available() else "cpu"  # kernel-vs-reference tests: on the GPU where there is one
 
 
 class PagedCache:
@@ -99,8 +101,9 @@ def test_paged_page_scores_kernel_matches_its_reference(cache):
     query = torch.randn(len(cache.lengths), HQ, D)
     seq_lens = torch.tensor(cache.lengths, dtype=torch.int32)
     want = paged_page_scores_reference(query, *cache.bounds, cache.block_table, seq_lens, BLOCK)
-    got = paged_page_scores_triton(query, *cache.bounds, cache.block_table, seq_lens, BLOCK)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    inputs = [t.to(KERNELS) for t in (query, *cache.bounds, cache.block_table, seq_lens)]
+    got = paged_page_scores_triton(*inputs, BLOCK)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-4)
     assert torch.isinf(want[0, :, math.ceil(37 / BLOCK) :]).all()
 
 
@@ -183,6 +186,9 @@ def test_a_cache_not_in_nhd_order_is_refused():
         ({"budget": True}, "bad budget"),
         ({"dense_layers": -1}, "dense_layers"),
         ({"budjet": 0.1}, "no option 'budjet'"),
+        ({"selector": "quest", "free_blocks": True}, "free_blocks needs"),
+        ({"selector": "streaming_llm", "budget": 1.0, "free_blocks": True}, "free_blocks needs"),
+        ({"selector": "streaming_llm", "free_blocks": "yes"}, "true or false"),
     ],
 )
 def test_bad_plugin_settings_are_one_line_errors(settings, message):
@@ -195,6 +201,37 @@ def test_plugin_settings_from_vllms_additional_config():
     config = PluginConfig.from_additional_config({"atskv": {"selector": "streaming_llm", "budget": 512}, "other": 1})
     assert (config.selector, config.budget, config.dense) == ("streaming_llm", 512, False)
     assert PluginConfig.from_additional_config({"atskv": {"budget": 1.0}}).dense
+    assert PluginConfig(selector="streaming_llm", free_blocks=True).free_blocks
+
+
+@pytest.mark.parametrize("budget, sinks, prompt", [(0.05, 4, 3000), (0.3, 4, 200), (100, 4, 700), (40, 20, 90),
+                                                   (0.02, 0, 5000), (1, 4, 64)])  # fmt: skip
+def test_streaming_llm_frees_only_blocks_no_later_query_reads(budget, sinks, prompt):
+    selector = PagedStreamingLLM(sinks=sinks)
+    freed: set[int] = set()
+    for processed in range(prompt - 3, prompt + 400, 3):
+        unread = selector.unread_blocks(processed, prompt, budget, BLOCK)
+        if processed < prompt:
+            assert not unread
+        if freed and unread:  # vLLM frees a range top down to the first null block: it may only grow at its top
+            assert unread.start == min(freed) and unread.stop >= max(freed) + 1
+        freed |= set(unread)
+        # every later query (contexts processed + 1 ... + 150) reads none of the freed blocks
+        later = torch.arange(processed + 1, processed + 151, dtype=torch.int32)
+        positions, lengths = sink_recent_positions(later, budget, sinks, int(later.max()), 1)
+        read = positions[:, 0][torch.arange(positions.shape[-1]) < lengths[:, :1]]
+        assert not freed & set((read // BLOCK).tolist())
+    # and all but the margin of what the query after the last one does not read is freed
+    context = prompt + 400
+    positions, lengths = sink_recent_positions(torch.tensor([context], dtype=torch.int32), budget, sinks, context, 1)
+    read_blocks = set((positions[0, 0, : int(lengths[0, 0])] // BLOCK).tolist())
+    wholly_unread = set(range(context // BLOCK)) - read_blocks
+    assert wholly_unread - freed <= {max(wholly_unread, default=0)}  # one token of margin costs one block at most
+    assert len(freed) >= len(wholly_unread) - 1
+
+
+def test_quest_frees_nothing():
+    assert not PagedQuest.frees_blocks and PagedStreamingLLM.frees_blocks
 
 
 @pytest.mark.parametrize("split_size", [32, 10_000])
@@ -210,22 +247,22 @@ def test_the_sparse_decode_kernel_reads_a_paged_cache_as_its_reference_does(cach
     keys, values = slot_view(key_cache, b), slot_view(value_cache, b)
     options = dict(block_table=cache.block_table, block_size=BLOCK)
     want = sparse_decode_attention_reference(query, keys, values, positions, lengths, D**-0.5, **options)
-    out = torch.full((b, HQ, D), torch.nan)
-    got = sparse_decode_attention_triton(query, keys, values, positions, lengths, D**-0.5, out=out,
-                                         split_size=split_size, **options)  # fmt: skip
+    out = torch.full((b, HQ, D), torch.nan, device=KERNELS)
+    key_cache, value_cache = cache.kv_cache.to(KERNELS).transpose(1, 2).split(D, dim=-1)  # .to keeps NHD strides
+    inputs = [t.to(KERNELS) for t in (query, slot_view(key_cache, b), slot_view(value_cache, b), positions, lengths)]
+    options = dict(block_table=cache.block_table.to(KERNELS), block_size=BLOCK)
+    got = sparse_decode_attention_triton(*inputs, D**-0.5, out=out, split_size=split_size, **options)
     assert got is out
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("budget", [20, 0.25, 3])
 def test_the_sink_recent_kernel_matches_its_reference(budget, monkeypatch):
-    from atskv.kernels.paged import sink_recent_positions
-
     seq_lens = torch.tensor([37, 100, 2, 161], dtype=torch.int32)
     want = sink_recent_positions(seq_lens, budget, 4, 48, HKV)
     monkeypatch.setenv("ATSKV_KERNELS", "triton")
-    got = sink_recent_positions(seq_lens, budget, 4, 48, HKV)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    got = sink_recent_positions(seq_lens.to(KERNELS), budget, 4, 48, HKV)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
 
 
 def test_one_forwards_layers_share_the_batchs_usable_positions(cache):

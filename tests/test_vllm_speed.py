@@ -9,6 +9,7 @@ import pytest
 
 from atskv.eval import vllm_speed
 from atskv.eval.vllm_speed import EngineSpec, engine_arguments, identity_report, measure, table, write_shape
+from atskv.runtime.vllm.config import WORKER
 
 
 def test_vanilla_is_vllms_own_backend_and_a_selector_is_atskvs(tmp_path):
@@ -20,6 +21,10 @@ def test_vanilla_is_vllms_own_backend_and_a_selector_is_atskvs(tmp_path):
     assert "attention_backend" not in vanilla and vanilla["load_format"] == "dummy"
     assert plugin["attention_backend"] == "CUSTOM"
     assert plugin["additional_config"] == {"atskv": {"selector": "quest", "budget": 256, "dense_layers": 2}}
+    assert "worker_cls" not in plugin
+    freeing = engine_arguments(EngineSpec("vllm:streaming_llm", str(shape), [], free_blocks=True), 2048, 1)
+    assert freeing["additional_config"]["atskv"]["free_blocks"] and freeing["worker_cls"] == WORKER
+    assert not freeing["enable_prefix_caching"]
 
 
 def rows(path, *found):
@@ -86,6 +91,10 @@ def test_trace_figures_from_arrivals_and_token_times():
     assert figures["output_tokens_per_s"] == 1.0 and figures["finished"] == 1
     assert abs(figures["ttft_mean_s"] - 1.25) < 1e-9 and abs(figures["ttft_p99_s"] - 2.0) < 1e-9
     assert abs(figures["tbt_mean_ms"] - 400 / 3) < 1e-6 and abs(figures["tbt_p99_ms"] - 200) < 1e-6
+    assert "peak_in_flight" not in figures  # no scheduler in this process: no load figures
+    # (running, pool share in use) after each step: the peak, and its first step's share per request
+    loaded = summarise(arrived, stamps, {"a"}, wall=5.0, load=[(1, 0.5), (3, 0.3), (3, 0.6), (2, 0.2)])
+    assert loaded["peak_in_flight"] == 3 and abs(loaded["pool_share_per_request"] - 0.1) < 1e-9
 
 
 def test_a_row_cut_short_by_a_kill_is_measured_again(tmp_path, started):

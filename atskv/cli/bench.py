@@ -215,6 +215,7 @@ def serve(
     new_tokens: int = 128,
     budget: int | float = 0.05,
     dense_layers: int = 2,
+    free_blocks: bool = False,
     limit_s: float = 300.0,
     out: Path = Path("results/serve"),
 ) -> None:
@@ -235,6 +236,8 @@ def serve(
         new_tokens: tokens each request generates.
         budget: the plugin's KV budget per KV head: tokens (int) or a fraction of the context.
         dense_layers: first layers kept dense by the plugin.
+        free_blocks: selectors that read by length alone (streaming_llm) hand the blocks they will
+            not read back to vLLM's pool (rows labelled "<method> free_blocks").
         limit_s: a trace stops here, finished or not.
         out: output folder.
     """
@@ -242,13 +245,20 @@ def serve(
 
     from atskv.errors import InputError
     from atskv.eval import vllm_speed, vllm_trace
+    from atskv.runtime.vllm.selection import PAGED_SELECTORS
 
     if model not in vllm_speed.SHAPES:
         raise InputError(f"serve runs a shape with dummy weights; shapes: {', '.join(vllm_speed.SHAPES)}")
     if any(not vllm_speed.is_vllm(m) for m in methods):
         raise InputError(f"serve runs vllm and vllm:<selector> methods, got {methods}")
     shape = vllm_speed.write_shape(model, Path(tempfile.mkdtemp()) / model)
-    specs = [vllm_speed.EngineSpec(m, str(shape), [], new_tokens, budget, dense_layers) for m in methods]
+    def spec(method: str) -> vllm_speed.EngineSpec:
+        selector = PAGED_SELECTORS.get(method.removeprefix("vllm:"))
+        frees = free_blocks and selector is not None and selector.frees_blocks
+        return vllm_speed.EngineSpec(method, str(shape), [], new_tokens, budget, dense_layers, free_blocks=frees,
+                                     label=f"{method} free_blocks" if frees else "")  # fmt: skip
+
+    specs = [spec(m) for m in methods]
     traces = [vllm_trace.Trace(r, requests, shortest, longest, new_tokens, limit_s=limit_s) for r in rates]
     rows = Path(out) / "trace.jsonl"
     vllm_trace.measure(specs, traces, rows)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from atskv.eval.rows import json_lines
 from atskv.eval.shapes import SHAPES
+from atskv.runtime.vllm.config import WORKER
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
 VANILLA = "vllm"
@@ -39,6 +40,7 @@ class EngineSpec:
     budget: int | float = 0.05
     dense_layers: int = 2
     options: dict = field(default_factory=dict)
+    free_blocks: bool = False  # blocks the selector will not read go back to vLLM's pool
     gpu_memory_utilization: float = 0.85
     identity_tokens: int = 0  # > 0: greedy tokens on fixed prompts first
     identity_context: int = 2048
@@ -62,6 +64,9 @@ def engine_arguments(spec: EngineSpec, max_model_len: int, max_num_seqs: int) ->
         if spec.options:
             settings["options"] = spec.options
         arguments.update(attention_backend="CUSTOM", additional_config={"atskv": settings})
+        if spec.free_blocks:
+            settings["free_blocks"] = True
+            arguments["worker_cls"] = WORKER
     return arguments
 
 

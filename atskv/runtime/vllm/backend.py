@@ -3,15 +3,16 @@
 Everything but a decode query's attention stays vLLM's: the KV cache and its layout, prefill and
 chunked prefill (FlashAttention), the batching, prefix caching, torch.compile and CUDA graphs. The
 builder puts decode requests first in each batch (`reorder_batch_threshold = 1`) and counts them;
-the implementation then attends the prefill part with FlashAttention and each decode query over
-the slots its selector picks (`atskv.runtime.vllm.selection`), reading vLLM's paged cache in place.
-Selectors that need per-block key bounds get them from the KV write (`do_kv_cache_update`), kept
-per physical block beside the cache. Full CUDA graphs are captured for pure decode batches only
-(`UNIFORM_SINGLE_TOKEN_DECODE`); mixed batches run piecewise, their attention eager.
+the implementation then attends the prefill part with FlashAttention and each decode query over the
+slots its selector picks (`atskv.runtime.vllm.selection`), reading vLLM's paged cache in place.
+Selectors that need per-block key bounds get them from the KV write (`do_kv_cache_update`), kept per
+physical block beside the cache. With `free_blocks`, the blocks a selector no longer reads are null
+blocks in the table (`atskv.runtime.vllm.freeing`); the selector never picks them. Full CUDA graphs
+are captured for pure decode batches only (`UNIFORM_SINGLE_TOKEN_DECODE`); mixed batches run
+piecewise, their attention eager.
 
-Layers that stay vLLM's own: the first `dense_layers`, sliding-window layers, non-decoder
-attention, fp8 caches, ALiBi, attention sinks and soft-capped logits.
-"""
+Layers that stay vLLM's own: the first `dense_layers`, sliding-window layers, non-decoder attention,
+fp8 caches, ALiBi, attention sinks and soft-capped logits."""
 
 from __future__ import annotations
 
@@ -27,10 +28,12 @@ from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionMetadataBuilder,
 )
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+from atskv.errors import InputError
 from atskv.kernels.paged import empty_page_bounds, update_page_bounds
 from atskv.runtime.vllm.batch import prefill_share
-from atskv.runtime.vllm.config import PluginConfig
+from atskv.runtime.vllm.config import WORKER, PluginConfig
 from atskv.runtime.vllm.selection import PAGED_SELECTORS, paged_sparse_decode
 
 logger = init_logger(__name__)
@@ -41,6 +44,14 @@ class AtskvMetadataBuilder(FlashAttentionMetadataBuilder):
 
     _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     reorder_batch_threshold = 1
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        config = PluginConfig.from_additional_config(vllm_config.additional_config)
+        sparse = any(extract_layer_index(name) >= config.dense_layers for name in layer_names)
+        if config.free_blocks and sparse and type(kv_cache_spec) is FullAttentionSpec:
+            raise InputError(f"atskv: free_blocks needs vLLM's worker_cls={WORKER!r} (it declares the layers "
+                             "whose blocks are freed)")  # fmt: skip
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> FlashAttentionMetadata:
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)

@@ -9,6 +9,7 @@ from typing import Any
 
 from atskv.errors import InputError, check_options
 
+WORKER = "atskv.runtime.vllm.worker.AtskvWorker"  # vLLM's `worker_cls` when blocks are freed
 BUDGET_RULE = (
     "an int is tokens per KV head (>= 1), a float in (0, 1] a fraction of each request's context "
     "(1.0: vLLM's own attention)"
@@ -20,12 +21,15 @@ class PluginConfig:
     """`selector`: a name of `atskv.runtime.vllm.selection.PAGED_SELECTORS`, or "dense" (vLLM's own
     attention everywhere). `budget`: what a decode query reads (`BUDGET_RULE`). `dense_layers`: the
     first layers attend in full, as in `atskv.sparse` (sliding-window layers always do).
-    `options`: the selector's own (e.g. `{"sinks": 4}` for streaming_llm)."""
+    `options`: the selector's own (e.g. `{"sinks": 4}` for streaming_llm). `free_blocks`: the
+    blocks a selector that `frees_blocks` will not read go back to vLLM's pool, so more requests
+    fit (needs `worker_cls=WORKER` and prefix caching off: `atskv.runtime.vllm.freeing`)."""
 
     selector: str = "quest"
     budget: int | float = 0.05
     dense_layers: int = 2
     options: dict | None = None
+    free_blocks: bool = False
 
     def __post_init__(self):
         from atskv.runtime.vllm.selection import PAGED_SELECTORS
@@ -43,6 +47,12 @@ class PluginConfig:
             raise InputError(f"atskv: bad budget {budget!r}: {BUDGET_RULE}")
         if isinstance(self.dense_layers, bool) or not isinstance(self.dense_layers, int) or self.dense_layers < 0:
             raise InputError(f"atskv: dense_layers must be an int >= 0, got {self.dense_layers!r}")
+        if not isinstance(self.free_blocks, bool):
+            raise InputError(f"atskv: free_blocks must be true or false, got {self.free_blocks!r}")
+        if self.free_blocks and (self.dense or not PAGED_SELECTORS[self.selector].frees_blocks):
+            freeing = [name for name, cls in PAGED_SELECTORS.items() if cls.frees_blocks]
+            raise InputError(f"atskv: free_blocks needs a budget below 1.0 and a selector whose reads follow "
+                             f"from a request's length: {', '.join(freeing)}")  # fmt: skip
 
     @property
     def dense(self) -> bool:

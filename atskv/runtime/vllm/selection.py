@@ -6,8 +6,10 @@ block_size, budget, step)` (`step`: a dict shared by one forward's layers, for w
 computes once per batch) returns each request's logical token positions `[B, Hkv, K]` (int32),
 which the sparse decode kernel reads through the block table, and how many count per (request,
 KV head) `[B, Hkv]`, with fixed shapes and no host sync, so a decode step runs inside vLLM's CUDA
-graphs. Pure torch plus atskv's kernels: tested on the CPU
-against the same selectors over an unpaged cache, without vLLM.
+graphs. A selector whose read set follows from a request's length alone (`frees_blocks`) also
+says which of its blocks no later query reads (`unread_blocks`), so that vLLM's scheduler can
+hand them back to the pool (`atskv.runtime.vllm.freeing`). Pure torch plus atskv's kernels:
+tested on the CPU against the same selectors over an unpaged cache, without vLLM.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class PagedQuest:
 
     name: ClassVar[str] = "quest"
     needs_bounds: ClassVar[bool] = True
+    frees_blocks: ClassVar[bool] = False  # any block may be the next query's best
 
     def pick(self, query, kv_heads: int, bounds, block_table, seq_lens, block_size: int, budget: int | float,
              step: dict | None = None):  # fmt: skip
@@ -61,12 +64,25 @@ class PagedStreamingLLM:
 
     name: ClassVar[str] = "streaming_llm"
     needs_bounds: ClassVar[bool] = False
+    frees_blocks: ClassVar[bool] = True
     sinks: int = 4
 
     def pick(self, query, kv_heads: int, bounds, block_table, seq_lens, block_size: int, budget: int | float,
              step: dict | None = None):  # fmt: skip
         width = kept_count(budget, block_table.shape[1] * block_size)  # what the widest request keeps
         return sink_recent_positions(seq_lens, budget, self.sinks, width, kv_heads)
+
+    def unread_blocks(self, processed: int, prompt: int, budget: int | float, block_size: int) -> range:
+        """The logical blocks of a request no query after its first `processed` tokens reads: those
+        wholly between the sinks and the recent window, once the prompt is in (its prefill is
+        vLLM's, dense). The window's start never moves back as the request grows, so what is freed
+        stays unread; one token of margin covers the kernel's float32 budget rounding."""
+        if processed < prompt:
+            return range(0)
+        context = processed + 1  # the next query's, the shortest any later query has
+        kept = kept_count(budget, context)
+        window_start = context - kept + min(kept, self.sinks) - 1
+        return range(-(-self.sinks // block_size), max(0, window_start) // block_size)
 
 
 PAGED_SELECTORS = {cls.name: cls for cls in (PagedQuest, PagedStreamingLLM)}

@@ -1,0 +1,75 @@
+"""Memory turned into concurrency: the blocks a selector never reads again go back to vLLM's pool.
+
+A layer whose selector reads by a rule of the request's length alone (`frees_blocks`:
+StreamingLLM's sinks and recent window) declares itself to vLLM with `UnreadBlocksSpec`, a
+full-attention KV spec that names the selector and its budget. vLLM's scheduler then manages that
+layer's blocks with `UnreadBlocksManager`: each step, before it allocates, the blocks the selector
+will not read (`unread_blocks`) leave the request's block table (vLLM's null block takes their
+place, so logical positions stay) and return to the pool, and the scheduler admits more requests.
+The same hook frees sliding-window layers' blocks in vLLM itself (`remove_skipped_blocks`).
+
+The spec is registered with vLLM's KV-spec registry when this module is imported: in the worker,
+which creates the specs (`atskv.runtime.vllm.worker`), and in the scheduler's process, which
+unpickles them. Prefix caching is refused with freeing (a freed block's hash could be matched).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+from atskv.runtime.vllm.selection import PAGED_SELECTORS
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnreadBlocksSpec(FullAttentionSpec):
+    """A full-attention layer whose blocks past its selector's reach are freed: which selector
+    (a `PAGED_SELECTORS` name with `frees_blocks`), its options and its budget."""
+
+    selector: str
+    budget: int | float
+    options: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def merge(cls, specs: list[UnreadBlocksSpec]) -> UnreadBlocksSpec:
+        """One group's spec: FullAttentionSpec's merge, with the selector all its layers share."""
+        rules = {(s.selector, s.budget, s.options) for s in specs}
+        if len(rules) != 1:
+            raise ValueError(f"the layers of one KV cache group read by different rules: {rules}")
+        base = FullAttentionSpec.merge(specs)
+        return cls(**{f.name: getattr(base, f.name) for f in fields(FullAttentionSpec)},
+                   **dict(zip(("selector", "budget", "options"), rules.pop())))  # fmt: skip
+
+    @classmethod
+    def of(cls, spec: FullAttentionSpec, selector: str, budget: int | float, options: dict | None) -> UnreadBlocksSpec:
+        return cls(**{f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec)}, selector=selector,
+                   budget=budget, options=tuple(sorted((options or {}).items())))  # fmt: skip
+
+
+class UnreadBlocksManager(FullAttentionManager):
+    """vLLM's full-attention block manager, freeing each request's blocks its selector will not read."""
+
+    def __init__(self, kv_cache_spec: UnreadBlocksSpec, **kwargs):
+        super().__init__(kv_cache_spec, **kwargs)
+        self.selector = PAGED_SELECTORS[kv_cache_spec.selector](**dict(kv_cache_spec.options))
+        self.budget = kv_cache_spec.budget
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:  # fmt: skip
+        if num_prompt_tokens is None:  # a caller that does not say where the prompt ends: keep all
+            return
+        unread = self.selector.unread_blocks(processed_computed_tokens, num_prompt_tokens, self.budget,
+                                             self.block_size)  # fmt: skip
+        self._remove_blocks_in_range(request_id, unread.start, unread.stop)
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
+        """No cascade attention over a shared prefix: part of it may be null blocks."""
+        return 0
+
+
+KVCacheSpecRegistry.check_kv_cache_spec_registry({})  # vLLM's own specs first: it registers them lazily, once
+KVCacheSpecRegistry.register(UnreadBlocksSpec, UnreadBlocksManager, uniform_type_base_spec=UnreadBlocksSpec)

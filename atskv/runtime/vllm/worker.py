@@ -1,0 +1,43 @@
+"""vLLM's GPU worker for a plugin that frees blocks (`free_blocks`): pass
+`worker_cls="atskv.runtime.vllm.worker.AtskvWorker"` beside `attention_backend="CUSTOM"`.
+
+vLLM asks its worker for each layer's KV spec; this one answers `UnreadBlocksSpec` for the layers
+that read sparsely with a selector that frees blocks, so the scheduler manages their blocks with
+`UnreadBlocksManager` (`atskv.runtime.vllm.freeing`). Nothing else of vLLM's worker changes."""
+
+from __future__ import annotations
+
+from vllm.config import get_layers_from_vllm_config
+from vllm.model_executor.layers.attention import Attention
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
+from vllm.v1.worker.gpu_worker import Worker
+
+from atskv.errors import InputError
+from atskv.runtime.vllm.backend import AtskvAttentionImpl
+from atskv.runtime.vllm.config import PluginConfig
+from atskv.runtime.vllm.freeing import UnreadBlocksSpec
+
+
+class AtskvWorker(Worker):
+    """vLLM's worker, declaring the sparse layers' KV as `UnreadBlocksSpec` when blocks are freed."""
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        specs = super().get_kv_cache_spec()
+        config = PluginConfig.from_additional_config(self.vllm_config.additional_config)
+        if not config.free_blocks:
+            return specs
+        if self.vllm_config.cache_config.enable_prefix_caching:
+            raise InputError("atskv: free_blocks needs enable_prefix_caching=False (a freed block could be matched)")
+        layers = get_layers_from_vllm_config(self.vllm_config, Attention)
+
+        def frees(name: str) -> bool:
+            layer = layers.get(name)
+            return (type(specs[name]) is FullAttentionSpec and layer is not None
+                    and isinstance(layer.impl, AtskvAttentionImpl) and layer.impl.sparse_layer(layer))  # fmt: skip
+
+        freeing = {name for name in specs if frees(name)}
+        if freeing != set(specs) and self.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
+            raise InputError("atskv: free_blocks with dense layers needs vLLM's hybrid KV cache manager "
+                             "(leave disable_hybrid_kv_cache_manager unset), or dense_layers=0")  # fmt: skip
+        return {name: UnreadBlocksSpec.of(spec, config.selector, config.budget, config.options)
+                if name in freeing else spec for name, spec in specs.items()}  # fmt: skip
