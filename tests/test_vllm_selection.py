@@ -189,6 +189,7 @@ def test_a_cache_not_in_nhd_order_is_refused():
         ({"selector": "quest", "free_blocks": True}, "free_blocks needs"),
         ({"selector": "streaming_llm", "budget": 1.0, "free_blocks": True}, "free_blocks needs"),
         ({"selector": "streaming_llm", "free_blocks": "yes"}, "true or false"),
+        ({"selector": "streaming_llm", "free_blocks": True}, "dense_layers=0"),
     ],
 )
 def test_bad_plugin_settings_are_one_line_errors(settings, message):
@@ -201,7 +202,7 @@ def test_plugin_settings_from_vllms_additional_config():
     config = PluginConfig.from_additional_config({"atskv": {"selector": "streaming_llm", "budget": 512}, "other": 1})
     assert (config.selector, config.budget, config.dense) == ("streaming_llm", 512, False)
     assert PluginConfig.from_additional_config({"atskv": {"budget": 1.0}}).dense
-    assert PluginConfig(selector="streaming_llm", free_blocks=True).free_blocks
+    assert PluginConfig(selector="streaming_llm", free_blocks=True, dense_layers=0).free_blocks
 
 
 @pytest.mark.parametrize("budget, sinks, prompt", [(0.05, 4, 3000), (0.3, 4, 200), (100, 4, 700), (40, 20, 90),

@@ -20,7 +20,7 @@ case "$1" in
   tests)
     python3 -m pip install -q --no-index --no-deps --target /tmp/pt .device/pt/*.whl 2>/dev/null
     PYTHONPATH=/tmp/pt:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider tests/test_vllm_engine.py \
-      tests/test_vllm_selection.py 2>&1 | tee "$OUT/tests.log" | tail -15 ;;
+      tests/test_vllm_selection.py ${2:+-k "$2"} 2>&1 | tee "$OUT/tests.log" | grep -v "^\[\|^INFO\|^WARNING" | tail -25 ;;
   trace)
     python3 - "$OUT" <<'PY' 2>&1 | grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" | tail -12
 import sys, tempfile
@@ -40,7 +40,8 @@ from pathlib import Path
 from atskv.eval import vllm_speed, vllm_trace
 shape = vllm_speed.write_shape("llama3.1-8b", Path(tempfile.mkdtemp()) / "llama3.1-8b")
 free = sys.argv[3] == "free"
-spec = vllm_speed.EngineSpec(sys.argv[2], str(shape), [], free_blocks=free, label=sys.argv[2] + (" free_blocks" if free else ""))
+spec = vllm_speed.EngineSpec(sys.argv[2], str(shape), [], free_blocks=free, dense_layers=0 if free else 2,
+                             label=sys.argv[2] + (" free_blocks" if free else ""))
 rows = Path(sys.argv[1]) / "inflight.jsonl"
 vllm_trace.measure([spec], [vllm_trace.Trace(rate=50.0, requests=12, shortest=131072, new_tokens=256, limit_s=140)], rows)
 print(vllm_trace.table(rows))

@@ -51,7 +51,7 @@ class AtskvMetadataBuilder(FlashAttentionMetadataBuilder):
         sparse = any(extract_layer_index(name) >= config.dense_layers for name in layer_names)
         if config.free_blocks and sparse and type(kv_cache_spec) is FullAttentionSpec:
             raise InputError(f"atskv: free_blocks needs vLLM's worker_cls={WORKER!r} (it declares the layers "
-                             "whose blocks are freed)")  # fmt: skip
+                             f"whose blocks are freed); this group's is {type(kv_cache_spec).__name__}")  # fmt: skip
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> FlashAttentionMetadata:
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)

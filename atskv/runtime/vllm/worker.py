@@ -8,6 +8,7 @@ that read sparsely with a selector that frees blocks, so the scheduler manages t
 from __future__ import annotations
 
 from vllm.config import get_layers_from_vllm_config
+from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 from vllm.v1.worker.gpu_worker import Worker
@@ -16,6 +17,8 @@ from atskv.errors import InputError
 from atskv.runtime.vllm.backend import AtskvAttentionImpl
 from atskv.runtime.vllm.config import PluginConfig
 from atskv.runtime.vllm.freeing import UnreadBlocksSpec
+
+logger = init_logger(__name__)
 
 
 class AtskvWorker(Worker):
@@ -36,8 +39,8 @@ class AtskvWorker(Worker):
                     and isinstance(layer.impl, AtskvAttentionImpl) and layer.impl.sparse_layer(layer))  # fmt: skip
 
         freeing = {name for name in specs if frees(name)}
-        if freeing != set(specs) and self.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
-            raise InputError("atskv: free_blocks with dense layers needs vLLM's hybrid KV cache manager "
-                             "(leave disable_hybrid_kv_cache_manager unset), or dense_layers=0")  # fmt: skip
+        if freeing != set(specs):  # vLLM's uniformity check would merge them all into one full-attention group
+            raise InputError(f"atskv: free_blocks needs every layer to free ({len(freeing)} of {len(specs)} do)")
+        logger.info("atskv: %d layers hand their unread blocks back to vLLM's pool", len(freeing))
         return {name: UnreadBlocksSpec.of(spec, config.selector, config.budget, config.options)
                 if name in freeing else spec for name, spec in specs.items()}  # fmt: skip
