@@ -39,16 +39,13 @@ from atskv.data.prompts import encode_prompt
 from atskv.errors import InputError, built_from_option
 from atskv.eval import peer
 from atskv.eval.generation import generate_batch, pad_left
+from atskv.eval.method import DENSE, HOST, KVPRESS, KVPRESS_FULL, OWN, TIERED, Method, check_methods
 from atskv.eval.report import write_report
 from atskv.eval.rows import RowStore
 from atskv.eval.tasks import answer_room
-from atskv.selectors import check_selector_names
 
-DENSE = "dense"
-TIERED = "tiered:"
-HOST = "host:"
-KVPRESS = "kvpress:"
-KVPRESS_DENSE = "kvpress:none"  # kvpress's own full-KV run: the dense beside its presses
+RUNTIMES = (OWN, TIERED, HOST, KVPRESS)  # the methods' runtimes a leaderboard runs
+KVPRESS_DENSE = str(Method(KVPRESS, KVPRESS_FULL))
 VARIANT_SETTINGS = ("selector_options", "tiering", "host_tier")  # what a variant folder may change (merge_folders)
 
 
@@ -91,31 +88,26 @@ class Grid:
 
     @property
     def selectors(self) -> list[str]:
-        return [m for m in self.methods if not m.startswith(KVPRESS) and m != DENSE]
+        return [m for m in self.methods if Method.parse(m).runtime != KVPRESS and m != DENSE]
 
     @property
     def tiered(self) -> list[str]:
         """The `tiered:<selector>` rows (run in the two-tier store)."""
-        return [m for m in self.selectors if m.startswith(TIERED)]
+        return [m for m in self.selectors if Method.parse(m).runtime == TIERED]
 
     @property
     def hosted(self) -> list[str]:
         """The `host:<selector>` rows (the fast path with its host tier)."""
-        return [m for m in self.selectors if m.startswith(HOST)]
+        return [m for m in self.selectors if Method.parse(m).runtime == HOST]
 
     @property
     def selector_names(self) -> list[str]:
         """The selectors the atskv rows build, each once (a `tiered:` or `host:` row's without its prefix)."""
-        return list(dict.fromkeys(selector_of(m) for m in self.selectors))
+        return list(dict.fromkeys(Method.parse(m).name for m in self.selectors))
 
     @property
     def presses(self) -> list[str]:
-        return [m.removeprefix(KVPRESS) for m in self.methods if m.startswith(KVPRESS)]
-
-
-def selector_of(method: str) -> str:
-    """The selector an atskv row runs: its name without a `tiered:` or `host:` prefix."""
-    return method.removeprefix(TIERED).removeprefix(HOST)
+        return [Method.parse(m).name for m in self.methods if Method.parse(m).runtime == KVPRESS]
 
 
 def check_grid(
@@ -139,18 +131,7 @@ def check_grid(
     for task in tasks:
         if task not in TASKS:
             raise InputError(f"unknown task {task!r}; choose from: {', '.join(TASKS)}")
-    for method in methods:
-        press = method.removeprefix(KVPRESS)
-        if method.startswith(KVPRESS) and press not in peer.KVPRESS_PRESSES:
-            raise InputError(f"unknown kvpress press {press!r}; choose from: {', '.join(peer.KVPRESS_PRESSES)}")
-        if not method.startswith(KVPRESS) and method != DENSE:
-            try:
-                check_selector_names([selector_of(method)])  # compositions (learned+sparq) included
-            except ValueError as error:
-                raise InputError(
-                    f"{error} (or tiered:<selector>, host:<selector>, or kvpress:<press>: "
-                    f"{', '.join(peer.KVPRESS_PRESSES)})"
-                ) from None
+    check_methods(methods, RUNTIMES)
     return Grid(
         tuple(dict.fromkeys(contexts)), tuple(dict.fromkeys(float(r) for r in ratios)),
         tuple(dict.fromkeys(m for m in methods if m != DENSE)), tuple(dict.fromkeys(tasks)),
@@ -175,7 +156,7 @@ def check_tiering(grid: Grid, tiering: dict | None, sparse_prefill: bool, host_t
     for option, build in checks:
         built_from_option(option, build)
     for method in grid.hosted:
-        if not SELECTORS[name_parts(selector_of(method))[0]].evicts:  # a composition: its residency part
+        if not SELECTORS[name_parts(Method.parse(method).name)[0]].evicts:  # a composition: its residency part
             raise InputError(f"{method}: a host tier parks what an evicting selector drops (h2o, snapkv, "
                              f"streaming_llm, learned, or a composition with one of them first)")  # fmt: skip
 
@@ -319,7 +300,7 @@ def run_leaderboard(
         **({"host_tier": _as_setting(asdict(host))} if grid.hosted else {}),
     }  # fmt: skip
     built = dict(zip(grid.selector_names, selectors_for_model(grid.selector_names, loaded.name, selector_options)))
-    selectors = {m: built[selector_of(m)] for m in grid.selectors}  # a tiered: or host: row shares its selector
+    selectors = {m: built[Method.parse(m).name] for m in grid.selectors}  # a tiered: or host: row shares its selector
     if fast and (slow := [m for m, s in selectors.items() if m not in grid.tiered and not s.has_fast_path()]):
         raise InputError(f"{', '.join(slow)} run on the reference path only; run the leaderboard with --fast false")
     if fast and sparse_prefill:
@@ -330,12 +311,13 @@ def run_leaderboard(
     python = Path(kvpress_python) if kvpress_python else peer.default_kvpress_python()
     skipped = kvpress_unavailable(python, loaded) if grid.presses else None
     if skipped:
-        print(f"kvpress methods skipped ({', '.join(KVPRESS + p for p in grid.presses)}): {skipped}", file=sys.stderr)
+        print(f"kvpress methods skipped ({', '.join(str(Method(KVPRESS, p)) for p in grid.presses)}): {skipped}",
+              file=sys.stderr)  # fmt: skip
     presses = [] if skipped else grid.presses
     groups = [(c, t, s) for c in grid.contexts for t in grid.tasks for s in grid.seeds]
     atskv_keys = {g: [(DENSE, None)] + [(m, r) for m in selectors for r in grid.ratios] for g in groups}
-    press_keys = {g: [(KVPRESS + p, r) for p in ["none", *presses] for r in ([None] if p == "none" else grid.ratios)]
-                  if presses else [] for g in groups}  # fmt: skip
+    press_runs = [(KVPRESS_DENSE, None)] + [(str(Method(KVPRESS, p)), r) for p in presses for r in grid.ratios]
+    press_keys = {g: press_runs if presses else [] for g in groups}
     pending = {g: [k for k in atskv_keys[g] + press_keys[g] if (*g, *k) not in store] for g in groups}
     text = filler_text(filler)
     bar = tqdm(total=sum(map(len, pending.values())), desc="leaderboard", disable=not progress)
@@ -360,15 +342,16 @@ def run_leaderboard(
             )  # fmt: skip
             bar.update()
         wanted = [k for k in pending[group] if k in press_keys[group]]
-        for name in dict.fromkeys(m.removeprefix(KVPRESS) for m, _ in wanted):  # one process a press: a
+        for name in dict.fromkeys(Method.parse(m).name for m, _ in wanted):  # one process a press: a
             # kill (a call's time limit) loses at most the press under way, a failure only that press
-            bar.set_postfix_str(f"{context} {task} seed {seed} kvpress:{name}")
-            ratios = [r for m, r in wanted if m == KVPRESS + name and r is not None]
+            press = str(Method(KVPRESS, name))
+            bar.set_postfix_str(f"{context} {task} seed {seed} {press}")
+            ratios = [r for m, r in wanted if m == press and r is not None]
             folder = store.out / "kvpress" / f"{task}-{context}-seed{seed}" / name
             try:
                 made = _kvpress_cells(loaded, python, folder, batch, group, name, ratios, new_tokens, device, dtype)
             except subprocess.CalledProcessError as error:
-                failed.append(f"kvpress:{name} on {task} at {context} tokens, seed {seed} (exit {error.returncode})")
+                failed.append(f"{press} on {task} at {context} tokens, seed {seed} (exit {error.returncode})")
                 print(f"{failed[-1]} failed (its output is above); its cells stay empty and a rerun tries again",
                       file=sys.stderr)  # fmt: skip
                 continue
@@ -411,8 +394,10 @@ def _join_variant(label: str, known: Mapping, new: Mapping, ran: set[str]) -> di
 
 
 def _joins_as_variant(method: str) -> bool:
-    """A variant folder's atskv rows join the merge; its dense and kvpress cells are the sources'."""
-    return method not in (DENSE, KVPRESS_DENSE) and not method.startswith(KVPRESS)
+    """A variant folder's atskv rows join the merge; its dense and kvpress cells are the sources', and
+    rows that already carry a label keep it out (a row has one label)."""
+    parsed = Method.parse(method)
+    return method != DENSE and parsed.runtime != KVPRESS and not parsed.variant
 
 
 def merge_folders(
@@ -442,7 +427,7 @@ def merge_folders(
         variant_stores[label] = CellStore(folder, {**base, **varied[label]})  # refuses any other change
     known = settings.get("variants", {})  # a merged source's labels stay
     for label, ours in varied.items():
-        ran = {selector_of(c.method) for c in variant_stores[label].cells.values() if _joins_as_variant(c.method)}
+        ran = {Method.parse(c.method).name for c in variant_stores[label].cells.values() if _joins_as_variant(c.method)}
         varied[label] = _join_variant(label, known.get(label, {}), ours, ran)
     varied = {**known, **varied}
     merged = {**settings, **({"variants": varied} if varied else {})}
@@ -454,14 +439,15 @@ def merge_folders(
     for label, variant in variant_stores.items():
         for cell in variant.cells.values():
             if _joins_as_variant(cell.method):
-                if (renamed := replace(cell, method=f"{cell.method} ({label})")).key not in store:
+                labelled = replace(Method.parse(cell.method), variant=label)
+                if (renamed := replace(cell, method=str(labelled))).key not in store:
                     store.add(renamed)
     cells = list(store.cells.values())
     methods = [m for m in dict.fromkeys(c.method for c in cells) if m not in (DENSE, KVPRESS_DENSE)]
     tasks = {c.task for c in cells}
     grid = Grid(
         tuple(sorted({c.context for c in cells})), tuple(sorted({c.ratio for c in cells if c.ratio is not None})),
-        tuple(sorted(methods, key=lambda m: m.startswith(KVPRESS))), tuple(t for t in TASKS if t in tasks),
+        tuple(sorted(methods, key=lambda m: Method.parse(m).runtime == KVPRESS)), tuple(t for t in TASKS if t in tasks),
         tuple(sorted({c.seed for c in cells})),
     )  # fmt: skip
     notes = _notes(settings, grid, None)
@@ -543,7 +529,7 @@ def markdown(summaries: Sequence[Summary], grid: Grid, model: str, by_task: Sequ
         top = {r: max(round(100 * s.mean, 1) for s in rows_at) if len(rows_at) > 1 else None  # a lone row tops nothing
                for r, rows_at in ranked.items()}  # fmt: skip
         for method in rows:
-            dense = at.get((context, KVPRESS_DENSE if method.startswith(KVPRESS) else DENSE, None))
+            dense = at.get((context, own_dense(method), None))
             scored = [None if method == DENSE else at.get((context, method, r)) for r in grid.ratios]
             texts = ["" if s is None else _points(s, len(grid.seeds)) for s in scored]
             cells = [f"**{t}**" if s in ranked[r] and round(100 * s.mean, 1) == top[r] else t
@@ -599,7 +585,7 @@ def plot(
                 ax.errorbar(
                     [position[r] for r, _ in points], [100 * s.mean for _, s in points],
                     yerr=[100 * s.std for _, s in points], marker="o", capsize=2, label=method, color=colors[method],
-                    linestyle=":" if method.startswith(KVPRESS) else "-",
+                    linestyle=":" if Method.parse(method).runtime == KVPRESS else "-",
                 )  # fmt: skip
         ax.set(title=f"{model}, {context} tokens", xlabel="compression ratio", ylabel="score (points)")
         if methods is None:
@@ -670,9 +656,14 @@ def near_dense(summaries: Sequence[Summary], grid: Grid, points: float = 3.0) ->
     at = {(s.context, s.method, s.ratio): s.mean for s in summaries}
     close = []
     for method in grid.methods:
-        dense = KVPRESS_DENSE if method.startswith(KVPRESS) else DENSE
+        dense = own_dense(method)
         losses = [at[c, dense, None] - at[c, method, r] for c in grid.contexts for r in grid.ratios
                   if (c, method, r) in at and (c, dense, None) in at]  # fmt: skip
         if losses and 100 * statistics.fmean(losses) <= points:
             close.append(method)
     return close
+
+
+def own_dense(method: str) -> str:
+    """The full-KV row of `method`'s own environment: kvpress's for a press, atskv's dense else."""
+    return KVPRESS_DENSE if Method.parse(method).runtime == KVPRESS else DENSE
