@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from atskv.data import corpus_windows
+from atskv.eval.method import DENSE
 from atskv.eval.recall import ORACLE_CEILING, WINDOW_CEILING, attention_recall
-from atskv.eval.tasks import DENSE, evaluate_tasks
+from atskv.eval.tasks import evaluate_tasks
 from atskv.eval.tasks import write as write_tasks
 from atskv.models import load_model, resolve_device
 from atskv.predictor.export import export_checkpoint, export_trained

@@ -19,8 +19,9 @@ import statistics
 from pathlib import Path
 
 from atskv.data import corpus_windows
+from atskv.eval.method import DENSE
 from atskv.eval.recall import WINDOW_CEILING, attention_recall
-from atskv.eval.tasks import DENSE, evaluate_tasks
+from atskv.eval.tasks import evaluate_tasks
 from atskv.eval.tasks import write as write_tasks
 from atskv.models import load_model, resolve_device
 from atskv.selectors import selectors_for_model

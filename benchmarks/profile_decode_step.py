@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from atskv.eval.bench import GEOMETRIES, HOOK, Shape, fast_step, hook_step, rotation
+from atskv.eval.bench import GEOMETRIES, Shape, fast_step, hook_step, rotation
+from atskv.eval.method import HOOK, Method
 
 
 def main(argv=None) -> None:
@@ -37,11 +38,12 @@ def main(argv=None) -> None:
     shape = Shape(args.batch, args.context, GEOMETRIES[args.geometry], dtype, torch.device(device))
     for name in args.selector:
         with torch.no_grad():
-            if name.startswith(HOOK):
-                step = hook_step(name.removeprefix(HOOK), shape, budget)
+            method = Method.parse(name)
+            if method.runtime == HOOK:
+                step = hook_step(method.name, shape, budget)
             else:
                 layers = args.layers or rotation(shape, budget)
-                step = fast_step(name, shape, args.budget, 8 + 5 + args.steps, Path(tempfile.mkdtemp()), layers)
+                step = fast_step(method.name, shape, args.budget, 8 + 5 + args.steps, Path(tempfile.mkdtemp()), layers)
             for _ in range(5):
                 step()
             with profile(activities=activities) as prof:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from atskv.eval.bench import DENSE, Shape, bench_decode_attention, fast_step, hook_step, markdown
+from atskv.eval.bench import SDPA, Shape, bench_decode_attention, fast_step, hook_step, markdown
 
 
 def test_bench_times_dense_and_each_selector_in_one_run():
@@ -16,7 +16,7 @@ def test_bench_times_dense_and_each_selector_in_one_run():
         geometry="smollm2-135m", dtype=torch.float32, device="cpu", replays=2, repeat=2, progress=False,
     )
     assert len(records) == 2 * 2 * 4
-    dense = {(r.batch, r.context): r.milliseconds for r in records if r.selector == DENSE}
+    dense = {(r.batch, r.context): r.milliseconds for r in records if r.selector == SDPA}
     for r in records:
         assert r.milliseconds > 0
         assert r.budget == int(0.25 * r.context)

@@ -320,4 +320,4 @@ def test_eval_peer_runs_learned_with_the_given_predictor_and_options(tiny_model_
             "--presses", "[]", "--our_selectors", "[learned]", "--predictor", str(predictor),
             "--selector_options", "{learned: {refresh_every: 4}}", "--kvpress_python", str(kvpress),
             "--max_new_tokens", "2", "--out", str(tmp_path / "out"), "--device", "cpu"]
-    check_learned_gets_its_options(args, predictor, "| atskv:learned@0.25 |", caplog, capsys)
+    check_learned_gets_its_options(args, predictor, "| hook:learned@0.25 |", caplog, capsys)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from atskv.errors import InputError
-from atskv.eval.recall import TIERED_SUFFIX, RecallSums, TieredRecallProbe, attention_recall
+from atskv.eval.recall import RecallSums, TieredRecallProbe, attention_recall
 from atskv.runtime.reference.sparse import attach
 from atskv.runtime.reference.sparsity import LayerPolicy
 from atskv.runtime.reference.tiered import tiered_configs
@@ -36,7 +36,7 @@ def test_with_nothing_moved_a_composition_reads_what_it_reads_under_sparse():
     hybrid = make_selector("h2o+sparq", residency_budget=EVERY_TOKEN)
     report = attention_recall(model, windows, [hybrid], [6], tiered=[hybrid], tiering=keep_all,
                               n_queries=N_QUERIES, batch_size=2, progress=False)  # fmt: skip
-    sparse, tiered = by_key(report, "h2o+sparq"), by_key(report, "h2o+sparq" + TIERED_SUFFIX)
+    sparse, tiered = by_key(report, "h2o+sparq"), by_key(report, "tiered:h2o+sparq")
     assert set(sparse) == set(tiered) == {(6, 2), (6, 3)}
     for key in sparse:
         assert tiered[key].recall == pytest.approx(sparse[key].recall, abs=1e-5)
@@ -54,7 +54,7 @@ def test_retrieval_of_every_parked_token_reads_the_whole_context():
                                    n_queries=N_QUERIES, batch_size=2, progress=False)  # fmt: skip
         for retrieve in (0, 64)
     }
-    off, every = by_key(reports[0], "h2o" + TIERED_SUFFIX), by_key(reports[64], "h2o" + TIERED_SUFFIX)
+    off, every = by_key(reports[0], "tiered:h2o"), by_key(reports[64], "tiered:h2o")
     for key in off:
         assert off[key].reads <= 16
         assert off[key].recall < 0.95
@@ -85,7 +85,7 @@ def test_the_table_shows_what_a_tiered_query_read():
     report = attention_recall(model, random_prompt(48, seed=6), ["h2o"], [16], tiered=["h2o"],
                               tiering={**TIGHT, "retrieve": 8}, n_queries=N_QUERIES, progress=False)  # fmt: skip
     rows = {line.split("|")[1].strip(): line for line in report.markdown().splitlines()[2:]}
-    assert "read)" in rows["h2o" + TIERED_SUFFIX] and "read)" not in rows["h2o"]
+    assert "read)" in rows["tiered:h2o"] and "read)" not in rows["h2o"]
 
 
 def test_a_gpu_tier_too_small_for_sinks_and_recent_is_refused():
@@ -106,7 +106,7 @@ def test_a_composition_retrieves_a_third_of_its_attention_budget_unless_told():
     model = tiny_model("llama")
     report = attention_recall(model, random_prompt(48, seed=7, batch=2), [], [6], tiered=[hybrid], tiering=TIGHT,
                               n_queries=N_QUERIES, batch_size=2, progress=False)  # fmt: skip
-    for record in by_key(report, "h2o+sparq" + TIERED_SUFFIX).values():
+    for record in by_key(report, "tiered:h2o+sparq").values():
         assert record.reads == pytest.approx(6 + 2)  # its pick and two parked tokens, every query
 
 

@@ -15,7 +15,7 @@ import pytest
 from atskv.data.tasks import TASKS
 from atskv.errors import InputError
 from atskv.eval import leaderboard
-from atskv.eval.leaderboard import Cell, Grid, check_grid, run_leaderboard
+from atskv.eval.leaderboard import Cell, Grid, check_grid, run_leaderboard, runs
 from atskv.models.loading import LoadedModel
 from tests.conftest import run_cli, tiny_bpe_tokenizer, tiny_model
 
@@ -37,13 +37,13 @@ def loaded() -> LoadedModel:
 @pytest.fixture
 def calls(monkeypatch) -> list:
     """Every `generate_batch` the leaderboard makes (one per cell here: 2 prompts, batch 8)."""
-    made, real = [], leaderboard.generate_batch
+    made, real = [], runs.generate_batch
 
     def counted(*args, **kwargs):
         made.append(kwargs["budget"])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(leaderboard, "generate_batch", counted)
+    monkeypatch.setattr(runs, "generate_batch", counted)
     return made
 
 
@@ -218,18 +218,18 @@ def test_a_row_with_a_host_store_reads_parked_tokens_back(loaded, monkeypatch, t
     step they write dense's text, where the selector alone does not; their options are settings a
     rerun must share, and bad ones fail before any work, as sparse prefill and a host: row whose
     selector keeps everything do."""
-    runs, real = [], leaderboard.generate_batch
+    taken, real = [], runs.generate_batch
 
     def spy(*args, **kwargs):
-        runs.append("fast" if kwargs["fast"] else "reference")
+        taken.append("fast" if kwargs["fast"] else "reference")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(leaderboard, "generate_batch", spy)
+    monkeypatch.setattr(runs, "generate_batch", spy)
     row = f"{prefix}:streaming_llm"
     plan = {**PLAN, "contexts": [260], "ratios": [0.75], "methods": ["streaming_llm", row]}
     grid = check_grid(**plan, seeds=[0], examples=2)
     paths = run_leaderboard(loaded, tmp_path, grid, **{option: every}, **{**RUN, "max_new_tokens": 6})
-    assert runs == ["fast", "fast", path]  # dense (transformers' generate), the selector alone, the row
+    assert taken == ["fast", "fast", path]  # dense (transformers' generate), the selector alone, the row
     texts = {c["method"]: c["texts"] for c in json.loads(paths["json"].read_text())["cells"]}
     assert texts[row] == texts["dense"] != texts["streaming_llm"]
     assert note in paths["markdown"].read_text()

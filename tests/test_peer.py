@@ -102,12 +102,12 @@ def test_scoring_a_fake_kvpress_output():
     ours = [
         peer.PeerRun("dense", None, "a", 104, 1.0, 1.0, "12345"),
         peer.PeerRun("dense", None, "b", 208, 0.0, 1.0, "1"),
-        peer.PeerRun("atskv:snapkv", 0.1, "a", 104, 1.0, 0.12, "12345"),
-        peer.PeerRun("atskv:snapkv", 0.1, "b", 208, 1.0, 0.11, "67890"),
+        peer.PeerRun("hook:snapkv", 0.1, "a", 104, 1.0, 0.12, "12345"),
+        peer.PeerRun("hook:snapkv", 0.1, "b", 208, 1.0, 0.11, "67890"),
     ]
     rows = peer.summarize(runs + ours)
     assert [r.label for r in rows] == [
-        "dense", "kvpress:none", "atskv:snapkv@0.1", "kvpress:snapkv@0.1", "kvpress:tova@0.25",
+        "dense", "kvpress:none", "hook:snapkv@0.1", "kvpress:snapkv@0.1", "kvpress:tova@0.25",
     ]  # fmt: skip
     snap = rows[3]
     assert (snap.solved, snap.trials, snap.accuracy) == (1, 2, 0.5)

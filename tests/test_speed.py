@@ -13,7 +13,7 @@ from tests.conftest import tiny_model
 
 def test_decode_speed_records_every_method_against_plain(tmp_path):
     model = tiny_model("llama")
-    methods = ("plain", "dense", "snapkv", "snapkv+quest", "hook:h2o", "tiered:snapkv", "tiered:quest", "learned+sparq")
+    methods = ("plain", "dense", "snapkv", "snapkv+quest", "hook:h2o", "host:snapkv", "host:quest", "learned+sparq")
     run = speed.DecodeRun(16, new_tokens=4, prefill_chunk=64, host_tier=HostRetrieval(32))
     records = speed.measure(model, "tiny", methods, [96], [1, 2], run)
     assert [(r.batch, r.method) for r in records] == [(b, m) for b in (1, 2) for m in methods]
@@ -23,8 +23,8 @@ def test_decode_speed_records_every_method_against_plain(tmp_path):
         assert by[b, "snapkv"].ratio == by[b, "snapkv"].ms_per_step / by[b, "plain"].ms_per_step
         assert by[b, "snapkv"].tokens_per_s == b * 1000 / by[b, "snapkv"].ms_per_step
         assert by[b, "snapkv+quest"].ms_per_step is None and "no fast decode path" in by[b, "snapkv+quest"].error
-        assert by[b, "tiered:snapkv"].ms_per_step is not None, by[b, "tiered:snapkv"].error
-        assert "needs an evicting selector" in by[b, "tiered:quest"].error
+        assert by[b, "host:snapkv"].ms_per_step is not None, by[b, "host:snapkv"].error
+        assert "needs an evicting selector" in by[b, "host:quest"].error
         assert by[b, "learned+sparq"].ms_per_step is not None, by[b, "learned+sparq"].error  # a random predictor
     table = speed.write(records, tmp_path, {"command": "test", "new_tokens": 4})
     assert "| tiny | 96 | 2 | snapkv+quest | 16 | selector 'snapkv+quest' has no fast decode path" in table.read_text()
@@ -135,6 +135,8 @@ def _run(options: dict) -> speed.DecodeRun:
         (["--host_tier", "{nope: 1}"], "--host_tier: "),
         (["--gpu_memory", "0"], "gpu_memory > 0"),
         (["--padding", "1.0"], "padding must be in [0, 1)"),
+        (["--methods", "[plain, tiered:snapkv]"], "tiered:snapkv (the reference two-tier store"),  # host: is timed
+        (["--methods", "[plain:snapkv]"], "plain:snapkv: plain runs no selector"),
     ],
 )
 def test_bad_decode_settings_exit_in_one_line_before_a_model_is_built(args, message, capsys, monkeypatch):
@@ -142,7 +144,7 @@ def test_bad_decode_settings_exit_in_one_line_before_a_model_is_built(args, mess
 
     monkeypatch.setattr(speed, "shape_model", lambda *a, **k: pytest.fail("a model was built"))
     with pytest.raises(SystemExit) as exit_:
-        main(["bench", "decode", "--model", "smollm2-135m-shape", "--methods", "[plain, tiered:snapkv]", *args])
+        main(["bench", "decode", "--model", "smollm2-135m-shape", "--methods", "[plain, host:snapkv]", *args])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 

@@ -87,7 +87,7 @@ def decode(
 
     Prefill, then `new_tokens` greedy steps through `generate`: plain transformers (`plain`: its
     own cache and SDPA, no atskv; `plain-static`: its static cache, decode compiled by transformers),
-    atskv's fast path (`dense` or a selector name; `tiered:<selector>` with the host tier) and the
+    atskv's fast path (`dense` or a selector name; `host:<selector>` with the host tier) and the
     reference hook (`hook:<selector>`: `atskv.sparse` + `model.generate`). Reports ms/step,
     tokens/s, the allocator's peak above the weights, pinned host memory and the ratio to plain;
     with `gpu_memory`, the largest batch each method fits instead; writes table.md, speed.json
@@ -97,7 +97,7 @@ def decode(
     Args:
         model: an 8B-class shape with random weights (llama3.1-8b, qwen3-8b, mistral-7b), or a
             real model (a name, a Hugging Face directory or a .gguf file).
-        methods: plain, plain-static, dense, selector names (fast path), tiered:<selector> (fast
+        methods: plain, plain-static, dense, selector names (fast path), host:<selector> (fast
             path with the host tier; an evicting selector), hook:<selector> (reference path),
             vllm (vanilla vLLM) and vllm:<selector> (vLLM with atskv's plugin: quest, streaming_llm),
             each engine in its own process on the shape's config with dummy weights; their rows go
@@ -108,7 +108,7 @@ def decode(
         new_tokens: decode steps per run.
         prefill_chunk: prompt tokens per forward on the fast path.
         dense_layers: first layers kept dense.
-        host_tier: the tiered methods' host tier, `atskv.HostRetrieval` options as the leaderboard's
+        host_tier: the host: methods' host tier, `atskv.HostRetrieval` options as the leaderboard's
             `--host_tier` takes them, e.g. '{tokens: 1024, cache: 2, summary: int4}': tokens read
             back per step, layer and KV head, in pages of `page_size`; the GPU page cache in
             multiples of a step's read; what ranks the parked pages (int4, the default: every key
@@ -136,17 +136,19 @@ def decode(
 
     from atskv.errors import built_from_option
     from atskv.eval import speed, vllm_speed
+    from atskv.eval.method import VLLM, check_methods
     from atskv.runtime.fast.host_pages import HostRetrieval
     from atskv.selectors import selector_options as options_for
 
-    if any(vllm_speed.is_vllm(m) for m in methods):
-        vllm_rows = _vllm_methods([m for m in methods if vllm_speed.is_vllm(m)], model, contexts, batch_sizes, budget,
-                                  new_tokens, dense_layers, selector_options, Path(out))  # fmt: skip
+    parsed = check_methods(methods, (*speed.RUNTIMES, VLLM))  # every method, before an engine or a model
+    if on_vllm := [m for m, p in zip(methods, parsed) if p.runtime == VLLM]:
+        vllm_rows = _vllm_methods(on_vllm, model, contexts, batch_sizes, budget, new_tokens, dense_layers,
+                                  selector_options, Path(out))  # fmt: skip
         print(vllm_speed.table(vllm_rows))
-        methods = [m for m in methods if not vllm_speed.is_vllm(m)]
+        methods = [m for m, p in zip(methods, parsed) if p.runtime != VLLM]
         if not methods:
             return
-    names = [m.split(":")[-1] for m in methods if m not in (speed.PLAIN, speed.PLAIN_STATIC)]
+    names = [p.name for p in parsed if p.runtime != VLLM and p.name]
     options = options_for(sorted(set(names)), selector_options, predictor)
     tier = built_from_option("--host_tier", lambda: HostRetrieval(**(host_tier or {})))
     run = speed.DecodeRun(budget, new_tokens, prefill_chunk, dense_layers, tier, options,
@@ -192,6 +194,7 @@ def _vllm_methods(methods, model, contexts, batches, budget, new_tokens, dense_l
 
     from atskv.errors import InputError
     from atskv.eval import vllm_speed
+    from atskv.eval.method import Method
 
     if model not in vllm_speed.SHAPES:
         raise InputError(f"vllm methods run a shape with dummy weights; shapes: {', '.join(vllm_speed.SHAPES)}")
@@ -199,7 +202,7 @@ def _vllm_methods(methods, model, contexts, batches, budget, new_tokens, dense_l
     runs = [(c, b) for c in contexts for b in batches]
     options = selector_options or {}
     specs = [vllm_speed.EngineSpec(m, str(shape), runs, new_tokens, budget, dense_layers,
-                                   options.get(m.removeprefix("vllm:"), {})) for m in methods]  # fmt: skip
+                                   options.get(Method.parse(m).name, {})) for m in methods]  # fmt: skip
     rows = out / "vllm.jsonl"
     vllm_speed.measure(specs, rows)
     return rows
@@ -237,7 +240,7 @@ def serve(
         budget: the plugin's KV budget per KV head: tokens (int) or a fraction of the context.
         dense_layers: first layers kept dense by the plugin.
         free_blocks: selectors that read by length alone (streaming_llm) hand the blocks they will
-            not read back to vLLM's pool (rows labelled "<method> free_blocks").
+            not read back to vLLM's pool, every layer sparse (rows labelled "<method> (free_blocks)").
         limit_s: a trace stops here, finished or not.
         out: output folder.
     """
@@ -245,18 +248,20 @@ def serve(
 
     from atskv.errors import InputError
     from atskv.eval import vllm_speed, vllm_trace
+    from atskv.eval.method import VLLM, Method, check_methods
     from atskv.runtime.vllm.selection import PAGED_SELECTORS
 
     if model not in vllm_speed.SHAPES:
         raise InputError(f"serve runs a shape with dummy weights; shapes: {', '.join(vllm_speed.SHAPES)}")
-    if any(not vllm_speed.is_vllm(m) for m in methods):
-        raise InputError(f"serve runs vllm and vllm:<selector> methods, got {methods}")
+    check_methods(methods, (VLLM,))
     shape = vllm_speed.write_shape(model, Path(tempfile.mkdtemp()) / model)
+
     def spec(method: str) -> vllm_speed.EngineSpec:
-        selector = PAGED_SELECTORS.get(method.removeprefix("vllm:"))
-        frees = free_blocks and selector is not None and selector.frees_blocks
-        return vllm_speed.EngineSpec(method, str(shape), [], new_tokens, budget, dense_layers, free_blocks=frees,
-                                     label=f"{method} free_blocks" if frees else "")  # fmt: skip
+        selector = PAGED_SELECTORS.get(Method.parse(method).name)
+        if not (free_blocks and selector is not None and selector.frees_blocks):
+            return vllm_speed.EngineSpec(method, str(shape), [], new_tokens, budget, dense_layers)
+        return vllm_speed.EngineSpec(method, str(shape), [], new_tokens, budget, 0, free_blocks=True,
+                                     label=f"{method} (free_blocks)")  # fmt: skip
 
     specs = [spec(m) for m in methods]
     traces = [vllm_trace.Trace(r, requests, shortest, longest, new_tokens, limit_s=limit_s) for r in rates]

@@ -8,7 +8,7 @@ from pathlib import Path
 from atskv.cli.common import load, load_with_selectors, selector_help
 from atskv.data.tasks import TASKS
 from atskv.errors import InputError
-from atskv.eval.peer import KVPRESS_PRESSES
+from atskv.eval.method import KVPRESS_PRESSES
 from atskv.models import DEFAULT_MODEL, resolve_device
 
 
@@ -33,9 +33,9 @@ def recall(
     """Attention recall of each selector at each budget on held-out text windows.
 
     Beside them, the per-query oracle and the best-single-set ceilings; writes table.md,
-    recall.json and recall.png. Selectors in `tiered` run through the two-tier store: what a
-    query reads is then its budget plus the parked tokens retrieval brings back (the table says
-    how many).
+    recall.json and recall.png. Selectors in `tiered` run through the two-tier store, as the rows
+    `tiered:<selector>`: what a query reads is then its budget plus the parked tokens retrieval
+    brings back (the table says how many).
 
     Args:
         model: a named model, a Hugging Face directory or a .gguf file.

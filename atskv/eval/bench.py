@@ -33,19 +33,20 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm.auto import tqdm
 from transformers import LlamaConfig
 
+from atskv.eval.method import HOOK, OWN, check_methods
 from atskv.eval.report import write_report
 from atskv.runtime.fast.loop import prompt_chunks
 from atskv.runtime.fast.session import StaticSession
 from atskv.runtime.reference.sparse import SparseSession, SparsityConfig
-from atskv.selectors import check_selector_names, make_selector
+from atskv.selectors import make_selector
 
 GEOMETRIES = {  # query heads, KV heads, head dim
     "llama3-8b": (32, 8, 128),
     "smollm2-135m": (9, 3, 64),
     "gemma3-270m": (4, 1, 256),
 }
-DENSE = "dense (SDPA)"
-HOOK = "hook:"  # the reference path's methods
+SDPA = "dense (SDPA)"  # the baseline's row
+RUNTIMES = (OWN, HOOK)  # the methods' runtimes timed here (OWN: the fast path)
 PREFILL_CHUNK = 4096
 L2_MULTIPLE = 4  # a step's sparse reads over all its layers: at least this many times the L2 cache
 MAX_LAYERS = 8
@@ -258,7 +259,7 @@ def bench_decode_attention(
         raise ValueError(f"budget_fraction must lie in (0, 1), got {budget_fraction}")
     if layers is not None and layers < 1:
         raise ValueError(f"layers must be at least 1 (or left out: enough to exceed the L2 cache), got {layers}")
-    check_selector_names([name.removeprefix(HOOK) for name in selectors])
+    methods = check_methods(selectors, RUNTIMES)
     device = torch.device(device)
     records = []
     cases = [(b, s) for b in batch_sizes for s in contexts]
@@ -273,13 +274,13 @@ def bench_decode_attention(
             step, backend = sdpa_step(shape, room, count)
             dense_ms = step_milliseconds(step, device, True, repeat, replays) / count
             del step
-            case = [BenchRecord(DENSE, batch, context, budget, dense_ms, 1.0, backend, count)]
-            for name in selectors:
-                hook = name.startswith(HOOK)
+            case = [BenchRecord(SDPA, batch, context, budget, dense_ms, 1.0, backend, count)]
+            for name, method in zip(selectors, methods):
+                hook = method.runtime == HOOK
                 if hook:
-                    step = hook_step(name.removeprefix(HOOK), shape, budget)
+                    step = hook_step(method.name, shape, budget)
                 else:
-                    step = fast_step(name, shape, budget_fraction, room, Path(folder), count)
+                    step = fast_step(method.name, shape, budget_fraction, room, Path(folder), count)
                 ms = step_milliseconds(step, device, not hook, repeat, replays) / (1 if hook else count)
                 del step
                 case.append(BenchRecord(name, batch, context, budget, ms, dense_ms / ms, layers=1 if hook else count))
@@ -303,12 +304,12 @@ def markdown(records: list[BenchRecord]) -> str:
             r = cell.get((name, b, c))
             if r is None:
                 cells.append("")
-            elif name == DENSE:
+            elif name == SDPA:
                 cells.append(f"{r.milliseconds:.3f} ms ({r.backend})")
             else:
                 cells.append(f"{r.milliseconds:.3f} ms ({r.speedup:.2f}x)")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    counts = ", ".join(f"B={b} {c / 1024:g}K: {cell[(DENSE, b, c)].layers}" for b, c in cases if (DENSE, b, c) in cell)
+    counts = ", ".join(f"B={b} {c / 1024:g}K: {cell[(SDPA, b, c)].layers}" for b, c in cases if (SDPA, b, c) in cell)
     lines.append(
         f"\nPer layer; layers per timed step (each its own cache, so the L2 cache does not hold them): {counts}."
     )

@@ -29,15 +29,14 @@ from pathlib import Path
 from atskv.budget import check_budget
 from atskv.data import TaskExample
 from atskv.errors import InputError
+from atskv.eval.method import DENSE, HOOK, KVPRESS, OWN, Method, check_methods
 from atskv.eval.report import write_report
-from atskv.eval.tasks import DENSE
 from atskv.paths import default_cache_dir
 from atskv.selectors.base import Selector
 
 PEER_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "peer_kvpress"
 KVPRESS_SCRIPT = PEER_DIR / "run_presses.py"
 KVPRESS_SETUP = PEER_DIR / "setup.sh"
-KVPRESS_PRESSES = ("snapkv", "streaming_llm", "observed_attention", "expected_attention", "tova", "kvzip")
 
 
 class KvpressNotInstalled(FileNotFoundError):
@@ -172,7 +171,8 @@ def run_kvpress(
 
 @dataclass(frozen=True)
 class PeerRun:
-    """One generation of one example: `method` is `dense`, `atskv:NAME` or `kvpress:NAME`;
+    """One generation of one example: `method` is `dense`, `hook:NAME` (atskv's reference hook)
+    or `kvpress:NAME`;
     `score` is `TaskExample.score` (the fraction of the answers found); `kv_fraction` the KV held
     after generation over what full KV holds for as many tokens (None where not measured)."""
 
@@ -223,7 +223,7 @@ def score_kvpress(
         none = r["press"] == "none"
         runs.append(
             PeerRun(
-                method="kvpress:none" if none else f"kvpress:{r['press']}",
+                method=str(Method(KVPRESS, r["press"])),
                 budget=None if none else budget_fraction(r["compression_ratio"]),
                 example_id=r["id"],
                 length=peer_example.length,
@@ -258,7 +258,7 @@ def summarize(runs: list[PeerRun]) -> list[PeerRow]:
 
     def order(label: str):
         first = groups[label][0]
-        return (first.budget is not None, first.budget or 0.0, not first.method.startswith(("dense", "atskv")), label)
+        return (first.budget is not None, first.budget or 0.0, Method.parse(first.method).runtime == KVPRESS, label)
 
     rows = []
     for label in sorted(groups, key=order):
@@ -302,15 +302,10 @@ def markdown_table(rows: list[PeerRow]) -> str:
 def check_peer_plan(python: Path, budgets: list[float], presses: list[str], our_selectors: list[str]) -> None:
     """Refuse a missing kvpress venv, a budget that is not a fraction, an unknown selector or
     press, before any model loads."""
-    from atskv.selectors import check_selector_names
-
     check_kvpress(python)
     for budget in budgets:
         compression_ratio(budget)
-    check_selector_names(our_selectors)
-    unknown = sorted(set(presses) - set(KVPRESS_PRESSES))
-    if unknown:
-        raise ValueError(f"unknown kvpress presses {unknown}; choose from {', '.join(KVPRESS_PRESSES)}")
+    check_methods([*our_selectors, *(str(Method(KVPRESS, press)) for press in presses)], (OWN, KVPRESS))
 
 
 def compare_with_kvpress(
@@ -358,7 +353,7 @@ def compare_with_kvpress(
             )  # fmt: skip
             if selector is None:
                 bytes_per_token[e.id] = dense_bytes_per_token(run.kv_bytes, run.prompt_tokens, run.new_tokens)
-            method = DENSE if selector is None else f"atskv:{selector.name}"
+            method = DENSE if selector is None else str(Method(HOOK, selector.name))
             kv = held_fraction(run.kv_bytes, run.prompt_tokens, run.new_tokens, bytes_per_token[e.id])
             runs.append(PeerRun(method, budget, e.id, e.length, run.score, kv, run.text))
             print(f"{runs[-1].label:>28} {e.id}: score {run.score:.2f} {run.text.strip()[:32]!r}", file=sys.stderr,

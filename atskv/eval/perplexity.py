@@ -18,12 +18,11 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from atskv.budget import check_budget
+from atskv.eval.method import DENSE
 from atskv.eval.report import write_report
 from atskv.models.cache_names import returned_cache, with_cache
 from atskv.runtime.reference.tiered import memory_session
 from atskv.selectors import Selector, make_selector
-
-DENSE = "dense"
 
 
 @dataclass

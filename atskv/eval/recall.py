@@ -16,10 +16,10 @@ heads, and reports:
   set for the window (top-k of the mass summed over the window's queries: the limit of any
   query-agnostic policy that must commit to one set).
 
-Selectors named in `tiered` run through the two-tier store instead (`TieredRecallProbe`): their
-tokens really move between the GPU tier and the host, and a query's kept set is what the tiered
-run reads for it, the active tokens it attends plus the parked ones retrieval brought back, so
-their reads exceed the budget by the retrieved count.
+Selectors named in `tiered` run through the two-tier store instead (`TieredRecallProbe`), as the
+rows `tiered:<selector>`: their tokens really move between the GPU tier and the host, and a
+query's kept set is what the tiered run reads for it, the active tokens it attends plus the parked
+ones retrieval brought back, so their reads exceed the budget by the retrieved count.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import torch
 from tqdm.auto import tqdm
 
 from atskv.attention import grouped_probs, sdpa_attention
+from atskv.eval.method import TIERED, Method
 from atskv.eval.report import write_report
 from atskv.figures import save_figure
 from atskv.models.cache_names import with_cache
@@ -45,7 +46,6 @@ from atskv.selectors.base import LayerView
 
 ORACLE_CEILING = "ceiling: per-query oracle"
 WINDOW_CEILING = "ceiling: best single set"
-TIERED_SUFFIX = " (tiered)"  # a selector measured through the two-tier store
 
 
 @dataclass
@@ -231,7 +231,7 @@ class RecallReport:
         means = self.mean_over_layers()
         reads: dict[tuple[str, int], list[float]] = defaultdict(list)
         for r in self.records:
-            if r.selector.endswith(TIERED_SUFFIX):
+            if r.reads is not None and Method.parse(r.selector).runtime == TIERED:  # ceilings read nothing
                 reads[(r.selector, r.budget)].append(r.reads)
         budgets = sorted({b for _, b in means})
         names = list(dict.fromkeys(s for s, _ in means if not s.startswith("ceiling")))
@@ -302,7 +302,7 @@ def attention_recall(
 ) -> RecallReport:
     """Recall of every selector at every budget on `windows` (`[N, T]` token ids, no padding):
     `selectors` under `atskv.sparse`, `tiered` through the two-tier store with the `tiering`
-    options (`TieringConfig` fields), labelled with `TIERED_SUFFIX`.
+    options (`TieringConfig` fields), labelled `tiered:<selector>`.
 
     One probe run per (selector, budget) and window batch: evicting selectors' state depends on
     the budget, so nothing is shared between budgets except the ceilings, computed once."""
@@ -321,7 +321,7 @@ def attention_recall(
 
     def tiered_probe(selector: Selector, budget: int) -> TieredRecallProbe:
         configs = tiered_configs(selector, budget, dense_layers, tiering or {})
-        return TieredRecallProbe(model, selector, *configs, RecallSums(selector.name + TIERED_SUFFIX, budget))
+        return TieredRecallProbe(model, selector, *configs, RecallSums(str(Method(TIERED, selector.name)), budget))
 
     # every probe is built before any runs: a bad budget or tiering option fails before the work
     ceilings = RecallProbe(model, make_selector("dense"), SparsityConfig(budgets[0], dense_layers), budgets)

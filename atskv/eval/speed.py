@@ -1,7 +1,7 @@
 """End-to-end decode speed: prefill, then N decode steps through `generate`, for plain transformers
 (its own cache and SDPA, no atskv: what a user runs instead), atskv's fast path (dense and every
 selector it supports) and, on request, the reference hook (`atskv.sparse` + `model.generate`),
-all in one run on one GPU, with ratios to plain from that run. `tiered:<selector>` runs the fast
+all in one run on one GPU, with ratios to plain from that run. `host:<selector>` runs the fast
 path with its host tier (`HostRetrieval`): the selector's budget stays on the GPU, every token also
 in pinned host memory, the best parked pages read back each step.
 
@@ -33,21 +33,20 @@ from tqdm.auto import tqdm
 import atskv
 from atskv.budget import check_budget
 from atskv.eval.generation import TokenClock
+from atskv.eval.method import DENSE, HOOK, HOST, OWN, PLAIN, PLAIN_STATIC, Method, check_methods
 from atskv.eval.report import write_report
 from atskv.eval.rows import RowStore
 from atskv.eval.shapes import SHAPES
 from atskv.runtime.fast.host_pages import HostRetrieval, pinned_peak, reset_peak_pinned
 from atskv.selectors import SELECTORS, make_selector, name_parts
 
-PLAIN = "plain"
-PLAIN_STATIC = "plain-static"
-HOOK, TIERED = "hook:", "tiered:"
+RUNTIMES = (PLAIN, PLAIN_STATIC, OWN, HOOK, HOST)  # the methods' runtimes timed here (OWN: the fast path)
 
 
 @dataclass(frozen=True)
 class DecodeRun:
     """What every method of one measurement shares: the budget (GPU tokens per managed layer and
-    KV head), decode steps, prompt chunk, dense first layers, `host_tier` (the host tier a `tiered:`
+    KV head), decode steps, prompt chunk, dense first layers, `host_tier` (the host tier a `host:`
     method runs with: tokens read back per step in whole pages, the GPU page cache, what ranks the
     parked pages) and per-selector options (`{"learned": {"predictor": ...}}`; learned without a
     predictor gets a random one of the model's shape); `compile`: the fast path's decoder layers
@@ -73,7 +72,7 @@ class DecodeRun:
 @dataclass
 class SpeedRecord:
     model: str
-    method: str  # "plain", "dense", a selector name, or "hook:<selector>"
+    method: str  # a `Method`: "plain", "dense", a selector name, "hook:<selector>", ...
     batch: int
     context: int
     budget: int | float | None
@@ -158,7 +157,10 @@ def synthetic_options(model, name: str, options: dict, dense_layers: int, folder
 
 
 def _selector(model, method: str, run: DecodeRun, folder: Path):
-    name = method.removeprefix(HOOK).removeprefix(TIERED)
+    """The selector `method` runs (None for plain transformers), per-model state made up."""
+    name = Method.parse(method).name
+    if not name:
+        return None
     options = {key: dict(v) if isinstance(v, dict) else v for key, v in run.selector_options.get(name, {}).items()}
     return make_selector(name, **synthetic_options(model, name, options, run.dense_layers, folder))
 
@@ -194,7 +196,7 @@ def run_method(model, method: str, ids: torch.Tensor, run: DecodeRun, clock: Pha
     with torch.no_grad(), tempfile.TemporaryDirectory() as folder:
 
         def made():
-            return None if method in (PLAIN, PLAIN_STATIC) else _selector(model, method, run, Path(folder))
+            return _selector(model, method, run, Path(folder))
 
         _generate(model, method, ids[:, -run.prefill_chunk :], replace(run, new_tokens=2), made(), None)
         selector = made()
@@ -237,15 +239,16 @@ def _generate(model, method: str, ids: torch.Tensor, run: DecodeRun, selector, s
     mask = ragged_mask(*ids.shape, run.padding, ids.device)
     plain = dict(max_new_tokens=run.new_tokens, min_new_tokens=run.new_tokens, do_sample=False, streamer=streamer,
                  attention_mask=mask)  # fmt: skip
-    if method == PLAIN:
+    runtime = Method.parse(method).runtime
+    if runtime == PLAIN:
         model.generate(ids, **plain)
-    elif method == PLAIN_STATIC:  # transformers' static cache, whose decode step it compiles (CUDA graphs)
+    elif runtime == PLAIN_STATIC:  # transformers' static cache, whose decode step it compiles (CUDA graphs)
         model.generate(ids, **plain, cache_implementation="static")
-    elif method.startswith(HOOK):
+    elif runtime == HOOK:
         with atskv.sparse(model, selector, run.budget, dense_layers=run.dense_layers):
             model.generate(ids, **plain)
     else:
-        tier = run.host_tier if method.startswith(TIERED) else None
+        tier = run.host_tier if runtime == HOST else None
         atskv.generate(model, ids, selector, run.budget, max_new_tokens=run.new_tokens, attention_mask=mask,
                        dense_layers=run.dense_layers, prefill_chunk=run.prefill_chunk, streamer=streamer, tier=tier,
                        compile=run.compile)  # fmt: skip
@@ -257,9 +260,10 @@ def measure(model, model_name: str, methods: Sequence[str], contexts: Sequence[i
     """Every method at every (context, batch), each shape's ratios from its own run. Methods:
     `plain` (transformers' default cache and SDPA), `plain-static` (transformers' static cache,
     its decode step compiled by transformers), `dense` or a selector name (atskv's fast path),
-    `tiered:<selector>` (the fast path with its host tier), `hook:<selector>` (atskv's reference
+    `host:<selector>` (the fast path with its host tier), `hook:<selector>` (atskv's reference
     session under `model.generate`). With a `store` (`record_store`), each record is kept there as
     it finishes and one the store already has is not measured again."""
+    check_methods(methods, RUNTIMES)
     grid = [(c, b, m) for c in contexts for b in batches for m in methods]
     records = []
     for c, b, m in tqdm(grid, desc=f"decode speed, {model_name}", unit="run"):
@@ -292,6 +296,7 @@ def largest_batches(
     the weights plus `kv_gib` GiB (the allocator's per-process limit), with its throughput; a
     method that fits no batch gets its out-of-memory record. CUDA only. With a `store`, as in
     `measure`: a method's record is kept once its search ends."""
+    check_methods(methods, RUNTIMES)
     device = next(model.parameters()).device
     if device.type != "cuda":
         raise ValueError("largest_batches needs a CUDA GPU (it sets the allocator's memory limit)")
@@ -329,7 +334,7 @@ def _timed(model, model_name: str, method: str, context: int, batch: int, run: D
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     reset_peak_pinned()
-    budget = None if method in (PLAIN, PLAIN_STATIC, "dense") else run.budget
+    budget = None if Method.parse(method).name in ("", DENSE) else run.budget
     record = SpeedRecord(model_name, method, batch, context, budget, None, None, None, None)
     clock = PhaseClock(device)
     try:
@@ -395,7 +400,8 @@ def _plot(records: list[SpeedRecord], path: Path) -> None:
         rows = [r for r in records if (r.model, r.context, r.batch) == shape]
         names = [r.method for r in rows]
         values = [r.tokens_per_s or 0 for r in rows]
-        ax.barh(names, values, color=["grey" if n.startswith(PLAIN) else "tab:blue" for n in names])
+        plain = [Method.parse(n).runtime in (PLAIN, PLAIN_STATIC) for n in names]
+        ax.barh(names, values, color=["grey" if p else "tab:blue" for p in plain])
         ax.set_title(f"{shape[0]}, {shape[1] // 1024}K, B={shape[2]}", fontsize=9)
         ax.set_xlabel("tokens/s")
         ax.invert_yaxis()

@@ -20,10 +20,9 @@ from atskv.budget import check_budget
 from atskv.data.prompts import encode_prompt
 from atskv.data.tasks import DEPTH_FREE, TASKS, TaskExample
 from atskv.eval.generation import generate_batch, pad_left
+from atskv.eval.method import DENSE
 from atskv.eval.report import write_report
 from atskv.selectors import Selector, check_selector_names
-
-DENSE = "dense"
 
 
 @dataclass(frozen=True)

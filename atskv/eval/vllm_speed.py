@@ -21,6 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from atskv.eval.method import Method
 from atskv.eval.rows import json_lines
 from atskv.eval.shapes import SHAPES
 from atskv.runtime.vllm.config import WORKER
@@ -59,7 +60,7 @@ def engine_arguments(spec: EngineSpec, max_model_len: int, max_num_seqs: int) ->
         gpu_memory_utilization=spec.gpu_memory_utilization, seed=0,
     )  # fmt: skip
     if spec.method != VANILLA:
-        selector = spec.method.removeprefix(f"{VANILLA}:")
+        selector = Method.parse(spec.method).name
         settings = {"selector": selector, "budget": spec.budget, "dense_layers": spec.dense_layers}
         if spec.options:
             settings["options"] = spec.options
@@ -187,10 +188,6 @@ def measure(specs: list[EngineSpec], rows: Path) -> None:
         spec_file.write_text(json.dumps(asdict(todo)))
         print(f"vLLM engine: {spec.label} (context x batch: {todo.runs})", file=sys.stderr)
         engine_process("atskv.eval.vllm_speed", spec_file, rows)
-
-
-def is_vllm(method: str) -> bool:
-    return method == VANILLA or method.startswith(f"{VANILLA}:")
 
 
 def table(rows: Path) -> str:

@@ -47,6 +47,7 @@ import torch
 from tqdm.auto import tqdm
 
 from atskv.eval import report
+from atskv.eval.method import DENSE
 from atskv.figures import save_figure
 from atskv.models import model_geometry
 from atskv.models.cache_names import with_cache
@@ -57,7 +58,7 @@ from atskv.rl.rollout import RolloutResult, context_features, predictor_logits, 
 from atskv.selectors.base import Selector
 
 HELDOUT_TASK_SEED_BASE = 2_000_000
-DENSE, THRESHOLD = "dense", "threshold"
+THRESHOLD = "threshold"
 EVICTING_BASELINES = ("h2o", "snapkv", "streaming_llm")
 
 

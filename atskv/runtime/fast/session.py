@@ -50,12 +50,13 @@ from atskv.kernels.sparse_decode import sparse_decode_attention
 from atskv.memory.slot_cache import slot_index
 from atskv.runtime.fast.host_pages import HostPages, HostRetrieval
 from atskv.runtime.fast.static_cache import StaticKVCache, StaticSlotLayer
-from atskv.runtime.reference.sparse import STATIC_ATTENTION_NAME, SparseSession, SparsityConfig
+from atskv.runtime.reference.sparse import STATIC_ATTENTION_NAME, SelectorSession, SparsityConfig
 from atskv.selectors.base import LAST_QUERIES, LayerView, Selector
 
 
-class StaticSession(SparseSession):
-    """A `SparseSession` over a `StaticKVCache` for one `generate` call; see the module docstring."""
+class StaticSession(SelectorSession):
+    """The selection of a `SparseSession` over a `StaticKVCache`, for one `generate` call; see the
+    module docstring."""
 
     attention_name = STATIC_ATTENTION_NAME
 

@@ -51,10 +51,12 @@ class SparsityConfig:
             raise ValueError(f"dense_layers must be >= 0, got {self.dense_layers}")
 
 
-class SparseSession:
-    """Binds a model, a selector and a `SparsityConfig`; owns the cache of the current forward."""
-
-    attention_name = ATTENTION_NAME
+class SelectorSession:
+    """What a selector's session holds in both runtimes: a model, a selector and where it applies
+    (`SparsityConfig`), the layers it manages, the cache of the current forward and the running
+    layer's attention input. `attach` routes a model's attention to a subclass's `attend`: this
+    module's `SparseSession` (the reference), or the fast path's `StaticSession`, which shares
+    nothing else of it (its cache, masks and steps are its own)."""
 
     def __init__(self, model, selector: Selector, config: SparsityConfig):
         self.model = model
@@ -65,7 +67,7 @@ class SparseSession:
         self.managed_layers = frozenset(
             i for i, kind in enumerate(layer_types) if kind == "full_attention" and i >= config.dense_layers
         )
-        self.cache: SparseKVCache | None = None
+        self.cache = None  # the current forward's, from `bind`
         # the running layer's attention input, for selectors that set `needs_hidden` (filled by `attach`)
         self.hidden: dict[int, torch.Tensor] = {}
         self.token_ids: torch.Tensor | None = None
@@ -78,6 +80,13 @@ class SparseSession:
     def needs_hidden(self) -> bool:
         """Whether `attach` keeps the managed layers' attention inputs in `hidden`."""
         return self.selector.needs_hidden
+
+
+class SparseSession(SelectorSession):
+    """The reference session: selection over a growing slot cache (`SparseKVCache`), by masks or
+    index lists, with the selector observing and evicting as it goes."""
+
+    attention_name = ATTENTION_NAME
 
     def new_cache(self) -> SparseKVCache:
         return SparseKVCache(self.model.config, self.managed_layers)
@@ -189,7 +198,7 @@ def _visible_slots(
 @torch.compiler.disable  # a compiled decoder layer calls it eagerly: selectors keep Python state
 def atskv_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """The registered attention function: managed layers go through the session, others to SDPA."""
-    session: SparseSession | None = getattr(module, _SESSION_ATTR, None)
+    session: SelectorSession | None = getattr(module, _SESSION_ATTR, None)
     if session is None or not session.handles(module.layer_idx):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if kwargs.get("softcap") is not None:
@@ -255,7 +264,7 @@ def sparse(
 
 
 @contextlib.contextmanager
-def attach(model, session: SparseSession) -> Iterator[SparseSession]:
+def attach(model, session: SelectorSession) -> Iterator[SelectorSession]:
     """Route `model`'s attention and cache through `session` inside the block (what `sparse`
     does with a `SparseSession`; the recall probe attaches its own session subclass, the
     predictor's biased attention a session of its own: any object with `attention_name`,
