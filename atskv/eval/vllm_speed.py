@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -98,6 +99,11 @@ def greedy(new_tokens: int):
     from vllm import SamplingParams
 
     return SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
+
+
+def file_stem(label: str) -> str:
+    """A row label as part of a file name: letters, digits, `_`, `.` and `-` only."""
+    return re.sub(r"[^\w.-]+", "-", label).strip("-")
 
 
 def engine_process(module: str, *files: Path) -> None:
@@ -184,7 +190,7 @@ def measure(specs: list[EngineSpec], rows: Path) -> None:
         if not wanted and not identity:
             continue
         todo = EngineSpec(**{**asdict(spec), "runs": wanted, "identity_tokens": int(identity and spec.identity_tokens)})
-        spec_file = rows.with_suffix(f".{spec.label.replace(':', '-')}.spec.json")
+        spec_file = rows.with_suffix(f".{file_stem(spec.label)}.spec.json")
         spec_file.write_text(json.dumps(asdict(todo)))
         print(f"vLLM engine: {spec.label} (context x batch: {todo.runs})", file=sys.stderr)
         engine_process("atskv.eval.vllm_speed", spec_file, rows)

@@ -21,7 +21,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from atskv.eval.rows import json_lines
-from atskv.eval.vllm_speed import EngineSpec, done, engine_arguments, engine_process, greedy, prompts
+from atskv.eval.vllm_speed import (
+    EngineSpec,
+    done,
+    engine_arguments,
+    engine_process,
+    file_stem,
+    greedy,
+    prompts,
+)
 
 
 @dataclass(frozen=True)
@@ -141,7 +149,7 @@ def measure(specs: list[EngineSpec], traces: list[Trace], rows: Path) -> None:
         for trace in traces:
             if (spec.label, "trace", trace.longest, trace.rate) in done(rows):
                 continue
-            stem = f"{spec.label.replace(':', '-')}-{trace.rate}"
+            stem = f"{file_stem(spec.label)}-{trace.rate}"
             spec_file, trace_file = rows.with_suffix(f".{stem}.spec.json"), rows.with_suffix(f".{stem}.trace.json")
             spec_file.write_text(json.dumps(asdict(spec)))
             trace_file.write_text(json.dumps(asdict(trace)))
