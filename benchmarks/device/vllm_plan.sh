@@ -5,7 +5,7 @@
 #   bash benchmarks/device/vllm_plan.sh tests     # the plugin's GPU tests in a small engine (~4 min)
 #   bash benchmarks/device/vllm_plan.sh trace     # a Poisson trace at one rate, vanilla and StreamingLLM
 #   bash benchmarks/device/vllm_plan.sh inflight METHOD [free]  # 12 requests of 128K at once through one
-#        engine (~4 min): the most in flight and each one's share of the KV pool (METHOD: vllm, vllm:streaming_llm)
+#        engine (~4 min): the most in flight and each one's share of the KV pool (free: dense_layers 0)
 # Rows land under $OUT (JSON lines, as they finish), with the logs.
 set -uo pipefail
 source benchmarks/device/vllm_env.sh
@@ -41,7 +41,7 @@ from atskv.eval import vllm_speed, vllm_trace
 shape = vllm_speed.write_shape("llama3.1-8b", Path(tempfile.mkdtemp()) / "llama3.1-8b")
 free = sys.argv[3] == "free"
 spec = vllm_speed.EngineSpec(sys.argv[2], str(shape), [], free_blocks=free, dense_layers=0 if free else 2,
-                             label=sys.argv[2] + (" (free_blocks)" if free else ""))
+                             label=sys.argv[2] + (" (free_blocks, 0 dense)" if free else ""))
 rows = Path(sys.argv[1]) / "inflight.jsonl"
 vllm_trace.measure([spec], [vllm_trace.Trace(rate=50.0, requests=12, shortest=131072, new_tokens=256, limit_s=140)], rows)
 print(vllm_trace.table(rows))

@@ -53,7 +53,7 @@ class PluginConfig:
             freeing = [name for name, cls in PAGED_SELECTORS.items() if cls.frees_blocks]
             raise InputError(f"atskv: free_blocks needs a budget below 1.0 and a selector whose reads follow "
                              f"from a request's length: {', '.join(freeing)}")  # fmt: skip
-        if self.free_blocks and self.dense_layers:  # vLLM would merge both layer kinds into one full-attention group
+        if self.free_blocks and self.dense_layers:  # vLLM's uniformity check would merge both kinds into one group
             raise InputError("atskv: free_blocks needs dense_layers=0 (dense layers beside freeing ones: not yet)")
 
     @property
