@@ -17,8 +17,8 @@ _HOMES = {
     "TieringConfig": "atskv.runtime.reference.tiered",
     "tiered": "atskv.runtime.reference.tiered",
     "HostRetrieval": "atskv.runtime.fast.host_pages",
-    "SparseKVCache": "atskv.memory.slot_cache",
-    "kv_bytes": "atskv.memory.slot_cache",
+    "SparseKVCache": "atskv.slot_cache",
+    "kv_bytes": "atskv.slot_cache",
     "SELECTORS": "atskv.selectors",
     "make_selector": "atskv.selectors",
 }

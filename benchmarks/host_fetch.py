@@ -1,4 +1,4 @@
-"""Host fetch bandwidth of the fast path's tier (`atskv/memory/host_pages.py`) against the pinned-copy
+"""Host fetch bandwidth of the fast path's tier (`atskv/runtime/fast/host_pages.py`) against the pinned-copy
 ceiling, on one GPU: a gather of N tokens (whole pages of 16, per KV head) read through the device
 alias of pinned memory, as a decode step does, against one contiguous pinned -> GPU copy of the
 same bytes (the copy engine's best case). Llama-3.1-8B's KV geometry per layer: 8 KV heads, head

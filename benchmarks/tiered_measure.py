@@ -36,11 +36,11 @@ import atskv
 from atskv.data import corpus_windows
 from atskv.eval.perplexity import evaluate_perplexity
 from atskv.eval.tasks import evaluate_tasks
-from atskv.memory.slot_cache import kv_bytes
 from atskv.models import load_model, resolve_device
 from atskv.runtime.reference.host_tier import HostTier
 from atskv.runtime.reference.sparsity import LayerPolicy
 from atskv.selectors import make_selector
+from atskv.slot_cache import kv_bytes
 
 RETRIEVAL = {
     "off": dict(retrieve=0),

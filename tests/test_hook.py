@@ -9,8 +9,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import atskv
-from atskv.memory.slot_cache import SlotLayer
 from atskv.models.cache_names import returned_cache, with_cache
+from atskv.slot_cache import SlotLayer
 from tests.conftest import EVERY_TOKEN, random_prompt, tiny_model
 
 DECODE_STEPS = 32

@@ -1,4 +1,4 @@
-"""The fast path's host tier (`atskv/memory/host_pages.py`, `atskv.generate(..., tier=...)`): what it
+"""The fast path's host tier (`atskv/runtime/fast/host_pages.py`, `atskv.generate(..., tier=...)`): what it
 fetches against a brute-force reference, residency bookkeeping, and generation that reads every
 parked page equal to dense generation."""
 

@@ -12,7 +12,6 @@ import atskv
 from atskv.errors import InputError
 from atskv.eval.recall import RecallProbe, attention_recall
 from atskv.features import SCALAR_FEATURES
-from atskv.memory.slot_cache import SlotLayer
 from atskv.models import model_geometry
 from atskv.predictor.export import default_predictor_dir, export_predictor
 from atskv.predictor.model import FeatureSpec, RelevanceMLP
@@ -20,6 +19,7 @@ from atskv.runtime.reference.sparse import SparseSession, SparsityConfig, attach
 from atskv.selectors import check_selector_names, make_selector, selector_options, selectors_for_model
 from atskv.selectors.base import LayerView, select_top_budget
 from atskv.selectors.hybrid import HybridBudget, HybridSelector
+from atskv.slot_cache import SlotLayer
 from tests.conftest import EVERY_TOKEN, VOCAB, random_prompt, tiny_model
 
 MANAGED = [2, 3]  # a 4-layer tiny Llama with dense_layers=2

@@ -13,11 +13,11 @@ LAYERS = (
     ("atskv.attention", "atskv.features", "atskv.errors", "atskv.paths", "atskv.figures"),
     ("atskv.kernels",),  # Triton kernels and their torch references
     ("atskv.budget", "atskv.models", "atskv.data"),
-    ("atskv.memory",),  # the cache layers a selector reads
+    ("atskv.slot_cache",),  # the cache layers a selector reads
     ("atskv.selectors",),
     ("atskv.runtime.reference",),  # atskv.sparse, atskv.tiered and their stores
     ("atskv.runtime",),  # atskv.generate (runtime.fast) over the reference's registration; the vLLM plugin
-    ("atskv",),  # the public names (loaded on first use from the runtimes, memory and selectors)
+    ("atskv",),  # the public names (loaded on first use from the runtimes, slot cache and selectors)
     ("atskv.predictor",),
     ("atskv.eval",),
     ("atskv.rl",),
@@ -60,16 +60,16 @@ def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
 def test_the_checker_finds_an_arrow_up():
     graph = {
         "atskv.kernels.quest": {"atskv.selectors.base", "atskv.kernels.backend", "atskv.attention"},
-        "atskv.memory.slot_cache": {"atskv.selectors"},
+        "atskv.slot_cache": {"atskv.selectors"},
         "atskv.predictor.collect": {"atskv.eval.generation", "atskv.runtime.reference.sparse"},
-        "atskv.selectors.learned": {"atskv.predictor.export", "atskv.memory.slot_cache"},
+        "atskv.selectors.learned": {"atskv.predictor.export", "atskv.slot_cache"},
         "atskv.selectors.quest": {"atskv.predictor.collect"},
     }
     assert upward_imports(graph) == [
         "atskv.kernels.quest -> atskv.selectors.base",
-        "atskv.memory.slot_cache -> atskv.selectors",
         "atskv.predictor.collect -> atskv.eval.generation",
         "atskv.selectors.quest -> atskv.predictor.collect",
+        "atskv.slot_cache -> atskv.selectors",
     ]
 
 

@@ -1,4 +1,4 @@
-"""Retrieval indexes of the passive tier (atskv/memory/retrieval.py), against direct references."""
+"""Retrieval indexes of the passive tier (atskv/runtime/reference/retrieval.py), against direct references."""
 
 from __future__ import annotations
 

@@ -352,4 +352,4 @@ def test_real_smollm2_runs_the_shipped_predictor_by_name(caplog):
             lm.model.generate(ids, max_new_tokens=4, do_sample=False)
     assert session.selector.predictor.header.config_hash is not None, "the shipped header records the config"
     assert isinstance(tiered.selector, LearnedSelector)
-    assert any("predictors/smollm2-135m" in r.getMessage() for r in caplog.records)
+    assert any("shipped/smollm2-135m" in r.getMessage() for r in caplog.records)

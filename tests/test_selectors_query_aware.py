@@ -243,7 +243,7 @@ def test_sparq_breaks_equal_query_magnitudes_towards_the_lower_dimension():
 def _shuffled_view(recent_queries: int, seed: int = 0) -> LayerView:
     """A random layer of 40 slots (two KV heads of groups of 2, head dim 16) holding positions 0..35
     shuffled over the slots per row, 4 of them free, seen by the newest `recent_queries` queries."""
-    from atskv.memory.slot_cache import SlotLayer
+    from atskv.slot_cache import SlotLayer
 
     g = torch.Generator().manual_seed(seed)
     b, hkv, s, tq = 2, 2, 40, recent_queries

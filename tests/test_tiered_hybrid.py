@@ -15,7 +15,6 @@ import torch
 import atskv
 import atskv.runtime.reference.tiered as tiered_module
 from atskv.eval.perplexity import evaluate_perplexity
-from atskv.memory.slot_cache import SlotLayer
 from atskv.runtime.reference.sparsity import LayerPolicy
 from atskv.runtime.reference.tiered import TieredSession
 from atskv.runtime.reference.tiered_cache import TierStats
@@ -23,6 +22,7 @@ from atskv.selectors import make_selector
 from atskv.selectors.base import LayerView, select_top_budget
 from atskv.selectors.hybrid import HybridSelector
 from atskv.selectors.learned import LearnedSelector
+from atskv.slot_cache import SlotLayer
 from tests.conftest import EVERY_TOKEN, random_prompt, tiny_model
 from tests.test_hybrid import MANAGED
 from tests.test_hybrid import predictor_dir as hybrid_predictor_dir

@@ -12,13 +12,13 @@ from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 from atskv.data import TaskExample
-from atskv.memory.slot_cache import kv_bytes
 from atskv.models.cache_names import with_cache
 from atskv.runtime.fast.host_pages import HostRetrieval
 from atskv.runtime.fast.loop import generate as generate_fast
 from atskv.runtime.reference.tiered import memory_session
 from atskv.selectors import Selector
 from atskv.selectors.base import LAST_QUERIES
+from atskv.slot_cache import kv_bytes
 
 
 @dataclass(frozen=True)

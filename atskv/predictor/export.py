@@ -108,7 +108,7 @@ class LoadedPredictor:
     token_types: torch.Tensor  # [vocab] int8: type of every input id of the base model
 
 
-SHIPPED = Path(__file__).resolve().parent.parent / "predictors"  # predictors that come with atskv
+SHIPPED = Path(__file__).resolve().parent / "shipped"  # predictors that come with atskv
 
 
 def default_predictor_dir(model_name: str) -> Path:

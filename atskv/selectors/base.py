@@ -19,7 +19,7 @@ from atskv.budget import resolve_budget
 from atskv.kernels.budget import kept_count
 
 if TYPE_CHECKING:
-    from atskv.memory.slot_cache import SlotLayer
+    from atskv.slot_cache import SlotLayer
 
 
 @dataclass

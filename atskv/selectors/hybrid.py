@@ -27,8 +27,8 @@ import torch
 
 from atskv.budget import check_budget
 from atskv.errors import InputError
-from atskv.memory.slot_cache import slot_index
 from atskv.selectors.base import LayerView, Selector
+from atskv.slot_cache import slot_index
 
 RESIDENCY_FACTOR = 4  # default residency: this many times the attention budget
 

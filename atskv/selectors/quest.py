@@ -40,9 +40,9 @@ import torch
 
 from atskv.kernels.quest import masked_page_bounds, quest_page_scores
 from atskv.kernels.quest_decode import quest_pick, quest_step_scores
-from atskv.memory.slot_cache import slot_index
 from atskv.selectors.base import LayerView, Selector, budget_tokens
 from atskv.selectors.buffers import with_room
+from atskv.slot_cache import slot_index
 
 
 @dataclass

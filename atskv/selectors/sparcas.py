@@ -32,9 +32,9 @@ import torch
 from atskv.attention import grouped_queries
 from atskv.kernels.partial_scores import partial_scores
 from atskv.kernels.sparq_decode import pooled_probs, sparq_decode
-from atskv.memory.slot_cache import slot_index
 from atskv.selectors.base import LayerView, Selector, budget_tokens
 from atskv.selectors.buffers import with_room
+from atskv.slot_cache import slot_index
 
 
 @dataclass

@@ -47,11 +47,11 @@ from atskv.kernels.backend import aligned_slots
 from atskv.kernels.evict import evict_lowest
 from atskv.kernels.received_mass import prefix_received_mass
 from atskv.kernels.sparse_decode import sparse_decode_attention
-from atskv.memory.slot_cache import slot_index
 from atskv.runtime.fast.host_pages import HostPages, HostRetrieval
 from atskv.runtime.fast.static_cache import StaticKVCache, StaticSlotLayer
 from atskv.runtime.reference.sparse import STATIC_ATTENTION_NAME, SelectorSession, SparsityConfig
 from atskv.selectors.base import LAST_QUERIES, LayerView, Selector
+from atskv.slot_cache import slot_index
 
 
 class StaticSession(SelectorSession):

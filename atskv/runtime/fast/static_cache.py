@@ -21,7 +21,7 @@ from transformers.cache_utils import Cache
 
 from atskv.kernels.evict import first_free
 from atskv.kernels.slot_write import write_decode_token
-from atskv.memory.slot_cache import SlotLayer, slot_index
+from atskv.slot_cache import SlotLayer, slot_index
 
 
 class StaticSlotLayer(SlotLayer):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from atskv.memory.slot_cache import first_true
+from atskv.slot_cache import first_true
 
 
 class HostTier:

@@ -23,11 +23,11 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from atskv.attention import grouped_attention, sdpa_attention
 from atskv.budget import check_budget
-from atskv.memory.slot_cache import SlotLayer, SparseKVCache
 from atskv.models.cache_names import cache_argument, pop_cache
 from atskv.models.geometry import attention_modules
 from atskv.selectors import resolve_selector
 from atskv.selectors.base import LayerView, Selector, select_top_budget, without_unwanted
+from atskv.slot_cache import SlotLayer, SparseKVCache
 
 ATTENTION_NAME = "atskv"
 # the same attention function under a name with no mask function: transformers then builds no mask

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from atskv.memory.slot_cache import SlotLayer, SparseKVCache, first_true, slot_index
 from atskv.runtime.reference.host_tier import HostTier
 from atskv.runtime.reference.retrieval import KeyIndex
+from atskv.slot_cache import SlotLayer, SparseKVCache, first_true, slot_index
 
 MOMENTUM = "tier_momentum"  # the manager's per-slot momentum: a promoted token starts afresh, not parked
 

@@ -7,7 +7,8 @@ slots first, so a selector that keeps a fixed budget runs in fixed memory, and t
 compacted (really reallocated smaller) once most slots are free. Logical positions are what the
 model's masks and `get_seq_length` speak of, so RoPE positions and padding stay right after
 eviction. Layers the hook does not manage (the first dense layers, sliding-window layers) keep
-the standard transformers layer classes.
+the standard transformers layer classes. The fast path's static layer
+(`atskv.runtime.fast.static_cache`) is a `SlotLayer` too.
 """
 
 from __future__ import annotations
