@@ -103,3 +103,19 @@ def test_a_row_cut_short_by_a_kill_is_measured_again(tmp_path, started):
         f.write(json.dumps(speed_row("vllm", 4096, 8, 100.0))[:40])  # the engine was killed mid-line
     measure([EngineSpec("vllm", "shape", [(4096, 1), (4096, 8)])], path)
     assert [s["runs"] for s in started] == [[[4096, 8]]]
+
+
+def test_serve_frees_blocks_only_for_selectors_that_can(tmp_path, monkeypatch):
+    from atskv.cli.bench import serve
+
+    commands = []
+    monkeypatch.setattr(vllm_speed.subprocess, "run", lambda command, **_: commands.append(command))
+    serve(methods=["vllm", "vllm:streaming_llm", "vllm:quest"], rates=[0.5], free_blocks=True, dense_layers=2,
+          out=tmp_path)  # fmt: skip
+    specs = {s["label"]: s for s in (json.loads(open(c[-3]).read()) for c in commands)}
+    assert set(specs) == {"vllm", "vllm:streaming_llm (free_blocks)", "vllm:quest"}
+    freeing = specs["vllm:streaming_llm (free_blocks)"]
+    assert freeing["free_blocks"] and freeing["dense_layers"] == 0  # every layer frees (docs/serving.md)
+    assert not specs["vllm:quest"]["free_blocks"] and specs["vllm:quest"]["dense_layers"] == 2
+    arguments = engine_arguments(EngineSpec(**freeing), 4096, 8)
+    assert arguments["worker_cls"] == WORKER and arguments["additional_config"]["atskv"]["free_blocks"]
