@@ -63,3 +63,28 @@ def test_bench_refuses_unknown_geometry_and_bad_budget():
         bench_decode_attention(["oracle"], budget_fraction=0, device="cpu")
     with pytest.raises(ValueError, match="layers must be at least 1"):
         bench_decode_attention(["oracle"], device="cpu", layers=0)
+
+
+def test_bench_fetch_refuses_bad_input_and_a_machine_without_cuda(capsys, monkeypatch):
+    from tests.conftest import run_cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for args, message in [
+        (["--geometry", "gpt5"], "unknown geometry 'gpt5'"),
+        (["--fetched", "[0]"], "fetched counts >= 1"),
+        ([], "there is none here"),
+    ]:
+        assert run_cli(["bench", "fetch", *args]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1
+
+
+@pytest.mark.gpu
+def test_bench_fetch_times_the_gather_and_the_copy_of_the_same_bytes(tmp_path):
+    from atskv.eval import host_fetch
+
+    records = host_fetch.measure(4096, [16, 100, 10**6], kv_heads=2, head_dim=64, repeats=2)
+    assert [r.tokens for r in records] == [16, 96, 4096]  # whole pages, at most the store
+    assert all(r.bytes == 2 * 2 * r.tokens * 64 * 2 and r.gather_us > 0 and r.copy_us > 0 for r in records)
+    table = host_fetch.write(records, tmp_path, dict(gpu="g", kv_heads=2, head_dim=64, stored_tokens=4096))
+    assert "| 4096 |" in table.read_text() and (tmp_path / "fetch.json").exists()

@@ -5,7 +5,7 @@ YAML file under `configs/` via `--config`); it checks its options and calls the 
     run.py        demo, generate, selectors
     data.py       data fetch|list
     eval.py       eval recall|tasks|ppl|peer
-    bench.py      bench attention|decode
+    bench.py      bench attention|decode|serve|fetch
     predictor.py  collect, fit, finetune, export, ridge (fit and finetune: LightningCLIs)
     profile.py    profile kascade
 

@@ -1,7 +1,8 @@
-"""`atskv bench attention|decode`: how fast, against what a user would run instead.
+"""`atskv bench attention|decode|serve|fetch`: how fast, against what a user would run instead.
 
 `decode` is the end-to-end measure (prefill, then decode steps through `generate`, against plain
-transformers in the same run); `attention` times one layer's attention step in isolation."""
+transformers in the same run); `attention` times one layer's attention step in isolation; `serve`
+runs a serving trace through vLLM; `fetch` times the host tier's reads over this machine's link."""
 
 from __future__ import annotations
 
@@ -270,9 +271,49 @@ def serve(
     print(vllm_trace.table(rows))
 
 
+def fetch(
+    stored_tokens: int = 131072,
+    fetched: list[int] = [64, 256, 1024, 4096, 16384],  # noqa: B006
+    geometry: str = "llama3-8b",
+    repeats: int = 50,
+    out: Path = Path("results/host-fetch"),
+) -> None:
+    """The host tier's reads of parked tokens on this machine, against one pinned copy of the same bytes.
+
+    A decode step with `atskv.HostRetrieval` gathers whole pages of parked keys and values out of
+    pinned host memory through a device alias, inside the step's CUDA graph. Per count of tokens
+    read back, this times that gather for one layer against one contiguous pinned copy of the same
+    bytes, in the same run; writes table.md and fetch.json. Needs a CUDA GPU.
+
+    Args:
+        stored_tokens: tokens per KV head in the pinned store (pages of 16).
+        fetched: tokens read back per KV head and layer (the tier's `tokens`), in whole pages.
+        geometry: KV shape of one layer: llama3-8b (8 KV heads, dim 128), smollm2-135m or gemma3-270m.
+        repeats: timed calls per count (after one untimed call).
+        out: output folder.
+    """
+    from atskv.errors import InputError
+    from atskv.eval import host_fetch
+    from atskv.eval.bench import GEOMETRIES
+
+    if geometry not in GEOMETRIES:
+        raise InputError(f"unknown geometry {geometry!r}; known: {', '.join(GEOMETRIES)}")
+    if stored_tokens < 16 or not fetched or min(fetched) < 1:
+        raise InputError(f"need stored_tokens >= 16 and fetched counts >= 1, got {stored_tokens} and {fetched}")
+    if not torch.cuda.is_available():
+        raise InputError("bench fetch times reads of pinned host memory by a CUDA GPU; there is none here")
+    _, kv_heads, head_dim = GEOMETRIES[geometry]
+    records = host_fetch.measure(stored_tokens, fetched, kv_heads, head_dim, repeats=repeats)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, geometry=geometry, kv_heads=kv_heads,
+                head_dim=head_dim, stored_tokens=stored_tokens)  # fmt: skip
+    print(host_fetch.write(records, Path(out), meta).read_text())
+
+
 COMMANDS = {
     "attention": attention,
     "decode": decode,
     "serve": serve,
-    "_help": "Speed: end-to-end decode against plain transformers and vLLM, a serving trace, or one attention step.",
+    "fetch": fetch,
+    "_help": "Speed: end-to-end decode against plain transformers and vLLM, a serving trace, one attention step, "
+    "or the host tier's reads.",
 }

@@ -313,7 +313,7 @@ def quest_pick_triton(
 ):  # fmt: skip
     """Two kernels: per row, the search for the chosen pages (one program each, `num_warps` of
     them, `radix` bits per pass); then their ranks and slots, `chunk` pages per program reading
-    `block_j` at a time. Defaults from the H200 sweeps of `benchmarks/quest_pick_timing.py`: 8
+    `block_j` at a time. Defaults from the H200 sweeps of `benchmarks/quest_pick_timing.py` at 636a700: 8
     warps and 2 bits beat 4 and 3 at 2K pages in af1aaf1's one-kernel pick (B=1: 7.9 and 8.05 us
     against 8.6; 8K pages already ran 8 and 2); chunk 16 and block_j 64 are the layout of the
     two-kernel pick's 43.8 us at 8K pages and B=16 (one search per row makes many small layout

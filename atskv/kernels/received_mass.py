@@ -111,9 +111,10 @@ def prefix_received_mass_triton(
 
 def choose_config(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
     """Block sizes and launch options. 16-bit inputs: 128 keys per program (their tile, 32 KB at
-    D = 128, stays on chip for the whole walk) against 64 queries per step, 4 warps (the best of
-    `benchmarks/received_mass_timing.py --sweep`'s 36 at the 8B shape, an 8K chunk at 24K: 3.9 ms
-    against 6.2 for 8 warps, H200, 2026-11-25); half the keys and 8 warps at D > 128 (not swept).
+    D = 128, stays on chip for the whole walk) against 64 queries per step, 4 warps (the best of the
+    36 settings `benchmarks/received_mass_timing.py --sweep` (at 636a700) timed at the 8B shape, an 8K
+    chunk at 24K: 3.9 ms against 6.2 for 8 warps, H200, 2026-11-25); half the keys and 8 warps at D > 128
+    (not swept).
     float32 (tests, not a GPU target) uses smaller tiles."""
     if dtype == torch.float32:
         return {"block_n": 64 if head_dim <= 128 else 32, "block_m": 32, "num_warps": 4, "num_stages": 2}

@@ -9,7 +9,7 @@ score each page against the step's query, per row and KV head:
   13% of K + V at D = 64), scored nearly exactly: a page's score is its best parked token's logit, max
   over the GQA group (a token already resident does not draw its page back). It finds the needles
   that bounds lose (SmolLM2 leaderboard: the host rows at dense's score) for 3-3.5x the bounds'
-  scoring time (`benchmarks/host_summary_timing.py`).
+  scoring time (`benchmarks/host_summary_timing.py` at 636a700).
 """
 
 from __future__ import annotations
