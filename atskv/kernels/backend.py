@@ -21,7 +21,7 @@ except ImportError:  # CPU-only installs without the `test` extra: use_triton() 
 
 
 # per-slot rows (`[..., S]` tensors) whose stride is a whole number of these slots start aligned,
-# so Triton vectorises their loads: at an odd slot count SparQ's logits took 18.8 us, not 7.6
+# so Triton vectorises their loads (at an odd slot count SparQ's logits ran over twice as long)
 SLOT_ALIGN = 64
 
 
@@ -54,11 +54,12 @@ except ImportError:  # pragma: no cover - older Triton: kernels launch as usual
 def wait_for_inputs(PDL: tl.constexpr):
     """First statement of every decode-step kernel. Under programmatic dependent launch (`PDL` > 0)
     a kernel is launched while the one before it still runs, so its launch and scheduling overlap
-    that kernel's tail (in a CUDA graph, ~1 us between two small kernels otherwise); it waits here
-    until the previous kernel has finished and its writes are visible. `PDL` == 2 then lets the
-    next kernel launch at once: only for a grid that fits on the GPU at once, since the next
-    kernel's waiting programs would otherwise take the places of this one's later ones (SnapKV's
-    step at B=16 took 59 us against 52). Nothing before this line may read or write memory."""
+    that kernel's tail (otherwise, even in a CUDA graph, a gap between two small kernels
+    comparable to their own time); it waits here until the previous kernel has finished and its
+    writes are visible. `PDL` == 2 then lets the next kernel launch at once: only for a grid that
+    fits on the GPU at once, since the next kernel's waiting programs would otherwise take the
+    places of this one's later ones (SnapKV's step at B=16 was slower so). Nothing before this line
+    may read or write memory."""
     if PDL > 0:
         gdc_wait()
     if PDL > 1:

@@ -2,7 +2,7 @@
 
 Quest's page bounds (`kernels.quest`) are loose at 16 tokens a page and lose needle tokens whose
 exact scores stand out; keys quantised to 4 bits with one scale per token and KV head keep each
-token's logit nearly exact (benchmarks/tier_summaries.py at 636a700) at D / 2 + 2 bytes a token. A page scores
+token's logit nearly exact (docs/results.md, "The host tier on the fast path") at D / 2 + 2 bytes a token. A page scores
 the max over its tokens and over the group's query heads of q . k, k dequantised: pooled with max,
 as Quest's bounds are, so one head's sharp need of a page is not outvoted.
 
@@ -69,8 +69,8 @@ def _int4_kernel(
     BLOCK_G >= 16 columns). The loads do not wait on the candidate mask: it applies after. The
     scale, positive, applies after the max over heads. A 16-bit query's codes unpack without a
     conversion: the nibble n's bits OR'd into MAGIC are the float OFFSET + n (the exponent where
-    the ulp is 1), and one subtraction in that dtype, exact, leaves n - 8 (1.5x faster than through
-    float32 on the H200: `benchmarks/host_summary_timing.py` at 636a700)."""
+    the ulp is 1), and one subtraction in that dtype, exact, leaves n - 8 (faster than through
+    float32: docs/results.md, "The host tier on the fast path")."""
     wait_for_inputs(PDL)
     h = tl.program_id(0) % n_kv_heads
     b = (tl.program_id(0) // n_kv_heads).to(tl.int64)
@@ -112,8 +112,8 @@ _MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}  # t
 def int4_page_scores_triton(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, page_size: int,
                             candidates: torch.Tensor):  # fmt: skip
     """Triton `int4_page_scores` (any strides; no copy of the codes). A program takes the pages of at
-    most 128 tokens (8K codes: 128 at D = 128, 64 at Gemma's 256); programs looping over 4-8 such
-    blocks were slower on the H200 (`benchmarks/host_summary_timing.py` at 636a700, 2026-11-28)."""
+    most 128 tokens (8K codes: 128 at D = 128, 64 at Gemma's 256); programs looping over several such
+    blocks were slower (measured on an H200, see docs/results/kernel-notes.md)."""
     b, hq, d = query.shape
     hkv, tokens = codes.shape[1], codes.shape[2]
     pages = triton.cdiv(tokens, page_size)

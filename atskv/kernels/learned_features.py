@@ -4,19 +4,18 @@
   to: its hidden state's projection (RMS norm, then a linear map), the hidden state's norm and its
   token type; the slot's received attention and score restart there too (the cache leaves them to
   this write: `StaticSlotLayer.reset_by_selector`). In torch that was ~10 small kernels per layer
-  and step (~25 us at the Llama-3-8B shape, B=1), for a GEMV of 64 outputs, and the cache's
-  reset of the slot two more.
-- `refresh_scores`: every slot's scalar features (`atskv.features.SCALAR_FEATURES`)
-  and the `RelevanceMLP` over them, every `refresh_every` steps. In torch that was ~50 kernels
-  per layer, among them a float32 GEMM of ~60 us (32K context, 5%) whose `[slots, hidden]`
-  activations then went through memory twice more (ReLU, W2). The first kernel (256 us at 32K,
-  B=1, H200) gathered W1's type, scalar and embedding columns and reduced the W2 products across
-  lanes for every chunk of 32 hidden units, on 208 serial programs; now (`_pack`) the embeddings
-  fold into a bias per layer and head, and every other input meets W1's TF32 part and remainder
-  (split once, not per program) through `tl.dot`: the projected hidden state (bfloat16, exact in
-  TF32), the standardised scalars (themselves split in two) and the type one-hot, so the products
-  stay float32-accurate (the scores decide evictions, which must match the reference path's); the
-  W2 products are summed once per slot: ~27 us.
+  and step, launch-bound for a GEMV of 64 outputs, and the cache's reset of the slot two more.
+- `refresh_scores`: every slot's scalar features (`atskv.features.SCALAR_FEATURES`) and the
+  `RelevanceMLP` over them, every `refresh_every` steps. In torch that was ~50 kernels per layer,
+  among them a float32 GEMM whose `[slots, hidden]` activations then went through memory twice
+  more (ReLU, W2). The first kernel gathered W1's type, scalar and embedding columns and reduced
+  the W2 products across lanes for every chunk of 32 hidden units, on 208 serial programs; now
+  (`_pack`) the embeddings fold into a bias per layer and head, and every other input meets W1's
+  TF32 part and remainder (split once, not per program) through `tl.dot`: the projected hidden
+  state (bfloat16, exact in TF32), the standardised scalars (themselves split in two) and the type
+  one-hot, so the products stay float32-accurate (the scores decide evictions, which must match
+  the reference path's); the W2 products are summed once per slot (timings:
+  docs/results/kernel-notes.md).
 
 Per-slot state is passed as `[B, Hkv, S]` views (any strides): `kind` holds 1 + the token's type,
 0 for a slot no token has entered yet. The previous managed layer's attention reaches the next by
@@ -128,7 +127,7 @@ def _token_features_kernel(
                  mask=h_ok)  # fmt: skip
 
 
-# the token kernel's tiles (H200, 8B shape): 32 programs a row (were 16), two weight rows each
+# the token kernel's tiles, tuned on an H200 at the 8B shape: 32 programs a row, two weight rows each
 _TOKEN_CONFIG = {"BLOCK_W": 2, "BLOCK_D": 1024, "num_warps": 4}
 
 
@@ -380,7 +379,7 @@ def _put(x, c, value, feature: tl.constexpr, FEATURES: tl.constexpr, mean_ptr, v
     return tl.where(c == feature, high[:, None], tl.where(c == FEATURES + feature, low[:, None], x))
 
 
-# the refresh kernel's tiles: ~27 us at the 8B shape, 32K, B=1 on an H200 (~380 us at B=16, was 3315)
+# the refresh kernel's tiles, tuned on an H200 at the 8B shape, see docs/results/kernel-notes.md
 _REFRESH_CONFIG = {"BLOCK_S": 128, "BLOCK_N": 64, "num_warps": 8}
 
 

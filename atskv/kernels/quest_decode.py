@@ -1,8 +1,8 @@
 """Quest's decode step in three kernels, for the fast path's static cache (`atskv.generate`).
 
 The unfused step ran ~40 small torch kernels per layer (a page recompute by gather/scatter, the
-page scores, a mask of empty pages, `topk`, candidate slots, a stable `argsort`), 165 us at the
-Llama-3-8B shape, 32K, B=1 against ~52 us for SDPA over the whole context. Here:
+page scores, a mask of empty pages, `topk`, candidate slots, a stable `argsort`), slower than SDPA
+over the whole context: a selection that costs more than dense attention saves nothing. Here:
 
 - `quest_step_scores`: the page the new token went to gets its bounds and held count recomputed
   from its slots, in place, by the program that scores it; every page is scored against the
@@ -12,11 +12,12 @@ Llama-3-8B shape, 32K, B=1 against ~52 us for SDPA over the whole context. Here:
   newest first within a page, usable ones (in range and held) first in that order, the rest
   after them; and how many count: the row's budget, at most its usable slots. This is the index
   list the sparse decode kernel reads. The best pages are found by a search for the n-th largest
-  score, not by sorting the row (Triton's bitonic sort of 2K pages took 100 us), a few bits per
-  pass, by one program per row; a second kernel's many programs per row rank their share of the
-  chosen pages among them and lay out their slots. Before: one bit per pass (~26 passes), 10.6 us
-  at 2K pages and B=1, 43.8 at 8K and B=16; then (af1aaf1) one kernel whose every program
-  repeated the search: 8.6 and 125.8 (H200, 8 KV heads, 5%).
+  score, not by sorting the row (Triton's bitonic sort of a row of pages cost more than the
+  whole step), a few bits per pass, by one program per row; a second kernel's many programs per
+  row rank their share of the chosen pages among them and lay out their slots. A search of one bit
+  per pass paid a pass's reduction latency per bit; one kernel whose every program repeated the
+  search paid for the search once per program, which grows with the pages and the batch (the
+  timings of each version: docs/results/kernel-notes.md).
 
 Each has a plain-torch reference with the same contract; tests compare them on random inputs.
 """
@@ -76,7 +77,7 @@ def _step_scores_kernel(
     """One (row, KV head) and BLOCK_P pages, or, for the last program of the row, the written
     page alone: it recomputes that page's bounds and count and scores it, while the others score
     the rest (skipping it), so its chain of dependent reads runs beside them, not before them
-    (one program doing both took ~1 us longer than the others)."""
+    (one program doing both finished after the others)."""
     wait_for_inputs(PDL)
     bh = tl.program_id(0)
     b = (bh // n_kv_heads).to(tl.int64)
@@ -188,10 +189,10 @@ def _pick_best_kernel(
     PDL: tl.constexpr,
 ):  # fmt: skip
     """One (row, KV head): the part that needs the whole row, once per row (repeated by every
-    layout program, af1aaf1, it cost 126 us at 8K pages and B=16 against 44). Scores become
+    layout program, its cost grew with their number, most at many pages and large batches). Scores become
     order-preserving 32-bit keys, offset from the lowest held key; the n_best-th largest is
-    narrowed RADIX bits per pass (one count of the row at 2**RADIX - 1 thresholds: ~150 ns of
-    reduction latency per pass at 2K pages, which a bit-by-bit search paid per bit, ~26 passes)
+    narrowed RADIX bits per pass (one count of the row at 2**RADIX - 1 thresholds: a pass costs
+    mostly its reduction's latency, which a bit-by-bit search paid per bit, ~26 passes)
     and stops as soon as the keys at or above the interval's floor are exactly n_best. The chosen
     pages go to `out` (`[2, rows, n_best]` int32: keys, ids) in page order."""
     wait_for_inputs(PDL)
@@ -261,7 +262,7 @@ def _pick_layout_kernel(
     after those of the pages ahead, its other slots after every usable slot and after the other
     slots of the pages ahead. The chosen pages are read BLOCK_J at a time, their usable slots
     counted here, each page's slots in one contiguous read (counting them in `_pick_best_kernel`,
-    a masked gather per slot over the whole row, cost it 4 us at 2K pages, 13 at 8K). POSITIONS:
+    a masked gather per slot over the whole row, serialised that work in its one program a row). POSITIONS:
     `valid` holds slot positions (usable where >= 0), else bools as bytes."""
     wait_for_inputs(PDL)
     bh = tl.program_id(0).to(tl.int64)
@@ -313,11 +314,10 @@ def quest_pick_triton(
 ):  # fmt: skip
     """Two kernels: per row, the search for the chosen pages (one program each, `num_warps` of
     them, `radix` bits per pass); then their ranks and slots, `chunk` pages per program reading
-    `block_j` at a time. Defaults from the H200 sweeps of `benchmarks/quest_pick_timing.py` at 636a700: 8
-    warps and 2 bits beat 4 and 3 at 2K pages in af1aaf1's one-kernel pick (B=1: 7.9 and 8.05 us
-    against 8.6; 8K pages already ran 8 and 2); chunk 16 and block_j 64 are the layout of the
-    two-kernel pick's 43.8 us at 8K pages and B=16 (one search per row makes many small layout
-    programs cheap, where af1aaf1 needed chunk 128)."""
+    `block_j` at a time. Defaults tuned on an H200 (the sweeps: docs/results/kernel-notes.md): 8
+    warps and 2 bits a pass for the search; chunk 16 and block_j 64 for the layout (one search per
+    row makes many small layout programs cheap, where a pick repeating the search in every program
+    needed far larger chunks)."""
     chosen = pick_best(page_scores, n_pages, num_warps, radix)
     return pick_layout(chosen, valid, budget, context, page_size, chunk, block_j)
 

@@ -12,9 +12,9 @@ buffer's free ones) get 0, and a query whose `lse` is -inf (it saw nothing) give
 `atskv.attention.received_mass`. The GQA group shares its KV head's keys, which are never expanded.
 
 Why a kernel: the torch path (`received_mass`, a block of queries at a time) writes and reads a
-`[B, Hkv, G, block, S]` float32 logits buffer, then its exp, mask and sum. At the Llama-3.1-8B
-shape that made the prefill of H2O / learned take 151-155 s at 128K against 17 s for the other
-selectors, whose prefill is flash attention alone.
+`[B, Hkv, G, block, S]` float32 logits buffer, then its exp, mask and sum. At long contexts
+that made the prefill of H2O / learned many times longer than the other selectors', whose prefill
+is flash attention alone.
 
 The kernel is flash attention's backward dK loop without the gradients: each program holds one
 (batch row, KV head) and a block of `BLOCK_N` keys (loaded once), and walks the blocks of
@@ -111,10 +111,9 @@ def prefix_received_mass_triton(
 
 def choose_config(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
     """Block sizes and launch options. 16-bit inputs: 128 keys per program (their tile, 32 KB at
-    D = 128, stays on chip for the whole walk) against 64 queries per step, 4 warps (the best of the
-    36 settings `benchmarks/received_mass_timing.py --sweep` (at 636a700) timed at the 8B shape, an 8K
-    chunk at 24K: 3.9 ms against 6.2 for 8 warps, H200, 2026-11-25); half the keys and 8 warps at D > 128
-    (not swept).
+    D = 128, stays on chip for the whole walk) against 64 queries per step, 4 warps (the best of a
+    sweep of 36 settings at the 8B shape, tuned on an H200, see docs/results/kernel-notes.md); half
+    the keys and 8 warps at D > 128 (not swept).
     float32 (tests, not a GPU target) uses smaller tiles."""
     if dtype == torch.float32:
         return {"block_n": 64 if head_dim <= 128 else 32, "block_m": 32, "num_warps": 4, "num_stages": 2}

@@ -2,8 +2,8 @@
 
 The unfused step ran ~15 torch kernels per layer: |q| top-r, `partial_scores` gathering r channels
 per query head from row-major keys `[B, Hkv, S, D]` (16 random channels of 128 touch ~7 of every 8
-32-byte sectors: most of K crosses the bus), softmax, and `torch.topk` over every slot (~20 us per
-call at 32K on an H200). Here the selector keeps a channel-major copy of the keys, `keys_t`
+32-byte sectors: most of K crosses the bus), softmax, and `torch.topk` over every slot (a launch whose
+cost grows with the context). Here the selector keeps a channel-major copy of the keys, `keys_t`
 `[B, Hkv, D, S]` (`channel_major`), as the paper does: a chosen channel is one contiguous row, so a
 query head reads r / D of its KV head's keys (a KV head at most the union of its group's channels).
 
@@ -22,7 +22,8 @@ query head reads r / D of its KV head's keys (a KV head at most the union of its
   budget still needs by a radix search over (key, slot) in registers.
 
 Every stage runs many programs per row (the earlier three-kernel step selected in one program
-per row and counted all 4096 bins with `tl.histogram`: 185 us per layer at 32K, B=1, now ~50).
+per row, a handful of programs at small batches, and counted all 4096 bins with `tl.histogram`,
+whose cost grows with its bins: several times this step's time, docs/results/kernel-notes.md).
 Per step at the Llama-3-8B shape (32 query / 8 KV heads, D = 128, r = 16, 32K slots, B = 1) this
 reads 32 x 16 channel rows of 64 KB (34 MB requested; the union of a group's channels, ~27 MB for
 random queries, from DRAM), writes and rereads 4 MB of logits and 1 MB of keys.
@@ -190,7 +191,7 @@ def _channels_kernel(
         q = tl.load(q_at + d * sq_d, mask=d_ok, other=0.0).to(tl.float32)
         mag = tl.abs(q)
         # channels in |q| order, larger first, the lower channel first among equals: one sort of
-        # (|q| bits, channel) keys (ranking by a [D, D] comparison cost ~3 us of this kernel's ~6, H200)
+        # (|q| bits, channel) keys (ranking by a [D, D] comparison was this kernel's largest cost)
         order = tl.sort(tl.where(d_ok, (mag.to(tl.int32, bitcast=True).to(tl.int64) << 16) | (65535 - d), -1),
                         descending=True)  # fmt: skip
         first = d < RANK
@@ -218,8 +219,8 @@ def _logits_kernel(
     running max and sum of exps. Logits go to `[rows, GROUP, width]` (-inf: free slot or past the
     slots), the max and sum over the span to `[rows, GROUP, parts, 2]`. Loops and masks run to
     `width` and `kt_cols` (multiples of 64 when `keys_t` is `channel_major`'s), so that a mask is the
-    same over each vector of a load: bounded by an odd slot count, this step took 17.6 us instead
-    of 7.5 (32K slots, B=1, H200)."""
+    same over each vector of a load: bounded by an odd slot count, the loads do not vectorise
+    and this step runs over twice as long (`SLOT_ALIGN`)."""
     wait_for_inputs(PDL)
     head = tl.program_id(0)
     part = tl.program_id(1)
@@ -282,9 +283,9 @@ def _probs_kernel(
     row's histogram. `recent` is a runtime argument: at 0 its loads are masked off (the caller
     passes `n_read`, the slots whose positions are read, as 0). The bins within WINDOW of the
     block's highest probability are counted here (`tl.histogram`, whose cost grows with its bins:
-    over all 4096 it took 32 us at 32K slots) and added by one atomic per bin; the slots below
+    over all 4096 it cost more than the whole kernel does now) and added by one atomic per bin; the slots below
     them and the recent ones, a tail, by one atomic each (per-slot atomics on the crowded bins
-    alone took 12 us). The row's last program to finish (a counter with release / acquire order)
+    contend with each other). The row's last program to finish (a counter with release / acquire order)
     reads the histogram: the row's length (its budget, at most its held slots and `n_out`), the
     bin holding its last slot and how many lie above that bin, for the collection."""
     wait_for_inputs(PDL)

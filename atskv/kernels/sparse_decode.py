@@ -200,7 +200,7 @@ def choose_split_size(num_indices: int, programs: int, head_dim: int, device: to
     """Indices per split. `programs` (B * Hkv) already give that many programs; a long index list is
     split further until the grid holds about WAVES programs per SM, but never into shares under
     MIN_SPLIT_TILES tiles, so short lists and large batches run one split. (At the 8B shape, 5% of
-    32K, B=1: 27 splits of 2 tiles took 7.3 us with the merge, 18 of 3 tiles 8.2; H200.) Off CUDA
+    32K, B=1, more splits of fewer tiles won, merge included: docs/results/kernel-notes.md.) Off CUDA
     (the interpreter) one split."""
     block_n = _block_n(head_dim)
     tiles = max(1, math.ceil(num_indices / block_n))

@@ -129,7 +129,7 @@ def task_item(
 
 
 def collection_meta(model, spec: CollectSpec, model_name: str, corpus: str = "corpus") -> dict:
-    """The manifest meta (contract of issue 4); a folder only accepts shards with equal meta."""
+    """The manifest meta; a folder only accepts shards with equal meta."""
     geometry = model_geometry(model.config)
     managed = managed_layers(model, spec.dense_layers)
     feature_spec = FeatureSpec(geometry.hidden_size, SCALAR_FEATURES, len(managed), geometry.num_kv_heads)

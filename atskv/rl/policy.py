@@ -20,7 +20,7 @@ carry a leading sample dim K. Every policy divides logits by a `temperature` fir
   the row is kept, what is sampled is how much each layer and KV head keeps. Why: with one
   Bernoulli decision per token the REINFORCE estimate's variance grows with the number of
   decisions (~170K per context for SmolLM2 at 2K) while its signal does not, so the estimate is
-  noise (`benchmarks/rl_signal.py` at 636a700; the GPU runs in docs/results.md); here a context has only
+  noise (docs/results/kernel-notes.md; the GPU runs in docs/results.md); here a context has only
   rows-many actions (84 for SmolLM2). The log-probability is the Gaussian density of the levels
   (its gradient reaches the logits through c); a token is kept with probability Phi(s_i), so
   E[memory] = mean(Phi(s)) exactly; `greedy` keeps s_i > 0 (z = c), as Bernoulli's.

@@ -13,8 +13,8 @@ alpha) * memory` (`atskv.rl.reward`); the loss of one context is
 - Memory exactly: E[memory] is a closed-form function of the logits (`Policy.expected_memory`:
   the mean keep probability for Bernoulli), so its gradient is taken by autograd. Estimating it
   by REINFORCE as well drowned it: with ~10^5 independent keep decisions per context the K
-  samples differ in memory by ~1e-3 but in NLL by ~2e-2, so alpha hardly reached the gradient
-  (`benchmarks/rl_signal.py` at 636a700). For Gumbel top-k memory is k / N whatever is sampled: the term is
+  samples differ in memory an order of magnitude less than in NLL, so alpha hardly reached the
+  gradient (docs/results/kernel-notes.md). For Gumbel top-k memory is k / N whatever is sampled: the term is
   a constant and only performance is learned.
 - One scale: R is per context, with memory a mean over the D token decisions (managed layers x
   KV heads x context tokens); H (nats) and KL are means over the same decisions. So

@@ -1,4 +1,4 @@
-"""Residency + query-aware selection in one selector (issue 16, item 1), named by composition:
+"""Residency + query-aware selection in one selector, named by composition:
 `learned+sparq`, `h2o+quest`, `snapkv+oracle`, ...
 
 An evicting, query-agnostic selector (H2O, SnapKV, StreamingLLM, the learned predictor) saves

@@ -46,9 +46,9 @@ from atskv.selectors.snapkv import check_window, window_votes
 # does it instead). `_STATE` (float32, 0 when a token enters) holds what depends on the token
 # alone: the projected hidden state as bfloat16 pairs, the hidden-state norm and 1 + the token
 # type (0: not entered yet); a `token_tensor`, held once per token while a static cache's prompt
-# is (the prompt's whole length in every managed layer: at the 8B shape, 32K tokens, a copy per
-# KV head took 1.07 GiB). `_RECEIVED` (float32) is the attention each slot received; `_SCORE` waits
-# at +inf.
+# is (the prompt's whole length in every managed layer: a copy per KV head was about half of
+# what the selector held above SnapKV, docs/results.md). `_RECEIVED` (float32) is the attention
+# each slot received; `_SCORE` waits at +inf.
 _STATE, _RECEIVED, _SCORE = "learned_state", "learned_received", "learned_score"
 # the default stays 0 until the figures measured at it are rerun (NOTES.md); the leaderboard's best
 WINDOW_SHARE_HINT = ("; window_share 0: the predictor alone (best measured: window_share 0.5, "
@@ -262,7 +262,7 @@ class LearnedSelector(Selector):
     def _token_features(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`[B, Tq(, width)]` for the tokens of `view.hidden`: the projected hidden state, its norm
         and 1 + the token type, once per token (gathering the hidden states per slot first held
-        Hkv float32 copies of a prompt chunk: ~3.5 GiB at the 8B shape with chunks of 8K)."""
+        Hkv float32 copies of a prompt chunk at once, gigabytes at the 8B shape)."""
         batch, tq = view.hidden.shape[:2]
         with torch.no_grad():
             projected = self.predictor.mlp.project_hidden(view.hidden.flatten(0, 1)).view(batch, tq, -1)

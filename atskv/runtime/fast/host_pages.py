@@ -40,8 +40,8 @@ class HostRetrieval:
     the GPU keeps `cache` times as many pages as a step reads (>= 1: the pages read last step are
     always kept), so a page asked for again is not fetched again. `summary`: what ranks the pages on
     the GPU, a key of `KEY_SUMMARIES` (see `atskv.runtime.fast.key_summary`): int4 keys by default, which
-    find needles that 16-token page bounds lose, for 0.55 ms more a step at the 8B shape, 32K, B=1,
-    with its kernel before it unpacked by bits (docs/results.md, "The host tier on the fast path")."""
+    find needles that 16-token page bounds lose, for a little more time a step (docs/results.md,
+    "The host tier on the fast path")."""
 
     tokens: int | float = 1024
     page_size: int = 16
@@ -66,8 +66,8 @@ _PINNED = {"now": 0, "peak": 0}
 
 def pinned_zeros(shape: tuple[int, ...], *, dtype: torch.dtype) -> torch.Tensor:
     """Zeros in page-locked host memory of exactly this size: host memory registered with CUDA, not
-    taken from torch's pinned allocator, which rounds every block up to a power of two (a 16 GiB
-    tier would hold 30). Unregistered when the tensor is collected."""
+    taken from torch's pinned allocator, which rounds every block up to a power of two (a tier
+    would hold nearly twice its size). Unregistered when the tensor is collected."""
     host = torch.zeros(shape, dtype=dtype)
     cudart = torch.cuda.cudart()
     torch.cuda.check_error(cudart.cudaHostRegister(host.data_ptr(), host.nbytes, 0))

@@ -8,8 +8,8 @@ score each page against the step's query, per row and KV head:
 - "int4" (the default): every key in 4 bits with one scale per token (D / 2 + 2 bytes at 16-bit keys,
   13% of K + V at D = 64), scored nearly exactly: a page's score is its best parked token's logit, max
   over the GQA group (a token already resident does not draw its page back). It finds the needles
-  that bounds lose (SmolLM2 leaderboard: the host rows at dense's score) for 3-3.5x the bounds'
-  scoring time (`benchmarks/host_summary_timing.py` at 636a700).
+  that bounds lose (SmolLM2 leaderboard: the host rows at dense's score) for a few times the bounds'
+  scoring time (docs/results.md, "The host tier on the fast path").
 """
 
 from __future__ import annotations

@@ -47,8 +47,9 @@ def generate(
     `tier`: keep every token in pinned host memory as well and read the best parked pages back
     at each step (`HostRetrieval`); `budget` is then what stays on the GPU.
     `compile`: run the decode steps through `torch.compile`d decoder layers (`compiled_layers`):
-    the model's own norms, rotary embedding and MLP glue fused (8B shape, 32K: 7.6 -> 6.0 ms per
-    step on an H200); the first call in a process compiles, ~15 s at that shape. Rounding then
+    the model's own norms, rotary embedding and MLP glue fused, the step's many small torch
+    kernels (the gain: docs/results.md, "Decode speed against plain transformers"); the first call
+    in a process compiles, for seconds at a large model's shape. Rounding then
     differs from the eager reference in bf16, as any fused kernel's does."""
     selector = resolve_selector(selector, model)  # as atskv.sparse: a name finds the model's own predictor
     if max_new_tokens < 1 or prefill_chunk < LAST_QUERIES:

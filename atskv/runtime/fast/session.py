@@ -258,7 +258,7 @@ class StaticSession(SelectorSession):
         """`run(forward)`: one decode step around `forward` with the cache's device counters moved
         in two launches for the whole model: before it, the shared position and context count the
         new token; after it, each layer that appends (keeps every token, no window) moves its
-        write slot on. (Per layer, these were three kernels of a ~20 us step.)"""
+        write slot on. (Per layer, these were three more launches in every step.)"""
         appending = [layer.write_slot for idx, layer in enumerate(cache.layers)
                      if layer.window is None and not self.evicting(idx)]  # fmt: skip
 

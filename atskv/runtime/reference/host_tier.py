@@ -185,7 +185,7 @@ def _gather_rows(
     store: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None, absent: torch.Tensor | None = None
 ) -> torch.Tensor:
     """`store[b, h, slots[b, h, i]]` -> `[B, Hkv, n, D]`, zeros where `absent` (`[B, Hkv, n, 1]`):
-    whole rows by `index_select` over the flattened store (a row copy each), about 30x faster on
+    whole rows by `index_select` over the flattened store (a row copy each), far faster on
     the CPU than an element-wise gather."""
     b, h, capacity, d = store.shape
     base = torch.arange(b * h).view(b, h, 1) * capacity

@@ -403,8 +403,8 @@ class ExactIndex(_SlotStore):
     `device` (default the CPU, beside the host tier), scored by one matmul per call and ranked by
     one top-n. It returns what `FaissIndex` returns, but when the candidates are thousands per step
     (long contexts, where a query needs over 10% of the context) one scan and one top-n beat faiss's
-    per-query-head heaps and their merge: 4 heads, 29K entries of 256 dims, n = 8192 took 2 ms
-    against 11 ms on a 2-core CPU. Ties come out in `torch.topk`'s order (float scores rarely tie)."""
+    per-query-head heaps and their merge (measured on a CPU: docs/results/kernel-notes.md). Ties
+    come out in `torch.topk`'s order (float scores rarely tie)."""
 
     def __init__(self, head_dim: int, device="cpu"):
         super().__init__(head_dim, device, (int(head_dim),), torch.float32)
