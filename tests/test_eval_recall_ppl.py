@@ -67,10 +67,15 @@ def test_streaming_llm_recall_equals_direct_computation(recall_run):
             assert measured[(budget, layer)].mask_difference > 0
 
 
-def test_the_recall_progress_bar_names_the_selector_and_budget_it_runs(capsys):
-    attention_recall(tiny_model("llama"), random_prompt(24), ["snapkv"], [8, 16], n_queries=4)
+def test_the_recall_progress_bar_names_the_selectors_budgets_and_step_it_runs(capsys):
+    """One tick a forward: the prompt, then each query, of the shared forward, then of each tiered probe."""
+    attention_recall(tiny_model("llama"), random_prompt(24), ["snapkv", "h2o"], [8, 16], tiered=["h2o"],
+                     tiering={"sinks": 2, "recent": 2, "refresh_every": 2}, n_queries=4)  # fmt: skip
     bar = capsys.readouterr().err
-    assert "ceilings" in bar and "snapkv at budget 8" in bar and "snapkv at budget 16" in bar
+    assert "ceilings, snapkv, h2o at budgets 8, 16; window batch 1/1, prompt" in bar
+    assert "h2o at budgets 8, 16; window batch 1/1, query 4/4" in bar
+    assert "tiered:h2o at budget 8; window batch 1/1, query 1/4" in bar and "tiered:h2o at budget 16;" in bar
+    assert "15/15" in bar
 
 
 def test_recall_refuses_budgets_not_below_the_prompt():

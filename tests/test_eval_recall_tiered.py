@@ -69,7 +69,7 @@ def test_the_probe_decodes_as_the_dense_model():
     ids = random_prompt(40, seed=5, batch=2)
     selector = make_selector("h2o")
     probe = TieredRecallProbe(model, selector, *tiered_configs(selector, 16, 2, {**TIGHT, "retrieve": 4}),
-                              RecallSums("h2o", 16))  # fmt: skip
+                              RecallSums("h2o", [16]))  # fmt: skip
     with torch.no_grad():
         expected = model(ids).logits[:, -N_QUERIES:]
         with attach(model, probe):

@@ -74,9 +74,9 @@ class RecordingProbe(RecallProbe):
         super().__init__(*args)
         self.attended: list[tuple[int, torch.Tensor]] = []
 
-    def _record(self, layer_idx, full, kept):
-        self.attended.append((layer_idx, by_position(full.slot_pos, kept, full.layer.seen)))
-        super()._record(layer_idx, full, kept)
+    def _record(self, step, kept):
+        self.attended.append((step.view.layer_idx, by_position(step.view.slot_pos, kept[0], step.view.layer.seen)))
+        super()._record(step, kept)
 
 
 def by_position(slot_pos: torch.Tensor, chosen: torch.Tensor, seen: int) -> torch.Tensor:

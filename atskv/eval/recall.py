@@ -20,21 +20,29 @@ Selectors named in `tiered` run through the two-tier store instead (`TieredRecal
 rows `tiered:<selector>`: their tokens really move between the GPU tier and the host, and a
 query's kept set is what the tiered run reads for it, the active tokens it attends plus the parked
 ones retrieval brought back, so their reads exceed the budget by the retrieved count.
+
+Every probe attends densely, so no probe's choice changes the trajectory: the model runs once per
+window batch for all the `atskv.sparse` probes together (`SharedForward`), each managed layer's
+attention call shown to each probe, instead of once per (selector, budget); a selector that evicts
+nothing and observes no attention is one probe for all budgets (`budget_free`). The tiered probes
+keep a forward each: their tiers hold a copy of the KV apiece.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from atskv.attention import grouped_probs, sdpa_attention
+from atskv.attention import grouped_attention, grouped_probs, sdpa_attention
 from atskv.eval.method import TIERED, Method
 from atskv.eval.report import write_report
 from atskv.figures import save_figure
@@ -43,6 +51,7 @@ from atskv.runtime.reference.sparse import SparseSession, SparsityConfig, attach
 from atskv.runtime.reference.tiered import TieredSession, tiered_configs
 from atskv.selectors import Selector, make_selector, resolve_selector
 from atskv.selectors.base import LayerView
+from atskv.slot_cache import SlotLayer, SparseKVCache
 
 ORACLE_CEILING = "ceiling: per-query oracle"
 WINDOW_CEILING = "ceiling: best single set"
@@ -76,32 +85,36 @@ def topk_mass(mass: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torch.Te
 
 
 class RecallSums:
-    """Running sums of one probe run, per (selector, budget, layer): the mass kept, the mask
-    difference, the samples and the tokens read; with `ceiling_budgets`, the two ceilings too."""
+    """Running sums of one probe run, per (selector, budget, layer) for each of its `budgets`: the
+    mass kept, the mask difference, the samples and the tokens read; with `ceiling_budgets`, the
+    two ceilings too."""
 
-    def __init__(self, name: str, budget: int, ceiling_budgets: Sequence[int] = ()):
-        self.name, self.budget, self.ceiling_budgets = name, budget, list(ceiling_budgets)
+    def __init__(self, name: str, budgets: Sequence[int], ceiling_budgets: Sequence[int] = ()):
+        self.name, self.budgets, self.ceiling_budgets = name, list(budgets), list(ceiling_budgets)
         self.sums: dict[tuple[str, int, int], list[float]] = defaultdict(lambda: [0.0, 0.0, 0, 0.0])
         self.window_mass: dict[int, torch.Tensor] = {}  # per layer: mass summed over the decode queries
 
-    def add(self, layer_idx: int, mass: torch.Tensor, valid: torch.Tensor, kept: torch.Tensor) -> None:
-        """One decode query's exact `mass` `[B, Hkv, S]` over the `valid` slots and what was `kept`."""
+    def add(self, layer_idx: int, mass: torch.Tensor, valid: torch.Tensor, kept: Sequence[torch.Tensor]) -> None:
+        """One decode query's exact `mass` `[B, Hkv, S]` over the `valid` slots and what was `kept`
+        at each budget."""
         n = mass.shape[0] * mass.shape[1]
-        _, oracle_keep = topk_mass(mass, valid, self.budget)
-        acc = self.sums[(self.name, self.budget, layer_idx)]
-        acc[0] += float((mass * kept).sum())
-        acc[1] += float(((kept & ~oracle_keep).sum(-1) / kept.sum(-1).clamp(min=1)).sum())
-        acc[2] += n
-        acc[3] += float(kept.sum())
+        for budget, keep in zip(self.budgets, kept, strict=True):
+            _, oracle_keep = topk_mass(mass, valid, budget)
+            acc = self.sums[(self.name, budget, layer_idx)]
+            acc[0] += float((mass * keep).sum())
+            acc[1] += float(((keep & ~oracle_keep).sum(-1) / keep.sum(-1).clamp(min=1)).sum())
+            acc[2] += n
+            acc[3] += float(keep.sum())
         for k in self.ceiling_budgets:
             ceiling = self.sums[(ORACLE_CEILING, k, layer_idx)]
             ceiling[0] += float(topk_mass(mass, valid, k)[0].sum())
             ceiling[2] += n
         if self.ceiling_budgets:
+            summed = mass.clone()  # `mass` is every probe's (`DenseStep.newest_mass`)
             previous = self.window_mass.get(layer_idx)
             if previous is not None:  # the window grows by one slot per decode step
-                mass[..., : previous.shape[-1]] += previous
-            self.window_mass[layer_idx] = mass
+                summed[..., : previous.shape[-1]] += previous
+            self.window_mass[layer_idx] = summed
 
     def close_window(self, n_queries: int) -> None:
         """Close a window: the best single set's recall per budget, from the summed masses."""
@@ -114,35 +127,141 @@ class RecallSums:
         self.window_mass.clear()
 
 
+@dataclass
+class DenseStep:
+    """One managed layer's attention call on the dense trajectory, as every probe judges it: the
+    view of the whole context (`view.valid`: what dense attention sees) and what more than one
+    probe reads of it, computed once, on first read."""
+
+    view: LayerView
+    values: torch.Tensor
+
+    @cached_property
+    def received_mass(self) -> torch.Tensor:
+        """The mass each slot receives from dense attention over `view.valid`, `[B, Hkv, S]`: what
+        a selector that needs the attention observes after the prompt's dense step."""
+        v = self.view
+        return grouped_attention(v.query, v.keys, self.values, v.valid, v.scaling, want_mass=True)[1]
+
+    @cached_property
+    def newest_mass(self) -> torch.Tensor:
+        """The newest query's exact attention, pooled over each KV group: what recall is measured on."""
+        return pooled_probs(self.view.query, self.view.keys, self.view.valid, self.view.scaling)
+
+
+def budget_free(selector: Selector) -> bool:
+    """Whether the budget leaves a selector's state alone: it evicts nothing and observes no
+    attention, so what it holds and scores is the same at every budget (its scores do not read
+    the budget either: none of these selectors' does) and one run measures it at all of them."""
+    return not selector.evicts and not selector.needs_attention
+
+
 class RecallProbe(SparseSession):
     """A `SparseSession` that selects like the real one but attends densely and records recall.
 
     Prefill steps are dense (as in the default sparse run) and only build selector state; each
-    decode step of a managed layer adds one sample per (row, KV head)."""
+    decode step of a managed layer adds one sample per (row, KV head) and budget: `config.budget`,
+    or each of `budgets` for a `budget_free` selector. Attached alone it runs its own forward;
+    `attention_recall` shows it the shared one (`SharedForward`)."""
 
-    def __init__(self, model, selector: Selector, config: SparsityConfig, ceiling_budgets: Sequence[int] = ()):
+    def __init__(
+        self,
+        model,
+        selector: Selector,
+        config: SparsityConfig,
+        ceiling_budgets: Sequence[int] = (),
+        budgets: Sequence[int] | None = None,
+    ):
         super().__init__(model, selector, config)
-        self.recorder = RecallSums(selector.name, config.budget, ceiling_budgets)
+        self.budgets = [config.budget] if budgets is None else list(budgets)
+        if len(self.budgets) > 1 and not budget_free(selector):
+            raise ValueError(f"{selector.name} evicts or observes the attention: one probe per budget")
+        self.recorder = RecallSums(selector.name, self.budgets, ceiling_budgets)
 
     def attend(self, module, query, keys, values, attention_mask, scaling: float) -> torch.Tensor:
-        layer = self.cache.layers[module.layer_idx]
-        full = self.view(module.layer_idx, layer, query, keys, attention_mask, scaling)
+        full = self.view(module.layer_idx, self.cache.layers[module.layer_idx], query, keys, attention_mask, scaling)
+        self.judge(DenseStep(full, values))
+        return sdpa_attention(query, keys, values, full.valid, scaling)
+
+    def judge(self, step: DenseStep) -> None:
+        """Choose as the real run would at this call (on this probe's cache layer, whose slots
+        are the step's), let the selector observe, mark what it would evict as no longer
+        selectable, and record a decode query's recall."""
+        layer = self.cache.layers[step.view.layer_idx]
+        full = dataclasses.replace(step.view, slot_pos=layer.slot_pos[..., : layer.length], budget=self.config.budget,
+                                   layer=layer)  # fmt: skip
         selectable = layer.slot_tensor("recall_selectable", init=1.0) > 0  # what the real run would still hold
-        view = dataclasses.replace(full, visible=full.valid & selectable.unsqueeze(2))
-        sparse = self.is_sparse_step(query)
-        keep = self.keep(view, sparse)
+        sparse = self.is_sparse_step(full.query)
+        # a dense step is the prompt's, the first on a fresh cache: every slot is still selectable
+        # (and its `[B, Hkv, Tq, S]` mask is not copied once per probe)
+        view = dataclasses.replace(full, visible=full.valid & selectable.unsqueeze(2)) if sparse else full
+        kept = self.keeps(view, sparse, self.budgets)
+        keep = kept[0]  # the only one where it matters below: a budget's state (`budget_free`)
         if self.selector.needs_attention:  # the selector observes the attention it would have had
-            self.attend_kept(view, values, keep)
+            if not sparse and self.selector.attention_keys(view) is view.keys:  # the dense attention's
+                self.selector.observe(view, step.received_mass)
+            else:
+                self.attend_kept(view, step.values, keep)
         retained = self.finish(view, keep, sparse)
         if retained is not None:
             layer.slot_tensor("recall_selectable").masked_fill_(~retained, 0.0)
-        if query.shape[2] == 1:
-            self._record(module.layer_idx, full, keep[:, :, -1] if sparse else view.valid[:, :, -1])
-        return sdpa_attention(query, keys, values, full.valid, scaling)
+        if full.query.shape[2] == 1:
+            self._record(step, [keep[:, :, -1] for keep in kept])
 
-    def _record(self, layer_idx: int, full: LayerView, kept: torch.Tensor) -> None:
-        mass = pooled_probs(full.query, full.keys, full.valid, full.scaling)
-        self.recorder.add(layer_idx, mass, full.valid[:, :, -1], kept)
+    def _record(self, step: DenseStep, kept: list[torch.Tensor]) -> None:
+        self.recorder.add(step.view.layer_idx, step.newest_mass, step.view.valid[:, :, -1], kept)
+
+
+class SelectorStateLayer(SlotLayer):
+    """A slot layer that holds its slots' positions and selector state but no keys or values (it
+    stores them with zero channels): a recall probe's in the shared forward, whose cache holds
+    the keys and values once for every probe."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return super().update(key_states[..., :0], value_states[..., :0])
+
+
+class SharedForward(SparseSession):
+    """The dense forward of a window batch, run once for every probe in `probes`.
+
+    Each managed layer's attention call is shown to every probe (`RecallProbe.judge`): the same
+    inputs, bit for bit, as its own forward would give it, since probes attend densely. This
+    session's cache holds the KV; a probe's keeps its selector state (`SelectorStateLayer`), its
+    slots following this cache's, which never evicts."""
+
+    def __init__(self, model, probes: Sequence[RecallProbe], dense_layers: int):
+        super().__init__(model, make_selector("dense"), SparsityConfig(1, dense_layers))
+        self.probes = list(probes)
+
+    @property
+    def needs_hidden(self) -> bool:
+        return any(probe.needs_hidden for probe in self.probes)
+
+    @property
+    def recorders(self) -> list[RecallSums]:
+        return [probe.recorder for probe in self.probes]
+
+    def new_cache(self) -> SparseKVCache:
+        """A cache for the next window batch, and fresh selector state for every probe."""
+        for probe in self.probes:
+            probe.bind(SparseKVCache(self.model.config, probe.managed_layers, lambda i: SelectorStateLayer()))
+        return super().new_cache()
+
+    def release(self) -> None:
+        """Drop the last window batch's caches (a run after this one needs the memory)."""
+        self.cache = None
+        for probe in self.probes:
+            probe.cache = None
+
+    def attend(self, module, query, keys, values, attention_mask, scaling: float) -> torch.Tensor:
+        layer_idx, new = module.layer_idx, query.shape[2]
+        full = self.view(layer_idx, self.cache.layers[layer_idx], query, keys, attention_mask, scaling)
+        step = DenseStep(full, values)
+        for probe in self.probes:
+            # the call's tokens are the last `new` slots: this cache only appends
+            probe.cache.layers[layer_idx].update(keys[:, :, -new:], values[:, :, -new:])
+            probe.judge(step)
+        return sdpa_attention(query, keys, values, full.valid, scaling)
 
 
 class TieredRecallProbe(TieredSession):
@@ -158,9 +277,18 @@ class TieredRecallProbe(TieredSession):
         self.context: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per layer: every token's key, value
         self._read: list[torch.Tensor] = []  # positions `[B, Hkv, n]` (-1: none) the step's query read
 
+    @property
+    def recorders(self) -> list[RecallSums]:
+        return [self.recorder]
+
     def new_cache(self):
         self.context.clear()
         return super().new_cache()
+
+    def release(self) -> None:
+        """Drop the last window batch's tiers and context (a run after this one needs the memory)."""
+        self.cache = None
+        self.context.clear()
 
     def attend(self, module, query, keys, values, attention_mask, scaling: float) -> torch.Tensor:
         layer = self.cache.layers[module.layer_idx]
@@ -175,7 +303,7 @@ class TieredRecallProbe(TieredSession):
             read = torch.zeros(*mass.shape[:2], seen + 1, dtype=torch.bool, device=mass.device)
             for chosen in self._read:
                 read.scatter_(-1, torch.where(chosen >= 0, chosen, seen), True)
-            self.recorder.add(module.layer_idx, mass, visible[:, :, -1], read[..., :seen])
+            self.recorder.add(module.layer_idx, mass, visible[:, :, -1], [read[..., :seen]])
         return sdpa_attention(query, full_keys, full_values, visible, scaling)
 
     def attended(self, view: LayerView, query: torch.Tensor) -> torch.Tensor:
@@ -304,8 +432,10 @@ def attention_recall(
     `selectors` under `atskv.sparse`, `tiered` through the two-tier store with the `tiering`
     options (`TieringConfig` fields), labelled `tiered:<selector>`.
 
-    One probe run per (selector, budget) and window batch: evicting selectors' state depends on
-    the budget, so nothing is shared between budgets except the ceilings, computed once."""
+    The `selectors` share one dense forward per window batch (`SharedForward`) with the ceilings'
+    probe: a probe per budget for a selector whose state the budget changes (evicting, or
+    observing the attention it was given), one for every budget otherwise (`budget_free`). Each
+    tiered probe runs a forward of its own."""
     if windows.dim() != 2 or windows.shape[1] <= n_queries:
         raise ValueError(f"windows must be [N, T] with T > n_queries={n_queries}, got {tuple(windows.shape)}")
     context = windows.shape[1] - n_queries
@@ -321,30 +451,48 @@ def attention_recall(
 
     def tiered_probe(selector: Selector, budget: int) -> TieredRecallProbe:
         configs = tiered_configs(selector, budget, dense_layers, tiering or {})
-        return TieredRecallProbe(model, selector, *configs, RecallSums(str(Method(TIERED, selector.name)), budget))
+        return TieredRecallProbe(model, selector, *configs, RecallSums(str(Method(TIERED, selector.name)), [budget]))
 
     # every probe is built before any runs: a bad budget or tiering option fails before the work
     ceilings = RecallProbe(model, make_selector("dense"), SparsityConfig(budgets[0], dense_layers), budgets)
-    probes = [ceilings]
-    probes += [RecallProbe(model, s, SparsityConfig(b, dense_layers)) for s in made(selectors) for b in budgets]
-    probes += [tiered_probe(s, b) for s in made(tiered) for b in budgets]
+    chosen = made(selectors)
+    # one probe for each budget of a selector the budget changes, one for all budgets of the others;
+    # a copy of the selector for each probe: a selector may carry state from one layer to the next
+    # within a forward step (Kascade's anchors, the learned selector's previous layer), and the
+    # shared forward runs every probe's layer before the next layer
+    probes = [
+        RecallProbe(model, copy.deepcopy(s), SparsityConfig(group[0], dense_layers), budgets=group)
+        for s in chosen
+        for group in ([budgets] if budget_free(s) else [[b] for b in budgets])
+    ]
+    shared = SharedForward(model, [ceilings, *probes], dense_layers)
+    runs = [shared, *(tiered_probe(s, b) for s in made(tiered) for b in budgets)]
+    names = ", ".join(["ceilings", *(s.name for s in chosen)])
+    described = [f"{names} at budget{'s' if len(budgets) > 1 else ''} {', '.join(map(str, budgets))}"]
+    described += [f"{run.recorder.name} at budget {run.recorder.budgets[0]}" for run in runs[1:]]
     sums: dict[tuple[str, int, int], list[float]] = {}
     device = next(model.parameters()).device
-    bar = tqdm(total=len(probes) * math.ceil(len(windows) / batch_size), desc="recall", disable=not progress)
-    for probe in probes:
-        what = "ceilings" if probe is ceilings else f"{probe.recorder.name} at budget {probe.recorder.budget}"
-        bar.set_postfix_str(what, refresh=True)
-        with attach(model, probe), torch.no_grad():
-            for start in range(0, len(windows), batch_size):
+    batches = math.ceil(len(windows) / batch_size)
+    bar = tqdm(total=len(runs) * batches * (1 + n_queries), desc="recall", unit="forward", disable=not progress)
+    for run, what in zip(runs, described):
+        with attach(model, run), torch.no_grad():
+            for number, start in enumerate(range(0, len(windows), batch_size), 1):
                 batch = windows[start : start + batch_size].to(device)
-                given = with_cache(model, probe.new_cache())
-                model(batch[:, :context], **given, use_cache=True)
-                for t in range(context, batch.shape[1]):
-                    model(batch[:, t : t + 1], **given, use_cache=True)
-                probe.recorder.close_window(n_queries)
-                bar.update()
-        recorded = probe.recorder.sums.items()
-        sums.update({key: acc for key, acc in recorded if not (probe is ceilings and key[0] == "dense")})
+                given = with_cache(model, run.new_cache())
+                steps = [batch[:, :context], *(batch[:, t : t + 1] for t in range(context, batch.shape[1]))]
+                for i, ids in enumerate(steps):  # the prompt, then each query
+                    stage = f"query {i}/{n_queries}" if i else "prompt"
+                    bar.set_postfix_str(f"{what}; window batch {number}/{batches}, {stage}", refresh=True)
+                    model(ids, **given, use_cache=True, logits_to_keep=1)  # the logits are not read
+                    bar.update()
+                for recorder in run.recorders:
+                    recorder.close_window(n_queries)
+        run.release()
+        for recorder in run.recorders:
+            recorded = recorder.sums.items()
+            if recorder is ceilings.recorder:  # the dense selector under the ceilings is not a row
+                recorded = [(key, acc) for key, acc in recorded if key[0] != "dense"]
+            sums.update(recorded)
     bar.close()
     records = []
     for (name, budget, layer), (mass, difference, n, reads) in sorted(sums.items()):

@@ -139,10 +139,18 @@ class SparseSession(SelectorSession):
 
     def keep(self, view: LayerView, sparse: bool) -> torch.Tensor:
         """Keep-mask `[B, Hkv, Tq, S]`: the selector's budget on sparse steps, every visible slot otherwise."""
+        return self.keeps(view, sparse, [view.budget])[0]
+
+    def keeps(self, view: LayerView, sparse: bool, budgets: list[int | float]) -> list[torch.Tensor]:
+        """`keep` at each of `budgets` from one scoring of `view` (the recall probe measures a
+        selector whose state the budget does not change at every budget at once)."""
         if not sparse:
-            return view.valid
-        keep = select_top_budget(self.selector.scores(view), view.valid, view.budget, view.slot_pos, view.context)
-        return without_unwanted(keep, self.selector.unwanted(view))
+            return [view.valid] * len(budgets)
+        scores, unwanted = self.selector.scores(view), self.selector.unwanted(view)
+        return [
+            without_unwanted(select_top_budget(scores, view.valid, budget, view.slot_pos, view.context), unwanted)
+            for budget in budgets
+        ]
 
     def attend_kept(self, view: LayerView, values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         keys = self.selector.attention_keys(view)
