@@ -48,8 +48,7 @@ class AtskvMetadataBuilder(FlashAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         config = PluginConfig.from_additional_config(vllm_config.additional_config)
-        sparse = any(extract_layer_index(name) >= config.dense_layers for name in layer_names)
-        if config.free_blocks and sparse and type(kv_cache_spec) is FullAttentionSpec:
+        if config.free_blocks and type(kv_cache_spec) is FullAttentionSpec:  # every layer frees (PluginConfig)
             raise InputError(f"atskv: free_blocks needs vLLM's worker_cls={WORKER!r} (it declares the layers "
                              f"whose blocks are freed); this group's is {type(kv_cache_spec).__name__}")  # fmt: skip
 

@@ -40,9 +40,8 @@ class UnreadBlocksSpec(FullAttentionSpec):
         rules = {(s.selector, s.budget, s.options) for s in specs}
         if len(rules) != 1:
             raise ValueError(f"the layers of one KV cache group read by different rules: {rules}")
-        base = FullAttentionSpec.merge(specs)
-        return cls(**{f.name: getattr(base, f.name) for f in fields(FullAttentionSpec)},
-                   **dict(zip(("selector", "budget", "options"), rules.pop())))  # fmt: skip
+        selector, budget, options = rules.pop()
+        return cls.of(FullAttentionSpec.merge(specs), selector, budget, dict(options))
 
     @classmethod
     def of(cls, spec: FullAttentionSpec, selector: str, budget: int | float, options: dict | None) -> UnreadBlocksSpec:

@@ -38,9 +38,9 @@ class AtskvWorker(Worker):
             return (type(specs[name]) is FullAttentionSpec and layer is not None
                     and isinstance(layer.impl, AtskvAttentionImpl) and layer.impl.sparse_layer(layer))  # fmt: skip
 
-        freeing = {name for name in specs if frees(name)}
-        if freeing != set(specs):  # vLLM's uniformity check would merge them all into one full-attention group
-            raise InputError(f"atskv: free_blocks needs every layer to free ({len(freeing)} of {len(specs)} do)")
-        logger.info("atskv: %d layers hand their unread blocks back to vLLM's pool", len(freeing))
+        kept = [name for name in specs if not frees(name)]
+        if kept:  # vLLM's uniformity check would merge them all into one full-attention group
+            raise InputError(f"atskv: free_blocks needs every layer to free ({len(kept)} of {len(specs)} do not)")
+        logger.info("atskv: %d layers hand their unread blocks back to vLLM's pool", len(specs))
         return {name: UnreadBlocksSpec.of(spec, config.selector, config.budget, config.options)
-                if name in freeing else spec for name, spec in specs.items()}  # fmt: skip
+                for name, spec in specs.items()}  # fmt: skip
