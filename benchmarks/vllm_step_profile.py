@@ -2,9 +2,10 @@
 synthetic paged cache of the 8B shape (32/8 heads, dim 128, blocks of 16), each graph-captured and
 timed alone (`triton.testing.do_bench_cudagraph`, median), beside SDPA over the whole context.
 `--capacity` is the engine's max_model_len: the block table's width, which sizes a fractional
-budget's index lists.
+budget's index lists. `--tune` adds the sparse decode kernel of StreamingLLM's pick at other
+pipeline depths and split counts (its defaults: 1 stage, `choose_split_size`).
 
-    python benchmarks/vllm_step_profile.py [--budget 0.05] [--capacity 131072]
+    python benchmarks/vllm_step_profile.py [--budget 0.05] [--capacity 131072] [--tune]
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from triton.testing import do_bench_cudagraph
 
 from atskv.kernels.paged import paged_page_scores
 from atskv.kernels.quest_decode import quest_pick
-from atskv.runtime.vllm.selection import PagedQuest, PagedStreamingLLM, paged_sparse_decode
+from atskv.kernels.sparse_decode import choose_split_size, sparse_decode_attention_triton
+from atskv.runtime.vllm.selection import PagedQuest, PagedStreamingLLM, paged_sparse_decode, slot_view
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--budget", type=float, default=0.05)
 parser.add_argument("--capacity", type=int, default=131072)
 parser.add_argument("--runs", nargs="+", default=["32768x1", "32768x8", "131072x1"])
+parser.add_argument("--tune", action="store_true")
 args = parser.parse_args()
 HQ, HKV, D, BS = 32, 8, 128, 16
 dev, dt = "cuda", torch.bfloat16
@@ -67,6 +70,16 @@ for run in args.runs:
         "streaming: pick": lambda: streaming.pick(query, HKV, None, table, seq_lens, BS, args.budget),
         "streaming: whole step": streaming_step,
     }  # fmt: skip
+    if args.tune:
+        recent, recent_lengths = streaming.pick(query, HKV, None, table, seq_lens, BS, args.budget)
+        keys, values = slot_view(key_cache, batch), slot_view(value_cache, batch)
+        split = choose_split_size(recent.shape[-1], batch * HKV, D, query.device)
+        for depth in (1, 2, 3):
+            for more in (1, 2, 4):
+                stages[f"streaming decode: {depth} st, {more}x splits"] = (
+                    lambda depth=depth, more=more: sparse_decode_attention_triton(
+                        query, keys, values, recent, recent_lengths, D**-0.5, block_table=table, block_size=BS,
+                        split_size=max(1, split // more), num_stages=depth))  # fmt: skip
     for name, fn in stages.items():
         fn()
         torch.cuda.synchronize()

@@ -1,8 +1,8 @@
 """The plugin inside a real vLLM engine (GPU and vLLM needed; skipped elsewhere): at budget 1.0 its
 greedy tokens are vanilla vLLM's; with Quest at a small budget, requests aborted mid-decode give
 their blocks back (the pool returns to its size) and the rest finish; StreamingLLM with
-`free_blocks` gives the tokens and log-probabilities it gives without, while its requests hold
-only the blocks it reads. A small Llama shape with
+`free_blocks` beside dense layers gives the tokens and log-probabilities it gives without, while
+its requests hold only the blocks it reads (and the dense layers' blocks). A small Llama shape with
 dummy weights; each engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`)."""
 
 from __future__ import annotations
@@ -80,33 +80,42 @@ def test_aborted_requests_give_their_blocks_back(shape):
     assert free_blocks(llm) == idle
 
 
-def test_freed_blocks_change_no_token_and_no_logprob(shape):
+def held_while_decoding(llm, batch, new_tokens: int) -> int:
+    """Blocks the requests hold once each has decoded 10 tokens; after them the pool is whole again."""
+    idle = free_blocks(llm)
+    for i, prompt in enumerate(batch):
+        llm.llm_engine.add_request(f"r{i}", prompt, greedy(new_tokens))
+    produced = {}
+    while len(produced) < len(batch) or min(produced.values()) < 10:
+        for out in llm.llm_engine.step():
+            produced[out.request_id] = len(out.outputs[0].token_ids)
+    held = idle - free_blocks(llm)
+    while llm.llm_engine.has_unfinished_requests():
+        llm.llm_engine.step()
+    assert free_blocks(llm) == idle
+    return held
+
+
+def test_freed_blocks_beside_dense_layers_change_no_token_and_no_logprob(shape):
     batch = prompts(1500, 3, 49152, seed=11)
-    kept = engine(shape, "vllm:streaming_llm", 64, dense_layers=0)
+    kept = engine(shape, "vllm:streaming_llm", 64, dense_layers=2)
     want_tokens, want_logprobs = tokens_and_logprobs(kept, batch, 24)
     del kept
     gc.collect()
     torch.cuda.empty_cache()
-    freeing = engine(shape, "vllm:streaming_llm", 64, free_blocks=True, dense_layers=0)
+    freeing = engine(shape, "vllm:streaming_llm", 64, free_blocks=True, dense_layers=2)
     tokens, logprobs = tokens_and_logprobs(freeing, batch, 24)
     assert tokens == want_tokens
     torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=1e-3)
+    # 30 layers: the 2 dense ones a group (each request's 94 prompt blocks), 14 freeing groups of 2
+    # holding the sink block and the recent window's (+ margin, + the block being written)
+    held = held_while_decoding(freeing, batch, 30)
+    assert 3 * 94 < held <= 3 * (94 + 14 * 8), held
 
 
 def test_freed_blocks_go_back_to_the_pool_while_requests_decode(shape):
     llm = engine(shape, "vllm:streaming_llm", 64, free_blocks=True, dense_layers=0)
-    idle = free_blocks(llm)
-    params = greedy(30)
-    for i, prompt in enumerate(prompts(1500, 4, 49152, seed=5)):
-        llm.llm_engine.add_request(f"r{i}", prompt, params)
-    produced = {}
-    while len(produced) < 4 or min(produced.values()) < 10:
-        for out in llm.llm_engine.step():
-            produced[out.request_id] = len(out.outputs[0].token_ids)
-    held = idle - free_blocks(llm)
     # each request holds its sink block and the blocks of its 60 recent tokens (+ the margin and
     # the block being written), not the 94 blocks of its 1500-token prompt
+    held = held_while_decoding(llm, prompts(1500, 4, 49152, seed=5), 30)
     assert 0 < held <= 4 * 8, held
-    while llm.llm_engine.has_unfinished_requests():
-        llm.llm_engine.step()
-    assert free_blocks(llm) == idle

@@ -1,8 +1,11 @@
 """`free_blocks` on vLLM's own scheduler-side objects, without a GPU (vLLM needed; skipped where it
 is not installed): the registered spec finds its manager, the manager frees exactly the blocks
-StreamingLLM will not read, once the prompt is in, and a finished request gives all back."""
+StreamingLLM will not read, once the prompt is in, and a finished request gives all back; dense
+layers beside freeing ones are grouped apart by vLLM's own grouping and keep their blocks."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,10 +14,13 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
+from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinatorNoPrefixCache  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_kv_cache_groups  # noqa: E402
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig  # noqa: E402
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry  # noqa: E402
 
-from atskv.runtime.vllm.freeing import UnreadBlocksManager, UnreadBlocksSpec  # noqa: E402
+from atskv.runtime.vllm.freeing import KeptBlocksSpec, UnreadBlocksManager, UnreadBlocksSpec  # noqa: E402
 from atskv.runtime.vllm.selection import PagedStreamingLLM  # noqa: E402
 
 BLOCK = 16
@@ -53,4 +59,46 @@ def test_the_manager_frees_what_streaming_llm_will_not_read():
         assert idle - pool.get_num_free_blocks() == len(live) <= 7
         manager.allocate_new_blocks("r", processed + 1, processed + 1)
     manager.free("r")
+    assert pool.get_num_free_blocks() == idle
+
+
+def model_specs(dense: int, layers: int = 32) -> dict:
+    """What `AtskvWorker` declares for a Llama-shaped model with `dense` dense layers first."""
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    return {f"model.layers.{i}.self_attn.attn": KeptBlocksSpec.of(full) if i < dense else spec() for i in range(layers)}
+
+
+def grouped(specs: dict) -> list:
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False))
+    return get_kv_cache_groups(config, dict(specs))
+
+
+def test_dense_layers_beside_freeing_ones_get_groups_of_their_own():
+    groups = grouped(model_specs(dense=2))
+    kinds = [type(g.kv_cache_spec) for g in groups]
+    assert kinds == [KeptBlocksSpec] + [UnreadBlocksSpec] * 15 and {len(g.layer_names) for g in groups} == {2}
+    assert groups[0].layer_names == ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    assert [KVCacheSpecRegistry.get_manager_class(g.kv_cache_spec) for g in groups[:2]] == [
+        FullAttentionManager, UnreadBlocksManager]  # fmt: skip
+    assert [type(g.kv_cache_spec) for g in grouped(model_specs(dense=0))] == [UnreadBlocksSpec]  # one group
+    with pytest.raises(AssertionError):  # vLLM's uniformity check: the first layer's merge tells them apart
+        KeptBlocksSpec.merge(list(model_specs(dense=2).values()))
+
+
+def test_with_dense_layers_a_request_holds_their_blocks_and_few_of_the_rest():
+    groups = grouped(model_specs(dense=2))
+    coordinator = KVCacheCoordinatorNoPrefixCache(
+        KVCacheConfig(num_blocks=3000, kv_cache_tensors=[], kv_cache_groups=groups), max_model_len=4096,
+        max_in_flight_tokens=4096, use_eagle=False, enable_kv_cache_events=False, dcp_world_size=1,
+        pcp_world_size=1, scheduler_block_size=BLOCK, hash_block_size=BLOCK)  # fmt: skip
+    pool = coordinator.block_pool
+    idle = pool.get_num_free_blocks()
+    prompt = 1500
+    coordinator.allocate_new_blocks("r", prompt, prompt)
+    assert idle - pool.get_num_free_blocks() == 16 * 94  # every group holds the prompt until it is in
+    coordinator.remove_skipped_blocks("r", prompt, prompt)
+    held = [sum(not b.is_null for b in blocks) for blocks in coordinator.get_blocks("r")]
+    assert held[0] == 94 and all(0 < n <= 6 for n in held[1:]), held
+    assert idle - pool.get_num_free_blocks() == sum(held)
+    coordinator.free("r")
     assert pool.get_num_free_blocks() == idle

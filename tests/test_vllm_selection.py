@@ -189,7 +189,6 @@ def test_a_cache_not_in_nhd_order_is_refused():
         ({"selector": "quest", "free_blocks": True}, "free_blocks needs"),
         ({"selector": "streaming_llm", "budget": 1.0, "free_blocks": True}, "free_blocks needs"),
         ({"selector": "streaming_llm", "free_blocks": "yes"}, "true or false"),
-        ({"selector": "streaming_llm", "free_blocks": True}, "dense_layers=0"),
     ],
 )
 def test_bad_plugin_settings_are_one_line_errors(settings, message):
@@ -202,7 +201,7 @@ def test_plugin_settings_from_vllms_additional_config():
     config = PluginConfig.from_additional_config({"atskv": {"selector": "streaming_llm", "budget": 512}, "other": 1})
     assert (config.selector, config.budget, config.dense) == ("streaming_llm", 512, False)
     assert PluginConfig.from_additional_config({"atskv": {"budget": 1.0}}).dense
-    assert PluginConfig(selector="streaming_llm", free_blocks=True, dense_layers=0).free_blocks
+    assert PluginConfig(selector="streaming_llm", free_blocks=True).free_blocks  # dense layers beside: kept
 
 
 @pytest.mark.parametrize("budget, sinks, prompt", [(0.05, 4, 3000), (0.3, 4, 200), (100, 4, 700), (40, 20, 90),
@@ -235,8 +234,8 @@ def test_quest_frees_nothing():
     assert not PagedQuest.frees_blocks and PagedStreamingLLM.frees_blocks
 
 
-@pytest.mark.parametrize("split_size", [32, 10_000])
-def test_the_sparse_decode_kernel_reads_a_paged_cache_as_its_reference_does(cache, split_size):
+@pytest.mark.parametrize("split_size, stages", [(32, 1), (10_000, 1), (16, 3), (10_000, 2)])
+def test_the_sparse_decode_kernel_reads_a_paged_cache_as_its_reference_does(cache, split_size, stages):
     from atskv.kernels.sparse_decode import sparse_decode_attention_triton
     from atskv.runtime.vllm.selection import slot_view
 
@@ -252,7 +251,7 @@ def test_the_sparse_decode_kernel_reads_a_paged_cache_as_its_reference_does(cach
     key_cache, value_cache = cache.kv_cache.to(KERNELS).transpose(1, 2).split(D, dim=-1)  # .to keeps NHD strides
     inputs = [t.to(KERNELS) for t in (query, slot_view(key_cache, b), slot_view(value_cache, b), positions, lengths)]
     options = dict(block_table=cache.block_table.to(KERNELS), block_size=BLOCK)
-    got = sparse_decode_attention_triton(*inputs, D**-0.5, out=out, split_size=split_size, **options)
+    got = sparse_decode_attention_triton(*inputs, D**-0.5, out=out, split_size=split_size, num_stages=stages, **options)
     assert got is out
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
 

@@ -4,6 +4,7 @@ from the rows already written, the table's ratios and the identity report."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -115,7 +116,56 @@ def test_serve_frees_blocks_only_for_selectors_that_can(tmp_path, monkeypatch):
     specs = {s["label"]: s for s in (json.loads(open(c[-3]).read()) for c in commands)}
     assert set(specs) == {"vllm", "vllm:streaming_llm (free_blocks)", "vllm:quest"}
     freeing = specs["vllm:streaming_llm (free_blocks)"]
-    assert freeing["free_blocks"] and freeing["dense_layers"] == 0  # every layer frees (docs/serving.md)
+    assert freeing["free_blocks"] and freeing["dense_layers"] == 2  # dense layers keep theirs beside
     assert not specs["vllm:quest"]["free_blocks"] and specs["vllm:quest"]["dense_layers"] == 2
+    assert all(json.loads(open(c[-2]).read())[0]["rate"] == 0.5 for c in commands)
     arguments = engine_arguments(EngineSpec(**freeing), 4096, 8)
     assert arguments["worker_cls"] == WORKER and arguments["additional_config"]["atskv"]["free_blocks"]
+
+
+class FakeEngine:
+    """vLLM's LLMEngine as a trace drives it: one token per running request per step."""
+
+    engine_core = None  # no scheduler in this process
+
+    def __init__(self):
+        self.vllm_config = type("C", (), {"cache_config": type("K", (), {"num_gpu_blocks": 10, "block_size": 16})})
+        self.running: dict[str, int] = {}
+        self.aborted: list[str] = []
+
+    def add_request(self, request, prompt, params):
+        self.running[request] = 0
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
+
+    def abort_request(self, requests):
+        self.aborted += requests
+        for r in requests:
+            self.running.pop(r, None)
+
+    def step(self):
+        time.sleep(0.02)  # a trace's limit falls between steps
+        out = []
+        for request in list(self.running):
+            self.running[request] += 1
+            done = self.running[request] == 4
+            tokens = type("T", (), {"token_ids": [0] * self.running[request]})
+            out.append(type("O", (), {"request_id": request, "finished": done, "outputs": [tokens]}))
+            if done:
+                del self.running[request]
+        return out
+
+
+def test_traces_share_one_engine_and_the_unfinished_are_aborted_at_the_limit(monkeypatch):
+    from atskv.eval import vllm_trace
+
+    monkeypatch.setattr(vllm_trace, "greedy", lambda new_tokens: None)
+    engine = FakeEngine()
+    cut = vllm_trace.run_trace(engine, vllm_trace.Trace(rate=1e6, requests=3, shortest=8, longest=16, new_tokens=4,
+                                                        limit_s=0.03), vocab=50, room=64)  # fmt: skip
+    assert cut["finished"] == 0 and not engine.has_unfinished_requests()
+    assert engine.aborted == [f"r1000000.0-{i}" for i in range(3)]  # the engine is idle for the next trace
+    whole = vllm_trace.run_trace(engine, vllm_trace.Trace(rate=1e6, requests=3, shortest=8, longest=16, new_tokens=4,
+                                                          limit_s=60.0), vocab=50, room=64)  # fmt: skip
+    assert whole["finished"] == 3 and whole["output_tokens_per_s"] > 0 and len(engine.aborted) == 3

@@ -240,8 +240,8 @@ def serve(
         new_tokens: tokens each request generates.
         budget: the plugin's KV budget per KV head: tokens (int) or a fraction of the context.
         dense_layers: first layers kept dense by the plugin.
-        free_blocks: selectors that read by length alone (streaming_llm) hand the blocks they will
-            not read back to vLLM's pool, every layer sparse (rows labelled "<method> (free_blocks)").
+        free_blocks: selectors that read by length alone (streaming_llm) hand the blocks their
+            sparse layers will not read back to vLLM's pool (rows labelled "<method> (free_blocks)").
         limit_s: a trace stops here, finished or not.
         out: output folder.
     """
@@ -259,10 +259,9 @@ def serve(
 
     def spec(method: str) -> vllm_speed.EngineSpec:
         selector = PAGED_SELECTORS.get(Method.parse(method).name)
-        if not (free_blocks and selector is not None and selector.frees_blocks):
-            return vllm_speed.EngineSpec(method, str(shape), [], new_tokens, budget, dense_layers)
-        return vllm_speed.EngineSpec(method, str(shape), [], new_tokens, budget, 0, free_blocks=True,
-                                     label=f"{method} (free_blocks)")  # fmt: skip
+        frees = free_blocks and selector is not None and selector.frees_blocks
+        return vllm_speed.EngineSpec(method, str(shape), [], new_tokens, budget, dense_layers, free_blocks=frees,
+                                     label=f"{method} (free_blocks)" if frees else "")  # fmt: skip
 
     specs = [spec(m) for m in methods]
     traces = [vllm_trace.Trace(r, requests, shortest, longest, new_tokens, limit_s=limit_s) for r in rates]

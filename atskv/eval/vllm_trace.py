@@ -5,10 +5,10 @@ token, mean and P99 time between tokens, requests finished, the KV tokens the en
 requests in flight at once (scheduled, decoding or in prefill) and the share of the KV pool each
 held then (so `1 / share` requests of that length fit the pool; read from the engine's scheduler,
 which runs in this process). Each method's engine runs in its own process (as in
-`atskv.eval.vllm_speed`); rows are appended as they finish and a rerun skips (method, rate) rows
-already there.
+`atskv.eval.vllm_speed`), built once for all its rates; rows are appended as they finish and a
+rerun skips (method, rate) rows already there.
 
-    python -m atskv.eval.vllm_trace SPEC.json TRACE.json ROWS.jsonl   (one engine: what `measure` starts)
+    python -m atskv.eval.vllm_trace SPEC.json TRACES.json ROWS.jsonl   (one engine: what `measure` starts)
 """
 
 from __future__ import annotations
@@ -98,19 +98,30 @@ def scheduler_load(engine) -> tuple[int, float] | None:
     return len(scheduler.running), scheduler.kv_cache_manager.usage
 
 
-def run_trace(spec: EngineSpec, trace: Trace, rows: Path) -> None:
-    """In this process: the trace through one engine; one row appended to `rows`."""
+def run_traces(spec: EngineSpec, traces: list[Trace], rows: Path) -> None:
+    """In this process: each trace in turn through one engine (built once: its start is most of a
+    short trace's cost); one row appended to `rows` per trace."""
     from vllm import LLM
 
     config = json.loads((Path(spec.shape_dir) / "config.json").read_text())
-    longest = min(trace.longest, config["max_position_embeddings"] - trace.new_tokens)
+    room = config["max_position_embeddings"]
+    longest = min(max(t.longest + t.new_tokens for t in traces), room)
+    llm = LLM(**engine_arguments(spec, longest, 64))
+    for trace in traces:
+        row = run_trace(llm.llm_engine, trace, config["vocab_size"], room)
+        row = {"method": spec.label, "kind": "trace", "context": trace.longest, "rate": trace.rate, **row}
+        with rows.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def run_trace(engine, trace: Trace, vocab: int, room: int) -> dict:
+    """One trace through a started engine, its requests cut to the engine's positions; what is
+    unfinished at the limit is aborted, so the engine is idle for the next trace."""
+    longest = min(trace.longest, room - trace.new_tokens)
     arrivals = [(t, min(n, longest)) for t, n in trace.arrivals()]
-    llm = LLM(**engine_arguments(spec, longest + trace.new_tokens, 64))
-    engine = llm.llm_engine
-    cache = llm.llm_engine.vllm_config.cache_config
+    cache = engine.vllm_config.cache_config
     params = greedy(trace.new_tokens)
-    vocab = config["vocab_size"]
-    pending = [(t, f"t{i}", prompts(n, 1, vocab, seed=i)[0]) for i, (t, n) in enumerate(arrivals)]
+    pending = [(t, f"r{trace.rate}-{i}", prompts(n, 1, vocab, seed=i)[0]) for i, (t, n) in enumerate(arrivals)]
     arrived: dict[str, float] = {}
     stamps: dict[str, list[float]] = {}
     finished: set[str] = set()
@@ -135,26 +146,28 @@ def run_trace(spec: EngineSpec, trace: Trace, rows: Path) -> None:
             stamps[out.request_id] += [now] * (produced - len(stamps[out.request_id]))
             if out.finished:
                 finished.add(out.request_id)
-    row = {"method": spec.label, "kind": "trace", "context": trace.longest, "rate": trace.rate,
-           "kv_tokens": cache.num_gpu_blocks * cache.block_size, "trace": asdict(trace),
-           **summarise(arrived, stamps, finished, time.perf_counter() - start, load)}  # fmt: skip
-    with rows.open("a") as f:
-        f.write(json.dumps(row) + "\n")
+    wall = time.perf_counter() - start
+    engine.abort_request([r for r in arrived if r not in finished])
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"kv_tokens": cache.num_gpu_blocks * cache.block_size, "trace": asdict(trace),
+            **summarise(arrived, stamps, finished, wall, load)}  # fmt: skip
 
 
 def measure(specs: list[EngineSpec], traces: list[Trace], rows: Path) -> None:
-    """Each (method, rate) not yet in `rows` through its own engine process."""
+    """Per method, the traces not yet in `rows`, through one engine process."""
     rows.parent.mkdir(parents=True, exist_ok=True)
     for spec in specs:
-        for trace in traces:
-            if (spec.label, "trace", trace.longest, trace.rate) in done(rows):
-                continue
-            stem = f"{file_stem(spec.label)}-{trace.rate}"
-            spec_file, trace_file = rows.with_suffix(f".{stem}.spec.json"), rows.with_suffix(f".{stem}.trace.json")
-            spec_file.write_text(json.dumps(asdict(spec)))
-            trace_file.write_text(json.dumps(asdict(trace)))
-            print(f"vLLM trace: {spec.label} at {trace.rate} requests/s", file=sys.stderr)
-            engine_process("atskv.eval.vllm_trace", spec_file, trace_file, rows)
+        todo = [t for t in traces if (spec.label, "trace", t.longest, t.rate) not in done(rows)]
+        if not todo:
+            continue
+        stem = file_stem(spec.label)
+        spec_file, trace_file = rows.with_suffix(f".{stem}.spec.json"), rows.with_suffix(f".{stem}.trace.json")
+        spec_file.write_text(json.dumps(asdict(spec)))
+        trace_file.write_text(json.dumps([asdict(t) for t in todo]))
+        rates = ", ".join(str(t.rate) for t in todo)
+        print(f"vLLM trace: {spec.label} at {rates} requests/s", file=sys.stderr)
+        engine_process("atskv.eval.vllm_trace", spec_file, trace_file, rows)
 
 
 def table(rows: Path) -> str:
@@ -176,4 +189,4 @@ def table(rows: Path) -> str:
 
 if __name__ == "__main__":
     spec = EngineSpec(**json.loads(Path(sys.argv[1]).read_text()))
-    run_trace(spec, Trace(**json.loads(Path(sys.argv[2]).read_text())), Path(sys.argv[3]))
+    run_traces(spec, [Trace(**t) for t in json.loads(Path(sys.argv[2]).read_text())], Path(sys.argv[3]))

@@ -125,10 +125,13 @@ def sparse_decode_attention_triton(
     block_size: int = 0,
     out: torch.Tensor | None = None,
     split_size: int | None = None,
+    num_stages: int = 1,
 ):
     """The Triton kernel. `split_size` (the list's indices per split: `ceil(K / split_size)` splits,
     which take its tiles in turn) overrides `choose_split_size`, to cover the split merge in tests or
-    to tune on a GPU."""
+    to tune on a GPU; `num_stages` > 1 has Triton's pipeliner issue the next tiles' gathers while
+    one tile is computed (a split's tiles are otherwise three dependent round trips each: index,
+    block table, K/V)."""
     if triton is None:
         raise RuntimeError("the sparse decode kernel needs Triton (pip install 'atskv[gpu]' or 'atskv[test]')")
     scaling = _check(query, keys, values, indices, lengths, scaling, held, want_mass, add_mass_to)
@@ -169,7 +172,7 @@ def sparse_decode_attention_triton(
         max(block_size, 1), scaling * _LOG2E,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_N=_block_n(d),
         HAS_LENGTHS=has_lengths, HAS_HELD=has_held, PAGED=paged, WANT_MASS=with_mass, SINGLE_SPLIT=splits == 1,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,  # fp32 stays fp32, not TF32
+        NUM_STAGES=num_stages, DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,  # not TF32
         # Triton's interpreter (the only way to run on CPU tensors) multiplies bf16 as raw integers
         UPCAST_DOT=query.dtype == torch.bfloat16 and not query.is_cuda,
         num_warps=4, **dependent_launch(query, grid),
@@ -274,7 +277,7 @@ def _split_kernel(
     num_kv_heads, num_indices, num_splits, block_size, qk_scale,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LENGTHS: tl.constexpr, HAS_HELD: tl.constexpr, PAGED: tl.constexpr, WANT_MASS: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
@@ -308,7 +311,7 @@ def _split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    for tile in range(split, tiles, num_splits):
+    for tile in tl.range(split, tiles, num_splits, num_stages=NUM_STAGES):
         offs = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = offs < length
         slot = tl.load(idx_row + offs * stride_ik, mask=valid, other=0).to(tl.int64)

@@ -1,20 +1,22 @@
 # The vLLM plugin's GPU plan, one stage a call (each well under the 10-minute limit), after the
 # four staging calls of vllm_env.sh (send every call in ONE message: a pause loses the machine):
 #   bash benchmarks/device/vllm_plan.sh profile   # per-stage kernel times (~40 s, no vLLM needed)
-#   bash benchmarks/device/vllm_plan.sh decode    # vanilla vLLM, Quest, StreamingLLM: 3 shapes (~7.5 min)
+#   bash benchmarks/device/vllm_plan.sh decode [METHODS]  # vanilla vLLM, Quest, StreamingLLM: 3 shapes (~7.5 min)
 #   bash benchmarks/device/vllm_plan.sh tests     # the plugin's GPU tests in a small engine (~4 min)
-#   bash benchmarks/device/vllm_plan.sh trace     # a Poisson trace at one rate, vanilla and StreamingLLM
-#   bash benchmarks/device/vllm_plan.sh inflight METHOD [free]  # 12 requests of 128K at once through one
-#        engine (~4 min): the most in flight and each one's share of the KV pool (free: dense_layers 0)
+#   bash benchmarks/device/vllm_plan.sh trace METHOD [free]  # Poisson traces of 16K-128K prompts at 0.25
+#        and 1 request/s through one engine (~7 min; free: its unread blocks back to the pool)
+#   bash benchmarks/device/vllm_plan.sh inflight METHOD [free [DENSE]]  # 12 requests of 128K at once through
+#        one engine (~4 min): the most in flight and each one's share of the KV pool (DENSE layers, default 2)
 # Rows land under $OUT (JSON lines, as they finish), with the logs.
 set -uo pipefail
 source benchmarks/device/vllm_env.sh
 case "$1" in
   profile)
-    python3 benchmarks/vllm_step_profile.py | tee "$OUT/profile.txt"
+    python3 benchmarks/vllm_step_profile.py --tune | tee "$OUT/profile.txt"
     python3 benchmarks/vllm_step_profile.py --capacity 32784 --runs 32768x1 32768x8 | tee -a "$OUT/profile.txt" ;;
   decode)
-    python3 benchmarks/vllm_decode.py "$OUT/decode.jsonl" --methods vllm quest=vllm:quest streaming=vllm:streaming_llm \
+    methods=${*:2}
+    python3 benchmarks/vllm_decode.py "$OUT/decode.jsonl" --methods ${methods:-vllm quest=vllm:quest streaming=vllm:streaming_llm} \
       --runs 32768x1 32768x8 131072x1 --new_tokens 64 --identity_tokens 32 > "$OUT/decode.log" 2>&1
     grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" "$OUT/decode.log" | tail -20 ;;
   tests)
@@ -22,30 +24,33 @@ case "$1" in
     PYTHONPATH=/tmp/pt:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider tests/test_vllm_engine.py tests/test_vllm_freeing.py \
       tests/test_vllm_selection.py ${2:+-k "$2"} 2>&1 | tee "$OUT/tests.log" | grep -v "^\[\|^INFO\|^WARNING" | tail -25 ;;
   trace)
-    python3 - "$OUT" <<'PY' 2>&1 | grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" | tail -12
-import sys, tempfile
-from pathlib import Path
-from atskv.eval import vllm_speed, vllm_trace
-shape = vllm_speed.write_shape("llama3.1-8b", Path(tempfile.mkdtemp()) / "llama3.1-8b")
-specs = [vllm_speed.EngineSpec(m, str(shape), []) for m in ("vllm", "vllm:streaming_llm")]
-rows = Path(sys.argv[1]) / "trace.jsonl"
-vllm_trace.measure(specs, [vllm_trace.Trace(rate=0.5, requests=24, limit_s=150)], rows)
-print(vllm_trace.table(rows))
-PY
-    ;;
-  inflight)
     python3 - "$OUT" "$2" "${3:-}" <<'PY' 2>&1 | grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" | tail -12
 import sys, tempfile
 from pathlib import Path
 from atskv.eval import vllm_speed, vllm_trace
 shape = vllm_speed.write_shape("llama3.1-8b", Path(tempfile.mkdtemp()) / "llama3.1-8b")
 free = sys.argv[3] == "free"
-spec = vllm_speed.EngineSpec(sys.argv[2], str(shape), [], free_blocks=free, dense_layers=0 if free else 2,
-                             label=sys.argv[2] + (" (free_blocks, 0 dense)" if free else ""))
+spec = vllm_speed.EngineSpec(sys.argv[2], str(shape), [], free_blocks=free,
+                             label=sys.argv[2] + (" (free_blocks)" if free else ""))
+rows = Path(sys.argv[1]) / "trace.jsonl"
+traces = [vllm_trace.Trace(rate=r, requests=32, new_tokens=256, limit_s=150) for r in (0.25, 1.0)]
+vllm_trace.measure([spec], traces, rows)
+print(vllm_trace.table(rows))
+PY
+    ;;
+  inflight)
+    python3 - "$OUT" "$2" "${3:-}" "${4:-2}" <<'PY' 2>&1 | grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" | tail -12
+import sys, tempfile
+from pathlib import Path
+from atskv.eval import vllm_speed, vllm_trace
+shape = vllm_speed.write_shape("llama3.1-8b", Path(tempfile.mkdtemp()) / "llama3.1-8b")
+free, dense = sys.argv[3] == "free", int(sys.argv[4])
+spec = vllm_speed.EngineSpec(sys.argv[2], str(shape), [], free_blocks=free, dense_layers=dense,
+                             label=sys.argv[2] + (f" (free_blocks, {dense} dense)" if free else ""))
 rows = Path(sys.argv[1]) / "inflight.jsonl"
 vllm_trace.measure([spec], [vllm_trace.Trace(rate=50.0, requests=12, shortest=131072, new_tokens=256, limit_s=140)], rows)
 print(vllm_trace.table(rows))
 PY
     ;;
-  *) echo "usage: vllm_plan.sh profile|decode|tests|trace|inflight" >&2; exit 2 ;;
+  *) echo "usage: vllm_plan.sh profile|decode|tests|trace METHOD [free]|inflight METHOD [free [DENSE]]" >&2; exit 2 ;;
 esac

@@ -23,7 +23,7 @@ class PluginConfig:
     first layers attend in full, as in `atskv.sparse` (sliding-window layers always do).
     `options`: the selector's own (e.g. `{"sinks": 4}` for streaming_llm). `free_blocks`: the
     blocks a selector that `frees_blocks` will not read go back to vLLM's pool, so more requests
-    fit (needs `worker_cls=WORKER`, `dense_layers=0` and prefix caching off: `atskv.runtime.vllm.freeing`)."""
+    fit (needs `worker_cls=WORKER` and prefix caching off: `atskv.runtime.vllm.freeing`)."""
 
     selector: str = "quest"
     budget: int | float = 0.05
@@ -53,8 +53,6 @@ class PluginConfig:
             freeing = [name for name, cls in PAGED_SELECTORS.items() if cls.frees_blocks]
             raise InputError(f"atskv: free_blocks needs a budget below 1.0 and a selector whose reads follow "
                              f"from a request's length: {', '.join(freeing)}")  # fmt: skip
-        if self.free_blocks and self.dense_layers:  # vLLM's uniformity check would merge both kinds into one group
-            raise InputError("atskv: free_blocks needs dense_layers=0 (dense layers beside freeing ones: not yet)")
 
     @property
     def dense(self) -> bool:

@@ -8,6 +8,11 @@ will not read (`unread_blocks`) leave the request's block table (vLLM's null blo
 place, so logical positions stay) and return to the pool, and the scheduler admits more requests.
 The same hook frees sliding-window layers' blocks in vLLM itself (`remove_skipped_blocks`).
 
+Dense layers beside freeing ones declare `KeptBlocksSpec`: vLLM's full attention under a type of
+its own, so that vLLM's grouping (which merges every subclass of `FullAttentionSpec` into one
+group) lays the model out as a hybrid one, as it does Gemma's sliding-window and global layers:
+one block table per group of layers, one pool, each group's blocks managed by its own rule.
+
 The spec is registered with vLLM's KV-spec registry when this module is imported: in the worker,
 which creates the specs (`atskv.runtime.vllm.worker`), and in the scheduler's process, which
 unpickles them. Prefix caching is refused with freeing (a freed block's hash could be matched).
@@ -25,6 +30,29 @@ from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 from atskv.runtime.vllm.selection import PAGED_SELECTORS
 
 
+def full_attention_fields(spec: FullAttentionSpec) -> dict[str, Any]:
+    return {f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec)}
+
+
+def check_one_type(cls: type, specs: list) -> None:
+    """vLLM's merge contract: an AssertionError tells its uniformity check the layers differ."""
+    assert all(type(spec) is cls for spec in specs), f"layers of other kinds than {cls.__name__} in one group"
+
+
+@dataclass(frozen=True, kw_only=True)
+class KeptBlocksSpec(FullAttentionSpec):
+    """A full-attention layer that keeps all its blocks, beside layers that free theirs."""
+
+    @classmethod
+    def merge(cls, specs: list[KeptBlocksSpec]) -> KeptBlocksSpec:
+        check_one_type(cls, specs)
+        return super().merge(specs)
+
+    @classmethod
+    def of(cls, spec: FullAttentionSpec) -> KeptBlocksSpec:
+        return cls(**full_attention_fields(spec))
+
+
 @dataclass(frozen=True, kw_only=True)
 class UnreadBlocksSpec(FullAttentionSpec):
     """A full-attention layer whose blocks past its selector's reach are freed: which selector
@@ -37,6 +65,7 @@ class UnreadBlocksSpec(FullAttentionSpec):
     @classmethod
     def merge(cls, specs: list[UnreadBlocksSpec]) -> UnreadBlocksSpec:
         """One group's spec: FullAttentionSpec's merge, with the selector all its layers share."""
+        check_one_type(cls, specs)
         rules = {(s.selector, s.budget, s.options) for s in specs}
         if len(rules) != 1:
             raise ValueError(f"the layers of one KV cache group read by different rules: {rules}")
@@ -45,8 +74,8 @@ class UnreadBlocksSpec(FullAttentionSpec):
 
     @classmethod
     def of(cls, spec: FullAttentionSpec, selector: str, budget: int | float, options: dict | None) -> UnreadBlocksSpec:
-        return cls(**{f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec)}, selector=selector,
-                   budget=budget, options=tuple(sorted((options or {}).items())))  # fmt: skip
+        return cls(**full_attention_fields(spec), selector=selector, budget=budget,
+                   options=tuple(sorted((options or {}).items())))  # fmt: skip
 
 
 class UnreadBlocksManager(FullAttentionManager):
@@ -72,3 +101,4 @@ class UnreadBlocksManager(FullAttentionManager):
 
 KVCacheSpecRegistry.check_kv_cache_spec_registry({})  # vLLM's own specs first: it registers them lazily, once
 KVCacheSpecRegistry.register(UnreadBlocksSpec, UnreadBlocksManager, uniform_type_base_spec=UnreadBlocksSpec)
+KVCacheSpecRegistry.register(KeptBlocksSpec, FullAttentionManager, uniform_type_base_spec=KeptBlocksSpec)

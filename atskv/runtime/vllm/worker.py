@@ -3,7 +3,9 @@
 
 vLLM asks its worker for each layer's KV spec; this one answers `UnreadBlocksSpec` for the layers
 that read sparsely with a selector that frees blocks, so the scheduler manages their blocks with
-`UnreadBlocksManager` (`atskv.runtime.vllm.freeing`). Nothing else of vLLM's worker changes."""
+`UnreadBlocksManager` (`atskv.runtime.vllm.freeing`), and `KeptBlocksSpec` for the other
+full-attention layers (the dense ones), which vLLM then lays out in groups of their own. Nothing
+else of vLLM's worker changes."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from vllm.v1.worker.gpu_worker import Worker
 from atskv.errors import InputError
 from atskv.runtime.vllm.backend import AtskvAttentionImpl
 from atskv.runtime.vllm.config import PluginConfig
-from atskv.runtime.vllm.freeing import UnreadBlocksSpec
+from atskv.runtime.vllm.freeing import KeptBlocksSpec, UnreadBlocksSpec
 
 logger = init_logger(__name__)
 
@@ -38,9 +40,14 @@ class AtskvWorker(Worker):
             return (type(specs[name]) is FullAttentionSpec and layer is not None
                     and isinstance(layer.impl, AtskvAttentionImpl) and layer.impl.sparse_layer(layer))  # fmt: skip
 
-        kept = [name for name in specs if not frees(name)]
-        if kept:  # vLLM's uniformity check would merge them all into one full-attention group
-            raise InputError(f"atskv: free_blocks needs every layer to free ({len(kept)} of {len(specs)} do not)")
-        logger.info("atskv: %d layers hand their unread blocks back to vLLM's pool", len(specs))
-        return {name: UnreadBlocksSpec.of(spec, config.selector, config.budget, config.options)
-                for name, spec in specs.items()}  # fmt: skip
+        freeing = {name for name in specs if frees(name)}
+        logger.info("atskv: %d of %d layers hand their unread blocks back to vLLM's pool", len(freeing), len(specs))
+        return {name: self._declared(spec, name in freeing, config) for name, spec in specs.items()}
+
+    @staticmethod
+    def _declared(spec: KVCacheSpec, frees: bool, config: PluginConfig) -> KVCacheSpec:
+        if frees:
+            return UnreadBlocksSpec.of(spec, config.selector, config.budget, config.options)
+        if type(spec) is FullAttentionSpec:  # a dense layer: kept apart from the freeing ones' group
+            return KeptBlocksSpec.of(spec)
+        return spec  # vLLM's own kinds (sliding window, ...) group by themselves
