@@ -42,9 +42,11 @@ from atskv.kernels.backend import dependent_launch, jit, sm_count, tl, triton, u
 from atskv.kernels.paged import physical_slots
 
 # Split heuristic (see `choose_split_size`): a split walks at least MIN_SPLIT_TILES tiles, aims at
-# WAVES programs per SM over the whole grid, and never exceeds MAX_SPLITS.
+# WAVES programs per SM over the whole grid (PAGED_WAVES for a paged read, whose tiles each wait on
+# one more dependent load, the block table's), and never exceeds MAX_SPLITS.
 MIN_SPLIT_TILES = 1
 WAVES = 2
+PAGED_WAVES = 4
 MAX_SPLITS = 64
 _LOG2E = 1.4426950408889634
 
@@ -125,13 +127,13 @@ def sparse_decode_attention_triton(
     block_size: int = 0,
     out: torch.Tensor | None = None,
     split_size: int | None = None,
-    num_stages: int = 1,
+    num_stages: int | None = None,
 ):
     """The Triton kernel. `split_size` (the list's indices per split: `ceil(K / split_size)` splits,
     which take its tiles in turn) overrides `choose_split_size`, to cover the split merge in tests or
-    to tune on a GPU; `num_stages` > 1 has Triton's pipeliner issue the next tiles' gathers while
-    one tile is computed (a split's tiles are otherwise three dependent round trips each: index,
-    block table, K/V)."""
+    to tune on a GPU; `num_stages` > 1 has Triton's pipeliner issue the next tile's gathers while
+    one tile is computed (a paged tile is otherwise three dependent round trips: index, block
+    table, K/V); by default a paged read whose splits walk two tiles or more pipelines two deep."""
     if triton is None:
         raise RuntimeError("the sparse decode kernel needs Triton (pip install 'atskv[gpu]' or 'atskv[test]')")
     scaling = _check(query, keys, values, indices, lengths, scaling, held, want_mass, add_mass_to)
@@ -139,16 +141,18 @@ def sparse_decode_attention_triton(
     b, hq, d = query.shape
     hkv, num_indices = keys.shape[1], indices.shape[-1]
     group = hq // hkv
+    paged = block_table is not None
     if split_size is None:
-        split_size = choose_split_size(num_indices, b * hkv, d, query.device)
+        split_size = choose_split_size(num_indices, b * hkv, d, query.device, PAGED_WAVES if paged else WAVES)
     if split_size < 1:
         raise ValueError(f"split_size must be >= 1, got {split_size}")
+    if num_stages is None:
+        num_stages = 2 if paged and split_size >= 2 * _block_n(d) else 1
     splits = max(1, math.ceil(num_indices / split_size))
     if out is None:
         out = torch.empty(b, hq, d, dtype=query.dtype, device=query.device)
     elif out.shape != query.shape or out.stride(-1) != 1 or out.stride(1) != d or out.dtype != query.dtype:
         raise ValueError(f"out must be [B, Hq, D] = {tuple(query.shape)} rows of {d}, got {tuple(out.shape)}")
-    paged = block_table is not None
     table = block_table if paged else indices  # an unused pointer without a table
     if splits == 1:
         partial = max_logit = total = out  # the split kernel writes the output itself
@@ -199,9 +203,9 @@ def sparse_decode_attention_triton(
     return out if at_slots else (out, mass)
 
 
-def choose_split_size(num_indices: int, programs: int, head_dim: int, device: torch.device) -> int:
+def choose_split_size(num_indices: int, programs: int, head_dim: int, device: torch.device, waves: int = WAVES) -> int:
     """Indices per split. `programs` (B * Hkv) already give that many programs; a long index list is
-    split further until the grid holds about WAVES programs per SM, but never into shares under
+    split further until the grid holds about `waves` programs per SM, but never into shares under
     MIN_SPLIT_TILES tiles, so short lists and large batches run one split. (At the 8B shape, 5% of
     32K, B=1, more splits of fewer tiles won, merge included: docs/results/kernel-notes.md.) Off CUDA
     (the interpreter) one split."""
@@ -209,7 +213,7 @@ def choose_split_size(num_indices: int, programs: int, head_dim: int, device: to
     tiles = max(1, math.ceil(num_indices / block_n))
     if device.type != "cuda":
         return tiles * block_n
-    splits = max(1, min(math.ceil(WAVES * sm_count(device) / programs), tiles // MIN_SPLIT_TILES, MAX_SPLITS))
+    splits = max(1, min(math.ceil(waves * sm_count(device) / programs), tiles // MIN_SPLIT_TILES, MAX_SPLITS))
     return math.ceil(tiles / splits) * block_n
 
 
