@@ -169,3 +169,13 @@ def test_traces_share_one_engine_and_the_unfinished_are_aborted_at_the_limit(mon
     whole = vllm_trace.run_trace(engine, vllm_trace.Trace(rate=1e6, requests=3, shortest=8, longest=16, new_tokens=4,
                                                           limit_s=60.0), vocab=50, room=64)  # fmt: skip
     assert whole["finished"] == 3 and whole["output_tokens_per_s"] > 0 and len(engine.aborted) == 3
+
+
+def test_a_hybrid_pool_holds_its_block_slots_over_its_groups_in_tokens():
+    from types import SimpleNamespace
+
+    engine = FakeEngine()
+    assert vllm_speed.pool_tokens(engine) == 160  # no scheduler here: one group
+    scheduler = SimpleNamespace(kv_cache_config=SimpleNamespace(kv_cache_groups=[None] * 5))
+    engine.engine_core = SimpleNamespace(engine_core=SimpleNamespace(scheduler=scheduler))
+    assert vllm_speed.pool_tokens(engine) == 32  # a token takes a block slot in each of 5 groups

@@ -155,8 +155,7 @@ def run_engine(spec: EngineSpec, rows: Path) -> None:
     longest = max([c for c, _, _ in runs] + [spec.identity_context if spec.identity_tokens else 0])
     max_model_len = min(positions, longest + spec.new_tokens + 16)
     llm = LLM(**engine_arguments(spec, max_model_len, max([b for _, _, b in runs] + [spec.identity_batch])))
-    cache = llm.llm_engine.vllm_config.cache_config
-    kv_tokens = cache.num_gpu_blocks * cache.block_size
+    kv_tokens = pool_tokens(llm.llm_engine)
 
     def emit(row: dict) -> None:
         with rows.open("a") as f:
@@ -173,6 +172,21 @@ def run_engine(spec: EngineSpec, rows: Path) -> None:
                              f"{context}x{batch}")  # fmt: skip
         emit({"kind": "speed", "context": requested, "tokens_in_prompt": context, "batch": batch,
               "requests_held": kv_tokens / (context + spec.new_tokens), **timing})  # fmt: skip
+
+
+def in_process_scheduler(engine):
+    """The engine's scheduler where it runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), else None."""
+    return getattr(getattr(engine.engine_core, "engine_core", None), "scheduler", None)
+
+
+def pool_tokens(engine) -> int:
+    """Tokens of every layer the engine's KV pool holds. A hybrid layout (`free_blocks` beside
+    dense layers: a group of layers per block table) spends one block of each group per 16 tokens,
+    so its pool of blocks holds that many times fewer tokens than it has block slots."""
+    cache = engine.vllm_config.cache_config
+    scheduler = in_process_scheduler(engine)
+    groups = len(scheduler.kv_cache_config.kv_cache_groups) if scheduler is not None else 1
+    return cache.num_gpu_blocks * cache.block_size // groups
 
 
 def done(rows: Path) -> set[tuple]:

@@ -28,6 +28,8 @@ from atskv.eval.vllm_speed import (
     engine_process,
     file_stem,
     greedy,
+    in_process_scheduler,
+    pool_tokens,
     prompts,
 )
 
@@ -92,7 +94,7 @@ def in_flight(load: list[tuple[int, float]]) -> dict:
 def scheduler_load(engine) -> tuple[int, float] | None:
     """(requests running, share of the KV pool in use) of an engine whose scheduler is in this
     process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), else None."""
-    scheduler = getattr(getattr(engine.engine_core, "engine_core", None), "scheduler", None)
+    scheduler = in_process_scheduler(engine)
     if scheduler is None:
         return None
     return len(scheduler.running), scheduler.kv_cache_manager.usage
@@ -119,7 +121,6 @@ def run_trace(engine, trace: Trace, vocab: int, room: int) -> dict:
     unfinished at the limit is aborted, so the engine is idle for the next trace."""
     longest = min(trace.longest, room - trace.new_tokens)
     arrivals = [(t, min(n, longest)) for t, n in trace.arrivals()]
-    cache = engine.vllm_config.cache_config
     params = greedy(trace.new_tokens)
     pending = [(t, f"r{trace.rate}-{i}", prompts(n, 1, vocab, seed=i)[0]) for i, (t, n) in enumerate(arrivals)]
     arrived: dict[str, float] = {}
@@ -150,7 +151,7 @@ def run_trace(engine, trace: Trace, vocab: int, room: int) -> dict:
     engine.abort_request([r for r in arrived if r not in finished])
     while engine.has_unfinished_requests():
         engine.step()
-    return {"kv_tokens": cache.num_gpu_blocks * cache.block_size, "trace": asdict(trace),
+    return {"kv_tokens": pool_tokens(engine), "trace": asdict(trace),
             **summarise(arrived, stamps, finished, wall, load)}  # fmt: skip
 
 
