@@ -203,11 +203,11 @@ def test_generate_writes_only_the_completion_to_stdout(tiny_model_dir, capsys):
     out, err = capsys.readouterr()
     assert "loading" not in out and "loading " in err and "[dense]" in err
     from atskv.data.prompts import encode_prompt
-    from atskv.eval.generation import generate
+    from atskv.eval.generation import generate_one
     from atskv.models import load_model
 
     loaded = load_model(tiny_model_dir, device="cpu")
-    run = generate(loaded.model, loaded.tokenizer, encode_prompt(loaded.tokenizer, "short prompt", False),
+    run = generate_one(loaded.model, loaded.tokenizer, encode_prompt(loaded.tokenizer, "short prompt", False),
                    max_new_tokens=4)  # fmt: skip
     assert out == run.text + "\n"
 

@@ -16,6 +16,7 @@ from atskv.data.tasks import TASKS
 from atskv.errors import InputError
 from atskv.eval import leaderboard
 from atskv.eval.leaderboard import Cell, Grid, check_grid, run_leaderboard, runs
+from atskv.eval.method import HOST, OWN
 from atskv.models.loading import LoadedModel
 from tests.conftest import run_cli, tiny_bpe_tokenizer, tiny_model
 
@@ -221,7 +222,7 @@ def test_a_row_with_a_host_store_reads_parked_tokens_back(loaded, monkeypatch, t
     taken, real = [], runs.generate_batch
 
     def spy(*args, **kwargs):
-        taken.append("fast" if kwargs["fast"] else "reference")
+        taken.append("fast" if kwargs["runtime"].kind in (OWN, HOST) else "reference")
         return real(*args, **kwargs)
 
     monkeypatch.setattr(runs, "generate_batch", spy)

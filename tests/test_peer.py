@@ -158,7 +158,7 @@ def test_real_kvpress_on_smollm2(tmp_path):
     if not python.is_file() or not (SMOLLM2_DIR / "config.json").is_file():
         pytest.skip("needs the kvpress venv (benchmarks/peer_kvpress/setup.sh) and SmolLM2 converted by `atskv demo`")
     from atskv.data.prompts import encode_prompt
-    from atskv.eval.generation import generate
+    from atskv.eval.generation import generate_one
     from atskv.models import load_model
 
     loaded = load_model(SMOLLM2_DIR)
@@ -169,7 +169,7 @@ def test_real_kvpress_on_smollm2(tmp_path):
         max_new_tokens=8, device="cpu", dtype="float32",
     )  # fmt: skip
     key, example = examples[0].id, examples[0].example
-    dense = generate(loaded.model, loaded.tokenizer, encode_prompt(loaded.tokenizer, example.prompt, chat=False),
+    dense = generate_one(loaded.model, loaded.tokenizer, encode_prompt(loaded.tokenizer, example.prompt, chat=False),
                      max_new_tokens=8, example=example)  # fmt: skip
     none, snap = records
     assert none["press"] == "none" and none["text"] == dense.text and dense.correct

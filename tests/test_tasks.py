@@ -325,3 +325,28 @@ def test_bad_plans_are_refused_before_any_work(change, message):
         evaluate_tasks(None, **{**plan, **change})  # no model: any work would fail differently
     with pytest.raises(ValueError, match=re.escape(message)):
         tasks_command(model="/no/such/model", **{**plan, **change})
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(kind="vllm"), "not 'vllm'"),
+        (dict(kind=""), None),
+        (dict(kind="", sparse_prefill=True), "prefills densely"),
+        (dict(kind="host", sparse_prefill=True), "prefills densely"),
+        (dict(kind="hook", tiering={}), "tiered runtime"),
+        (dict(kind="tiered"), "needs them"),
+        (dict(kind="tiered", sparse_prefill=True, tiering={}), None),
+        (dict(kind="host"), "needs one"),
+        (dict(kind="hook", host=object()), "host runtime"),
+    ],
+)
+def test_a_generation_runtime_takes_only_its_own_options(settings, message):
+    from atskv.eval.generation import Runtime
+
+    if message is None:
+        assert Runtime(**settings).kind == settings["kind"]
+    else:
+        with pytest.raises(ValueError, match=message):
+            Runtime(**settings)
+    assert Runtime.reference(tiering={"retrieve": 8}).kind == "tiered" and Runtime.reference(True).kind == "hook"

@@ -377,7 +377,7 @@ def test_real_smollm2_passkey_with_most_of_the_kv_on_the_host():
     and the GPU holds well under the dense KV."""
     from atskv.data.prompts import encode_prompt
     from atskv.data.tasks import TASKS
-    from atskv.eval.generation import generate
+    from atskv.eval.generation import Runtime, generate_one
     from atskv.models import load_model
     from atskv.selectors import selectors_for_model
 
@@ -385,8 +385,8 @@ def test_real_smollm2_passkey_with_most_of_the_kv_on_the_host():
     example = TASKS["passkey"](loaded.tokenizer, 1024, 0.5, 0, filler=None)
     ids = encode_prompt(loaded.tokenizer, example.prompt, chat=False)
     learned = selectors_for_model(["learned"], loaded.name)[0]
-    dense = generate(loaded.model, loaded.tokenizer, ids, max_new_tokens=12, example=example)
-    tiered = generate(
+    dense = generate_one(loaded.model, loaded.tokenizer, ids, max_new_tokens=12, example=example)
+    tiered = generate_one(
         loaded.model,
         loaded.tokenizer,
         ids,
@@ -394,7 +394,7 @@ def test_real_smollm2_passkey_with_most_of_the_kv_on_the_host():
         budget=0.25,
         max_new_tokens=12,
         example=example,
-        tiering=dict(retrieve=32, sinks=4, recent=32, refresh_every=8),
+        runtime=Runtime.reference(tiering=dict(retrieve=32, sinks=4, recent=32, refresh_every=8)),
     )
     assert dense.score == 1.0 and tiered.score == 1.0
     assert tiered.kv_bytes < 0.4 * dense.kv_bytes

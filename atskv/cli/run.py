@@ -98,7 +98,7 @@ def passkey(
     """
     from atskv.data import filler_text, passkey_example
     from atskv.data.prompts import encode_prompt
-    from atskv.eval.generation import generate, markdown_table
+    from atskv.eval.generation import generate_one, markdown_table
 
     haystack = filler_text(filler)
     loaded, chosen = load_with_selectors(model, device, dtype, selectors, [budget], predictor, selector_options)
@@ -107,7 +107,7 @@ def passkey(
     print(f"passkey {example.answer} at depth {depth:.0%} of a {ids.shape[1]}-token prompt; budget {budget}")
     runs = []
     for selector in [None, *chosen]:
-        run = generate(
+        run = generate_one(
             loaded.model,
             loaded.tokenizer,
             ids,
@@ -164,7 +164,7 @@ def generate(
     """
     from atskv.data.prompts import encode_prompt
     from atskv.errors import InputError
-    from atskv.eval.generation import generate as run_generation
+    from atskv.eval.generation import Runtime, generate_one
     from atskv.selectors import selector_options as by_name
     from atskv.selectors import selectors_for_model
 
@@ -184,16 +184,15 @@ def generate(
         print(f"note: budget {budget} covers the whole context ({whole} tokens: prompt plus {max_new_tokens} new), "
               f"so {selector} would drop nothing: running dense", file=sys.stderr)
         selector = None
-    run = run_generation(
+    run = generate_one(
         loaded.model,
         loaded.tokenizer,
         ids,
         selector=selectors_for_model([selector], loaded.name, options)[0] if selector else None,
         budget=budget if selector else None,
         dense_layers=dense_layers,
-        sparse_prefill=sparse_prefill,
         max_new_tokens=max_new_tokens,
-        tiering=tiering,
+        runtime=Runtime.reference(sparse_prefill, tiering),
     )
     print(run.text)
     print(

@@ -12,6 +12,7 @@ from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 from atskv.data import TaskExample
+from atskv.eval.method import HOOK, HOST, OWN, TIERED
 from atskv.models.cache_names import with_cache
 from atskv.runtime.fast.host_pages import HostRetrieval
 from atskv.runtime.fast.loop import generate as generate_fast
@@ -19,6 +20,35 @@ from atskv.runtime.reference.tiered import memory_session
 from atskv.selectors import Selector
 from atskv.selectors.base import LAST_QUERIES
 from atskv.slot_cache import kv_bytes
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where `generate_batch` runs a selector: one of `atskv.eval.method`'s atskv runtimes and its
+    own options. HOOK: `atskv.sparse` under `model.generate`; TIERED: `atskv.tiered`, with the
+    `tiering` options; OWN: the fast path, `atskv.generate` (its prefill is dense); HOST: the fast
+    path with the host tier `host`. `sparse_prefill` is the reference runtimes' (HOOK, TIERED).
+    An option the runtime does not take is refused here, once for every caller."""
+
+    kind: str = HOOK
+    sparse_prefill: bool = False
+    tiering: dict | None = None
+    host: HostRetrieval | None = None
+
+    def __post_init__(self):
+        if self.kind not in (HOOK, TIERED, OWN, HOST):
+            raise ValueError(f"generate_batch runs on hook, tiered, the fast path ('') or host, not {self.kind!r}")
+        if self.sparse_prefill and self.kind not in (HOOK, TIERED):
+            raise ValueError("the fast path prefills densely: sparse prefill runs on the reference runtimes")
+        if (self.tiering is not None) != (self.kind == TIERED):
+            raise ValueError("the two-tier store's options go with the tiered runtime, and it needs them")
+        if (self.host is not None) != (self.kind == HOST):
+            raise ValueError("a host tier goes with the host runtime (the fast path's), and it needs one")
+
+    @classmethod
+    def reference(cls, sparse_prefill: bool = False, tiering: dict | None = None) -> Runtime:
+        """The hook, or the two-tier store when `tiering` (its options) is given."""
+        return cls(TIERED if tiering is not None else HOOK, sparse_prefill, tiering)
 
 
 @dataclass(frozen=True)
@@ -81,7 +111,7 @@ def pad_left(tokenizer, sequences: Sequence[torch.Tensor]) -> tuple[torch.Tensor
     return ids, mask
 
 
-def generate(
+def generate_one(
     model,
     tokenizer,
     ids: torch.Tensor,
@@ -89,24 +119,15 @@ def generate(
     selector: str | Selector | None = None,
     budget: int | float | None = None,
     dense_layers: int = 2,
-    sparse_prefill: bool = False,
     max_new_tokens: int = 16,
     example: TaskExample | None = None,
-    tiering: dict | None = None,
+    runtime: Runtime | None = None,
 ) -> GenerationRun:
-    """Greedy generation of one prompt `[1, T]` with dense KV (`selector=None`) or under `atskv.sparse`."""
+    """Greedy generation of one prompt `[1, T]` with dense KV (`selector=None`) or a selector on `runtime`."""
     return generate_batch(
-        model,
-        tokenizer,
-        ids,
-        selector=selector,
-        budget=budget,
-        dense_layers=dense_layers,
-        sparse_prefill=sparse_prefill,
-        max_new_tokens=max_new_tokens,
-        examples=[example],
-        tiering=tiering,
-    )[0]
+        model, tokenizer, ids, selector=selector, budget=budget, dense_layers=dense_layers,
+        max_new_tokens=max_new_tokens, examples=[example], runtime=runtime,
+    )[0]  # fmt: skip
 
 
 def generate_batch(
@@ -118,21 +139,18 @@ def generate_batch(
     selector: str | Selector | None = None,
     budget: int | float | None = None,
     dense_layers: int = 2,
-    sparse_prefill: bool = False,
     max_new_tokens: int = 16,
     examples: Sequence[TaskExample | None] | None = None,
-    tiering: dict | None = None,
-    fast: bool = False,
-    host: HostRetrieval | None = None,
+    runtime: Runtime | None = None,
 ) -> list[GenerationRun]:
-    """Greedy generation of a batch `[B, T]` (left-padded, see `pad_left`), one run per row, under
-    `atskv.sparse`, or `atskv.tiered` with the `tiering` options when given; with `fast`, a
-    selector runs on `atskv.generate`'s fast path instead (the prompt in one chunk, as the
-    reference prefills it: the same choices, bf16 rounding aside), with the host tier `host`
-    when given.
+    """Greedy generation of a batch `[B, T]` (left-padded, see `pad_left`), one run per row, with
+    dense KV (`selector=None`: transformers' own cache) or the selector on `runtime`. On the fast
+    path the prompt goes in one chunk, as the reference prefills it: the same choices, bf16
+    rounding aside.
 
     A row's text ends at its first end-of-sequence token. The timings are the batch's; `kv_bytes`
     is the row's share of the batch cache (padding included)."""
+    runtime = runtime or Runtime()
     ids = ids.to(model.device)
     attention_mask = torch.ones_like(ids) if attention_mask is None else attention_mask.to(model.device)
     longest = int(attention_mask.sum(-1).max()) + max_new_tokens
@@ -152,19 +170,17 @@ def generate_batch(
             cache = DynamicCache(config=model.config)
             out = model.generate(ids, **with_cache(model, cache), **kwargs)
             label = "dense"
-        elif fast:
-            if sparse_prefill or tiering is not None:
-                raise ValueError("the fast path prefills densely and has no tiered store here; use fast=False")
+        elif runtime.kind in (OWN, HOST):
             out = generate_fast(
                 model, ids, selector, budget, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                dense_layers=dense_layers, prefill_chunk=max(ids.shape[1], LAST_QUERIES), streamer=clock, tier=host,
+                dense_layers=dense_layers, prefill_chunk=max(ids.shape[1], LAST_QUERIES), streamer=clock,
+                tier=runtime.host,
             )  # fmt: skip
             cache, label = None, f"{getattr(selector, 'name', selector)}@{budget}"
         else:
-            if host is not None:
-                raise ValueError("a host tier runs on the fast path: use fast=True")
             with memory_session(
-                model, selector, budget, dense_layers=dense_layers, sparse_prefill=sparse_prefill, tiering=tiering
+                model, selector, budget, dense_layers=dense_layers, sparse_prefill=runtime.sparse_prefill,
+                tiering=runtime.tiering,
             ) as session:
                 out = model.generate(ids, **kwargs)
                 cache = session.cache

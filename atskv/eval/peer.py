@@ -331,7 +331,7 @@ def compare_with_kvpress(
     `dtype` (by name) are the model's; kvpress gets the same."""
     from atskv.data import filler_text
     from atskv.data.prompts import encode_prompt
-    from atskv.eval.generation import generate
+    from atskv.eval.generation import generate_one
     from atskv.eval.tasks import answer_room
 
     model_dir = Path(loaded.model.name_or_path)
@@ -347,7 +347,7 @@ def compare_with_kvpress(
     for e in examples:
         ids = encode_prompt(loaded.tokenizer, e.example.prompt, chat=False)
         for selector, budget in settings:
-            run = generate(
+            run = generate_one(
                 loaded.model, loaded.tokenizer, ids, selector=selector, budget=budget,
                 dense_layers=0, max_new_tokens=new_tokens, example=e.example,
             )  # fmt: skip

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from atskv.budget import check_budget
 from atskv.data.prompts import encode_prompt
 from atskv.data.tasks import DEPTH_FREE, TASKS, TaskExample
-from atskv.eval.generation import generate_batch, pad_left
+from atskv.eval.generation import Runtime, generate_batch, pad_left
 from atskv.eval.method import DENSE
 from atskv.eval.report import write_report
 from atskv.selectors import Selector, check_selector_names
@@ -129,7 +129,7 @@ def evaluate_tasks(
                     dense_layers=dense_layers,
                     max_new_tokens=new_tokens,
                     examples=examples,
-                    tiering=tiering,
+                    runtime=Runtime.reference(tiering=tiering),
                 )
                 results += [
                     TaskResult(

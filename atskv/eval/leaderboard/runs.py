@@ -17,11 +17,11 @@ from atskv.data import filler_text
 from atskv.data.prompts import encode_prompt
 from atskv.errors import InputError
 from atskv.eval import peer
-from atskv.eval.generation import generate_batch, pad_left
+from atskv.eval.generation import Runtime, generate_batch, pad_left
 from atskv.eval.leaderboard.grid import KVPRESS_DENSE, Cell, Grid, build_examples, check_tiering
 from atskv.eval.leaderboard.report import describe, write
 from atskv.eval.leaderboard.store import CellStore
-from atskv.eval.method import DENSE, KVPRESS, Method
+from atskv.eval.method import DENSE, HOOK, HOST, KVPRESS, OWN, TIERED, Method
 from atskv.eval.tasks import answer_room
 
 
@@ -36,28 +36,32 @@ def kvpress_unavailable(python: Path, loaded) -> str | None:
     return None
 
 
-def _atskv_cell(
-    loaded, examples, key, selector, budget, dense_layers, sparse_prefill, new_tokens, batch_size, fast, tiering,
-    host=None,
-):  # fmt: skip
-    """Greedy runs of `examples` in left-padded batches, as one cell (in the two-tier store with
-    `tiering`'s options when given; on the fast path with the host tier `host`)."""
+def _atskv_cell(loaded, examples, key, selector, budget, dense_layers, new_tokens, batch_size, runtime: Runtime):
+    """Greedy runs of `examples` in left-padded batches on `runtime`, as one cell."""
     tokenizer, runs = loaded.tokenizer, []
     for start in range(0, len(examples), batch_size):
         batch = examples[start : start + batch_size]
         ids, mask = pad_left(tokenizer, [encode_prompt(tokenizer, ex.prompt, chat=False)[0] for ex in batch])
         runs += generate_batch(
-            loaded.model, tokenizer, ids, mask, selector=selector, budget=budget,
-            dense_layers=dense_layers, sparse_prefill=sparse_prefill,
-            max_new_tokens=new_tokens, examples=batch, fast=fast, tiering=tiering, host=host,
+            loaded.model, tokenizer, ids, mask, selector=selector, budget=budget, dense_layers=dense_layers,
+            max_new_tokens=new_tokens, examples=batch, runtime=runtime,
         )  # fmt: skip
     context, task, seed, method, ratio = key
-    prefill = "sparse" if sparse_prefill and selector is not None else "dense"
+    prefill = "sparse" if runtime.sparse_prefill and selector is not None else "dense"
     return Cell(
         context, task, seed, method, ratio, budget, None if selector is None else dense_layers, prefill, new_tokens,
         sum(r.score for r in runs) / len(runs), tuple(r.score for r in runs), tuple(r.prompt_tokens for r in runs),
         tuple(r.text for r in runs),
     )  # fmt: skip
+
+
+def _runtime(method: str, grid: Grid, fast: bool, sparse_prefill: bool, tiering, host) -> Runtime:
+    """The runtime of a row: its method's (`tiered:`, `host:`), else the leaderboard's (`--fast`)."""
+    if method in grid.tiered:
+        return Runtime(TIERED, sparse_prefill, tiering or {})
+    if method in grid.hosted:
+        return Runtime(HOST, host=host)
+    return Runtime(OWN) if fast else Runtime(HOOK, sparse_prefill)
 
 
 def _kvpress_cells(loaded, python, folder, examples, group, press, ratios, new_tokens, device, dtype) -> list[Cell]:
@@ -169,13 +173,11 @@ def run_leaderboard(
         for method, ratio in (k for k in pending[group] if k in atskv_keys[group]):
             bar.set_postfix_str(f"{context} {task} seed {seed} {method} {ratio or ''}")
             budget = None if ratio is None else peer.budget_fraction(ratio)
-            tier = (tiering or {}) if method in grid.tiered else None
-            hosted = method in grid.hosted
+            runtime = _runtime(method, grid, fast, sparse_prefill, tiering, host)
             store.add(
                 _atskv_cell(
-                    loaded, batch, (*group, method, ratio), selectors.get(method), budget, dense_layers,
-                    sparse_prefill, new_tokens, batch_size, (fast and tier is None) or hosted, tier,
-                    host if hosted else None,
+                    loaded, batch, (*group, method, ratio), selectors.get(method), budget, dense_layers, new_tokens,
+                    batch_size, runtime,
                 )
             )  # fmt: skip
             bar.update()
