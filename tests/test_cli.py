@@ -68,6 +68,8 @@ def no_model_loading(monkeypatch):
         (["eval", "tasks", "--budgets", "[64,1.0]"], "bad budget 1.0"),
         (["eval", "ppl", "--budgets", "[0.1,-2]"], "bad budget -2"),
         (["eval", "recall", "--budgets", "[64,0]"], "bad budget 0"),
+        (["eval", "recall", "--selectors", "[h2o,host:h2o]"], "methods here: <selector>, tiered:<selector>"),
+        (["eval", "recall", "--selectors", "[tiered:h2o2]"], "unknown selector 'h2o2'"),
         (["passkey", "--selectors", "[quest2]"], "unknown selector 'quest2'; choose one of"),
         (["generate", "hi", "--selector", "nope"], "unknown selector 'nope'"),
         (["generate", "@/no/such/prompt.txt"], "/no/such/prompt.txt: no such prompt file"),
@@ -321,3 +323,26 @@ def test_eval_peer_runs_learned_with_the_given_predictor_and_options(tiny_model_
             "--selector_options", "{learned: {refresh_every: 4}}", "--kvpress_python", str(kvpress),
             "--max_new_tokens", "2", "--out", str(tmp_path / "out"), "--device", "cpu"]
     check_learned_gets_its_options(args, predictor, "| hook:learned@0.25 |", caplog, capsys)
+
+
+def test_recall_runs_tiered_rows_through_the_two_tier_store(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    from atskv.eval import recall
+
+    asked = {}
+    real = recall.attention_recall
+
+    def spy(model, ids, selectors, budgets, **kwargs):
+        asked.update(plain=[s.name for s in selectors], tiered=[s.name for s in kwargs["tiered"]])
+        return real(model, ids, selectors, budgets, **kwargs)
+
+    monkeypatch.setattr(recall, "attention_recall", spy)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("The river ran past the old mill and on to the sea. " * 60)
+    args = ["eval", "recall", "--model", tiny_model_dir, "--device", "cpu", "--corpus", str(corpus), "--window_tokens",
+            "96", "--windows", "1", "--n_queries", "2", "--budgets", "[16]", "--selectors", "[h2o,tiered:h2o]",
+            "--tiering", "{sinks: 2, recent: 4, refresh_every: 4, retrieve: 4}", "--dense_layers", "1",
+            "--out", str(tmp_path / "out")]  # fmt: skip
+    assert run_cli(args) == 0
+    assert asked == {"plain": ["h2o"], "tiered": ["h2o"]}
+    assert "tiered:h2o" in (tmp_path / "out" / "table.md").read_text()

@@ -20,7 +20,6 @@ def recall(
     n_queries: int = 16,
     selectors: list[str] = ["oracle", "quest", "sparq", "sparcas", "h2o", "snapkv", "streaming_llm"],  # noqa: B006
     budgets: list[int] = [32, 64, 128, 256, 512, 1024],  # noqa: B006
-    tiered: list[str] = [],  # noqa: B006
     tiering: dict | None = None,
     dense_layers: int = 2,
     batch_size: int = 4,
@@ -33,9 +32,9 @@ def recall(
     """Attention recall of each selector at each budget on held-out text windows.
 
     Beside them, the per-query oracle and the best-single-set ceilings; writes table.md,
-    recall.json and recall.png. Selectors in `tiered` run through the two-tier store, as the rows
-    `tiered:<selector>`: what a query reads is then its budget plus the parked tokens retrieval
-    brings back (the table says how many).
+    recall.json and recall.png. A method `tiered:<selector>` runs the selector through the
+    two-tier store (`atskv.tiered`): what a query reads is then its budget plus the parked tokens
+    retrieval brings back (the table says how many).
 
     Args:
         model: a named model, a Hugging Face directory or a .gguf file.
@@ -43,11 +42,11 @@ def recall(
         window_tokens: tokens per window (prompt plus the decoded queries).
         windows: how many windows, spread evenly over the corpus.
         n_queries: the last tokens of each window, decoded one at a time and measured.
-        selectors: selectors to measure (see `atskv selectors`).
+        selectors: methods to measure: selectors (see `atskv selectors`) and tiered:<selector>
+            (through the two-tier store, e.g. tiered:learned+sparq: its budget is then what a query
+            attends among the GPU tier).
         budgets: token budgets per layer and KV head.
-        tiered: selectors to measure through the two-tier store (`atskv.tiered`), for example
-            learned+sparq (its budget is then what a query attends among the GPU tier).
-        tiering: `TieringConfig` options of the tiered runs, for example {retrieve: 32, index: exact}.
+        tiering: `TieringConfig` options of the tiered: rows, for example {retrieve: 32, index: exact}.
         dense_layers: the first layers stay dense (and are not measured).
         batch_size: windows per forward.
         out: output folder.
@@ -57,13 +56,17 @@ def recall(
         dtype: float32, bfloat16, float16, or auto.
     """
     from atskv.data import corpus_windows
+    from atskv.eval.method import OWN, TIERED, check_methods
     from atskv.eval.recall import attention_recall
 
-    names = selectors + tiered
+    methods = check_methods(selectors, (OWN, TIERED))
+    plain = [m.name for m in methods if m.runtime == OWN]
+    tiered = [m.name for m in methods if m.runtime == TIERED]
+    names = plain + tiered
     loaded, chosen = load_with_selectors(model, device, dtype, names, budgets, predictor, selector_options)
     ids = corpus_windows(loaded.tokenizer, corpus, window_tokens, windows)
     report = attention_recall(
-        loaded.model, ids, chosen[: len(selectors)], budgets, tiered=chosen[len(selectors) :], tiering=tiering,
+        loaded.model, ids, chosen[: len(plain)], budgets, tiered=chosen[len(plain) :], tiering=tiering,
         n_queries=n_queries, dense_layers=dense_layers,
         batch_size=batch_size, model_name=loaded.name,
     )
