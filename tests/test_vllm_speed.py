@@ -179,3 +179,16 @@ def test_a_hybrid_pool_holds_its_block_slots_over_its_groups_in_tokens():
     scheduler = SimpleNamespace(kv_cache_config=SimpleNamespace(kv_cache_groups=[None] * 5))
     engine.engine_core = SimpleNamespace(engine_core=SimpleNamespace(scheduler=scheduler))
     assert vllm_speed.pool_tokens(engine) == 32  # a token takes a block slot in each of 5 groups
+
+
+def test_a_trace_rerun_skips_the_traces_it_has_and_only_those(tmp_path, started):
+    from dataclasses import asdict
+
+    from atskv.eval.vllm_trace import Trace
+    from atskv.eval.vllm_trace import measure as measure_traces
+
+    short, long = Trace(rate=0.5, new_tokens=128), Trace(rate=0.5, new_tokens=1024)
+    path = rows(tmp_path / "trace.jsonl", {"method": "vllm", "kind": "trace", "context": 131072, "rate": 0.5,
+                                          "trace": asdict(short)})  # fmt: skip
+    measure_traces([EngineSpec("vllm", "shape", [])], [short, long], path)
+    assert started == [[asdict(long)]]  # the same rate with other new tokens is another trace

@@ -6,7 +6,7 @@ requests in flight at once (scheduled, decoding or in prefill) and the share of 
 held then (so `1 / share` requests of that length fit the pool; read from the engine's scheduler,
 which runs in this process). Each method's engine runs in its own process (as in
 `atskv.eval.vllm_speed`), built once for all its rates; rows are appended as they finish and a
-rerun skips (method, rate) rows already there.
+rerun skips the (method, trace) pairs already there (every setting of a trace, not its rate alone).
 
     python -m atskv.eval.vllm_trace SPEC.json TRACES.json ROWS.jsonl   (one engine: what `measure` starts)
 """
@@ -23,7 +23,6 @@ from pathlib import Path
 from atskv.eval.rows import json_lines
 from atskv.eval.vllm_speed import (
     EngineSpec,
-    done,
     engine_arguments,
     engine_process,
     file_stem,
@@ -159,7 +158,8 @@ def measure(specs: list[EngineSpec], traces: list[Trace], rows: Path) -> None:
     """Per method, the traces not yet in `rows`, through one engine process."""
     rows.parent.mkdir(parents=True, exist_ok=True)
     for spec in specs:
-        todo = [t for t in traces if (spec.label, "trace", t.longest, t.rate) not in done(rows)]
+        finished = [r["trace"] for r in json_lines(rows) if r.get("kind") == "trace" and r["method"] == spec.label]
+        todo = [t for t in traces if asdict(t) not in finished]  # every setting of the trace, not its rate alone
         if not todo:
             continue
         stem = file_stem(spec.label)

@@ -3,8 +3,8 @@
 #   bash benchmarks/device/vllm_plan.sh profile   # per-stage kernel times (~40 s, no vLLM needed)
 #   bash benchmarks/device/vllm_plan.sh decode [METHODS]  # vanilla vLLM, Quest, StreamingLLM: 3 shapes (~7.5 min)
 #   bash benchmarks/device/vllm_plan.sh tests     # the plugin's GPU tests in a small engine (~4 min)
-#   bash benchmarks/device/vllm_plan.sh trace METHOD [free]  # Poisson traces of 16K-128K prompts at 0.25
-#        and 1 request/s through one engine (~7 min; free: its unread blocks back to the pool)
+#   bash benchmarks/device/vllm_plan.sh trace METHOD [free [NEW]]  # Poisson traces of 16K-128K prompts at
+#        0.25 and 1 request/s through one engine, NEW tokens each (256; ~7 min; free: unread blocks back)
 #   bash benchmarks/device/vllm_plan.sh inflight METHOD [free [DENSE]]  # 12 requests of 128K at once through
 #        one engine (~4 min): the most in flight and each one's share of the KV pool (DENSE layers, default 2)
 # Rows land under $OUT (JSON lines, as they finish), with the logs.
@@ -24,7 +24,7 @@ case "$1" in
     PYTHONPATH=/tmp/pt:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider tests/test_vllm_engine.py tests/test_vllm_freeing.py \
       tests/test_vllm_selection.py ${2:+-k "$2"} 2>&1 | tee "$OUT/tests.log" | grep -v "^\[\|^INFO\|^WARNING" | tail -25 ;;
   trace)
-    python3 - "$OUT" "$2" "${3:-}" <<'PY' 2>&1 | grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" | tail -12
+    python3 - "$OUT" "$2" "${3:-}" "${4:-256}" <<'PY' 2>&1 | grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" | tail -12
 import sys, tempfile
 from pathlib import Path
 from atskv.eval import vllm_speed, vllm_trace
@@ -33,7 +33,7 @@ free = sys.argv[3] == "free"
 spec = vllm_speed.EngineSpec(sys.argv[2], str(shape), [], free_blocks=free,
                              label=sys.argv[2] + (" (free_blocks)" if free else ""))
 rows = Path(sys.argv[1]) / "trace.jsonl"
-traces = [vllm_trace.Trace(rate=r, requests=32, new_tokens=256, limit_s=150) for r in (0.25, 1.0)]
+traces = [vllm_trace.Trace(rate=r, requests=32, new_tokens=int(sys.argv[4]), limit_s=150) for r in (0.25, 1.0)]
 vllm_trace.measure([spec], traces, rows)
 print(vllm_trace.table(rows))
 PY
@@ -52,5 +52,5 @@ vllm_trace.measure([spec], [vllm_trace.Trace(rate=50.0, requests=12, shortest=13
 print(vllm_trace.table(rows))
 PY
     ;;
-  *) echo "usage: vllm_plan.sh profile|decode|tests|trace METHOD [free]|inflight METHOD [free [DENSE]]" >&2; exit 2 ;;
+  *) echo "usage: vllm_plan.sh profile|decode [METHODS]|tests [K]|trace METHOD [free [NEW]]|inflight METHOD [free [DENSE]]" >&2; exit 2 ;;
 esac
