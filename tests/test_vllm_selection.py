@@ -279,7 +279,7 @@ def test_one_forwards_layers_share_the_batchs_usable_positions(cache):
 def test_the_prefill_share_of_a_batch_starts_after_its_decodes():
     from dataclasses import dataclass
 
-    from atskv.runtime.vllm.batch import prefill_share
+    from atskv.runtime.vllm.batch import prefill_share, prompt_rows
 
     @dataclass
     class Metadata:  # the fields of vLLM's FlashAttentionMetadata that the split touches
@@ -298,3 +298,51 @@ def test_the_prefill_share_of_a_batch_starts_after_its_decodes():
     assert rest.seq_lens.tolist() == [5, 30] and torch.equal(rest.block_table, batch.block_table[3:])
     assert rest.scheduler_metadata is None and rest.max_num_splits == 0
     assert batch.num_actual_tokens == 15  # the batch's own metadata is left as it was
+    # what a selector that scores the prompt sees of the same batch: (row, tokens [start, end), length)
+    assert prompt_rows(batch.query_start_loc, batch.seq_lens, 3, 2) == [(3, 3, 8, 5), (4, 8, 15, 30)]
+
+
+@pytest.mark.parametrize("budget", [0.25, 20, 3, 500])
+def test_paged_snapkv_reads_what_snapkv_keeps(budget, monkeypatch):
+    """Prompts scored chunk by chunk (the last chunk's ranking stands), then decode queries with 3
+    tokens generated: each reads exactly the tokens atskv's snapkv keeps at that context (scores
+    from the prompt's last queries, +inf for its window and what was generated), ties included."""
+    from atskv.runtime.vllm import prompt_ranks
+    from atskv.runtime.vllm.selection import PagedSnapKV, slot_view
+    from atskv.selectors.base import LayerView, select_top_budget
+    from atskv.selectors.snapkv import window_votes
+
+    monkeypatch.setattr(prompt_ranks, "KEYS_PER_PASS", 40)  # several passes over the longer prompts
+    generator = torch.Generator().manual_seed(3)
+    lengths, generated, chunk = [37, 100, 16, 161], 3, 23
+    cache = PagedCache(lengths, width=12, generator=generator)
+    cache.fill(chunk=chunk)
+    queries = [torch.randn(n, HQ, D, generator=generator) for n in lengths]
+    selector = PagedSnapKV(window=4, kernel=3)
+    key_slots = slot_view(cache.split()[0], 1)[0]
+    state = selector.new_state(key_slots.shape[1] // BLOCK, BLOCK, HKV, D, torch.float32, "cpu")
+    state.ranked.fill_(7)  # stale: an earlier tenant's
+    for r, n in enumerate(lengths):
+        prompt = n - generated
+        for start in range(0, prompt, chunk):
+            stop = min(prompt, start + chunk)
+            chunk_queries = queries[r][start:stop]
+            selector.observe_prompt(state, chunk_queries, key_slots, cache.block_table[r], stop, BLOCK, D**-0.5)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    positions, counts = selector.pick(torch.randn(len(lengths), HQ, D), HKV, state, cache.block_table, seq_lens, BLOCK,
+                                      budget)  # fmt: skip
+    for r, n in enumerate(lengths):
+        prompt, w = n - generated, 4
+        keys = cache.keys[r][:prompt].transpose(0, 1).unsqueeze(0)  # [1, HKV, P, D]
+        at = torch.arange(prompt)
+        causal = (at.view(1, -1) <= at[-w:].view(-1, 1)).expand(1, HKV, w, prompt)
+        window_queries = queries[r][prompt - w : prompt].transpose(0, 1).unsqueeze(0)
+        view = LayerView(0, window_queries, keys, causal, at.expand(1, HKV, prompt), None, D**-0.5, budget, None)
+        votes = window_votes(view, w, kernel=3)  # [1, HKV, P]: +inf for the window
+        scores = torch.cat([votes, torch.full((1, HKV, generated), torch.inf)], -1).unsqueeze(2)
+        everything = torch.arange(n).expand(1, HKV, n)
+        keep = select_top_budget(scores, torch.ones(1, HKV, 1, n, dtype=torch.bool), budget, everything,
+                                 torch.tensor([[[n]]]))[0, :, 0]  # fmt: skip
+        for h in range(HKV):
+            read = positions[r, h, : counts[r, h]].tolist()
+            assert sorted(read) == keep[h].nonzero().view(-1).tolist() and len(set(read)) == len(read), (r, h)

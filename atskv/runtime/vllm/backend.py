@@ -5,11 +5,12 @@ chunked prefill (FlashAttention), the batching, prefix caching, torch.compile an
 builder puts decode requests first in each batch (`reorder_batch_threshold = 1`) and counts them;
 the implementation then attends the prefill part with FlashAttention and each decode query over the
 slots its selector picks (`atskv.runtime.vllm.selection`), reading vLLM's paged cache in place.
-Selectors that need per-block key bounds get them from the KV write (`do_kv_cache_update`), kept per
-physical block beside the cache. With `free_blocks`, the blocks a selector no longer reads are null
-blocks in the table (`atskv.runtime.vllm.freeing`); the selector never picks them. Full CUDA graphs
-are captured for pure decode batches only (`UNIFORM_SINGLE_TOKEN_DECODE`); mixed batches run
-piecewise, their attention eager.
+Selectors that keep state beside the cache (Quest's per-block key bounds, SnapKV's prompt ranking by
+physical slot) keep it current from the KV write (`do_kv_cache_update`) or, for those that score the
+prompt, from each prefill chunk's queries after its FlashAttention. With `free_blocks`, the blocks a
+selector no longer reads are null blocks in the table (`atskv.runtime.vllm.freeing`); the selector
+never picks them. Full CUDA graphs are captured for pure decode batches only
+(`UNIFORM_SINGLE_TOKEN_DECODE`); mixed batches run piecewise, their attention eager.
 
 Layers that stay vLLM's own: the first `dense_layers`, sliding-window layers, non-decoder attention,
 fp8 caches, ALiBi, attention sinks and soft-capped logits."""
@@ -31,10 +32,9 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from atskv.errors import InputError
-from atskv.kernels.paged import empty_page_bounds, update_page_bounds
-from atskv.runtime.vllm.batch import prefill_share
+from atskv.runtime.vllm.batch import prefill_share, prompt_rows
 from atskv.runtime.vllm.config import WORKER, PluginConfig
-from atskv.runtime.vllm.selection import PAGED_SELECTORS, paged_sparse_decode
+from atskv.runtime.vllm.selection import PAGED_SELECTORS, paged_sparse_decode, slot_view
 
 logger = init_logger(__name__)
 
@@ -48,6 +48,10 @@ class AtskvMetadataBuilder(FlashAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         config = PluginConfig.from_additional_config(vllm_config.additional_config)
+        self.scores_prompt = not config.dense and PAGED_SELECTORS[config.selector].scores_prompt
+        if self.scores_prompt and vllm_config.cache_config.enable_prefix_caching:  # a shared first block
+            raise InputError(f"atskv: {config.selector} ranks each prompt in its own blocks; it needs "
+                             "enable_prefix_caching=False")  # fmt: skip
         if config.free_blocks and type(kv_cache_spec) is FullAttentionSpec:  # every layer frees (PluginConfig)
             raise InputError(f"atskv: free_blocks needs vLLM's worker_cls={WORKER!r} (it declares the layers "
                              f"whose blocks are freed); this group's is {type(kv_cache_spec).__name__}")  # fmt: skip
@@ -57,6 +61,9 @@ class AtskvMetadataBuilder(FlashAttentionMetadataBuilder):
         decodes, prefills, decode_tokens, prefill_tokens = split_decodes_and_prefills(common_attn_metadata)
         metadata.num_decode_reqs, metadata.num_prefill_reqs = decodes, prefills
         metadata.num_decode_tokens, metadata.num_prefill_tokens = decode_tokens, prefill_tokens
+        if self.scores_prompt and prefills:  # eager batches only (prefill is never a full graph)
+            metadata.atskv_prompt_rows = prompt_rows(common_attn_metadata.query_start_loc_cpu,
+                                                     common_attn_metadata.seq_lens_cpu, decodes, prefills)  # fmt: skip
         return metadata
 
 
@@ -69,7 +76,8 @@ class AtskvAttentionImpl(FlashAttentionImpl):
         self.config = PluginConfig.from_additional_config(vllm_config.additional_config if vllm_config else None)
         selector = PAGED_SELECTORS.get(self.config.selector)
         self.selector = None if self.config.dense else selector(**(self.config.options or {}))
-        self.bounds: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.state = None  # the selector's, beside the cache (`keeps_state`): made once the cache exists
+        self._state_blocks = 0
         self._sparse: bool | None = None  # decided at the first call, which names the layer
 
     def sparse_layer(self, layer) -> bool:
@@ -89,36 +97,62 @@ class AtskvAttentionImpl(FlashAttentionImpl):
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        if kv_cache.numel() and self.sparse_layer(layer) and self.selector.needs_bounds:
+        if kv_cache.numel() and self.sparse_layer(layer) and self.selector.keeps_state:
             blocks, heads, block_size, _ = kv_cache.shape
-            if self.bounds is None or self.bounds[0].shape[0] != blocks + 1:
+            if self.state is None or self._state_blocks != blocks:
                 if torch.cuda.is_current_stream_capturing():  # a fill captured here would replay every step
-                    raise RuntimeError("atskv: the page bounds must be allocated before CUDA graph capture")
-                self.bounds = empty_page_bounds(blocks, heads, self.head_size, key.dtype, key.device)
-                logger.info_once("atskv: page bounds of %d blocks per layer, %.2f GiB per layer", blocks,
-                                 2 * self.bounds[0].numel() * self.bounds[0].element_size() / 2**30)  # fmt: skip
-            update_page_bounds(*self.bounds, key, slot_mapping, block_size)
+                    raise RuntimeError("atskv: the selector's state must be allocated before CUDA graph capture")
+                self.state = self.selector.new_state(blocks, block_size, heads, self.head_size, key.dtype, key.device)
+                self._state_blocks = blocks
+                size = sum(t.numel() * t.element_size() for t in _tensors(self.state))
+                logger.info_once("atskv: %s's state beside %d blocks, %.2f GiB per layer", self.selector.name,
+                                 blocks, size / 2**30)  # fmt: skip
+            self.selector.after_write(self.state, key, slot_mapping, block_size)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):  # fmt: skip
         decodes = 0 if attn_metadata is None else attn_metadata.num_decode_reqs
         if not decodes or attn_metadata.use_cascade or output_scale is not None or not self.sparse_layer(layer):
-            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
-                                   output_block_scale)  # fmt: skip
+            out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                  output_block_scale)  # fmt: skip
+            if attn_metadata is not None and self.sparse_layer(layer):
+                self.observe_prompts(query, kv_cache, attn_metadata)
+            return out
         tokens = attn_metadata.num_actual_tokens
         if tokens > decodes:  # the prefill requests behind the decodes: FlashAttention over their share
             rest = prefill_share(attn_metadata, decodes)
             super().forward(layer, query[decodes:], key[decodes:], value[decodes:], kv_cache, rest, output[decodes:])
+            self.observe_prompts(query, kv_cache, attn_metadata)
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
         block_size = kv_cache.shape[2]
         q, table = query[:decodes], attn_metadata.block_table[:decodes]
         seq_lens = attn_metadata.seq_lens[:decodes]
         step = attn_metadata.__dict__.setdefault("atskv_step", {})  # one forward's metadata: shared by its layers
-        positions, lengths = self.selector.pick(q, self.num_kv_heads, self.bounds, table, seq_lens, block_size,
+        positions, lengths = self.selector.pick(q, self.num_kv_heads, self.state, table, seq_lens, block_size,
                                                 self.config.budget, step)  # fmt: skip
         paged_sparse_decode(q, key_cache, value_cache, positions, lengths, table, self.scale,
                             out=output[:decodes].view(q.shape))  # fmt: skip
         return output
+
+
+    def observe_prompts(self, query, kv_cache, metadata) -> None:
+        """Each prefill request's chunk, to a selector that scores the prompt (`scores_prompt`):
+        its queries, its keys so far through its block table (eager: prefill runs outside full graphs)."""
+        rows = metadata.__dict__.get("atskv_prompt_rows")
+        if not rows or self.state is None:  # none, or vLLM's profiling run before the cache exists
+            return
+        key_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)[0]  # [blocks, block_size, Hkv, D]
+        key_slots = slot_view(key_cache, 1)[0]
+        queries = query.view(query.shape[0], -1, self.head_size)
+        for row, start, stop, length in rows:
+            self.selector.observe_prompt(self.state, queries[start:stop], key_slots, metadata.block_table[row], length,
+                                         key_cache.shape[1], self.scale)  # fmt: skip
+
+
+def _tensors(state) -> list[torch.Tensor]:
+    """The tensors a selector's state holds (a tuple of them, or a dataclass of them)."""
+    values = state if isinstance(state, tuple) else vars(state).values()
+    return [t for t in values if isinstance(t, torch.Tensor)]
 
 
 class AtskvAttentionBackend(FlashAttentionBackend):

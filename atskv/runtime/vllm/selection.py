@@ -1,7 +1,9 @@
 """Which cached tokens a decode query reads, over vLLM's paged cache: one selector a class, each
-declaring what it needs from the engine (`needs_bounds`: per-block key bounds kept on write).
+declaring what it needs from the engine. `keeps_state`: state beside the cache by physical block or
+slot (`new_state`), kept current from every KV write (`after_write`: Quest's key bounds) or from
+each prefill chunk's last queries (`scores_prompt`, `observe_prompt`: SnapKV's prompt ranking).
 
-`pick(query [B, Hq, D], kv_heads, bounds (low, high) or None, block_table [B, W], seq_lens [B],
+`pick(query [B, Hq, D], kv_heads, state (or None), block_table [B, W], seq_lens [B],
 block_size, budget, step)` (`step`: a dict shared by one forward's layers, for what a selector
 computes once per batch) returns each request's logical token positions `[B, Hkv, K]` (int32),
 which the sparse decode kernel reads through the block table, and how many count per (request,
@@ -21,9 +23,16 @@ from typing import ClassVar
 import torch
 
 from atskv.kernels.budget import kept_count
-from atskv.kernels.paged import paged_page_scores, sink_recent_positions
+from atskv.kernels.paged import (
+    empty_page_bounds,
+    paged_page_scores,
+    physical_slots,
+    sink_recent_positions,
+    update_page_bounds,
+)
 from atskv.kernels.quest_decode import quest_pick
 from atskv.kernels.sparse_decode import sparse_decode_attention
+from atskv.runtime.vllm.prompt_ranks import PromptRanks, rank_newest_first, window_votes
 
 
 @dataclass
@@ -33,14 +42,22 @@ class PagedQuest:
     as on atskv's fast path). Query-aware: nothing is evicted, every block stays reachable."""
 
     name: ClassVar[str] = "quest"
-    needs_bounds: ClassVar[bool] = True
+    keeps_state: ClassVar[bool] = True
+    scores_prompt: ClassVar[bool] = False
     frees_blocks: ClassVar[bool] = False  # any block may be the next query's best
 
-    def pick(self, query, kv_heads: int, bounds, block_table, seq_lens, block_size: int, budget: int | float,
+    def new_state(self, num_blocks: int, block_size: int, kv_heads: int, head_size: int, dtype, device):
+        """The key bounds of every block (and a row for padding tokens' writes)."""
+        return empty_page_bounds(num_blocks, kv_heads, head_size, dtype, device)
+
+    def after_write(self, state, key, slot_mapping, block_size: int) -> None:
+        update_page_bounds(*state, key, slot_mapping, block_size)
+
+    def pick(self, query, kv_heads: int, state, block_table, seq_lens, block_size: int, budget: int | float,
              step: dict | None = None):  # fmt: skip
         width = block_table.shape[1]
         slots = width * block_size
-        scores = paged_page_scores(query, *bounds, block_table, seq_lens, block_size)
+        scores = paged_page_scores(query, *state, block_table, seq_lens, block_size)
         n_pages = min(width, math.ceil(kept_count(budget, slots) / block_size) + 2)  # the widest request's
         step = {} if step is None else step
         if "positions" not in step:  # the batch's usable slots, the same in every layer
@@ -63,11 +80,12 @@ class PagedStreamingLLM:
     vLLM's blocks)."""
 
     name: ClassVar[str] = "streaming_llm"
-    needs_bounds: ClassVar[bool] = False
+    keeps_state: ClassVar[bool] = False
+    scores_prompt: ClassVar[bool] = False
     frees_blocks: ClassVar[bool] = True
     sinks: int = 4
 
-    def pick(self, query, kv_heads: int, bounds, block_table, seq_lens, block_size: int, budget: int | float,
+    def pick(self, query, kv_heads: int, state, block_table, seq_lens, block_size: int, budget: int | float,
              step: dict | None = None):  # fmt: skip
         width = kept_count(budget, block_table.shape[1] * block_size)  # what the widest request keeps
         return sink_recent_positions(seq_lens, budget, self.sinks, width, kv_heads)
@@ -85,7 +103,52 @@ class PagedStreamingLLM:
         return range(-(-self.sinks // block_size), max(0, window_start) // block_size)
 
 
-PAGED_SELECTORS = {cls.name: cls for cls in (PagedQuest, PagedStreamingLLM)}
+@dataclass
+class PagedSnapKV:
+    """SnapKV (Li et al., 2024, "SnapKV: LLM Knows What You are Looking for Before Generation",
+    arXiv:2404.14469), as atskv's `snapkv` scores and keeps: the attention of the prompt's last
+    `window` queries, summed over them and the group's heads and max-pooled over `kernel` tokens,
+    ranks the tokens before them; a decode query reads the window, every generated token and the
+    best-ranked prompt tokens, up to its budget (here a read restriction: the rest stays in vLLM's
+    blocks). Each prefill chunk ranks the request's tokens so far from its own last queries, so the
+    prompt's last chunk decides; a last chunk shorter than `window` votes with its own queries only.
+    Defaults from the paper's code: window 32, kernel 7."""
+
+    name: ClassVar[str] = "snapkv"
+    keeps_state: ClassVar[bool] = True
+    scores_prompt: ClassVar[bool] = True
+    frees_blocks: ClassVar[bool] = False  # which blocks hold kept tokens differs per layer and KV head
+    window: int = 32
+    kernel: int = 7
+
+    def new_state(self, num_blocks: int, block_size: int, kv_heads: int, head_size: int, dtype, device):
+        """The prompt ranking by physical slot: 4 bytes a token per KV head (its KV: 2 x head_size x 2)."""
+        return PromptRanks.empty(num_blocks * block_size, kv_heads, device)
+
+    def after_write(self, state, key, slot_mapping, block_size: int) -> None:
+        """Nothing: the ranking comes from each prefill chunk's queries (`observe_prompt`)."""
+
+    def observe_prompt(self, state: PromptRanks, queries, key_slots, table_row, length: int, block_size: int,
+                       scaling: float) -> None:  # fmt: skip
+        """One request's chunk ending at token `length`: `queries` `[n, Hq, D]` its queries (the
+        last `window` vote), `key_slots` the cache as `[Hkv, num_slots, D]`, `table_row` `[W]`."""
+        w = min(self.window, queries.shape[0], length)
+
+        def keys_at(start: int, stop: int):
+            at = physical_slots(torch.arange(start, stop, device=queries.device).view(1, 1, -1), table_row.view(1, -1),
+                                block_size).view(-1).long()  # fmt: skip
+            return key_slots[:, at]
+
+        votes = window_votes(queries[-w:], keys_at, length, scaling, self.kernel)
+        state.store(table_row, block_size, rank_newest_first(votes[:, : length - w]), length - w)
+
+    def pick(self, query, kv_heads: int, state: PromptRanks, block_table, seq_lens, block_size: int,
+             budget: int | float, step: dict | None = None):  # fmt: skip
+        width = kept_count(budget, block_table.shape[1] * block_size)  # what the widest request reads
+        return state.read(block_table, seq_lens, block_size, budget, width)
+
+
+PAGED_SELECTORS = {cls.name: cls for cls in (PagedQuest, PagedStreamingLLM, PagedSnapKV)}
 
 
 def slot_view(cache: torch.Tensor, requests: int) -> torch.Tensor:

@@ -1,0 +1,99 @@
+"""A prompt's tokens ranked once, kept beside vLLM's paged cache by physical slot: what a selector
+that scores the prompt at prefill (SnapKV) reads at every decode step, without a request identity.
+
+vLLM's attention metadata names no request, only its block table, and a decode step must run inside
+a CUDA graph (no host sync, fixed shapes). So the ranking lives where the request's own tokens do:
+the j-th best prompt position is stored at the request's j-th logical slot (its block table maps it
+to a physical one, as it maps its keys), and where its observation window starts at its first slot.
+Blocks a request gets are its own until it finishes (prefix caching, which shares them, is refused
+with a prompt-scoring selector), and a block's next tenant overwrites what it reads before it reads
+it: every prefill chunk ranks the request's tokens so far anew, the last chunk's ranking stands.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from atskv.kernels.budget import kept_tokens
+from atskv.kernels.paged import physical_slots
+
+KEYS_PER_PASS = 16384  # keys scored at once: the logits of a 32-query window stay ~64 MB at 8 KV heads
+
+
+@dataclass
+class PromptRanks:
+    """`ranked` `[num_slots, Hkv]` int32: at a request's j-th logical slot, its j-th best prompt
+    position per KV head; `window_start` `[num_slots]` int32: at its first slot, the first position
+    of its observation window (that and every later token is always read)."""
+
+    ranked: torch.Tensor
+    window_start: torch.Tensor
+
+    @classmethod
+    def empty(cls, num_slots: int, kv_heads: int, device) -> PromptRanks:
+        return cls(torch.zeros(num_slots, kv_heads, dtype=torch.int32, device=device),
+                   torch.zeros(num_slots, dtype=torch.int32, device=device))  # fmt: skip
+
+    def store(self, table_row: torch.Tensor, block_size: int, order: torch.Tensor, window_start: int) -> None:
+        """One request's ranking `order` `[Hkv, window_start]` (positions, best first) into its slots."""
+        at = physical_slots(torch.arange(window_start, device=order.device).view(1, 1, -1), table_row.view(1, -1),
+                            block_size).view(-1).long()  # fmt: skip
+        self.ranked[at] = order.t().int()
+        self.window_start[physical_slots(torch.zeros(1, 1, 1, dtype=torch.long, device=order.device),
+                                         table_row.view(1, -1), block_size).view(-1).long()] = window_start  # fmt: skip
+
+    def read(self, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, budget: int | float,
+             width: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Positions `[B, Hkv, width]` and counts `[B, Hkv]` each decode query reads: its budget's
+        worth, the window and every later token first (the newest, if the budget is smaller), then
+        the best-ranked prompt positions; SnapKV's kept set, as atskv's evicting `snapkv` keeps it
+        (its ranking fixed, the prompt's share shrinks as tokens are generated: nested sets)."""
+        b, heads = block_table.shape[0], self.ranked.shape[1]
+        j = torch.arange(width, device=block_table.device)
+        first = physical_slots(torch.zeros(b, 1, 1, dtype=torch.long, device=j.device), block_table, block_size)
+        start = self.window_start[first.view(b).long()].long().view(b, 1)
+        context = seq_lens.long().view(b, 1)
+        count = kept_tokens(budget, context)
+        take = (count - (context - start)).clamp(min=0).minimum(start)  # prompt positions read
+        at = physical_slots(j.view(1, 1, -1).expand(b, 1, -1), block_table, block_size).view(b, width).long()
+        ranked = self.ranked[at].transpose(1, 2)  # [B, Hkv, width]
+        newest = context - count + j.view(1, -1)  # the rest: the newest count - take tokens, in order
+        positions = torch.where((j < take).unsqueeze(1), ranked, newest.unsqueeze(1))
+        positions = torch.where((j < count).unsqueeze(1), positions, 0).int()
+        return positions, count.expand(b, heads).int()
+
+
+def window_votes(queries: torch.Tensor, keys_at, length: int, scaling: float, kernel: int) -> torch.Tensor:
+    """SnapKV's votes `[Hkv, length]` (float32) for the `length` tokens of one request, from its last
+    `w` queries `[w, Hq, D]` (at positions `length - w .. length - 1`, causal): their attention summed
+    over them and the group's heads, max-pooled over `kernel` neighbours. `keys_at(start, stop)` gives
+    the keys `[Hkv, stop - start, D]` of those positions; they are scored KEYS_PER_PASS at a time in
+    two passes (the softmax's log-sum-exp, then the probabilities), so memory stays bounded at 128K."""
+    w, hq, d = queries.shape
+    first = keys_at(0, min(length, KEYS_PER_PASS))
+    hkv = first.shape[0]
+    q = queries.float().view(w, hkv, hq // hkv, d).permute(1, 2, 0, 3)  # [Hkv, G, w, D]
+    query_at = torch.arange(length - w, length, device=queries.device).view(1, 1, w, 1)
+
+    def logits(start: int, stop: int, keys: torch.Tensor | None = None) -> torch.Tensor:
+        keys = keys_at(start, stop) if keys is None else keys
+        scores = q @ keys.float().transpose(-1, -2).unsqueeze(1) * scaling  # [Hkv, G, w, n]
+        key_at = torch.arange(start, stop, device=queries.device).view(1, 1, 1, -1)
+        return scores.masked_fill(key_at > query_at, -torch.inf)
+
+    spans = [(s, min(length, s + KEYS_PER_PASS)) for s in range(0, length, KEYS_PER_PASS)]
+    lse = torch.stack([logits(s, e, first if s == 0 else None).logsumexp(-1) for s, e in spans]).logsumexp(0)
+    votes = torch.cat([(logits(s, e, first if s == 0 else None) - lse.unsqueeze(-1)).exp().sum(dim=(1, 2))
+                       for s, e in spans], dim=-1)  # fmt: skip
+    return F.max_pool1d(votes.unsqueeze(1), kernel, stride=1, padding=kernel // 2).squeeze(1)
+
+
+def rank_newest_first(votes: torch.Tensor) -> torch.Tensor:
+    """Positions `[Hkv, n]` by `votes` `[Hkv, n]`, best first; equal votes (max-pooling's plateaus)
+    go to the newer token, as `atskv.selectors.base.select_top_budget` breaks them."""
+    n = votes.shape[-1]
+    newest_first = votes.flip(-1).sort(dim=-1, descending=True, stable=True).indices
+    return n - 1 - newest_first
