@@ -181,8 +181,8 @@ def in_process_scheduler(engine):
 
 def pool_tokens(engine) -> int:
     """Tokens of every layer the engine's KV pool holds. A hybrid layout (`free_blocks` beside
-    dense layers: a group of layers per block table) spends one block of each group per 16 tokens,
-    so its pool of blocks holds that many times fewer tokens than it has block slots."""
+    dense layers: a group of layers per block table) spends a block of each group per block of a
+    request's tokens, so its pool holds as many times fewer tokens as it has groups."""
     cache = engine.vllm_config.cache_config
     scheduler = in_process_scheduler(engine)
     groups = len(scheduler.kv_cache_config.kv_cache_groups) if scheduler is not None else 1
@@ -190,8 +190,8 @@ def pool_tokens(engine) -> int:
 
 
 def done(rows: Path) -> set[tuple]:
-    """(method, kind, context, batch or a trace's rate) of the rows already in `rows`."""
-    return {(r["method"], r["kind"], r["context"], r.get("batch", r.get("rate"))) for r in json_lines(rows)}
+    """(method, kind, context, batch) of the rows already in `rows` (a tokens row has no batch)."""
+    return {(r["method"], r["kind"], r["context"], r.get("batch")) for r in json_lines(rows)}
 
 
 def measure(specs: list[EngineSpec], rows: Path) -> None:

@@ -42,8 +42,7 @@ class PromptRanks:
         at = physical_slots(torch.arange(window_start, device=order.device).view(1, 1, -1), table_row.view(1, -1),
                             block_size).view(-1).long()  # fmt: skip
         self.ranked[at] = order.t().int()
-        self.window_start[physical_slots(torch.zeros(1, 1, 1, dtype=torch.long, device=order.device),
-                                         table_row.view(1, -1), block_size).view(-1).long()] = window_start  # fmt: skip
+        self.window_start[table_row[0].long() * block_size] = window_start  # the request's first slot
 
     def read(self, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, budget: int | float,
              width: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -53,8 +52,7 @@ class PromptRanks:
         (its ranking fixed, the prompt's share shrinks as tokens are generated: nested sets)."""
         b, heads = block_table.shape[0], self.ranked.shape[1]
         j = torch.arange(width, device=block_table.device)
-        first = physical_slots(torch.zeros(b, 1, 1, dtype=torch.long, device=j.device), block_table, block_size)
-        start = self.window_start[first.view(b).long()].long().view(b, 1)
+        start = self.window_start[block_table[:, 0].long() * block_size].long().view(b, 1)  # at each first slot
         context = seq_lens.long().view(b, 1)
         count = kept_tokens(budget, context)
         take = (count - (context - start)).clamp(min=0).minimum(start)  # prompt positions read
