@@ -130,7 +130,11 @@ def test_selectors_lists_the_registry(capsys):
     out = capsys.readouterr().out
     assert all(name in out for name in ["dense", "oracle", "snapkv", "h2o", "streaming_llm"])
     assert "learned+sparq" in out  # compositions are named too
-    assert "inside vLLM (atskv[vllm], attention_backend=CUSTOM): quest, streaming_llm" in out
+    from atskv.runtime.vllm.selection import PAGED_SELECTORS
+
+    vllm_line = next(line for line in out.splitlines() if line.startswith("inside vLLM"))
+    assert vllm_line == f"inside vLLM (atskv[vllm], attention_backend=CUSTOM): {', '.join(sorted(PAGED_SELECTORS))}"
+    assert {"quest", "snapkv", "streaming_llm"} <= set(PAGED_SELECTORS)
 
 
 def test_selectors_says_which_run_on_the_fast_path(capsys, monkeypatch):
