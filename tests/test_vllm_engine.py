@@ -2,7 +2,8 @@
 greedy tokens are vanilla vLLM's; with Quest at a small budget, requests aborted mid-decode give
 their blocks back (the pool returns to its size) and the rest finish; StreamingLLM with
 `free_blocks` beside dense layers gives the tokens and log-probabilities it gives without, while
-its requests hold only the blocks it reads (and the dense layers' blocks). A small Llama shape with
+its requests hold only the blocks it reads (and the dense layers' blocks); SnapKV and H2O, which
+score prompts chunk by chunk, read everything at a budget above the context. A small Llama shape with
 dummy weights; each engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`)."""
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ def shape(tmp_path_factory):
     return write_shape("smollm2-135m-shape", tmp_path_factory.mktemp("shape") / "smollm2")
 
 
-def engine(shape, method: str, budget, **settings):
+def engine(shape, method: str, budget, max_num_batched_tokens: int | None = None, **settings):
     spec = EngineSpec(method, str(shape), [], budget=budget, gpu_memory_utilization=0.15, **settings)
-    return vllm.LLM(**engine_arguments(spec, 4096, 8))
+    chunks = {} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens}
+    return vllm.LLM(**engine_arguments(spec, 4096, 8), **chunks)
 
 
 def tokens_and_logprobs(llm, batch, new_tokens: int):
@@ -119,3 +121,33 @@ def test_freed_blocks_go_back_to_the_pool_while_requests_decode(shape):
     # the block being written), not the 94 blocks of its 1500-token prompt
     held = held_while_decoding(llm, prompts(1500, 4, 49152, seed=5), 30)
     assert 0 < held <= 4 * 8, held
+
+
+@pytest.fixture(scope="module")
+def read_in_full(shape):
+    """StreamingLLM at a budget above every request's length: atskv's kernel reading every token in
+    order, the reference of the selectors that keep lists (the same kernel, another order)."""
+    llm = engine(shape, "vllm:streaming_llm", 4096, max_num_batched_tokens=512)
+    want = tokens_and_logprobs(llm, prompts(1500, 4, 49152, seed=13), 24)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return want
+
+
+@pytest.mark.parametrize("selector", ["snapkv", "h2o"])
+def test_selectors_that_score_the_prompt_read_in_full_at_a_budget_above_the_context(shape, read_in_full, selector):
+    """SnapKV and H2O score each prompt in 512-token chunks (some beside other requests' decodes)
+    and keep their lists by physical slot; with a budget above every request's length their lists
+    hold every token: the tokens and log-probabilities of reading everything. At 64 tokens the same
+    requests finish, and the pool is whole again."""
+    llm = engine(shape, f"vllm:{selector}", 4096, max_num_batched_tokens=512)
+    tokens, logprobs = tokens_and_logprobs(llm, prompts(1500, 4, 49152, seed=13), 24)
+    assert tokens == read_in_full[0]
+    torch.testing.assert_close(logprobs, read_in_full[1], rtol=0, atol=1e-2)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    small = engine(shape, f"vllm:{selector}", 64, max_num_batched_tokens=512)
+    held = held_while_decoding(small, prompts(1500, 4, 49152, seed=13), 30)
+    assert held >= 4 * 94, "reading less frees nothing: the blocks stay vLLM's"

@@ -254,6 +254,14 @@ def test_the_sparse_decode_kernel_reads_a_paged_cache_as_its_reference_does(cach
     got = sparse_decode_attention_triton(*inputs, D**-0.5, out=out, split_size=split_size, num_stages=stages, **options)
     assert got is out
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+    # the mass each position received (H2O's), by index as unpaged
+    want_mass = sparse_decode_attention_reference(query, keys, values, positions, lengths, D**-0.5, want_mass=True,
+                                                  block_table=cache.block_table, block_size=BLOCK)[1]  # fmt: skip
+    got, mass = sparse_decode_attention_triton(*inputs, D**-0.5, split_size=split_size, num_stages=stages,
+                                               want_mass=True, **options)  # fmt: skip
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(mass.cpu(), want_mass, rtol=1e-4, atol=1e-5)
+    assert want_mass.sum(-1).allclose(torch.full((b, HKV), float(HQ // HKV))), "each head's probabilities sum to 1"
 
 
 @pytest.mark.parametrize("budget", [20, 0.25, 3])
@@ -327,7 +335,8 @@ def test_paged_snapkv_reads_what_snapkv_keeps(budget, monkeypatch):
         for start in range(0, prompt, chunk):
             stop = min(prompt, start + chunk)
             chunk_queries = queries[r][start:stop]
-            selector.observe_prompt(state, chunk_queries, key_slots, cache.block_table[r], stop, BLOCK, D**-0.5)
+            selector.observe_prompt(state, chunk_queries, key_slots, cache.block_table[r], stop, BLOCK, D**-0.5,
+                                    budget)
     seq_lens = torch.tensor(lengths, dtype=torch.int32)
     positions, counts = selector.pick(torch.randn(len(lengths), HQ, D), HKV, state, cache.block_table, seq_lens, BLOCK,
                                       budget)  # fmt: skip
@@ -346,3 +355,87 @@ def test_paged_snapkv_reads_what_snapkv_keeps(budget, monkeypatch):
         for h in range(HKV):
             read = positions[r, h, : counts[r, h]].tolist()
             assert sorted(read) == keep[h].nonzero().view(-1).tolist() and len(set(read)) == len(read), (r, h)
+
+
+class _Accumulated:
+    """What atskv's `H2OSelector.scores` reads of a layer: its accumulated mass by slot."""
+
+    def __init__(self, mass: torch.Tensor):
+        self.mass = mass
+
+    def slot_tensor(self, name: str) -> torch.Tensor:
+        return self.mass
+
+
+@pytest.mark.parametrize("budget", [0.25, 20, 3, 500])
+def test_paged_h2o_reads_and_accumulates_what_h2o_keeps(budget):
+    """Prompts observed chunk by chunk, then 4 decode steps of the whole batch (a request shorter
+    than the widest list, and a padded row of length 0 whose stale block table is another
+    request's): each step reads exactly the tokens atskv's h2o keeps (its scores, its top budget,
+    ties to the newer token), attends as over them, and each read's mass accumulates as h2o's."""
+    from atskv.runtime.vllm.selection import PagedH2O, slot_view
+    from atskv.selectors.base import LayerView, select_top_budget
+    from atskv.selectors.h2o import H2OSelector
+
+    generator = torch.Generator().manual_seed(5)
+    generated, chunk = 4, 23
+    lengths = [37, 100, 16, 161]
+    cache = PagedCache(lengths, width=12, generator=generator)
+    cache.fill(chunk=chunk)
+    prompts = [n - generated for n in lengths]
+    queries = [torch.randn(p, HQ, D, generator=generator) for p in prompts]
+    selector, reference = PagedH2O(), H2OSelector()
+    key_slots = slot_view(cache.split()[0], 1)[0]
+    state = selector.new_state(key_slots.shape[1] // BLOCK, BLOCK, HKV, D, torch.float32, "cpu")
+    for tensor in (state.prompt_mass, state.kept_mass):
+        tensor.uniform_(5, 6, generator=generator)  # stale: an earlier tenant's
+    state.kept.fill_(3)
+    for r, prompt in enumerate(prompts):
+        for start in range(0, prompt, chunk):
+            stop = min(prompt, start + chunk)
+            selector.observe_prompt(state, queries[r][start:stop], key_slots, cache.block_table[r], stop, BLOCK,
+                                    D**-0.5, budget)  # fmt: skip
+
+    def grouped_logits(q, keys):  # q [Tq, HQ, D], keys [n, HKV, D] -> [HKV, G, Tq, n]
+        k = keys.transpose(0, 1).unsqueeze(1)
+        return q.view(q.shape[0], HKV, HQ // HKV, D).permute(1, 2, 0, 3) @ k.transpose(-1, -2) * D**-0.5
+
+    masses, kept = [], []
+    for r, prompt in enumerate(prompts):  # atskv's h2o: the dense prompt's mass, its top budget at the end
+        logits = grouped_logits(queries[r], cache.keys[r][:prompt])
+        causal = torch.ones(prompt, prompt, dtype=torch.bool).tril()
+        masses.append(logits.masked_fill(~causal, -torch.inf).softmax(-1).sum(dim=(1, 2)).unsqueeze(0))
+        kept.append(torch.ones(1, HKV, prompt, dtype=torch.bool))
+
+    def h2o_keep(r: int, n: int) -> torch.Tensor:
+        at = torch.arange(n).expand(1, HKV, n)
+        view = LayerView(0, None, None, kept[r].unsqueeze(2), at, torch.tensor([[[n]]]), D**-0.5, budget,
+                         _Accumulated(masses[r]))  # fmt: skip
+        return select_top_budget(reference.scores(view), kept[r].unsqueeze(2), budget, at, view.context)[:, :, 0]
+
+    kept = [h2o_keep(r, p) for r, p in enumerate(prompts)]
+    rows = len(lengths)
+    table = torch.cat([cache.block_table, cache.block_table[1:2]])  # a padded row: a stale table, length 0
+    for g in range(generated):
+        seq_lens = torch.tensor([p + g + 1 for p in prompts] + [0], dtype=torch.int32)
+        query = torch.randn(rows + 1, HQ, D, generator=generator)
+        positions, counts = selector.pick(query, HKV, state, table, seq_lens, BLOCK, budget)
+        out, mass = paged_sparse_decode(query, *cache.split(), positions, counts, table, D**-0.5, want_mass=True)
+        selector.observe_read(state, mass, table, seq_lens, BLOCK)
+        assert counts[rows].tolist() == [0] * HKV, "a padded row reads nothing"
+        for r, prompt in enumerate(prompts):
+            n = prompt + g + 1
+            masses[r] = torch.nn.functional.pad(masses[r], (0, 1))
+            kept[r] = torch.nn.functional.pad(kept[r], (0, 1), value=True)
+            kept[r] = h2o_keep(r, n)
+            logits = grouped_logits(query[r : r + 1], cache.keys[r][:n])
+            probs = logits.masked_fill(~kept[r][0, :, None, None], -torch.inf).softmax(-1)  # [HKV, G, 1, n]
+            masses[r] += probs.sum(dim=(1, 2)).unsqueeze(0)
+            want = (probs @ cache.values[r][:n].transpose(0, 1).unsqueeze(1)).reshape(HQ, D)
+            torch.testing.assert_close(out[r], want, rtol=1e-4, atol=1e-5)
+            for h in range(HKV):
+                read = positions[r, h, : counts[r, h]].tolist()
+                assert sorted(read) == kept[r][0, h].nonzero().view(-1).tolist(), (g, r, h)
+                listed = state.kept_mass[cache.slot(r, torch.arange(counts[r, h])).long(), h]
+                by_position = masses[r][0, h, positions[r, h, : counts[r, h]].long()]
+                torch.testing.assert_close(listed, by_position, rtol=1e-4, atol=1e-5)

@@ -66,7 +66,8 @@ def sparse_decode_attention(
 
     Paged caches (vLLM's): with `block_table` `[B, W]` the indices are each row's logical token
     positions, read at physical slot `block_table[b, i // block_size] * block_size + i % block_size`
-    of `keys`/`values` (all slots of the cache, `[B, Hkv, num_slots, D]` views). `out` `[B, Hq, D]`:
+    of `keys`/`values` (all slots of the cache, `[B, Hkv, num_slots, D]` views), and `want_mass` is
+    by index, as unpaged (`add_mass_to`, by slot, is refused there). `out` `[B, Hq, D]`:
     written in place (an engine's output buffer) and returned. `options` (`held`, `want_mass`,
     `add_mass_to`, `block_table`, `block_size`, `out`) are the two implementations' keywords."""
     if use_triton(query):
@@ -92,7 +93,7 @@ def sparse_decode_attention_reference(
     """Plain torch: gather the indexed K/V rows (`[B, Hkv, K, D]`, the budget, not the cache), then
     float32 logits, softmax and weighted sum. The CPU path and the kernel's ground truth."""
     scaling = _check(query, keys, values, indices, lengths, scaling, held, want_mass, add_mass_to)
-    _check_paged(block_table, block_size, want_mass, add_mass_to, held)
+    _check_paged(block_table, block_size, add_mass_to, held)
     b, hq, d = query.shape
     slots = indices if block_table is None else physical_slots(indices, block_table, block_size)
     rows = slots.long().unsqueeze(-1)
@@ -137,7 +138,7 @@ def sparse_decode_attention_triton(
     if triton is None:
         raise RuntimeError("the sparse decode kernel needs Triton (pip install 'atskv[gpu]' or 'atskv[test]')")
     scaling = _check(query, keys, values, indices, lengths, scaling, held, want_mass, add_mass_to)
-    _check_paged(block_table, block_size, want_mass, add_mass_to, held)
+    _check_paged(block_table, block_size, add_mass_to, held)
     b, hq, d = query.shape
     hkv, num_indices = keys.shape[1], indices.shape[-1]
     group = hq // hkv
@@ -224,13 +225,13 @@ def _block_n(head_dim: int) -> int:
     return min(64, 4096 // head_dim)
 
 
-def _check_paged(block_table, block_size: int, want_mass: bool, add_mass_to, held) -> None:
+def _check_paged(block_table, block_size: int, add_mass_to, held) -> None:
     if block_table is None:
         return
     if block_size < 1 or block_table.dim() != 2 or block_table.is_floating_point():
         raise ValueError(f"a paged read needs an integer block_table [B, W] and block_size >= 1, got {block_size}")
-    if want_mass or add_mass_to is not None or held is not None:
-        raise ValueError("a paged read takes no held slots and returns no mass")
+    if add_mass_to is not None or held is not None:  # slots are physical there: `want_mass` is by index
+        raise ValueError("a paged read takes no held slots and adds no mass in place (use want_mass)")
 
 
 def _valid_indices(indices: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:

@@ -5,9 +5,10 @@ chunked prefill (FlashAttention), the batching, prefix caching, torch.compile an
 builder puts decode requests first in each batch (`reorder_batch_threshold = 1`) and counts them;
 the implementation then attends the prefill part with FlashAttention and each decode query over the
 slots its selector picks (`atskv.runtime.vllm.selection`), reading vLLM's paged cache in place.
-Selectors that keep state beside the cache (Quest's per-block key bounds, SnapKV's prompt ranking by
-physical slot) keep it current from the KV write (`do_kv_cache_update`) or, for those that score the
-prompt, from each prefill chunk's queries after its FlashAttention. With `free_blocks`, the blocks a
+Selectors that keep state beside the cache (Quest's per-block key bounds, SnapKV's prompt ranking and
+H2O's kept tokens by physical slot) keep it current from the KV write (`do_kv_cache_update`), from
+each prefill chunk's queries after its FlashAttention (those that score the prompt) or from the mass
+each decode read returns (H2O). With `free_blocks`, the blocks a
 selector no longer reads are null blocks in the table (`atskv.runtime.vllm.freeing`); the selector
 never picks them. Full CUDA graphs are captured for pure decode batches only
 (`UNIFORM_SINGLE_TOKEN_DECODE`); mixed batches run piecewise, their attention eager.
@@ -130,8 +131,10 @@ class AtskvAttentionImpl(FlashAttentionImpl):
         step = attn_metadata.__dict__.setdefault("atskv_step", {})  # one forward's metadata: shared by its layers
         positions, lengths = self.selector.pick(q, self.num_kv_heads, self.state, table, seq_lens, block_size,
                                                 self.config.budget, step)  # fmt: skip
-        paged_sparse_decode(q, key_cache, value_cache, positions, lengths, table, self.scale,
-                            out=output[:decodes].view(q.shape))  # fmt: skip
+        read = paged_sparse_decode(q, key_cache, value_cache, positions, lengths, table, self.scale,
+                                   out=output[:decodes].view(q.shape), want_mass=self.selector.reads_mass)  # fmt: skip
+        if self.selector.reads_mass:
+            self.selector.observe_read(self.state, read[1], table, seq_lens, block_size)
         return output
 
 
@@ -146,7 +149,7 @@ class AtskvAttentionImpl(FlashAttentionImpl):
         queries = query.view(query.shape[0], -1, self.head_size)
         for row, start, stop, length in rows:
             self.selector.observe_prompt(self.state, queries[start:stop], key_slots, metadata.block_table[row], length,
-                                         key_cache.shape[1], self.scale)  # fmt: skip
+                                         key_cache.shape[1], self.scale, self.config.budget)  # fmt: skip
 
 
 def _tensors(state) -> list[torch.Tensor]:

@@ -1,7 +1,9 @@
 """Which cached tokens a decode query reads, over vLLM's paged cache: one selector a class, each
 declaring what it needs from the engine. `keeps_state`: state beside the cache by physical block or
-slot (`new_state`), kept current from every KV write (`after_write`: Quest's key bounds) or from
-each prefill chunk's last queries (`scores_prompt`, `observe_prompt`: SnapKV's prompt ranking).
+slot (`new_state`), kept current from every KV write (`after_write`: Quest's key bounds), from each
+prefill chunk's queries (`scores_prompt`, `observe_prompt`: SnapKV's prompt ranking, H2O's prompt
+mass) or from the attention each decode read gives the tokens it reads (`reads_mass`,
+`observe_read`: H2O's accumulated mass).
 
 `pick(query [B, Hq, D], kv_heads, state (or None), block_table [B, W], seq_lens [B],
 block_size, budget, step)` (`step`: a dict shared by one forward's layers, for what a selector
@@ -32,6 +34,7 @@ from atskv.kernels.paged import (
 )
 from atskv.kernels.quest_decode import quest_pick
 from atskv.kernels.sparse_decode import sparse_decode_attention
+from atskv.runtime.vllm.heavy_hitters import KeptLists, chunk_mass
 from atskv.runtime.vllm.prompt_ranks import PromptRanks, rank_newest_first, window_votes
 
 
@@ -44,6 +47,7 @@ class PagedQuest:
     name: ClassVar[str] = "quest"
     keeps_state: ClassVar[bool] = True
     scores_prompt: ClassVar[bool] = False
+    reads_mass: ClassVar[bool] = False
     frees_blocks: ClassVar[bool] = False  # any block may be the next query's best
 
     def new_state(self, num_blocks: int, block_size: int, kv_heads: int, head_size: int, dtype, device):
@@ -82,6 +86,7 @@ class PagedStreamingLLM:
     name: ClassVar[str] = "streaming_llm"
     keeps_state: ClassVar[bool] = False
     scores_prompt: ClassVar[bool] = False
+    reads_mass: ClassVar[bool] = False
     frees_blocks: ClassVar[bool] = True
     sinks: int = 4
 
@@ -117,6 +122,7 @@ class PagedSnapKV:
     name: ClassVar[str] = "snapkv"
     keeps_state: ClassVar[bool] = True
     scores_prompt: ClassVar[bool] = True
+    reads_mass: ClassVar[bool] = False
     frees_blocks: ClassVar[bool] = False  # which blocks hold kept tokens differs per layer and KV head
     window: int = 32
     kernel: int = 7
@@ -129,15 +135,13 @@ class PagedSnapKV:
         """Nothing: the ranking comes from each prefill chunk's queries (`observe_prompt`)."""
 
     def observe_prompt(self, state: PromptRanks, queries, key_slots, table_row, length: int, block_size: int,
-                       scaling: float) -> None:  # fmt: skip
+                       scaling: float, budget: int | float) -> None:  # fmt: skip
         """One request's chunk ending at token `length`: `queries` `[n, Hq, D]` its queries (the
         last `window` vote), `key_slots` the cache as `[Hkv, num_slots, D]`, `table_row` `[W]`."""
         w = min(self.window, queries.shape[0], length)
 
         def keys_at(start: int, stop: int):
-            at = physical_slots(torch.arange(start, stop, device=queries.device).view(1, 1, -1), table_row.view(1, -1),
-                                block_size).view(-1).long()  # fmt: skip
-            return key_slots[:, at]
+            return request_keys(key_slots, table_row, start, stop, block_size)
 
         votes = window_votes(queries[-w:], keys_at, length, scaling, self.kernel)
         state.store(table_row, block_size, rank_newest_first(votes[:, : length - w]), length - w)
@@ -148,7 +152,54 @@ class PagedSnapKV:
         return state.read(block_table, seq_lens, block_size, budget, width)
 
 
-PAGED_SELECTORS = {cls.name: cls for cls in (PagedQuest, PagedStreamingLLM, PagedSnapKV)}
+@dataclass
+class PagedH2O:
+    """H2O (Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large
+    Language Models", arXiv:2306.14048), as atskv's `h2o` keeps: the prompt's attention mass from
+    all its queries, then each decode query's on what it reads, accumulated per token and KV head;
+    the newest `recent_fraction` of the budget and the heaviest hitters are kept, and a token once
+    dropped is never read again (here a read restriction: its KV stays in vLLM's blocks). Default
+    from the paper: half the budget recent (`atskv.runtime.vllm.heavy_hitters`)."""
+
+    name: ClassVar[str] = "h2o"
+    keeps_state: ClassVar[bool] = True
+    scores_prompt: ClassVar[bool] = True
+    reads_mass: ClassVar[bool] = True
+    frees_blocks: ClassVar[bool] = False  # which blocks hold kept tokens differs per layer and KV head
+    recent_fraction: float = 0.5
+
+    def new_state(self, num_blocks: int, block_size: int, kv_heads: int, head_size: int, dtype, device):
+        """The kept lists and the prompt's mass by physical slot: 12 bytes a token per KV head."""
+        return KeptLists.empty(num_blocks * block_size, kv_heads, device)
+
+    def after_write(self, state, key, slot_mapping, block_size: int) -> None:
+        """Nothing: a token enters its list at its prefill chunk or decode step."""
+
+    def observe_prompt(self, state: KeptLists, queries, key_slots, table_row, length: int, block_size: int,
+                       scaling: float, budget: int | float) -> None:  # fmt: skip
+        """One request's chunk ending at token `length` (see `PagedSnapKV.observe_prompt`)."""
+        mass = chunk_mass(queries, request_keys(key_slots, table_row, 0, length, block_size), scaling)
+        state.observe_chunk(mass, queries.shape[0], table_row, block_size, budget, self.recent_fraction)
+
+    def pick(self, query, kv_heads: int, state: KeptLists, block_table, seq_lens, block_size: int,
+             budget: int | float, step: dict | None = None):  # fmt: skip
+        slots = block_table.shape[1] * block_size
+        width = min(slots, kept_count(budget, slots) + 1)  # the widest request's list and its new token
+        return state.step(block_table, seq_lens, block_size, budget, width, self.recent_fraction)
+
+    def observe_read(self, state: KeptLists, mass, block_table, seq_lens, block_size: int) -> None:
+        state.add_read_mass(mass, block_table, seq_lens, block_size)
+
+
+PAGED_SELECTORS = {cls.name: cls for cls in (PagedQuest, PagedStreamingLLM, PagedSnapKV, PagedH2O)}
+
+
+def request_keys(key_slots: torch.Tensor, table_row: torch.Tensor, start: int, stop: int, block_size: int):
+    """One request's keys `[Hkv, stop - start, D]` at positions `start .. stop - 1`, gathered from
+    the cache as `[Hkv, num_slots, D]` through its block table row `[W]`."""
+    at = physical_slots(torch.arange(start, stop, device=key_slots.device).view(1, 1, -1), table_row.view(1, -1),
+                        block_size).view(-1).long()  # fmt: skip
+    return key_slots[:, at]
 
 
 def slot_view(cache: torch.Tensor, requests: int) -> torch.Tensor:
@@ -164,10 +215,12 @@ def slot_view(cache: torch.Tensor, requests: int) -> torch.Tensor:
     return slots.transpose(0, 1).unsqueeze(0).expand(requests, heads, blocks * size, dim)
 
 
-def paged_sparse_decode(query, key_cache, value_cache, positions, lengths, block_table, scale: float, out=None):
+def paged_sparse_decode(query, key_cache, value_cache, positions, lengths, block_table, scale: float, out=None,
+                        want_mass: bool = False):  # fmt: skip
     """Each request's decode query `[B, Hq, D]` over its picked token `positions` in the paged caches
-    `[num_blocks, block_size, Hkv, D]`: `[B, Hq, D]` (into `out` when given)."""
+    `[num_blocks, block_size, Hkv, D]`: `[B, Hq, D]` (into `out` when given); with `want_mass`, and
+    the probability each position received, summed over the group's heads, `[B, Hkv, K]`."""
     b = query.shape[0]
     keys, values = slot_view(key_cache, b), slot_view(value_cache, b)
     return sparse_decode_attention(query, keys, values, positions, lengths, scale, block_table=block_table,
-                                   block_size=key_cache.shape[1], out=out)  # fmt: skip
+                                   block_size=key_cache.shape[1], out=out, want_mass=want_mass)  # fmt: skip
