@@ -21,6 +21,7 @@ from atskv.kernels.paged import (
 from atskv.kernels.quest import page_bounds, quest_page_scores_reference
 from atskv.kernels.quest_decode import quest_pick_reference
 from atskv.kernels.sparse_decode import sparse_decode_attention_reference
+from atskv.runtime.vllm.batch import PromptChunk
 from atskv.runtime.vllm.config import PluginConfig
 from atskv.runtime.vllm.selection import PagedQuest, PagedStreamingLLM, paged_sparse_decode
 from atskv.selectors.streaming_llm import StreamingLLMSelector
@@ -335,8 +336,8 @@ def test_paged_snapkv_reads_what_snapkv_keeps(budget, monkeypatch):
         for start in range(0, prompt, chunk):
             stop = min(prompt, start + chunk)
             chunk_queries = queries[r][start:stop]
-            selector.observe_prompt(state, chunk_queries, key_slots, cache.block_table[r], stop, BLOCK, D**-0.5,
-                                    budget)
+            selector.observe_prompt(state, PromptChunk(chunk_queries, key_slots, cache.block_table[r], stop, BLOCK,
+                                                       D**-0.5, budget))  # fmt: skip
     seq_lens = torch.tensor(lengths, dtype=torch.int32)
     positions, counts = selector.pick(torch.randn(len(lengths), HQ, D), HKV, state, cache.block_table, seq_lens, BLOCK,
                                       budget)  # fmt: skip
@@ -387,14 +388,14 @@ def test_paged_h2o_reads_and_accumulates_what_h2o_keeps(budget):
     selector, reference = PagedH2O(), H2OSelector()
     key_slots = slot_view(cache.split()[0], 1)[0]
     state = selector.new_state(key_slots.shape[1] // BLOCK, BLOCK, HKV, D, torch.float32, "cpu")
-    for tensor in (state.prompt_mass, state.kept_mass):
+    for tensor in (state.prompt_mass, state.kept_value):
         tensor.uniform_(5, 6, generator=generator)  # stale: an earlier tenant's
     state.kept.fill_(3)
     for r, prompt in enumerate(prompts):
         for start in range(0, prompt, chunk):
             stop = min(prompt, start + chunk)
-            selector.observe_prompt(state, queries[r][start:stop], key_slots, cache.block_table[r], stop, BLOCK,
-                                    D**-0.5, budget)  # fmt: skip
+            selector.observe_prompt(state, PromptChunk(queries[r][start:stop], key_slots, cache.block_table[r], stop,
+                                                       BLOCK, D**-0.5, budget))  # fmt: skip
 
     def grouped_logits(q, keys):  # q [Tq, HQ, D], keys [n, HKV, D] -> [HKV, G, Tq, n]
         k = keys.transpose(0, 1).unsqueeze(1)
@@ -436,6 +437,6 @@ def test_paged_h2o_reads_and_accumulates_what_h2o_keeps(budget):
             for h in range(HKV):
                 read = positions[r, h, : counts[r, h]].tolist()
                 assert sorted(read) == kept[r][0, h].nonzero().view(-1).tolist(), (g, r, h)
-                listed = state.kept_mass[cache.slot(r, torch.arange(counts[r, h])).long(), h]
+                listed = state.kept_value[cache.slot(r, torch.arange(counts[r, h])).long(), h]
                 by_position = masses[r][0, h, positions[r, h, : counts[r, h]].long()]
                 torch.testing.assert_close(listed, by_position, rtol=1e-4, atol=1e-5)

@@ -33,7 +33,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from atskv.errors import InputError
-from atskv.runtime.vllm.batch import prefill_share, prompt_rows
+from atskv.runtime.vllm.batch import PromptChunk, prefill_share, prompt_rows
 from atskv.runtime.vllm.config import WORKER, PluginConfig
 from atskv.runtime.vllm.selection import PAGED_SELECTORS, paged_sparse_decode, slot_view
 
@@ -117,13 +117,13 @@ class AtskvAttentionImpl(FlashAttentionImpl):
             out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                   output_block_scale)  # fmt: skip
             if attn_metadata is not None and self.sparse_layer(layer):
-                self.observe_prompts(query, kv_cache, attn_metadata)
+                self.observe_prompts(layer, query, kv_cache, attn_metadata)
             return out
         tokens = attn_metadata.num_actual_tokens
         if tokens > decodes:  # the prefill requests behind the decodes: FlashAttention over their share
             rest = prefill_share(attn_metadata, decodes)
             super().forward(layer, query[decodes:], key[decodes:], value[decodes:], kv_cache, rest, output[decodes:])
-            self.observe_prompts(query, kv_cache, attn_metadata)
+            self.observe_prompts(layer, query, kv_cache, attn_metadata)
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
         block_size = kv_cache.shape[2]
         q, table = query[:decodes], attn_metadata.block_table[:decodes]
@@ -138,7 +138,7 @@ class AtskvAttentionImpl(FlashAttentionImpl):
         return output
 
 
-    def observe_prompts(self, query, kv_cache, metadata) -> None:
+    def observe_prompts(self, layer, query, kv_cache, metadata) -> None:
         """Each prefill request's chunk, to a selector that scores the prompt (`scores_prompt`):
         its queries, its keys so far through its block table (eager: prefill runs outside full graphs)."""
         rows = metadata.__dict__.get("atskv_prompt_rows")
@@ -147,9 +147,12 @@ class AtskvAttentionImpl(FlashAttentionImpl):
         key_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)[0]  # [blocks, block_size, Hkv, D]
         key_slots = slot_view(key_cache, 1)[0]
         queries = query.view(query.shape[0], -1, self.head_size)
+        step = metadata.__dict__.setdefault("atskv_step", {})
+        index = extract_layer_index(layer.layer_name)
         for row, start, stop, length in rows:
-            self.selector.observe_prompt(self.state, queries[start:stop], key_slots, metadata.block_table[row], length,
-                                         key_cache.shape[1], self.scale, self.config.budget)  # fmt: skip
+            chunk = PromptChunk(queries[start:stop], key_slots, metadata.block_table[row], length, key_cache.shape[1],
+                                self.scale, self.config.budget, index, row, step)  # fmt: skip
+            self.selector.observe_prompt(self.state, chunk)
 
 
 def _tensors(state) -> list[torch.Tensor]:

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
+from atskv.kernels.paged import physical_slots
+
 
 def prefill_share(metadata, decodes: int):
     """FlashAttention metadata (a dataclass with vLLM's field names) for the requests after the
@@ -31,3 +35,32 @@ def prompt_rows(query_start_loc_cpu, seq_lens_cpu, decodes: int, prefills: int) 
     one-token ones, as host ints (vLLM's host copies of the batch's offsets and lengths)."""
     starts, lengths = query_start_loc_cpu.tolist(), seq_lens_cpu.tolist()
     return [(r, starts[r], starts[r + 1], lengths[r]) for r in range(decodes, decodes + prefills)]
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptChunk:
+    """One prefill request's chunk as a selector that scores the prompt sees it, after the chunk's
+    FlashAttention: its queries `[n, Hq, D]` (positions `length - n .. length - 1`), the layer's keys
+    as `[Hkv, num_slots, D]` and the request's block table row `[W]`; `layer` the model's layer
+    index, `row` the request's row in the batch and `step` a dict shared by the forward's layers
+    (what one layer leaves for the next)."""
+
+    queries: torch.Tensor
+    key_slots: torch.Tensor
+    table_row: torch.Tensor
+    length: int
+    block_size: int
+    scaling: float
+    budget: int | float
+    layer: int = 0
+    row: int = 0
+    step: dict = dataclasses.field(default_factory=dict)
+
+    def slots(self, start: int, stop: int) -> torch.Tensor:
+        """Physical slots (long) of the request's positions `start .. stop - 1`."""
+        at = torch.arange(start, stop, device=self.table_row.device).view(1, 1, -1)
+        return physical_slots(at, self.table_row.view(1, -1), self.block_size).view(-1).long()
+
+    def keys(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """The request's keys `[Hkv, stop - start, D]` (to `length` by default)."""
+        return self.key_slots[:, self.slots(start, self.length if stop is None else stop)]

@@ -28,12 +28,12 @@ from atskv.kernels.budget import kept_count
 from atskv.kernels.paged import (
     empty_page_bounds,
     paged_page_scores,
-    physical_slots,
     sink_recent_positions,
     update_page_bounds,
 )
 from atskv.kernels.quest_decode import quest_pick
 from atskv.kernels.sparse_decode import sparse_decode_attention
+from atskv.runtime.vllm.batch import PromptChunk
 from atskv.runtime.vllm.heavy_hitters import KeptLists, chunk_mass
 from atskv.runtime.vllm.prompt_ranks import PromptRanks, rank_newest_first, window_votes
 
@@ -134,17 +134,12 @@ class PagedSnapKV:
     def after_write(self, state, key, slot_mapping, block_size: int) -> None:
         """Nothing: the ranking comes from each prefill chunk's queries (`observe_prompt`)."""
 
-    def observe_prompt(self, state: PromptRanks, queries, key_slots, table_row, length: int, block_size: int,
-                       scaling: float, budget: int | float) -> None:  # fmt: skip
-        """One request's chunk ending at token `length`: `queries` `[n, Hq, D]` its queries (the
-        last `window` vote), `key_slots` the cache as `[Hkv, num_slots, D]`, `table_row` `[W]`."""
-        w = min(self.window, queries.shape[0], length)
-
-        def keys_at(start: int, stop: int):
-            return request_keys(key_slots, table_row, start, stop, block_size)
-
-        votes = window_votes(queries[-w:], keys_at, length, scaling, self.kernel)
-        state.store(table_row, block_size, rank_newest_first(votes[:, : length - w]), length - w)
+    def observe_prompt(self, state: PromptRanks, chunk: PromptChunk) -> None:
+        """One request's chunk: its last `window` queries vote for its tokens so far."""
+        length = chunk.length
+        w = min(self.window, chunk.queries.shape[0], length)
+        votes = window_votes(chunk.queries[-w:], chunk.keys, length, chunk.scaling, self.kernel)
+        state.store(chunk.table_row, chunk.block_size, rank_newest_first(votes[:, : length - w]), length - w)
 
     def pick(self, query, kv_heads: int, state: PromptRanks, block_table, seq_lens, block_size: int,
              budget: int | float, step: dict | None = None):  # fmt: skip
@@ -175,17 +170,16 @@ class PagedH2O:
     def after_write(self, state, key, slot_mapping, block_size: int) -> None:
         """Nothing: a token enters its list at its prefill chunk or decode step."""
 
-    def observe_prompt(self, state: KeptLists, queries, key_slots, table_row, length: int, block_size: int,
-                       scaling: float, budget: int | float) -> None:  # fmt: skip
-        """One request's chunk ending at token `length` (see `PagedSnapKV.observe_prompt`)."""
-        mass = chunk_mass(queries, request_keys(key_slots, table_row, 0, length, block_size), scaling)
-        state.observe_chunk(mass, queries.shape[0], table_row, block_size, budget, self.recent_fraction)
+    def observe_prompt(self, state: KeptLists, chunk: PromptChunk) -> None:
+        """One request's chunk: its queries' mass on every token so far, added; the list rebuilt."""
+        mass = chunk_mass(chunk.queries, chunk.keys(), chunk.scaling)
+        state.keep_top(state.add_prompt_mass(mass, chunk.queries.shape[0], chunk), chunk, self.recent_fraction)
 
     def pick(self, query, kv_heads: int, state: KeptLists, block_table, seq_lens, block_size: int,
              budget: int | float, step: dict | None = None):  # fmt: skip
         slots = block_table.shape[1] * block_size
         width = min(slots, kept_count(budget, slots) + 1)  # the widest request's list and its new token
-        return state.step(block_table, seq_lens, block_size, budget, width, self.recent_fraction)
+        return state.step(block_table, seq_lens, block_size, budget, width, self.recent_fraction, new_value=0.0)
 
     def observe_read(self, state: KeptLists, mass, block_table, seq_lens, block_size: int) -> None:
         state.add_read_mass(mass, block_table, seq_lens, block_size)
@@ -193,13 +187,6 @@ class PagedH2O:
 
 PAGED_SELECTORS = {cls.name: cls for cls in (PagedQuest, PagedStreamingLLM, PagedSnapKV, PagedH2O)}
 
-
-def request_keys(key_slots: torch.Tensor, table_row: torch.Tensor, start: int, stop: int, block_size: int):
-    """One request's keys `[Hkv, stop - start, D]` at positions `start .. stop - 1`, gathered from
-    the cache as `[Hkv, num_slots, D]` through its block table row `[W]`."""
-    at = physical_slots(torch.arange(start, stop, device=key_slots.device).view(1, 1, -1), table_row.view(1, -1),
-                        block_size).view(-1).long()  # fmt: skip
-    return key_slots[:, at]
 
 
 def slot_view(cache: torch.Tensor, requests: int) -> torch.Tensor:
