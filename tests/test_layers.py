@@ -24,9 +24,10 @@ LAYERS = (
     ("atskv.cli",),
 )
 # the learned selector loads its predictor: these predictor modules (and their empty package) may
-# be imported from the selectors, and all they import in turn stays at or below the selectors (or
-# in the predictor)
+# be imported from the selectors and from the vLLM plugin's learned selector, and all they import
+# in turn stays at or below the selectors (or in the predictor)
 LOADED_BY_SELECTORS = ("atskv.predictor", "atskv.predictor.export", "atskv.predictor.model")
+LOADING_PREDICTORS = ("atskv.selectors", "atskv.runtime.vllm.learned")
 
 
 def layer_of(module: str) -> int:
@@ -43,7 +44,7 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
         for module, targets in graph.items()
         for target in targets
         if layer_of(target) > layer_of(module)
-        and not (module.startswith("atskv.selectors") and target in LOADED_BY_SELECTORS)
+        and not (module.startswith(LOADING_PREDICTORS) and target in LOADED_BY_SELECTORS)
     )
 
 

@@ -138,6 +138,8 @@ def test_inputs_left_out_change_nothing_and_the_rest_still_counts():
     spec = FeatureSpec(64, SCALARS, 2, 2)
     mlp = RelevanceMLP(spec, reduced_width=0, hidden=32, without=["attention", "prev_attention", "token_type"]).eval()
     assert mlp.projected_width == 0 and mlp.arguments()["without"] == ["attention", "prev_attention", "token_type"]
+    assert mlp.inputs() == {"position", "log_age", "hidden_norm", "key_norm"}  # what a runtime must compute
+    assert RelevanceMLP(spec).inputs() == {"hidden", "token_type", *SCALARS}
     hidden, scalars, types, layer, head = make_inputs(spec, 16)
     base = mlp(hidden, scalars, types, layer, head)
     other = scalars.clone()

@@ -2,9 +2,10 @@
 greedy tokens are vanilla vLLM's; with Quest at a small budget, requests aborted mid-decode give
 their blocks back (the pool returns to its size) and the rest finish; StreamingLLM with
 `free_blocks` beside dense layers gives the tokens and log-probabilities it gives without, while
-its requests hold only the blocks it reads (and the dense layers' blocks); SnapKV and H2O, which
-score prompts chunk by chunk, read everything at a budget above the context. A small Llama shape with
-dummy weights; each engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`)."""
+its requests hold only the blocks it reads (and the dense layers' blocks); SnapKV, H2O and the
+learned selector, which score prompts chunk by chunk, read everything at a budget above the
+context. A small Llama shape with dummy weights; each engine runs in this process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`)."""
 
 from __future__ import annotations
 
@@ -135,19 +136,26 @@ def read_in_full(shape):
     return want
 
 
-@pytest.mark.parametrize("selector", ["snapkv", "h2o"])
-def test_selectors_that_score_the_prompt_read_in_full_at_a_budget_above_the_context(shape, read_in_full, selector):
-    """SnapKV and H2O score each prompt in 512-token chunks (some beside other requests' decodes)
-    and keep their lists by physical slot; with a budget above every request's length their lists
-    hold every token: the tokens and log-probabilities of reading everything. At 64 tokens the same
-    requests finish, and the pool is whole again."""
-    llm = engine(shape, f"vllm:{selector}", 4096, max_num_batched_tokens=512)
+@pytest.mark.parametrize("selector", ["snapkv", "h2o", "learned"])
+def test_selectors_that_score_the_prompt_read_in_full_at_a_budget_above_the_context(shape, read_in_full, selector,
+                                                                                     tmp_path):  # fmt: skip
+    """SnapKV, H2O and the learned selector (a random predictor that reads no hidden state) score
+    each prompt in 512-token chunks (some beside other requests' decodes) and keep their lists by
+    physical slot; with a budget above every request's length their lists hold every token: the
+    tokens and log-probabilities of reading everything. At 64 tokens the same requests finish, and
+    the pool is whole again."""
+    from atskv.eval.vllm_speed import engine_predictor
+
+    options = {}
+    if selector == "learned":
+        options = {"predictor": str(engine_predictor("smollm2-135m-shape", 2, tmp_path / "predictor"))}
+    llm = engine(shape, f"vllm:{selector}", 4096, max_num_batched_tokens=512, options=options)
     tokens, logprobs = tokens_and_logprobs(llm, prompts(1500, 4, 49152, seed=13), 24)
     assert tokens == read_in_full[0]
     torch.testing.assert_close(logprobs, read_in_full[1], rtol=0, atol=1e-2)
     del llm
     gc.collect()
     torch.cuda.empty_cache()
-    small = engine(shape, f"vllm:{selector}", 64, max_num_batched_tokens=512)
+    small = engine(shape, f"vllm:{selector}", 64, max_num_batched_tokens=512, options=options)
     held = held_while_decoding(small, prompts(1500, 4, 49152, seed=13), 30)
     assert held >= 4 * 94, "reading less frees nothing: the blocks stay vLLM's"

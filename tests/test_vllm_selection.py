@@ -440,3 +440,108 @@ def test_paged_h2o_reads_and_accumulates_what_h2o_keeps(budget):
                 listed = state.kept_value[cache.slot(r, torch.arange(counts[r, h])).long(), h]
                 by_position = masses[r][0, h, positions[r, h, : counts[r, h]].long()]
                 torch.testing.assert_close(listed, by_position, rtol=1e-4, atol=1e-5)
+
+
+def engine_ready_predictor(folder, layers: tuple[int, ...]) -> str:
+    """A random predictor that reads what an attention backend sees: no hidden state, no token type."""
+    from atskv.features import SCALAR_FEATURES
+    from atskv.models.geometry import ModelGeometry
+    from atskv.predictor.export import export_predictor
+    from atskv.predictor.model import FeatureSpec, RelevanceMLP
+
+    torch.manual_seed(11)
+    spec = FeatureSpec(64, SCALAR_FEATURES, len(layers), HKV)
+    mlp = RelevanceMLP(spec, reduced_width=0, hidden=16, without=["hidden_norm", "token_type"]).eval()
+    geometry = ModelGeometry("llama", max(layers) + 1, HQ, HKV, D, 64, ("full_attention",) * (max(layers) + 1), None)
+    export_predictor(mlp, torch.zeros(96, dtype=torch.int8), folder, base_model="tiny", geometry=geometry,
+                     managed_layers=list(layers))  # fmt: skip
+    return str(folder)
+
+
+@pytest.mark.parametrize("budget", [0.25, 20, 3])
+def test_paged_learned_reads_what_the_learned_selector_keeps(budget, tmp_path):
+    """Two managed layers (the second reads the first's attention) score prompts chunk by chunk,
+    then 4 decode steps: each reads exactly what atskv's learned selector keeps without a refresh
+    (the collection's features at the prompt's end, scored as the selector scores slots, its top
+    budget; generated tokens at +inf), and the kept scores are those scores."""
+    from atskv.kernels.learned_features import score_slots
+    from atskv.predictor.features import attention_so_far, scalar_features
+    from atskv.runtime.vllm.selection import PagedLearned, slot_view
+    from atskv.selectors.base import select_top_budget
+
+    layers = (2, 3)
+    selector = PagedLearned(predictor=engine_ready_predictor(tmp_path / "predictor", layers))
+    generator = torch.Generator().manual_seed(7)
+    generated, chunk = 4, 23
+    lengths = [37, 100, 16, 161]
+    cache = PagedCache(lengths, width=12, generator=generator)
+    cache.fill(chunk=chunk)
+    prompts = [n - generated for n in lengths]
+    queries = {layer: [torch.randn(p, HQ, D, generator=generator) for p in prompts] for layer in layers}
+    key_slots = slot_view(cache.split()[0], 1)[0]
+    states = {layer: selector.new_state(key_slots.shape[1] // BLOCK, BLOCK, HKV, D, torch.float32, "cpu")
+              for layer in layers}  # fmt: skip
+    for r, prompt in enumerate(prompts):
+        for start in range(0, prompt, chunk):
+            stop, step = min(prompt, start + chunk), {}  # one forward: its layers share `step`
+            for layer in layers:
+                part = PromptChunk(queries[layer][r][start:stop], key_slots, cache.block_table[r], stop, BLOCK,
+                                   D**-0.5, budget, layer, r, step)  # fmt: skip
+                selector.observe_prompt(states[layer], part)
+
+    kept, scores = {}, {}
+    for r, prompt in enumerate(prompts):  # the learned selector at the prompt's end: features, scores, its top budget
+        keys = cache.keys[r][:prompt].transpose(0, 1).unsqueeze(0)  # [1, HKV, P, D]
+        previous = None
+        for i, layer in enumerate(layers):
+            q = queries[layer][r].view(prompt, HKV, HQ // HKV, D).permute(1, 2, 0, 3)  # [HKV, G, P, D]
+            logits = q @ keys[0].unsqueeze(1).transpose(-1, -2) * D**-0.5
+            causal = torch.ones(prompt, prompt, dtype=torch.bool).tril()
+            probs = logits.masked_fill(~causal, -torch.inf).softmax(-1).mean(1).unsqueeze(0)  # [1, HKV, P, P]
+            attention = attention_so_far(probs, prompt - 1)
+            features = scalar_features(attention, previous, torch.zeros(1, prompt, 64), keys, prompt - 1)
+            previous = attention.mean(1)
+            at = torch.arange(prompt).expand(1, HKV, prompt)
+            score = torch.empty(1, HKV, prompt)
+            score_slots(selector.loaded.mlp, i, features, torch.zeros(1, HKV, prompt, 0), torch.ones(1, HKV, prompt),
+                        at, score)  # fmt: skip
+            everything = torch.ones(1, HKV, 1, prompt, dtype=torch.bool)
+            kept[layer, r] = select_top_budget(score.unsqueeze(2), everything, budget, at,
+                                               torch.tensor([[[prompt]]]))[:, :, 0]  # fmt: skip
+            scores[layer, r] = score
+    rows = len(lengths)
+    for g in range(generated):
+        seq_lens = torch.tensor([p + g + 1 for p in prompts], dtype=torch.int32)
+        for layer in layers:
+            positions, counts = selector.pick(torch.randn(rows, HQ, D), HKV, states[layer], cache.block_table,
+                                              seq_lens, BLOCK, budget)  # fmt: skip
+            for r, prompt in enumerate(prompts):
+                n = prompt + g + 1
+                scores[layer, r] = torch.nn.functional.pad(scores[layer, r], (0, 1), value=torch.inf)
+                held = torch.nn.functional.pad(kept[layer, r], (0, 1), value=True)
+                at = torch.arange(n).expand(1, HKV, n)
+                ranked = scores[layer, r].masked_fill(~held, -torch.inf).unsqueeze(2)
+                keep = select_top_budget(ranked, held.unsqueeze(2), budget, at, torch.tensor([[[n]]]))
+                kept[layer, r] = keep[:, :, 0]
+                for h in range(HKV):
+                    read = positions[r, h, : counts[r, h]]
+                    assert sorted(read.tolist()) == kept[layer, r][0, h].nonzero().view(-1).tolist(), (g, layer, r, h)
+                    listed = states[layer].kept_value[cache.slot(r, torch.arange(counts[r, h])).long(), h]
+                    torch.testing.assert_close(listed, scores[layer, r][0, h, read.long()], rtol=1e-4, atol=1e-5)
+
+
+def test_a_predictor_that_reads_the_hidden_state_is_refused_in_vllm(tmp_path):
+    from atskv.features import SCALAR_FEATURES
+    from atskv.models.geometry import ModelGeometry
+    from atskv.predictor.export import export_predictor
+    from atskv.predictor.model import FeatureSpec, RelevanceMLP
+    from atskv.runtime.vllm.selection import PagedLearned
+
+    mlp = RelevanceMLP(FeatureSpec(64, SCALAR_FEATURES, 2, HKV), reduced_width=8, hidden=16).eval()
+    geometry = ModelGeometry("llama", 4, HQ, HKV, D, 64, ("full_attention",) * 4, None)
+    export_predictor(mlp, torch.zeros(96, dtype=torch.int8), tmp_path, base_model="tiny", geometry=geometry,
+                     managed_layers=[2, 3])  # fmt: skip
+    with pytest.raises(InputError, match=r"reads hidden, hidden_norm, token_type, which vLLM does not show"):
+        PagedLearned(predictor=str(tmp_path))
+    with pytest.raises(InputError, match="needs its predictor"):
+        PagedLearned()

@@ -192,3 +192,14 @@ def test_a_trace_rerun_skips_the_traces_it_has_and_only_those(tmp_path, started)
                                           "trace": asdict(short)})  # fmt: skip
     measure_traces([EngineSpec("vllm", "shape", [])], [short, long], path)
     assert started == [[asdict(long)]]  # the same rate with other new tokens is another trace
+
+
+def test_the_engine_timing_predictor_reads_only_what_an_attention_backend_sees(tmp_path):
+    """`vllm:learned` without a predictor times a random one of the shape, managing the layers
+    past the dense ones, that the plugin accepts (no hidden state, no token type)."""
+    from atskv.eval.vllm_speed import engine_predictor
+    from atskv.runtime.vllm.learned import PagedLearned
+
+    selector = PagedLearned(predictor=str(engine_predictor("llama3.1-8b", 2, tmp_path / "p")))
+    assert selector.loaded.header.managed_layers == tuple(range(2, 32))
+    assert selector.loaded.mlp.inputs() == {"attention", "position", "log_age", "key_norm", "prev_attention"}

@@ -100,9 +100,11 @@ def decode(
             real model (a name, a Hugging Face directory or a .gguf file).
         methods: plain, plain-static, dense, selector names (fast path), host:<selector> (fast
             path with the host tier; an evicting selector), hook:<selector> (reference path),
-            vllm (vanilla vLLM) and vllm:<selector> (vLLM with atskv's plugin: quest, streaming_llm),
-            each engine in its own process on the shape's config with dummy weights; their rows go
-            to OUT/vllm.jsonl as they finish, and a rerun skips the rows already there.
+            vllm (vanilla vLLM) and vllm:<selector> (vLLM with atskv's plugin: quest, streaming_llm,
+            snapkv, h2o, learned; learned without a predictor gets a random one of the shape that
+            reads no hidden state), each engine in its own process on the shape's config with dummy
+            weights; their rows go to OUT/vllm.jsonl as they finish, and a rerun skips the rows
+            already there.
         contexts: prompt lengths in tokens.
         batch_sizes: batch sizes.
         budget: KV budget per managed layer and KV head: tokens (int) or a fraction of the context.
@@ -201,7 +203,10 @@ def _vllm_methods(methods, model, contexts, batches, budget, new_tokens, dense_l
         raise InputError(f"vllm methods run a shape with dummy weights; shapes: {', '.join(vllm_speed.SHAPES)}")
     shape = vllm_speed.write_shape(model, Path(tempfile.mkdtemp()) / model)
     runs = [(c, b) for c in contexts for b in batches]
-    options = selector_options or {}
+    options = dict(selector_options or {})
+    if any(Method.parse(m).name == "learned" for m in methods) and "predictor" not in options.get("learned", {}):
+        predictor = vllm_speed.engine_predictor(model, dense_layers, shape.parent / "predictor")
+        options["learned"] = {**options.get("learned", {}), "predictor": str(predictor)}
     specs = [vllm_speed.EngineSpec(m, str(shape), runs, new_tokens, budget, dense_layers,
                                    options.get(Method.parse(m).name, {})) for m in methods]  # fmt: skip
     rows = out / "vllm.jsonl"

@@ -86,6 +86,30 @@ def write_shape(name: str, folder: Path) -> Path:
     return folder
 
 
+def engine_predictor(name: str, dense_layers: int, folder: Path) -> Path:
+    """A predictor of the shape's geometry with random weights that reads only what vLLM shows an
+    attention backend (`atskv.runtime.vllm.learned`), exported to `folder`: what the learned
+    selector costs in the engine does not depend on what it learned."""
+    import torch
+    from transformers import AutoConfig
+
+    from atskv.features import SCALAR_FEATURES
+    from atskv.models.geometry import model_geometry
+    from atskv.predictor.export import export_predictor
+    from atskv.predictor.model import FeatureSpec, RelevanceMLP
+    from atskv.runtime.vllm.learned import WITHOUT
+
+    settings = dict(SHAPES[name])
+    config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    geometry = model_geometry(config)
+    managed = [layer for layer in geometry.global_layers if layer >= dense_layers]
+    spec = FeatureSpec(geometry.hidden_size, SCALAR_FEATURES, len(managed), geometry.num_kv_heads)
+    mlp = RelevanceMLP(spec, reduced_width=0, without=list(WITHOUT)).eval()
+    export_predictor(mlp, torch.zeros(config.vocab_size, dtype=torch.int8), folder, base_model=f"random {name}",
+                     geometry=geometry, managed_layers=managed, overwrite=True)  # fmt: skip
+    return folder
+
+
 def prompts(context: int, batch: int, vocab: int, seed: int) -> list[dict]:
     """`batch` different prompts of `context` random token ids (reproducible from `seed`)."""
     import random

@@ -86,6 +86,12 @@ class RelevanceScorer(nn.Module):
         """Constructor arguments besides the spec, read off the scorer (what an export records)."""
         raise NotImplementedError
 
+    def inputs(self) -> set[str]:
+        """What the scores depend on: "hidden" (the projected hidden state), "token_type" and the
+        scalar features by name; a runtime that cannot compute some of them (an attention backend
+        sees no hidden state or token ids) refuses a scorer that reads them. By default all."""
+        return {"hidden", "token_type", *self.spec.scalar_features}
+
     def project_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[N, d_model]` layer-input hidden states -> `[N, projected_width]`."""
         raise NotImplementedError
@@ -177,6 +183,14 @@ class RelevanceMLP(RelevanceScorer):
             "head_embedding": self.head_embedding.embedding_dim,
         }
         return {**widths, "without": list(self.without)} if self.without else widths
+
+    def inputs(self) -> set[str]:
+        read = {name for name in self.spec.scalar_features if name not in self.without}
+        if self.projected_width > 0:
+            read.add("hidden")
+        if self.types:
+            read.add("token_type")
+        return read
 
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.parameters())

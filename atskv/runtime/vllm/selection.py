@@ -35,6 +35,7 @@ from atskv.kernels.quest_decode import quest_pick
 from atskv.kernels.sparse_decode import sparse_decode_attention
 from atskv.runtime.vllm.batch import PromptChunk
 from atskv.runtime.vllm.heavy_hitters import KeptLists, chunk_mass
+from atskv.runtime.vllm.learned import PagedLearned
 from atskv.runtime.vllm.prompt_ranks import PromptRanks, rank_newest_first, window_votes
 
 
@@ -185,7 +186,7 @@ class PagedH2O:
         state.add_read_mass(mass, block_table, seq_lens, block_size)
 
 
-PAGED_SELECTORS = {cls.name: cls for cls in (PagedQuest, PagedStreamingLLM, PagedSnapKV, PagedH2O)}
+PAGED_SELECTORS = {cls.name: cls for cls in (PagedQuest, PagedStreamingLLM, PagedSnapKV, PagedH2O, PagedLearned)}
 
 
 

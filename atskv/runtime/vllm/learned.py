@@ -1,0 +1,122 @@
+"""The learned selector inside vLLM: an exported predictor scores each prompt's tokens per layer
+and KV head from what an attention backend can compute, and each decode query reads the best
+scored ones (a read restriction: the rest stays in vLLM's blocks).
+
+What the backend sees of a token is its key and the queries that attend it, so the features are
+the collection's (`atskv.predictor.features`) without the hidden state: the attention it received
+from the prompt's queries (H2O's prompt mass, `atskv.runtime.vllm.heavy_hitters`, divided by the
+group's heads and the queries that could see it), its position and age, its key's norm, and the
+previous managed layer's attention (handed from layer to layer through the forward's shared
+`step`). The hidden state (its projection and norm) and the token ids are not shown to an
+attention backend, so the predictor must be fit without them (`atskv fit --model.reduced_width 0
+--model.without '[hidden_norm, token_type]'`); one that reads them is refused.
+
+Each prefill chunk scores the request's tokens so far and keeps its top budget (the last chunk's
+list stands, as the end of a dense prefill leaves it); a decode step keeps the tokens generated
+since (their score waits at +inf) and drops the lowest-scored prompt token when the budget did not
+grow. That is atskv's `learned` (window_share 0, no threshold) with `refresh_every` above the
+tokens generated: scores are not refreshed during decoding (their refresh inside vLLM's CUDA
+graphs is not built yet).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from atskv.errors import InputError
+from atskv.features import feature_columns
+from atskv.kernels.budget import kept_count
+from atskv.predictor.export import LoadedPredictor, load_predictor
+from atskv.runtime.vllm.batch import PromptChunk
+from atskv.runtime.vllm.heavy_hitters import KeptLists, chunk_mass
+
+UNSEEN = ("hidden", "hidden_norm", "token_type")  # inputs an attention backend cannot compute
+WITHOUT = ("hidden_norm", "token_type")  # `RelevanceMLP(without=...)` for them, beside reduced_width 0
+
+
+@functools.lru_cache(maxsize=4)
+def engine_predictor(path: str) -> LoadedPredictor:
+    """The predictor at `path`, loaded once per process (every layer's backend shares it); an
+    `InputError` if it reads what an attention backend does not see."""
+    loaded = load_predictor(path)
+    if unseen := sorted(loaded.mlp.inputs() & set(UNSEEN)):
+        raise InputError(
+            f"atskv: the predictor at {path} reads {', '.join(unseen)}, which vLLM does not show an attention "
+            f"backend; fit one without them (atskv fit --model.reduced_width 0 --model.without "
+            f"'[{', '.join(WITHOUT)}]') and export it"
+        )
+    return loaded
+
+
+@dataclass
+class PagedLearned:
+    """atskv's learned selector over vLLM's paged cache (see the module docstring). `predictor`: the
+    exported predictor's folder or file."""
+
+    name: ClassVar[str] = "learned"
+    keeps_state: ClassVar[bool] = True
+    scores_prompt: ClassVar[bool] = True
+    reads_mass: ClassVar[bool] = False
+    frees_blocks: ClassVar[bool] = False  # which blocks hold kept tokens differs per layer and KV head
+    predictor: str | None = None
+
+    def __post_init__(self):
+        if self.predictor is None:
+            raise InputError('atskv: the learned selector needs its predictor: "options": {"predictor": PATH}')
+        self.loaded = engine_predictor(str(self.predictor))
+        self.managed = {layer: i for i, layer in enumerate(self.loaded.header.managed_layers)}
+
+    def new_state(self, num_blocks: int, block_size: int, kv_heads: int, head_size: int, dtype, device):
+        """The kept lists (with their scores) and the prompt's mass by physical slot."""
+        if (heads := self.loaded.header.feature_spec.num_kv_heads) != kv_heads:
+            raise InputError(f"atskv: the predictor scores {heads} KV heads, this model's layers have {kv_heads}")
+        self.loaded.mlp.to(device)
+        return KeptLists.empty(num_blocks * block_size, kv_heads, device)
+
+    def after_write(self, state, key, slot_mapping, block_size: int) -> None:
+        """Nothing: a token enters its list at its prefill chunk or decode step."""
+
+    def observe_prompt(self, state: KeptLists, chunk: PromptChunk) -> None:
+        """One request's chunk: its tokens so far scored with their features at its end, the list rebuilt."""
+        if chunk.layer not in self.managed:
+            raise InputError(f"atskv: layer {chunk.layer} reads sparsely but the predictor manages layers "
+                             f"{list(self.managed)}; set dense_layers to match it")  # fmt: skip
+        keys, length = chunk.keys(), chunk.length
+        mass = state.add_prompt_mass(chunk_mass(chunk.queries, keys, chunk.scaling), chunk.queries.shape[0], chunk)
+        heads = keys.shape[0]
+        position = torch.arange(length, device=keys.device, dtype=torch.float32)
+        attention = mass / (chunk.queries.shape[1] // heads) / (length - position)  # mean over heads and queries
+        previous = chunk.step.get((self.name, chunk.row))  # the layer before's (layer, attention by position)
+        index = self.managed[chunk.layer]
+        if index == 0 or previous is None or previous[0] >= chunk.layer:
+            prev = torch.zeros(length, device=keys.device)
+        else:
+            prev = previous[1]
+        chunk.step[(self.name, chunk.row)] = (chunk.layer, attention.mean(0))
+        newest = torch.tensor(length - 1.0, device=keys.device)
+        scalars = feature_columns(attention, position.expand(heads, -1), newest, torch.zeros_like(attention),
+                                  keys.float().norm(dim=-1), prev.expand(heads, -1))  # fmt: skip
+        state.keep_top(self.scores(index, scalars), chunk, recent_fraction=0.0)
+
+    def scores(self, index: int, scalars: torch.Tensor) -> torch.Tensor:
+        """The predictor's logits `[Hkv, L]` of managed layer `index` from `scalars` `[Hkv, L, F]`."""
+        mlp = self.loaded.mlp
+        heads, length, _ = scalars.shape
+        n = heads * length
+        head = torch.arange(heads, device=scalars.device).repeat_interleave(length)
+        with torch.no_grad():
+            logits = mlp.score(scalars.new_zeros(n, 0).to(mlp.dtype), scalars.reshape(n, -1),
+                               torch.zeros(n, dtype=torch.long, device=scalars.device),
+                               torch.full((n,), index, device=scalars.device), head)  # fmt: skip
+        return logits.float().view(heads, length)
+
+    def pick(self, query, kv_heads: int, state: KeptLists, block_table, seq_lens, block_size: int,
+             budget: int | float, step: dict | None = None):  # fmt: skip
+        slots = block_table.shape[1] * block_size
+        width = min(slots, kept_count(budget, slots) + 1)  # the widest request's list and its new token
+        return state.step(block_table, seq_lens, block_size, budget, width, 0.0, new_value=math.inf)
