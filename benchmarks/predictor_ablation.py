@@ -37,6 +37,7 @@ from atskv.predictor.export import export_checkpoint, export_trained
 from atskv.predictor.ridge import fit_ridge
 from atskv.predictor.shards import ShardDataset
 from atskv.predictor.training import fit_predictor
+from atskv.runtime.vllm.learned import WITHOUT
 from atskv.selectors import selectors_for_model
 from atskv.selectors.learned import LearnedSelector
 
@@ -60,6 +61,8 @@ VARIANTS = {
     "mlp-mass-no-h": Variant("mass", "mlp", "a; f", {"reduced_width": 0}),
     "mlp-mass-no-a": Variant("mass", "mlp", "h; f", {"without": ATTENTION}),
     "mlp-mass-no-f": Variant("mass", "mlp", "h; a", {"without": TOKEN}),
+    # what the vLLM plugin can feed it: no hidden state, its norm or the token type (`runtime.vllm.learned`)
+    "mlp-mass-engine": Variant("mass", "mlp", "a; position, age, key norm", {"reduced_width": 0, "without": WITHOUT}),
 }
 
 

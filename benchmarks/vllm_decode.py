@@ -14,7 +14,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from atskv.eval.vllm_speed import EngineSpec, identity_report, measure, table, write_shape
+from atskv.eval.vllm_speed import EngineSpec, identity_report, measure, table, timing_options, write_shape
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("rows", type=Path)
@@ -33,7 +33,9 @@ runs = [tuple(int(x) for x in run.split("x")) for run in args.runs]
 labelled = [m.split("=", 1) if "=" in m else (m, m) for m in args.methods]
 specs = [
     EngineSpec(m, str(shape), runs, args.new_tokens, args.budgets.get(label, args.budget),
-               options=args.options.get(label, {}), identity_tokens=args.identity_tokens,
+               options=timing_options(m, args.options.get(label, {}), args.shape, EngineSpec.dense_layers,
+                                      shape.parent / "predictor"),
+               identity_tokens=args.identity_tokens,
                identity_context=args.identity_context, label=label)
     for label, m in labelled
 ]  # fmt: skip

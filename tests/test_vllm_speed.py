@@ -197,9 +197,14 @@ def test_a_trace_rerun_skips_the_traces_it_has_and_only_those(tmp_path, started)
 def test_the_engine_timing_predictor_reads_only_what_an_attention_backend_sees(tmp_path):
     """`vllm:learned` without a predictor times a random one of the shape, managing the layers
     past the dense ones, that the plugin accepts (no hidden state, no token type)."""
-    from atskv.eval.vllm_speed import engine_predictor
+    from atskv.eval.vllm_speed import timing_options
     from atskv.runtime.vllm.learned import PagedLearned
 
-    selector = PagedLearned(predictor=str(engine_predictor("llama3.1-8b", 2, tmp_path / "p")))
+    assert timing_options("vllm:quest", {}, "llama3.1-8b", 2, tmp_path / "p") == {}
+    options = timing_options("vllm:learned", {"refresh": 1}, "llama3.1-8b", 2, tmp_path / "p")
+    assert options == {"refresh": 1, "predictor": str(tmp_path / "p")}
+    given = {"predictor": "mine"}
+    assert timing_options("vllm:learned", given, "llama3.1-8b", 2, tmp_path / "q") == given
+    selector = PagedLearned(predictor=options["predictor"])
     assert selector.loaded.header.managed_layers == tuple(range(2, 32))
     assert selector.loaded.mlp.inputs() == {"attention", "position", "log_age", "key_norm", "prev_attention"}

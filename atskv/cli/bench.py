@@ -203,12 +203,11 @@ def _vllm_methods(methods, model, contexts, batches, budget, new_tokens, dense_l
         raise InputError(f"vllm methods run a shape with dummy weights; shapes: {', '.join(vllm_speed.SHAPES)}")
     shape = vllm_speed.write_shape(model, Path(tempfile.mkdtemp()) / model)
     runs = [(c, b) for c in contexts for b in batches]
-    options = dict(selector_options or {})
-    if any(Method.parse(m).name == "learned" for m in methods) and "predictor" not in options.get("learned", {}):
-        predictor = vllm_speed.engine_predictor(model, dense_layers, shape.parent / "predictor")
-        options["learned"] = {**options.get("learned", {}), "predictor": str(predictor)}
+    options = selector_options or {}
     specs = [vllm_speed.EngineSpec(m, str(shape), runs, new_tokens, budget, dense_layers,
-                                   options.get(Method.parse(m).name, {})) for m in methods]  # fmt: skip
+                                   vllm_speed.timing_options(m, options.get(Method.parse(m).name, {}), model,
+                                                             dense_layers, shape.parent / "predictor"))
+             for m in methods]  # fmt: skip
     rows = out / "vllm.jsonl"
     vllm_speed.measure(specs, rows)
     return rows

@@ -110,6 +110,17 @@ def engine_predictor(name: str, dense_layers: int, folder: Path) -> Path:
     return folder
 
 
+def timing_options(method: str, options: dict, shape: str, dense_layers: int, folder: Path) -> dict:
+    """A method's selector options for a timing: the learned selector without a predictor gets
+    `engine_predictor`'s (made once in `folder`)."""
+    if Method.parse(method).name != "learned" or "predictor" in options:
+        return options
+    predictor = folder / "predictor.safetensors"
+    if not predictor.is_file():
+        engine_predictor(shape, dense_layers, folder)
+    return {**options, "predictor": str(folder)}
+
+
 def prompts(context: int, batch: int, vocab: int, seed: int) -> list[dict]:
     """`batch` different prompts of `context` random token ids (reproducible from `seed`)."""
     import random

@@ -1,7 +1,7 @@
 # The vLLM plugin's GPU plan, one stage a call (each well under the 10-minute limit), after the
 # four staging calls of vllm_env.sh (send every call in ONE message: a pause loses the machine):
 #   bash benchmarks/device/vllm_plan.sh profile   # per-stage kernel times (~40 s, no vLLM needed)
-#   bash benchmarks/device/vllm_plan.sh decode [METHODS]  # vanilla vLLM, Quest, StreamingLLM: 3 shapes (~7.5 min)
+#   bash benchmarks/device/vllm_plan.sh decode [METHODS]  # vanilla vLLM, Quest, StreamingLLM (or LABEL=vllm:X ...): 3 shapes (~7.5 min)
 #   bash benchmarks/device/vllm_plan.sh tests     # the plugin's GPU tests in a small engine (~4 min)
 #   bash benchmarks/device/vllm_plan.sh trace METHOD [free [NEW]]  # Poisson traces of 16K-128K prompts at
 #        0.25 and 1 request/s through one engine, NEW tokens each (256; ~7 min; free: unread blocks back)
