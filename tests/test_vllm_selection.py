@@ -358,6 +358,18 @@ def test_paged_snapkv_reads_what_snapkv_keeps(budget, monkeypatch):
             assert sorted(read) == keep[h].nonzero().view(-1).tolist() and len(set(read)) == len(read), (r, h)
 
 
+GENERATED, CHUNK = 4, 23  # decode steps after each prompt, prefill chunk
+
+
+def decoding_requests(seed: int) -> tuple[torch.Generator, PagedCache, list[int]]:
+    """Four requests in a paged cache (one shorter than a wide batch's lists), their prompts `GENERATED`
+    tokens short of their lengths, and the generator for their queries."""
+    generator = torch.Generator().manual_seed(seed)
+    cache = PagedCache([37, 100, 16, 161], width=12, generator=generator)
+    cache.fill(chunk=CHUNK)
+    return generator, cache, [n - GENERATED for n in cache.lengths]
+
+
 class _Accumulated:
     """What atskv's `H2OSelector.scores` reads of a layer: its accumulated mass by slot."""
 
@@ -378,12 +390,8 @@ def test_paged_h2o_reads_and_accumulates_what_h2o_keeps(budget):
     from atskv.selectors.base import LayerView, select_top_budget
     from atskv.selectors.h2o import H2OSelector
 
-    generator = torch.Generator().manual_seed(5)
-    generated, chunk = 4, 23
-    lengths = [37, 100, 16, 161]
-    cache = PagedCache(lengths, width=12, generator=generator)
-    cache.fill(chunk=chunk)
-    prompts = [n - generated for n in lengths]
+    generator, cache, prompts = decoding_requests(seed=5)
+    lengths, generated, chunk = cache.lengths, GENERATED, CHUNK
     queries = [torch.randn(p, HQ, D, generator=generator) for p in prompts]
     selector, reference = PagedH2O(), H2OSelector()
     key_slots = slot_view(cache.split()[0], 1)[0]
@@ -471,12 +479,8 @@ def test_paged_learned_reads_what_the_learned_selector_keeps(budget, tmp_path):
 
     layers = (2, 3)
     selector = PagedLearned(predictor=engine_ready_predictor(tmp_path / "predictor", layers))
-    generator = torch.Generator().manual_seed(7)
-    generated, chunk = 4, 23
-    lengths = [37, 100, 16, 161]
-    cache = PagedCache(lengths, width=12, generator=generator)
-    cache.fill(chunk=chunk)
-    prompts = [n - generated for n in lengths]
+    generator, cache, prompts = decoding_requests(seed=7)
+    lengths, generated, chunk = cache.lengths, GENERATED, CHUNK
     queries = {layer: [torch.randn(p, HQ, D, generator=generator) for p in prompts] for layer in layers}
     key_slots = slot_view(cache.split()[0], 1)[0]
     states = {layer: selector.new_state(key_slots.shape[1] // BLOCK, BLOCK, HKV, D, torch.float32, "cpu")
