@@ -190,6 +190,10 @@ def test_a_cache_not_in_nhd_order_is_refused():
         ({"selector": "quest", "free_blocks": True}, "free_blocks needs"),
         ({"selector": "streaming_llm", "budget": 1.0, "free_blocks": True}, "free_blocks needs"),
         ({"selector": "streaming_llm", "free_blocks": "yes"}, "true or false"),
+        ({"selector": "streaming_llm", "options": {"sink": 4}}, "no option 'sink'; its options: sinks"),
+        ({"selector": "h2o", "options": [0.5]}, "options must be a dict"),
+        ({"selector": "learned"}, "needs its predictor"),
+        ({"selector": "learned", "options": {"predictor": "/no/such/dir"}}, "/no/such/dir"),
     ],
 )
 def test_bad_plugin_settings_are_one_line_errors(settings, message):

@@ -47,6 +47,12 @@ class PluginConfig:
             raise InputError(f"atskv: bad budget {budget!r}: {BUDGET_RULE}")
         if isinstance(self.dense_layers, bool) or not isinstance(self.dense_layers, int) or self.dense_layers < 0:
             raise InputError(f"atskv: dense_layers must be an int >= 0, got {self.dense_layers!r}")
+        if self.options is not None and not isinstance(self.options, dict):
+            raise InputError(f"atskv: options must be a dict of the selector's own, got {self.options!r}")
+        if self.selector in PAGED_SELECTORS:  # before any engine starts: a worker's traceback is long
+            selector = PAGED_SELECTORS[self.selector]
+            check_options(f"atskv's {self.selector}", self.options or {}, [f.name for f in fields(selector)])
+            selector(**(self.options or {}))  # its own checks (the learned selector: its predictor)
         if not isinstance(self.free_blocks, bool):
             raise InputError(f"atskv: free_blocks must be true or false, got {self.free_blocks!r}")
         if self.free_blocks and (self.dense or not PAGED_SELECTORS[self.selector].frees_blocks):
