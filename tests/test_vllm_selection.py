@@ -470,19 +470,23 @@ def engine_ready_predictor(folder, layers: tuple[int, ...]) -> str:
     return str(folder)
 
 
-@pytest.mark.parametrize("budget", [0.25, 20, 3])
-def test_paged_learned_reads_what_the_learned_selector_keeps(budget, tmp_path):
+@pytest.mark.parametrize("budget, window_share", [(0.25, 0.0), (20, 0.0), (3, 0.0), (0.25, 0.5), (20, 0.5)])
+def test_paged_learned_reads_what_the_learned_selector_keeps(budget, window_share, tmp_path):
     """Two managed layers (the second reads the first's attention) score prompts chunk by chunk,
     then 4 decode steps: each reads exactly what atskv's learned selector keeps without a refresh
-    (the collection's features at the prompt's end, scored as the selector scores slots, its top
-    budget; generated tokens at +inf), and the kept scores are those scores."""
+    (the collection's features at the prompt's end, scored as the selector scores slots, the
+    `window_share` of the budget pinned by SnapKV's vote of the last 2 queries, its top budget;
+    generated tokens at +inf), and the kept scores are those scores."""
+    from atskv.kernels.budget import kept_count
     from atskv.kernels.learned_features import score_slots
     from atskv.predictor.features import attention_so_far, scalar_features
     from atskv.runtime.vllm.selection import PagedLearned, slot_view
-    from atskv.selectors.base import select_top_budget
+    from atskv.selectors.base import LayerView, select_top_budget
+    from atskv.selectors.snapkv import window_votes
 
     layers = (2, 3)
-    selector = PagedLearned(predictor=engine_ready_predictor(tmp_path / "predictor", layers))
+    selector = PagedLearned(predictor=engine_ready_predictor(tmp_path / "predictor", layers),
+                            window_share=window_share, window=2)  # fmt: skip
     generator, cache, prompts = decoding_requests(seed=7)
     lengths, generated, chunk = cache.lengths, GENERATED, CHUNK
     queries = {layer: [torch.randn(p, HQ, D, generator=generator) for p in prompts] for layer in layers}
@@ -513,6 +517,11 @@ def test_paged_learned_reads_what_the_learned_selector_keeps(budget, tmp_path):
             score = torch.empty(1, HKV, prompt)
             score_slots(selector.loaded.mlp, i, features, torch.zeros(1, HKV, prompt, 0), torch.ones(1, HKV, prompt),
                         at, score)  # fmt: skip
+            if window_share:  # the learned selector's `_pin_window_pick`: its top votes score +inf
+                last = queries[layer][r][-2:].transpose(0, 1).unsqueeze(0)
+                view = LayerView(0, last, keys, causal[-2:].expand(1, HKV, 2, prompt), at, None, D**-0.5, budget, None)
+                pins = math.ceil(window_share * kept_count(budget, prompt))
+                score.scatter_(-1, window_votes(view, 2).topk(pins, dim=-1).indices, torch.inf)
             everything = torch.ones(1, HKV, 1, prompt, dtype=torch.bool)
             kept[layer, r] = select_top_budget(score.unsqueeze(2), everything, budget, at,
                                                torch.tensor([[[prompt]]]))[:, :, 0]  # fmt: skip
@@ -553,3 +562,16 @@ def test_a_predictor_that_reads_the_hidden_state_is_refused_in_vllm(tmp_path):
         PagedLearned(predictor=str(tmp_path))
     with pytest.raises(InputError, match="needs its predictor"):
         PagedLearned()
+
+
+def test_the_plugins_selection_imports_no_transformers():
+    """vLLM's workers run with vLLM's transformers, which may be older than atskv's pin: the plugin's
+    pure modules import none (a learned selector's predictor brings it when loaded)."""
+    import subprocess
+    import sys
+
+    modules = ["config", "batch", "selection", "heavy_hitters", "prompt_ranks", "learned"]
+    heavy = "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'lightning')))"
+    code = "; ".join([f"import atskv.runtime.vllm.{m}" for m in modules] + ["import sys", heavy])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -14,8 +14,8 @@ attention backend, so the predictor must be fit without them (`atskv fit --model
 Each prefill chunk scores the request's tokens so far and keeps its top budget (the last chunk's
 list stands, as the end of a dense prefill leaves it); a decode step keeps the tokens generated
 since (their score waits at +inf) and drops the lowest-scored prompt token when the budget did not
-grow. That is atskv's `learned` (window_share 0, no threshold) with `refresh_every` above the
-tokens generated: scores are not refreshed during decoding (their refresh inside vLLM's CUDA
+grow. That is atskv's `learned` (with its `window_share`, without a threshold) with
+`refresh_every` above the tokens generated: scores are not refreshed during decoding (their refresh inside vLLM's CUDA
 graphs is not built yet).
 """
 
@@ -31,18 +31,21 @@ import torch
 from atskv.errors import InputError
 from atskv.features import feature_columns
 from atskv.kernels.budget import kept_count
-from atskv.predictor.export import LoadedPredictor, load_predictor
 from atskv.runtime.vllm.batch import PromptChunk
 from atskv.runtime.vllm.heavy_hitters import KeptLists, chunk_mass
+from atskv.runtime.vllm.prompt_ranks import window_votes
 
 UNSEEN = ("hidden", "hidden_norm", "token_type")  # inputs an attention backend cannot compute
 WITHOUT = ("hidden_norm", "token_type")  # `RelevanceMLP(without=...)` for them, beside reduced_width 0
 
 
 @functools.lru_cache(maxsize=4)
-def engine_predictor(path: str) -> LoadedPredictor:
-    """The predictor at `path`, loaded once per process (every layer's backend shares it); an
-    `InputError` if it reads what an attention backend does not see."""
+def engine_predictor(path: str):
+    """The `LoadedPredictor` at `path`, loaded once per process (every layer's backend shares it);
+    an `InputError` if it reads what an attention backend does not see. Imported here: the plugin
+    imports no transformers unless a predictor is loaded (its export records a model geometry)."""
+    from atskv.predictor.export import load_predictor
+
     loaded = load_predictor(path)
     if unseen := sorted(loaded.mlp.inputs() & set(UNSEEN)):
         raise InputError(
@@ -64,10 +67,18 @@ class PagedLearned:
     reads_mass: ClassVar[bool] = False
     frees_blocks: ClassVar[bool] = False  # which blocks hold kept tokens differs per layer and KV head
     predictor: str | None = None
+    # as atskv's `learned`: the share of the budget pinned for the prompt tokens its last `window`
+    # queries attend most (SnapKV's vote, max-pooled over `kernel`; the window itself first)
+    window_share: float = 0.0
+    window: int = 32
+    kernel: int = 7
 
     def __post_init__(self):
         if self.predictor is None:
             raise InputError('atskv: the learned selector needs its predictor: "options": {"predictor": PATH}')
+        if not 0.0 <= self.window_share <= 1.0 or self.window < 1:
+            raise InputError(f"atskv: window_share is a share of the budget in [0, 1] and window a count of queries "
+                             f">= 1; got {self.window_share}, {self.window}")  # fmt: skip
         self.loaded = engine_predictor(str(self.predictor))
         self.managed = {layer: i for i, layer in enumerate(self.loaded.header.managed_layers)}
 
@@ -101,7 +112,20 @@ class PagedLearned:
         newest = torch.tensor(length - 1.0, device=keys.device)
         scalars = feature_columns(attention, position.expand(heads, -1), newest, torch.zeros_like(attention),
                                   keys.float().norm(dim=-1), prev.expand(heads, -1))  # fmt: skip
-        state.keep_top(self.scores(index, scalars), chunk, recent_fraction=0.0)
+        scores = self.scores(index, scalars)
+        if self.window_share > 0:
+            scores.scatter_(1, self.pinned(chunk), torch.inf)
+        state.keep_top(scores, chunk, recent_fraction=0.0)
+
+    def pinned(self, chunk: PromptChunk) -> torch.Tensor:
+        """Positions `[Hkv, n]` of the `window_share` of the budget the chunk's last `window` queries
+        attend most, the window's own tokens first (a chunk shorter than the window votes with its
+        own queries)."""
+        length = chunk.length
+        w = min(self.window, chunk.queries.shape[0], length)
+        votes = window_votes(chunk.queries[-w:], chunk.keys, length, chunk.scaling, self.kernel)
+        votes[:, length - w :] = torch.inf
+        return votes.topk(min(math.ceil(self.window_share * kept_count(chunk.budget, length)), length), dim=-1).indices
 
     def scores(self, index: int, scalars: torch.Tensor) -> torch.Tensor:
         """The predictor's logits `[Hkv, L]` of managed layer `index` from `scalars` `[Hkv, L, F]`."""
