@@ -89,6 +89,14 @@ def test_check_methods_refuses_what_the_evaluator_cannot_run(text, message):
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
+def test_vllm_methods_name_the_plugins_selectors():
+    """atskv's registry is not the plugin's: a selector it has not brought to vLLM is refused there."""
+    assert [str(m) for m in check_methods(["vllm", "vllm:h2o", "vllm:learned"], (VLLM,))] == [
+        "vllm", "vllm:h2o", "vllm:learned"]  # fmt: skip
+    with pytest.raises(InputError, match="plugin has no selector 'sparq'; it has: h2o, learned, quest, snapkv"):
+        check_methods(["vllm:sparq"], (VLLM,))
+
+
 def test_check_methods_gives_the_methods_in_order():
     texts = ["dense", "tiered:learned+sparq", "kvpress:kvzip"]
     assert check_methods(texts, (OWN, TIERED, KVPRESS)) == [Method.parse(t) for t in texts]

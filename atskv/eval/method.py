@@ -96,6 +96,12 @@ def check_methods(texts: Iterable[str], runtimes: Sequence[str]) -> list[Method]
         if method.runtime == KVPRESS:
             if method.name not in KVPRESS_PRESSES:
                 raise InputError(f"unknown kvpress press {method.name!r}; choose from: {', '.join(KVPRESS_PRESSES)}")
+        elif method.runtime == VLLM and method.name:
+            from atskv.runtime.vllm.selection import PAGED_SELECTORS  # pure torch: no vLLM needed
+
+            if method.name not in PAGED_SELECTORS:
+                raise InputError(f"{method}: atskv's vLLM plugin has no selector {method.name!r}; it has: "
+                                 f"{', '.join(sorted(PAGED_SELECTORS))}")  # fmt: skip
         elif method.name:
             try:
                 check_selector_names([method.name])
