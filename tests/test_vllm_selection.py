@@ -471,7 +471,7 @@ def engine_ready_predictor(folder, layers: tuple[int, ...]) -> str:
 
 
 @pytest.mark.parametrize("budget, window_share", [(0.25, 0.0), (20, 0.0), (3, 0.0), (0.25, 0.5), (20, 0.5)])
-def test_paged_learned_reads_what_the_learned_selector_keeps(budget, window_share, tmp_path):
+def test_paged_learned_reads_what_the_learned_selector_keeps(budget, window_share, tmp_path, monkeypatch):
     """Two managed layers (the second reads the first's attention) score prompts chunk by chunk,
     then 4 decode steps: each reads exactly what atskv's learned selector keeps without a refresh
     (the collection's features at the prompt's end, scored as the selector scores slots, the
@@ -480,10 +480,12 @@ def test_paged_learned_reads_what_the_learned_selector_keeps(budget, window_shar
     from atskv.kernels.budget import kept_count
     from atskv.kernels.learned_features import score_slots
     from atskv.predictor.features import attention_so_far, scalar_features
+    from atskv.runtime.vllm import learned
     from atskv.runtime.vllm.selection import PagedLearned, slot_view
     from atskv.selectors.base import LayerView, select_top_budget
     from atskv.selectors.snapkv import window_votes
 
+    monkeypatch.setattr(learned, "ROWS_PER_PASS", 50)  # the longer prompts scored in several passes
     layers = (2, 3)
     selector = PagedLearned(predictor=engine_ready_predictor(tmp_path / "predictor", layers),
                             window_share=window_share, window=2)  # fmt: skip

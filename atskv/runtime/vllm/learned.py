@@ -37,6 +37,7 @@ from atskv.runtime.vllm.prompt_ranks import window_votes
 
 UNSEEN = ("hidden", "hidden_norm", "token_type")  # inputs an attention backend cannot compute
 WITHOUT = ("hidden_norm", "token_type")  # `RelevanceMLP(without=...)` for them, beside reduced_width 0
+ROWS_PER_PASS = 1 << 16
 
 
 @functools.lru_cache(maxsize=4)
@@ -128,16 +129,22 @@ class PagedLearned:
         return votes.topk(min(math.ceil(self.window_share * kept_count(chunk.budget, length)), length), dim=-1).indices
 
     def scores(self, index: int, scalars: torch.Tensor) -> torch.Tensor:
-        """The predictor's logits `[Hkv, L]` of managed layer `index` from `scalars` `[Hkv, L, F]`."""
+        """The predictor's logits `[Hkv, L]` of managed layer `index` from `scalars` `[Hkv, L, F]`,
+        `ROWS_PER_PASS` (token, KV head) rows at a time (its hidden units, 3 KB a row at the default
+        width, would be gigabytes for a 128K prompt at once)."""
         mlp = self.loaded.mlp
         heads, length, _ = scalars.shape
-        n = heads * length
+        rows = scalars.reshape(heads * length, -1)
         head = torch.arange(heads, device=scalars.device).repeat_interleave(length)
+        logits = []
         with torch.no_grad():
-            logits = mlp.score(scalars.new_zeros(n, 0).to(mlp.dtype), scalars.reshape(n, -1),
-                               torch.zeros(n, dtype=torch.long, device=scalars.device),
-                               torch.full((n,), index, device=scalars.device), head)  # fmt: skip
-        return logits.float().view(heads, length)
+            for start in range(0, rows.shape[0], ROWS_PER_PASS):
+                part = slice(start, start + ROWS_PER_PASS)
+                n = rows[part].shape[0]
+                logits.append(mlp.score(rows.new_zeros(n, 0).to(mlp.dtype), rows[part],
+                                        torch.zeros(n, dtype=torch.long, device=rows.device),
+                                        torch.full((n,), index, device=rows.device), head[part]))  # fmt: skip
+        return torch.cat(logits).float().view(heads, length)
 
     def pick(self, query, kv_heads: int, state: KeptLists, block_table, seq_lens, block_size: int,
              budget: int | float, step: dict | None = None):  # fmt: skip
