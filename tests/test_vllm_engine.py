@@ -124,12 +124,35 @@ def test_freed_blocks_go_back_to_the_pool_while_requests_decode(shape):
     assert 0 < held <= 4 * 8, held
 
 
+def greedy_with_runner_up(llm, batch, new_tokens: int) -> list[list[tuple[int, float, float]]]:
+    """Each request's greedy steps: (token, its log-probability, the runner-up's)."""
+    params = vllm.SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0, detokenize=False, logprobs=2)
+    steps = []
+    for out in llm.generate(batch, params, use_tqdm=False):
+        o = out.outputs[0]
+        steps.append([(t, step[t].logprob, min(p.logprob for p in step.values())) for t, step in
+                      zip(o.token_ids, o.logprobs)])  # fmt: skip
+    return steps
+
+
+def assert_same_up_to_near_ties(got, want, tie: float = 0.02):
+    """Greedy runs that read the same tokens in another order (float sums in another order): equal
+    log-probabilities while the tokens agree; where they part, the reference's best two were within
+    `tie` (a near-tie that rounding may flip: dummy weights give flat logits)."""
+    for request, (mine, theirs) in enumerate(zip(got, want)):
+        for i, ((token, logprob, _), (want_token, want_logprob, runner_up)) in enumerate(zip(mine, theirs)):
+            if token != want_token:
+                assert want_logprob - runner_up < tie, (request, i, want_logprob, runner_up)
+                break
+            assert abs(logprob - want_logprob) < tie, (request, i, logprob, want_logprob)
+
+
 @pytest.fixture(scope="module")
 def read_in_full(shape):
     """StreamingLLM at a budget above every request's length: atskv's kernel reading every token in
     order, the reference of the selectors that keep lists (the same kernel, another order)."""
     llm = engine(shape, "vllm:streaming_llm", 4096, max_num_batched_tokens=512)
-    want = tokens_and_logprobs(llm, prompts(1500, 4, 49152, seed=13), 24)
+    want = greedy_with_runner_up(llm, prompts(1500, 4, 49152, seed=13), 24)
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -142,17 +165,15 @@ def test_selectors_that_score_the_prompt_read_in_full_at_a_budget_above_the_cont
     """SnapKV, H2O and the learned selector (a random predictor that reads no hidden state) score
     each prompt in 512-token chunks (some beside other requests' decodes) and keep their lists by
     physical slot; with a budget above every request's length their lists hold every token: the
-    tokens and log-probabilities of reading everything. At 64 tokens the same requests finish, and
-    the pool is whole again."""
+    tokens and log-probabilities of reading everything, up to near-ties. At 64 tokens the same
+    requests finish, and the pool is whole again."""
     from atskv.eval.vllm_speed import engine_predictor
 
     options = {}
     if selector == "learned":
         options = {"predictor": str(engine_predictor("smollm2-135m-shape", 2, tmp_path / "predictor"))}
     llm = engine(shape, f"vllm:{selector}", 4096, max_num_batched_tokens=512, options=options)
-    tokens, logprobs = tokens_and_logprobs(llm, prompts(1500, 4, 49152, seed=13), 24)
-    assert tokens == read_in_full[0]
-    torch.testing.assert_close(logprobs, read_in_full[1], rtol=0, atol=1e-2)
+    assert_same_up_to_near_ties(greedy_with_runner_up(llm, prompts(1500, 4, 49152, seed=13), 24), read_in_full)
     del llm
     gc.collect()
     torch.cuda.empty_cache()
