@@ -167,11 +167,11 @@ def test_selectors_that_score_the_prompt_read_in_full_at_a_budget_above_the_cont
     physical slot; with a budget above every request's length their lists hold every token: the
     tokens and log-probabilities of reading everything, up to near-ties. At 64 tokens the same
     requests finish, and the pool is whole again."""
-    from atskv.eval.vllm_speed import engine_predictor
+    from atskv.eval.vllm_speed import random_engine_predictor
 
     options = {}
     if selector == "learned":
-        options = {"predictor": str(engine_predictor("smollm2-135m-shape", 2, tmp_path / "predictor"))}
+        options = {"predictor": str(random_engine_predictor("smollm2-135m-shape", 2, tmp_path / "predictor"))}
     llm = engine(shape, f"vllm:{selector}", 4096, max_num_batched_tokens=512, options=options)
     assert_same_up_to_near_ties(greedy_with_runner_up(llm, prompts(1500, 4, 49152, seed=13), 24), read_in_full)
     del llm

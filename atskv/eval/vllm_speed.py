@@ -86,7 +86,7 @@ def write_shape(name: str, folder: Path) -> Path:
     return folder
 
 
-def engine_predictor(name: str, dense_layers: int, folder: Path) -> Path:
+def random_engine_predictor(name: str, dense_layers: int, folder: Path) -> Path:
     """A predictor of the shape's geometry with random weights that reads only what vLLM shows an
     attention backend (`atskv.runtime.vllm.learned`), exported to `folder`: what the learned
     selector costs in the engine does not depend on what it learned."""
@@ -112,12 +112,12 @@ def engine_predictor(name: str, dense_layers: int, folder: Path) -> Path:
 
 def timing_options(method: str, options: dict, shape: str, dense_layers: int, folder: Path) -> dict:
     """A method's selector options for a timing: the learned selector without a predictor gets
-    `engine_predictor`'s (made once in `folder`)."""
+    `random_engine_predictor`'s (made once in `folder`)."""
     if Method.parse(method).name != "learned" or "predictor" in options:
         return options
     predictor = folder / "predictor.safetensors"
     if not predictor.is_file():
-        engine_predictor(shape, dense_layers, folder)
+        random_engine_predictor(shape, dense_layers, folder)
     return {**options, "predictor": str(folder)}
 
 

@@ -75,13 +75,15 @@ class KeptLists:
         self.kept_value[at] = values.gather(1, order).t()
 
     def step(self, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, budget: int | float,
-             width: int, recent_fraction: float, new_value: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+             recent_fraction: float, new_value: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """A decode step: the new token (position `seq_len - 1`, value `new_value`) enters each
         list, the lowest-valued one leaves it if the budget did not grow (the newest
         `recent_fraction` of the budget never does). Positions `[B, Hkv, width]` and counts
-        `[B, Hkv]` to read (`width`: the widest request's list, plus its new token)."""
+        `[B, Hkv]` to read (`width`: the list of a request as wide as the block table, plus its new
+        token: the same for every step of a batch size, so one CUDA graph serves them)."""
         b, heads = block_table.shape[0], self.kept.shape[1]
-        at, j = self._list_slots(block_table, seq_lens, block_size, width)
+        slots = block_table.shape[1] * block_size
+        at, j = self._list_slots(block_table, seq_lens, block_size, min(slots, kept_count(budget, slots) + 1))
         context = seq_lens.long().view(b, 1, 1)
         held, count = kept_tokens(budget, (context - 1).clamp(min=0)), kept_tokens(budget, context)
         positions, value = self.kept[at].transpose(1, 2), self.kept_value[at].transpose(1, 2)  # [B, Hkv, width]
@@ -96,8 +98,7 @@ class KeptLists:
         target = torch.where(count > held, held, victim)  # [B, Hkv, 1]: where the new token goes
         positions = torch.where(j == target, newest, positions)
         kept = j < count
-        written = at.unsqueeze(1).expand(-1, heads, -1).gather(2, target)  # a row's own slot, or the spare
-        flat = (written * heads + torch.arange(heads, device=at.device).view(1, -1, 1)).view(-1)
+        flat = _by_head(at.unsqueeze(1).expand(-1, heads, -1).gather(2, target))  # a row's own slot, or the spare
         self.kept.view(-1).index_put_((flat,), newest.expand(-1, heads, -1).reshape(-1).int())
         self.kept_value.view(-1).index_put_((flat,), torch.full_like(flat, new_value, dtype=torch.float32))
         return torch.where(kept, positions, 0).int(), count.view(b, 1).expand(b, heads).int()
@@ -108,8 +109,8 @@ class KeptLists:
         (entries past a list get what the read gave them, nothing that counts: an entry joins a
         list only as a new token, its mass reset)."""
         b, heads, width = mass.shape
-        at = self._list_slots(block_table, seq_lens, block_size, width)[0].unsqueeze(1)  # [B, 1, width]
-        flat = (at * heads + torch.arange(heads, device=at.device).view(1, -1, 1)).view(-1)
+        at = self._list_slots(block_table, seq_lens, block_size, width)[0]
+        flat = _by_head(at.unsqueeze(1).expand(-1, heads, -1))
         self.kept_value.view(-1).index_put_((flat,), mass.reshape(-1), accumulate=True)
 
     def _list_slots(self, block_table, seq_lens, block_size: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,6 +121,13 @@ class KeptLists:
         at = physical_slots(j.view(1, 1, -1).expand(b, 1, -1), block_table, block_size).view(b, width).long()
         at = torch.where(j.view(1, -1) < seq_lens.long().view(b, 1), at, self.spare)
         return at, j.view(1, 1, -1)
+
+
+def _by_head(slots: torch.Tensor) -> torch.Tensor:
+    """Flat indices into a `[num_slots + 1, Hkv]` tensor of `slots` `[B, Hkv, K]` (each KV head's own
+    column), in `slots`' order."""
+    heads = slots.shape[1]
+    return (slots * heads + torch.arange(heads, device=slots.device).view(1, -1, 1)).reshape(-1)
 
 
 def chunk_mass(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:

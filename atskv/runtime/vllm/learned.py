@@ -148,6 +148,4 @@ class PagedLearned:
 
     def pick(self, query, kv_heads: int, state: KeptLists, block_table, seq_lens, block_size: int,
              budget: int | float, step: dict | None = None):  # fmt: skip
-        slots = block_table.shape[1] * block_size
-        width = min(slots, kept_count(budget, slots) + 1)  # the widest request's list and its new token
-        return state.step(block_table, seq_lens, block_size, budget, width, 0.0, new_value=math.inf)
+        return state.step(block_table, seq_lens, block_size, budget, 0.0, new_value=math.inf)

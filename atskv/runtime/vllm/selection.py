@@ -178,16 +178,13 @@ class PagedH2O:
 
     def pick(self, query, kv_heads: int, state: KeptLists, block_table, seq_lens, block_size: int,
              budget: int | float, step: dict | None = None):  # fmt: skip
-        slots = block_table.shape[1] * block_size
-        width = min(slots, kept_count(budget, slots) + 1)  # the widest request's list and its new token
-        return state.step(block_table, seq_lens, block_size, budget, width, self.recent_fraction, new_value=0.0)
+        return state.step(block_table, seq_lens, block_size, budget, self.recent_fraction, new_value=0.0)
 
     def observe_read(self, state: KeptLists, mass, block_table, seq_lens, block_size: int) -> None:
         state.add_read_mass(mass, block_table, seq_lens, block_size)
 
 
 PAGED_SELECTORS = {cls.name: cls for cls in (PagedQuest, PagedStreamingLLM, PagedSnapKV, PagedH2O, PagedLearned)}
-
 
 
 def slot_view(cache: torch.Tensor, requests: int) -> torch.Tensor:
