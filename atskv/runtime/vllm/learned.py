@@ -34,6 +34,7 @@ from atskv.kernels.budget import kept_count
 from atskv.runtime.vllm.batch import PromptChunk
 from atskv.runtime.vllm.heavy_hitters import KeptLists, chunk_mass
 from atskv.runtime.vllm.prompt_ranks import window_votes
+from atskv.runtime.vllm.protocol import PagedSelector
 
 UNSEEN = ("hidden", "hidden_norm", "token_type")  # inputs an attention backend cannot compute
 WITHOUT = ("hidden_norm", "token_type")  # `RelevanceMLP(without=...)` for them, beside reduced_width 0
@@ -58,15 +59,13 @@ def engine_predictor(path: str):
 
 
 @dataclass
-class PagedLearned:
+class PagedLearned(PagedSelector):
     """atskv's learned selector over vLLM's paged cache (see the module docstring). `predictor`: the
     exported predictor's folder or file."""
 
-    name: ClassVar[str] = "learned"
+    name: ClassVar[str] = "learned"  # frees no block: which hold kept tokens differs per layer and KV head
     keeps_state: ClassVar[bool] = True
     scores_prompt: ClassVar[bool] = True
-    reads_mass: ClassVar[bool] = False
-    frees_blocks: ClassVar[bool] = False  # which blocks hold kept tokens differs per layer and KV head
     predictor: str | None = None
     # as atskv's `learned`: the share of the budget pinned for the prompt tokens its last `window`
     # queries attend most (SnapKV's vote, max-pooled over `kernel`; the window itself first)
@@ -89,9 +88,6 @@ class PagedLearned:
             raise InputError(f"atskv: the predictor scores {heads} KV heads, this model's layers have {kv_heads}")
         self.loaded.mlp.to(device)
         return KeptLists.empty(num_blocks * block_size, kv_heads, device)
-
-    def after_write(self, state, key, slot_mapping, block_size: int) -> None:
-        """Nothing: a token enters its list at its prefill chunk or decode step."""
 
     def observe_prompt(self, state: KeptLists, chunk: PromptChunk) -> None:
         """One request's chunk: its tokens so far scored with their features at its end, the list rebuilt."""

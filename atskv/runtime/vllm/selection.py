@@ -37,19 +37,17 @@ from atskv.runtime.vllm.batch import PromptChunk
 from atskv.runtime.vllm.heavy_hitters import KeptLists, chunk_mass
 from atskv.runtime.vllm.learned import PagedLearned
 from atskv.runtime.vllm.prompt_ranks import PromptRanks, rank_newest_first, window_votes
+from atskv.runtime.vllm.protocol import PagedSelector
 
 
 @dataclass
-class PagedQuest:
+class PagedQuest(PagedSelector):
     """Quest (Tang et al., 2024) with vLLM's cache blocks as its pages: the pages of highest key
     bound for this query, their newest tokens first, cut at the budget (`atskv.kernels.quest_decode`,
     as on atskv's fast path). Query-aware: nothing is evicted, every block stays reachable."""
 
     name: ClassVar[str] = "quest"
-    keeps_state: ClassVar[bool] = True
-    scores_prompt: ClassVar[bool] = False
-    reads_mass: ClassVar[bool] = False
-    frees_blocks: ClassVar[bool] = False  # any block may be the next query's best
+    keeps_state: ClassVar[bool] = True  # frees no block: any block may be the next query's best
 
     def new_state(self, num_blocks: int, block_size: int, kv_heads: int, head_size: int, dtype, device):
         """The key bounds of every block (and a row for padding tokens' writes)."""
@@ -79,15 +77,12 @@ def usable_positions(seq_lens: torch.Tensor, slots: int) -> torch.Tensor:
 
 
 @dataclass
-class PagedStreamingLLM:
+class PagedStreamingLLM(PagedSelector):
     """StreamingLLM (Xiao et al., 2024): the first `sinks` tokens and the most recent ones, up to
     the budget, as atskv's `streaming_llm` keeps them; here a read restriction (the rest stays in
     vLLM's blocks)."""
 
     name: ClassVar[str] = "streaming_llm"
-    keeps_state: ClassVar[bool] = False
-    scores_prompt: ClassVar[bool] = False
-    reads_mass: ClassVar[bool] = False
     frees_blocks: ClassVar[bool] = True
     sinks: int = 4
 
@@ -110,7 +105,7 @@ class PagedStreamingLLM:
 
 
 @dataclass
-class PagedSnapKV:
+class PagedSnapKV(PagedSelector):
     """SnapKV (Li et al., 2024, "SnapKV: LLM Knows What You are Looking for Before Generation",
     arXiv:2404.14469), as atskv's `snapkv` scores and keeps: the attention of the prompt's last
     `window` queries, summed over them and the group's heads and max-pooled over `kernel` tokens,
@@ -120,20 +115,15 @@ class PagedSnapKV:
     prompt's last chunk decides; a last chunk shorter than `window` votes with its own queries only.
     Defaults from the paper's code: window 32, kernel 7."""
 
-    name: ClassVar[str] = "snapkv"
+    name: ClassVar[str] = "snapkv"  # frees no block: which hold kept tokens differs per layer and KV head
     keeps_state: ClassVar[bool] = True
     scores_prompt: ClassVar[bool] = True
-    reads_mass: ClassVar[bool] = False
-    frees_blocks: ClassVar[bool] = False  # which blocks hold kept tokens differs per layer and KV head
     window: int = 32
     kernel: int = 7
 
     def new_state(self, num_blocks: int, block_size: int, kv_heads: int, head_size: int, dtype, device):
         """The prompt ranking by physical slot: 4 bytes a token per KV head (its KV: 2 x head_size x 2)."""
         return PromptRanks.empty(num_blocks * block_size, kv_heads, device)
-
-    def after_write(self, state, key, slot_mapping, block_size: int) -> None:
-        """Nothing: the ranking comes from each prefill chunk's queries (`observe_prompt`)."""
 
     def observe_prompt(self, state: PromptRanks, chunk: PromptChunk) -> None:
         """One request's chunk: its last `window` queries vote for its tokens so far."""
@@ -149,7 +139,7 @@ class PagedSnapKV:
 
 
 @dataclass
-class PagedH2O:
+class PagedH2O(PagedSelector):
     """H2O (Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large
     Language Models", arXiv:2306.14048), as atskv's `h2o` keeps: the prompt's attention mass from
     all its queries, then each decode query's on what it reads, accumulated per token and KV head;
@@ -157,19 +147,15 @@ class PagedH2O:
     dropped is never read again (here a read restriction: its KV stays in vLLM's blocks). Default
     from the paper: half the budget recent (`atskv.runtime.vllm.heavy_hitters`)."""
 
-    name: ClassVar[str] = "h2o"
+    name: ClassVar[str] = "h2o"  # frees no block: which hold kept tokens differs per layer and KV head
     keeps_state: ClassVar[bool] = True
     scores_prompt: ClassVar[bool] = True
     reads_mass: ClassVar[bool] = True
-    frees_blocks: ClassVar[bool] = False  # which blocks hold kept tokens differs per layer and KV head
     recent_fraction: float = 0.5
 
     def new_state(self, num_blocks: int, block_size: int, kv_heads: int, head_size: int, dtype, device):
         """The kept lists and the prompt's mass by physical slot: 12 bytes a token per KV head."""
         return KeptLists.empty(num_blocks * block_size, kv_heads, device)
-
-    def after_write(self, state, key, slot_mapping, block_size: int) -> None:
-        """Nothing: a token enters its list at its prefill chunk or decode step."""
 
     def observe_prompt(self, state: KeptLists, chunk: PromptChunk) -> None:
         """One request's chunk: its queries' mass on every token so far, added; the list rebuilt."""

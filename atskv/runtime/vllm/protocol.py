@@ -1,0 +1,20 @@
+"""What a paged selector declares (`atskv.runtime.vllm.selection` describes the protocol): the
+base class's defaults are a selector that keeps no state, scores no prompt, reads no mass and
+frees no block; a selector's class names only where it differs, as vLLM's attention backends
+declare what they support on their own class."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class PagedSelector:
+    name: ClassVar[str] = ""
+    keeps_state: ClassVar[bool] = False  # state beside the cache (`new_state`), kept by `after_write`
+    scores_prompt: ClassVar[bool] = False  # `observe_prompt` after each prefill chunk
+    reads_mass: ClassVar[bool] = False  # `observe_read` with the mass each decode read gives
+    frees_blocks: ClassVar[bool] = False  # `unread_blocks` go back to vLLM's pool
+
+    def after_write(self, state, key, slot_mapping, block_size: int) -> None:
+        """The keys a forward just wrote, `[N, Hkv, D]` at physical `slot_mapping` (nothing by default:
+        state that tokens enter at their prefill chunk or decode step)."""
