@@ -3,8 +3,8 @@ greedy tokens are vanilla vLLM's; with Quest at a small budget, requests aborted
 their blocks back (the pool returns to its size) and the rest finish; StreamingLLM with
 `free_blocks` beside dense layers gives the tokens and log-probabilities it gives without, while
 its requests hold only the blocks it reads (and the dense layers' blocks); SnapKV, H2O and the
-learned selector, which score prompts chunk by chunk, read everything at a budget above the
-context. A small Llama shape with dummy weights; each engine runs in this process
+learned selector, which score prompts chunk by chunk, and SparQ read everything at a budget
+above the context. A small Llama shape with dummy weights; each engine runs in this process
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`)."""
 
 from __future__ import annotations
@@ -159,14 +159,14 @@ def read_in_full(shape):
     return want
 
 
-@pytest.mark.parametrize("selector", ["snapkv", "h2o", "learned"])
-def test_selectors_that_score_the_prompt_read_in_full_at_a_budget_above_the_context(shape, read_in_full, selector,
-                                                                                     tmp_path):  # fmt: skip
+@pytest.mark.parametrize("selector", ["snapkv", "h2o", "learned", "sparq"])
+def test_selectors_that_rank_tokens_read_in_full_at_a_budget_above_the_context(shape, read_in_full, selector,
+                                                                               tmp_path):  # fmt: skip
     """SnapKV, H2O and the learned selector (a random predictor that reads no hidden state) score
     each prompt in 512-token chunks (some beside other requests' decodes) and keep their lists by
-    physical slot; with a budget above every request's length their lists hold every token: the
-    tokens and log-probabilities of reading everything, up to near-ties. At 64 tokens the same
-    requests finish, and the pool is whole again."""
+    physical slot; SparQ ranks every token from the cache's keys at each step. With a budget above
+    every request's length they read every token: the tokens and log-probabilities of reading
+    everything, up to near-ties. At 64 tokens the same requests finish, and the pool is whole again."""
     from atskv.eval.vllm_speed import random_engine_predictor
 
     options = {}

@@ -20,6 +20,7 @@ from atskv.kernels.paged import (
 )
 from atskv.kernels.quest import page_bounds, quest_page_scores_reference
 from atskv.kernels.quest_decode import quest_pick_reference
+from atskv.kernels.sparq_decode import sparq_decode_reference
 from atskv.kernels.sparse_decode import sparse_decode_attention_reference
 from atskv.runtime.vllm.batch import PromptChunk
 from atskv.runtime.vllm.config import PluginConfig
@@ -168,6 +169,52 @@ def test_paged_streaming_llm_reads_the_tokens_streaming_llm_keeps(cache, budget)
         torch.testing.assert_close(got[r], want.reshape(HQ, D))
         assert int(lengths[r, 0]) == k
     assert StreamingLLMSelector.name == PagedStreamingLLM.name  # the same selector by name in both runtimes
+
+
+def sparq_reference_on_the_unpaged_cache(cache: PagedCache, query, budget, rank: int, recent: int):
+    """atskv's SparQ decode step (the fast path's reference) over each request's keys, unpaged."""
+    width = cache.block_table.shape[1] * BLOCK
+    keys = padded(cache.keys, width)
+    seq_lens = torch.tensor(cache.lengths)
+    slot_pos = torch.where(torch.arange(width) < seq_lens.view(-1, 1), torch.arange(width), -1)
+    slot_pos = slot_pos.unsqueeze(1).expand(-1, HKV, -1)
+    newest = (seq_lens - 1).view(-1, 1).expand(-1, HKV)
+    k = budget if isinstance(budget, int) else math.ceil(budget * width)
+    return sparq_decode_reference(query, keys, keys.transpose(2, 3).clone(), slot_pos, newest, seq_lens, D**-0.5,
+                                  rank, budget, min(k, width), recent=recent)  # fmt: skip
+
+
+@pytest.mark.parametrize("budget, recent", [(24, 0), (0.3, 0), (20, 6), (500, 0)])
+def test_paged_sparq_chooses_what_sparq_chooses_on_the_unpaged_cache(cache, budget, recent, monkeypatch):
+    """The kernels reading vLLM's cache in place through the block table (Triton's interpreter on the
+    CPU) and their reference choose the tokens atskv's SparQ step chooses over the unpaged keys,
+    and attend them."""
+    from atskv.runtime.vllm.selection import PagedSparQ, slot_view, usable_positions
+
+    b = len(cache.lengths)
+    query = torch.randn(b, HQ, D, generator=torch.Generator().manual_seed(5))
+    seq_lens = torch.tensor(cache.lengths, dtype=torch.int32)
+    want_idx, want_len = sparq_reference_on_the_unpaged_cache(cache, query, budget, rank=4, recent=recent)
+    keys = slot_view(cache.split()[0], 1)[0]
+    selector = PagedSparQ(rank_fraction=4 / D, recent=recent)
+    for kernels in ("reference", "triton"):
+        monkeypatch.setenv("ATSKV_KERNELS", kernels)
+        step = {}
+        positions, lengths = selector.pick(query, HKV, None, cache.block_table, seq_lens, BLOCK, budget, step,
+                                           keys=keys, scaling=D**-0.5)  # fmt: skip
+        assert torch.equal(step["positions"], usable_positions(seq_lens, cache.block_table.shape[1] * BLOCK))
+        assert torch.equal(lengths, want_len), kernels
+        for r in range(b):
+            for h in range(HKV):
+                n = int(lengths[r, h])
+                assert set(positions[r, h, :n].tolist()) == set(want_idx[r, h, :n].tolist()), (kernels, r, h)
+        monkeypatch.setenv("ATSKV_KERNELS", "reference")
+        got = paged_sparse_decode(query, *cache.split(), positions, lengths, cache.block_table, D**-0.5)
+        width = cache.block_table.shape[1] * BLOCK
+        want = sparse_decode_attention_reference(query, padded(cache.keys, width), padded(cache.values, width),
+                                                 want_idx, want_len, D**-0.5)  # fmt: skip
+        torch.testing.assert_close(got, want)
+    assert (lengths < seq_lens.view(-1, 1)).any() or budget == 500, "the budget must leave tokens out somewhere"
 
 
 def test_a_cache_not_in_nhd_order_is_refused():

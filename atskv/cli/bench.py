@@ -100,8 +100,8 @@ def decode(
             real model (a name, a Hugging Face directory or a .gguf file).
         methods: plain, plain-static, dense, selector names (fast path), host:<selector> (fast
             path with the host tier; an evicting selector), hook:<selector> (reference path),
-            vllm (vanilla vLLM) and vllm:<selector> (vLLM with atskv's plugin: quest, streaming_llm,
-            snapkv, h2o, learned; learned without a predictor gets a random one of the shape that
+            vllm (vanilla vLLM) and vllm:<selector> (vLLM with atskv's plugin: `atskv selectors`
+            lists its selectors; learned without a predictor gets a random one of the shape that
             reads no hidden state), each engine in its own process on the shape's config with dummy
             weights; their rows go to OUT/vllm.jsonl as they finish, and a rerun skips the rows
             already there.
@@ -236,7 +236,7 @@ def serve(
 
     Args:
         model: an 8B-class shape (llama3.1-8b, qwen3-8b, mistral-7b).
-        methods: vllm (vanilla) and vllm:<selector> (atskv's plugin: quest, streaming_llm).
+        methods: vllm (vanilla) and vllm:<selector> (atskv's plugin: `atskv selectors` lists them).
         rates: arrival rates, requests per second.
         requests: requests per trace.
         shortest: the shortest prompt, tokens.

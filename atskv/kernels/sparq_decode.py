@@ -46,6 +46,7 @@ import torch
 from atskv.kernels.backend import aligned_slots, dependent_launch, jit, tl, triton, use_triton, wait_for_inputs
 from atskv.kernels.budget import budget_limit, kept_tokens
 from atskv.kernels.evict import newest_share
+from atskv.kernels.paged import physical_slots
 from atskv.kernels.partial_scores import partial_scores, partial_scores_reference
 
 _TINY = torch.finfo(torch.float32).tiny
@@ -124,6 +125,27 @@ def sparq_decode(query, keys, keys_t, slot_pos, write_slot, context, scaling: fl
     return sparq_decode_reference(*args, channels=channels, recent=recent)
 
 
+def sparq_decode_paged(query, key_slots, block_table, block_size: int, slot_pos, context, scaling: float,
+                       rank: int, budget: int | float, k: int, recent: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`sparq_decode` over a paged cache read in place (vLLM's), with no channel-major copy: slots
+    are each request's logical positions, `key_slots` `[Hkv, num_slots, D]` the cache's keys by
+    physical slot, `block_table` `[B, W]` maps positions to them, `slot_pos` `[B, 1 or Hkv, W *
+    block_size]` is a position where the request holds it, else -1, and `context` `[B]` its length
+    (the newest position, for `recent`, is `context - 1`). A chosen channel of a row-major key is
+    one scattered load per token: this reads most of K's sectors (the copy is what saves them)."""
+    b, hkv = query.shape[0], key_slots.shape[0]
+    slot_pos = slot_pos.expand(b, hkv, -1)
+    newest = (context.long() - 1).clamp(min=0).view(b, 1).expand(b, hkv)
+    if use_triton(query):
+        keys_t = key_slots.transpose(1, 2).unsqueeze(0).expand(b, -1, -1, -1)  # [B, Hkv, D, num_slots], a view
+        return sparq_decode_triton(query, keys_t, keys_t, slot_pos, newest, context, scaling, rank, budget, k,
+                                   recent=recent, block_table=block_table, block_size=block_size)  # fmt: skip
+    logical = torch.arange(block_table.shape[1] * block_size, device=query.device).view(1, 1, -1).expand(b, 1, -1)
+    keys = key_slots[:, physical_slots(logical, block_table, block_size).view(b, -1).long()].transpose(0, 1)
+    return sparq_decode_reference(query, keys, keys.transpose(2, 3).clone(), slot_pos, newest, context, scaling,
+                                  rank, budget, k, recent=recent)  # fmt: skip
+
+
 def sparq_decode_reference(query, keys, keys_t, slot_pos, write_slot, context, scaling: float, rank: int,
                            budget: int | float, k: int, channels=None,
                            recent: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -154,15 +176,15 @@ def _channels_kernel(
     sw_b, sw_h,
     sf_b, sf_h, sf_r,
     GROUP: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-    N_BINS: tl.constexpr, FIXED: tl.constexpr,
+    N_BINS: tl.constexpr, FIXED: tl.constexpr, WRITE: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     """One query head: its r channels of largest |q| (`dims` `[heads, BLOCK_R]`) and their q
     components times SparQ's temperature-corrected scale (`coef`). A row's head 0 also copies the
-    new token's key into `keys_t` and zeroes the row's histogram and counters for the kernels after
-    it. Done once per head here, so the logits kernel's many programs only stream keys. FIXED
-    (SparCas): the channels come from `fix` `[B, Hkv, RANK]`, the compact copy's rows 0 .. RANK - 1
-    hold them, the scale is `scaling`, and the caller has written the new token's entry."""
+    new token's key into `keys_t` (WRITE) and zeroes the row's histogram and counters for the
+    kernels after it. Done once per head here, so the logits kernel's many programs only stream
+    keys. FIXED (SparCas): the channels come from `fix` `[B, Hkv, RANK]`, the compact copy's rows
+    0 .. RANK - 1 hold them, the scale is `scaling`, and the caller has written the new token's entry."""
     wait_for_inputs(PDL)
     head = tl.program_id(0)
     row = head // GROUP
@@ -172,7 +194,7 @@ def _channels_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
     if g == 0:
-        if not FIXED:
+        if WRITE:
             new = tl.load(w_ptr + b * sw_b + h * sw_h)  # the slot the decode token was written to
             k_new = tl.load(k_ptr + b * sk_b + h * sk_h + new * sk_s + d * sk_d, mask=d_ok)
             tl.store(kt_ptr + b * st_b + h * st_h + d * st_d + new * st_s, k_new, mask=d_ok)
@@ -208,10 +230,13 @@ def _channels_kernel(
 
 @jit
 def _logits_kernel(
-    kt_ptr, pos_ptr, dims_ptr, coef_ptr, logit_ptr, stat_ptr, n_kv_heads, n_slots, width, kt_cols, span,
+    kt_ptr, pos_ptr, dims_ptr, coef_ptr, logit_ptr, stat_ptr, table_ptr, n_kv_heads, n_slots, width, kt_cols,
+    span,
     st_b, st_h, st_d, st_s,
     sp_b, sp_h, sp_s,
+    stb_b,
     GROUP: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, FIXED: tl.constexpr,
+    PAGE: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     """One query head and `span` slots, BLOCK_S at a time: each step reads the head's r rows of
@@ -220,7 +245,9 @@ def _logits_kernel(
     slots), the max and sum over the span to `[rows, GROUP, parts, 2]`. Loops and masks run to
     `width` and `kt_cols` (multiples of 64 when `keys_t` is `channel_major`'s), so that a mask is the
     same over each vector of a load: bounded by an odd slot count, the loads do not vectorise
-    and this step runs over twice as long (`SLOT_ALIGN`)."""
+    and this step runs over twice as long (`SLOT_ALIGN`). PAGE > 0: slots are logical positions
+    of pages of PAGE slots, `keys_t` is indexed by physical slot through the block table
+    `table` `[B, W]` (vLLM's paged cache), and only held slots are read."""
     wait_for_inputs(PDL)
     head = tl.program_id(0)
     part = tl.program_id(1)
@@ -244,9 +271,14 @@ def _logits_kernel(
     for start in range(first, last, BLOCK_S):
         s = start + tl.arange(0, BLOCK_S)
         ok = s < last
-        tile = tl.load(rows_at + s[None, :] * st_s, mask=used[:, None] & (s < kt_cols)[None, :], other=0.0)
-        logit = tl.sum(tile.to(tl.float32) * q_sel[:, None], 0) * scale
         held = tl.load(pos_ptr + b * sp_b + h * sp_h + s * sp_s, mask=s < n_slots, other=-1) >= 0
+        if PAGE > 0:
+            page = tl.load(table_ptr + b * stb_b + s // PAGE, mask=held, other=0).to(tl.int64)
+            tile = tl.load(rows_at + (page * PAGE + s % PAGE)[None, :] * st_s, mask=used[:, None] & held[None, :],
+                           other=0.0)  # fmt: skip
+        else:
+            tile = tl.load(rows_at + s[None, :] * st_s, mask=used[:, None] & (s < kt_cols)[None, :], other=0.0)
+        logit = tl.sum(tile.to(tl.float32) * q_sel[:, None], 0) * scale
         step_top = tl.maximum(top, tl.max(tl.where(held, logit, -3.4028234663852886e38), 0))
         exps = exps * tl.exp(top - step_top) + tl.sum(tl.where(held, tl.exp(logit - step_top), 0.0), 0)
         top = step_top
@@ -417,8 +449,10 @@ def sparq_decode_triton(query, keys, keys_t, slot_pos, write_slot, context, scal
                         budget: int | float, k: int, block_s: int = 2048, parts: int | None = None,
                         probs_block: int = 1024, window: int = 128, collect_block: int = 2048, block_c: int = 256,
                         radix: int = 3, warps: tuple[int, int, int, int] = (8, 4, 8, 8), channels=None,
-                        recent: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The four kernels (`channels`, `recent`: see `sparq_decode`). `block_s`: slots per step of
+                        recent: int = 0, block_table=None,
+                        block_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The four kernels (`channels`, `recent`: see `sparq_decode`; `block_table`, `block_size`:
+    `sparq_decode_paged`'s, whose `keys_t` is the cache by physical slot and writes nothing). `block_s`: slots per step of
     the logits kernel; `parts`: its programs per query head (None: about LOGITS_WAVES per SM over
     the grid; two off CUDA); `probs_block`: slots per program of the probabilities, `window` the
     bins each counts before adding them; `collect_block`: slots per program of the collection;
@@ -426,10 +460,11 @@ def sparq_decode_triton(query, keys, keys_t, slot_pos, write_slot, context, scal
     `radix` bits per pass of its search; `warps`: each kernel's warps, in launch order.
     Smaller values cover the loops in tests."""
     b, hq, d = query.shape
-    hkv, slots = keys_t.shape[1], keys_t.shape[3]
+    paged = block_table is not None
+    hkv, slots = keys_t.shape[1], slot_pos.shape[-1] if paged else keys_t.shape[3]
     rows, group, block_r = b * hkv, hq // hkv, triton.next_power_of_2(rank)
     width = aligned_slots(slots)  # rows start aligned: the kernels' loads vectorise
-    kt_cols = width if keys_t.stride(3) == 1 and keys_t.stride(2) >= width else slots  # readable columns
+    kt_cols = width if keys_t.stride(3) == 1 and keys_t.stride(2) >= width and not paged else slots  # readable
     steps = triton.cdiv(width, block_s)
     if parts is None:
         sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 0
@@ -453,13 +488,16 @@ def sparq_decode_triton(query, keys, keys_t, slot_pos, write_slot, context, scal
         query, keys, keys_t, write_slot, fixed, dims, coef, hist, counters, hkv, d, scaling,
         *query.stride(), *keys.stride(), *keys_t.stride(), *write_slot.stride(), *fixed.stride(),
         GROUP=group, RANK=rank, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(d), N_BINS=1 << _BINS_BITS,
-        FIXED=channels is not None, num_warps=warps[0], **dependent_launch(query, grid),
+        FIXED=channels is not None, WRITE=channels is None and not paged, num_warps=warps[0],
+        **dependent_launch(query, grid),
     )  # fmt: skip
     grid = (rows * group, parts)
+    table = block_table if paged else slot_pos  # unread without pages
     _logits_kernel[grid](
-        keys_t, slot_pos, dims, coef, logits, stats, hkv, slots, width, kt_cols, span, *keys_t.stride(),
-        *slot_pos.stride(), GROUP=group, RANK=rank, BLOCK_R=block_r, BLOCK_S=block_s, FIXED=channels is not None,
-        num_warps=warps[1], **dependent_launch(query, grid),
+        keys_t, slot_pos, dims, coef, logits, stats, table, hkv, slots, width, kt_cols, span, *keys_t.stride(),
+        *slot_pos.stride(), table.stride(0), GROUP=group, RANK=rank, BLOCK_R=block_r, BLOCK_S=block_s,
+        FIXED=channels is not None, PAGE=block_size if paged else 0, num_warps=warps[1],
+        **dependent_launch(query, grid),
     )  # fmt: skip
     shift = 31 - _BINS_BITS
     grid = (rows, triton.cdiv(width, probs_block))

@@ -129,8 +129,9 @@ class AtskvAttentionImpl(FlashAttentionImpl):
         q, table = query[:decodes], attn_metadata.block_table[:decodes]
         seq_lens = attn_metadata.seq_lens[:decodes]
         step = attn_metadata.__dict__.setdefault("atskv_step", {})  # one forward's metadata: shared by its layers
+        keys = {"keys": slot_view(key_cache, 1)[0], "scaling": self.scale} if self.selector.reads_keys else {}
         positions, lengths = self.selector.pick(q, self.num_kv_heads, self.state, table, seq_lens, block_size,
-                                                self.config.budget, step)  # fmt: skip
+                                                self.config.budget, step, **keys)  # fmt: skip
         read = paged_sparse_decode(q, key_cache, value_cache, positions, lengths, table, self.scale,
                                    out=output[:decodes].view(q.shape), want_mass=self.selector.reads_mass)  # fmt: skip
         if self.selector.reads_mass:

@@ -1,7 +1,7 @@
 """What a paged selector declares (`atskv.runtime.vllm.selection` describes the protocol): the
-base class's defaults are a selector that keeps no state, scores no prompt, reads no mass and
-frees no block; a selector's class names only where it differs, as vLLM's attention backends
-declare what they support on their own class."""
+base class's defaults are a selector that keeps no state, scores no prompt, reads no mass, frees
+no block and reads no keys to choose; a selector's class names only where it differs, as vLLM's
+attention backends declare what they support on their own class."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ class PagedSelector:
     scores_prompt: ClassVar[bool] = False  # `observe_prompt` after each prefill chunk
     reads_mass: ClassVar[bool] = False  # `observe_read` with the mass each decode read gives
     frees_blocks: ClassVar[bool] = False  # `unread_blocks` go back to vLLM's pool
+    reads_keys: ClassVar[bool] = False  # `pick` gets `keys` (the cache's `[Hkv, num_slots, D]`) and `scaling`
 
     def after_write(self, state, key, slot_mapping, block_size: int) -> None:
         """The keys a forward just wrote, `[N, Hkv, D]` at physical `slot_mapping` (nothing by default:

@@ -3,7 +3,9 @@ declaring what it needs from the engine. `keeps_state`: state beside the cache b
 slot (`new_state`), kept current from every KV write (`after_write`: Quest's key bounds), from each
 prefill chunk's queries (`scores_prompt`, `observe_prompt`: SnapKV's prompt ranking, H2O's prompt
 mass) or from the attention each decode read gives the tokens it reads (`reads_mass`,
-`observe_read`: H2O's accumulated mass).
+`observe_read`: H2O's accumulated mass); one that reads keys to choose (`reads_keys`: SparQ's
+approximate logits) gets the cache's keys by physical slot and the attention scale (`keys`,
+`scaling`).
 
 `pick(query [B, Hq, D], kv_heads, state (or None), block_table [B, W], seq_lens [B],
 block_size, budget, step)` (`step`: a dict shared by one forward's layers, for what a selector
@@ -32,6 +34,7 @@ from atskv.kernels.paged import (
     update_page_bounds,
 )
 from atskv.kernels.quest_decode import quest_pick
+from atskv.kernels.sparq_decode import sparq_decode_paged
 from atskv.kernels.sparse_decode import sparse_decode_attention
 from atskv.runtime.vllm.batch import PromptChunk
 from atskv.runtime.vllm.heavy_hitters import KeptLists, chunk_mass
@@ -74,6 +77,31 @@ def usable_positions(seq_lens: torch.Tensor, slots: int) -> torch.Tensor:
     (Quest's pick takes it as what may be read)."""
     at = torch.arange(slots, device=seq_lens.device, dtype=torch.int32)
     return torch.where(at < seq_lens.view(-1, 1), at, -1).unsqueeze(1)
+
+
+@dataclass
+class PagedSparQ(PagedSelector):
+    """SparQ (Ribar et al., 2024) as atskv's `sparq` chooses: each query head's approximate logits
+    on its r largest |q| channels (r = `rank_fraction` of the head size), pooled over the GQA group,
+    then the exact top budget (`recent`: the newest positions first). Query-aware, nothing evicted.
+    The channels are read from vLLM's cache in place (`atskv.kernels.sparq_decode.sparq_decode_paged`):
+    no channel-major copy (it would cost half the KV cache again, outside vLLM's budget), so a step
+    reads most of the keys' bytes, as dense attention reads them, and its win is the values."""
+
+    name: ClassVar[str] = "sparq"
+    reads_keys: ClassVar[bool] = True
+    rank_fraction: float = 1 / 8
+    recent: int = 0
+
+    def pick(self, query, kv_heads: int, state, block_table, seq_lens, block_size: int, budget: int | float,
+             step: dict | None = None, *, keys: torch.Tensor, scaling: float):  # fmt: skip
+        slots = block_table.shape[1] * block_size
+        step = {} if step is None else step
+        if "positions" not in step:
+            step["positions"] = usable_positions(seq_lens, slots)
+        rank = max(1, min(query.shape[-1], round(query.shape[-1] * self.rank_fraction)))
+        return sparq_decode_paged(query, keys, block_table, block_size, step["positions"], seq_lens, scaling, rank,
+                                  budget, kept_count(budget, slots), recent=self.recent)  # fmt: skip
 
 
 @dataclass
@@ -170,7 +198,8 @@ class PagedH2O(PagedSelector):
         state.add_read_mass(mass, block_table, seq_lens, block_size)
 
 
-PAGED_SELECTORS = {cls.name: cls for cls in (PagedQuest, PagedStreamingLLM, PagedSnapKV, PagedH2O, PagedLearned)}
+PAGED_SELECTORS = {cls.name: cls for cls in (PagedQuest, PagedSparQ, PagedStreamingLLM, PagedSnapKV, PagedH2O,
+                                                PagedLearned)}
 
 
 def slot_view(cache: torch.Tensor, requests: int) -> torch.Tensor:
