@@ -126,7 +126,8 @@ def sparq_decode(query, keys, keys_t, slot_pos, write_slot, context, scaling: fl
 
 
 def sparq_decode_paged(query, key_slots, block_table, block_size: int, slot_pos, context, scaling: float,
-                       rank: int, budget: int | float, k: int, recent: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                       rank: int, budget: int | float, k: int,
+                       recent: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """`sparq_decode` over a paged cache read in place (vLLM's), with no channel-major copy: slots
     are each request's logical positions, `key_slots` `[Hkv, num_slots, D]` the cache's keys by
     physical slot, `block_table` `[B, W]` maps positions to them, `slot_pos` `[B, 1 or Hkv, W *
@@ -452,8 +453,8 @@ def sparq_decode_triton(query, keys, keys_t, slot_pos, write_slot, context, scal
                         recent: int = 0, block_table=None,
                         block_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The four kernels (`channels`, `recent`: see `sparq_decode`; `block_table`, `block_size`:
-    `sparq_decode_paged`'s, whose `keys_t` is the cache by physical slot and writes nothing). `block_s`: slots per step of
-    the logits kernel; `parts`: its programs per query head (None: about LOGITS_WAVES per SM over
+    `sparq_decode_paged`'s, whose `keys_t` is the cache by physical slot and writes nothing).
+    `block_s`: slots per step of the logits kernel; `parts`: its programs per query head (None: about LOGITS_WAVES per SM over
     the grid; two off CUDA); `probs_block`: slots per program of the probabilities, `window` the
     bins each counts before adding them; `collect_block`: slots per program of the collection;
     `block_c`: candidates held in registers by its last one,
