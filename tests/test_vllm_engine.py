@@ -36,7 +36,7 @@ def shape(tmp_path_factory):
 
 
 def engine(shape, method: str, budget, max_num_batched_tokens: int | None = None, **settings):
-    spec = EngineSpec(method, str(shape), [], budget=budget, gpu_memory_utilization=0.15, **settings)
+    spec = EngineSpec(method, str(shape), [], budget=budget, gpu_memory_utilization=0.06, **settings)
     chunks = {} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens}
     return vllm.LLM(**engine_arguments(spec, 4096, 8), **chunks)
 

@@ -197,12 +197,14 @@ def test_paged_sparq_chooses_what_sparq_chooses_on_the_unpaged_cache(cache, budg
     want_idx, want_len = sparq_reference_on_the_unpaged_cache(cache, query, budget, rank=4, recent=recent)
     keys = slot_view(cache.split()[0], 1)[0]
     selector = PagedSparQ(rank_fraction=4 / D, recent=recent)
-    for kernels in ("reference", "triton"):
+    for kernels, device in (("reference", "cpu"), ("triton", KERNELS)):
         monkeypatch.setenv("ATSKV_KERNELS", kernels)
         step = {}
-        positions, lengths = selector.pick(query, HKV, None, cache.block_table, seq_lens, BLOCK, budget, step,
-                                           keys=keys, scaling=D**-0.5)  # fmt: skip
-        assert torch.equal(step["positions"], usable_positions(seq_lens, cache.block_table.shape[1] * BLOCK))
+        inputs = [t.to(device) for t in (query, cache.block_table, seq_lens, keys)]
+        positions, lengths = selector.pick(*inputs[:1], HKV, None, *inputs[1:3], BLOCK, budget, step, keys=inputs[3],
+                                           scaling=D**-0.5)  # fmt: skip
+        positions, lengths = positions.cpu(), lengths.cpu()
+        assert torch.equal(step["positions"].cpu(), usable_positions(seq_lens, cache.block_table.shape[1] * BLOCK))
         assert torch.equal(lengths, want_len), kernels
         for r in range(b):
             for h in range(HKV):
