@@ -454,10 +454,10 @@ def sparq_decode_triton(query, keys, keys_t, slot_pos, write_slot, context, scal
                         block_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The four kernels (`channels`, `recent`: see `sparq_decode`; `block_table`, `block_size`:
     `sparq_decode_paged`'s, whose `keys_t` is the cache by physical slot and writes nothing).
-    `block_s`: slots per step of the logits kernel; `parts`: its programs per query head (None: about LOGITS_WAVES per SM over
-    the grid; two off CUDA); `probs_block`: slots per program of the probabilities, `window` the
-    bins each counts before adding them; `collect_block`: slots per program of the collection;
-    `block_c`: candidates held in registers by its last one,
+    `block_s`: slots per step of the logits kernel; `parts`: its programs per query head (None:
+    about LOGITS_WAVES per SM over the grid; two off CUDA); `probs_block`: slots per program of
+    the probabilities, `window` the bins each counts before adding them; `collect_block`: slots
+    per program of the collection; `block_c`: candidates held in registers by its last one,
     `radix` bits per pass of its search; `warps`: each kernel's warps, in launch order.
     Smaller values cover the loops in tests."""
     b, hq, d = query.shape

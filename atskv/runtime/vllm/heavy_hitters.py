@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from atskv.attention import prefix_causal_attention
-from atskv.kernels.budget import kept_count, kept_tokens
-from atskv.kernels.paged import physical_slots
+from atskv.kernels.budget import kept_count
+from atskv.kernels.kept_lists import add_list_values, kept_list_step
 from atskv.kernels.received_mass import prefix_received_mass
 from atskv.runtime.vllm.batch import PromptChunk
 from atskv.runtime.vllm.prompt_ranks import rank_newest_first
@@ -80,54 +80,19 @@ class KeptLists:
         list, the lowest-valued one leaves it if the budget did not grow (the newest
         `recent_fraction` of the budget never does). Positions `[B, Hkv, width]` and counts
         `[B, Hkv]` to read (`width`: the list of a request as wide as the block table, plus its new
-        token: the same for every step of a batch size, so one CUDA graph serves them)."""
-        b, heads = block_table.shape[0], self.kept.shape[1]
+        token: the same for every step of a batch size, so one CUDA graph serves them); one kernel
+        (`atskv.kernels.kept_lists`)."""
         slots = block_table.shape[1] * block_size
-        at, j = self._list_slots(block_table, seq_lens, block_size, min(slots, kept_count(budget, slots) + 1))
-        context = seq_lens.long().view(b, 1, 1)
-        held, count = kept_tokens(budget, (context - 1).clamp(min=0)), kept_tokens(budget, context)
-        positions, value = self.kept[at].transpose(1, 2), self.kept_value[at].transpose(1, 2)  # [B, Hkv, width]
-        newest = context - 1
-        positions = torch.where(j == held, newest, positions)  # the new token's entry, after the held ones
-        value = torch.where(j == held, new_value, value)
-        listed = j <= held
-        recent = positions > newest - (count * recent_fraction).long()
-        score = torch.where(listed, torch.where(recent, torch.inf, value), torch.inf)
-        lowest = listed & (score == score.amin(-1, keepdim=True))
-        victim = torch.where(lowest, positions, torch.iinfo(torch.int32).max).argmin(-1, keepdim=True)
-        target = torch.where(count > held, held, victim)  # [B, Hkv, 1]: where the new token goes
-        positions = torch.where(j == target, newest, positions)
-        kept = j < count
-        flat = _by_head(at.unsqueeze(1).expand(-1, heads, -1).gather(2, target))  # a row's own slot, or the spare
-        self.kept.view(-1).index_put_((flat,), newest.expand(-1, heads, -1).reshape(-1).int())
-        self.kept_value.view(-1).index_put_((flat,), torch.full_like(flat, new_value, dtype=torch.float32))
-        return torch.where(kept, positions, 0).int(), count.view(b, 1).expand(b, heads).int()
+        width = min(slots, kept_count(budget, slots) + 1)
+        return kept_list_step(self.kept, self.kept_value, block_table, seq_lens, block_size, budget, recent_fraction,
+                              new_value, width)  # fmt: skip
 
     def add_read_mass(self, mass: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                       block_size: int) -> None:  # fmt: skip
         """After a step's read: the mass `[B, Hkv, width]` each listed token received, added to its value
         (entries past a list get what the read gave them, nothing that counts: an entry joins a
-        list only as a new token, its mass reset)."""
-        b, heads, width = mass.shape
-        at = self._list_slots(block_table, seq_lens, block_size, width)[0]
-        flat = _by_head(at.unsqueeze(1).expand(-1, heads, -1))
-        self.kept_value.view(-1).index_put_((flat,), mass.reshape(-1), accumulate=True)
-
-    def _list_slots(self, block_table, seq_lens, block_size: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Physical slots `[B, width]` of each request's first `width` logical slots (the spare row
-        past its length) and the list index `[1, 1, width]`."""
-        b = block_table.shape[0]
-        j = torch.arange(width, device=block_table.device)
-        at = physical_slots(j.view(1, 1, -1).expand(b, 1, -1), block_table, block_size).view(b, width).long()
-        at = torch.where(j.view(1, -1) < seq_lens.long().view(b, 1), at, self.spare)
-        return at, j.view(1, 1, -1)
-
-
-def _by_head(slots: torch.Tensor) -> torch.Tensor:
-    """Flat indices into a `[num_slots + 1, Hkv]` tensor of `slots` `[B, Hkv, K]` (each KV head's own
-    column), in `slots`' order."""
-    heads = slots.shape[1]
-    return (slots * heads + torch.arange(heads, device=slots.device).view(1, -1, 1)).reshape(-1)
+        list only as a new token, its value reset)."""
+        add_list_values(self.kept_value, mass, block_table, seq_lens, block_size)
 
 
 def chunk_mass(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
