@@ -357,3 +357,58 @@ def test_the_table_marks_each_ratios_top_and_breaks_the_rows_near_dense_down_by_
     two_seeds = Grid((4096,), (0.9,), ("x", "y", "z"), ("a", "b"), (0, 1))
     lines = leaderboard.markdown([*two, lone], two_seeds, "m").splitlines()
     assert "| x |  | **25.0 ± 0.0** |" in lines and "| z |  | 90.0 (1 of 2 seeds) |" in lines
+
+
+def test_vllm_rows_run_one_engine_a_row_and_ratio_over_every_group(loaded, calls, monkeypatch, tmp_path):
+    """`vllm:<selector>` rows (an engine stand-in here: transformers' greedy decoding of the job's
+    token ids, what vanilla vLLM would give) come beside vanilla vLLM, each (method, ratio) one
+    engine over the prompts of every (context, task, seed); the outputs are cut to each group's
+    new tokens and scored as atskv's, so the stand-in's rows score as atskv's dense; a rerun starts
+    no engine."""
+    import torch
+
+    from atskv.eval import vllm_generate
+
+    engines = []
+
+    def engine(module, job_file, rows, check=False):
+        job = vllm_generate.GenerationJob(**json.loads(Path(job_file).read_text()))
+        engines.append((job.label, len(job.requests), job.max_new_tokens))
+        assert module == "atskv.eval.vllm_generate" and (Path(job.model_dir) / "config.json").is_file()
+        with open(rows, "a") as f:
+            for r in job.requests:
+                ids = torch.tensor([r["prompt_token_ids"]])
+                out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=job.max_new_tokens,
+                                            do_sample=False, pad_token_id=0)  # fmt: skip
+                f.write(json.dumps({"job": job.label, "id": r["id"], "tokens": out[0, ids.shape[1] :].tolist()}) + "\n")
+
+    monkeypatch.setattr(vllm_generate, "engine_process", engine)
+    grid = check_grid(**{**PLAN, "methods": ["h2o", "vllm:h2o", "vllm"]}, seeds=[0], examples=2)
+    assert grid.engine_rows == ["vllm:h2o"] and grid.selectors == ["h2o"]
+    paths = run_leaderboard(loaded, tmp_path, grid, **{**RUN, "max_new_tokens": None})
+    assert sorted(engines) == [("vllm", 4, engines[0][2]), ("vllm:h2o@0.25", 4, engines[0][2]),
+                               ("vllm:h2o@0.5", 4, engines[0][2])]  # fmt: skip
+    cells = {(c["context"], c["method"], c["ratio"]): c for c in json.loads(paths["json"].read_text())["cells"]}
+    for context in (200, 260):
+        dense = cells[context, "dense", None]
+        for key in [(context, "vllm", None), (context, "vllm:h2o", 0.5), (context, "vllm:h2o", 0.75)]:
+            assert cells[key]["texts"] == dense["texts"] and cells[key]["scores"] == dense["scores"], key
+            assert cells[key]["max_new_tokens"] == dense["max_new_tokens"]
+        assert cells[context, "vllm:h2o", 0.75]["budget"] == 0.25
+        assert cells[context, "vllm:h2o", 0.5]["dense_layers"] == 1
+    table = paths["markdown"].read_text()
+    row = next(line for line in table.splitlines() if line.startswith("| vllm:h2o |"))
+    vanilla = next(s for s in json.loads(paths["json"].read_text())["summaries"] if s["method"] == "vllm")
+    assert row.split("|")[2].strip().startswith(f"{100 * vanilla['mean']:.1f}"), "vanilla vLLM beside the plugin's rows"
+    engines.clear()
+    run_leaderboard(loaded, tmp_path, grid, **{**RUN, "max_new_tokens": None})
+    assert engines == []
+
+
+def test_a_vllm_row_with_an_option_the_plugin_lacks_is_one_line_before_any_engine(loaded, monkeypatch, tmp_path):
+    from atskv.eval import vllm_generate
+
+    monkeypatch.setattr(vllm_generate, "engine_process", lambda *a, **k: pytest.fail("an engine started"))
+    grid = check_grid(**{**PLAN, "contexts": [200], "methods": ["vllm:h2o"]}, seeds=[0], examples=2)
+    with pytest.raises(InputError, match="no option 'window'"):
+        run_leaderboard(loaded, tmp_path, grid, selector_options={"h2o": {"window": 8}}, **RUN)

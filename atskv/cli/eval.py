@@ -8,7 +8,7 @@ from pathlib import Path
 from atskv.cli.common import load, load_with_selectors, selector_help
 from atskv.data.tasks import TASKS
 from atskv.errors import InputError
-from atskv.eval.method import KVPRESS_PRESSES
+from atskv.eval.method import KVPRESS_PRESSES, Method
 from atskv.models import DEFAULT_MODEL, resolve_device
 
 
@@ -294,8 +294,11 @@ def leaderboard(
             (the selector in the two-tier store: the budget on the GPU, the rest in host memory,
             retrieved when needed), host:<selector> (the fast path's host tier: an evicting
             selector's budget on the GPU, each step reading back the pages of the parked tokens
-            a query rates highest), and kvpress:<press> (snapkv, streaming_llm,
-            observed_attention, expected_attention, tova, kvzip); dense always runs.
+            a query rates highest), kvpress:<press> (snapkv, streaming_llm,
+            observed_attention, expected_attention, tova, kvzip) and vllm:<selector> (atskv's
+            vLLM plugin, beside vanilla vLLM: one engine a row and ratio over all the prompts, the
+            model saved once as a Hugging Face directory in OUT; needs vLLM and a GPU); dense
+            always runs.
         contexts: prompt lengths in tokens.
         ratios: compression ratios, the fraction of the KV removed, in (0, 1); budget = 1 - ratio.
         tasks: task names (see `atskv.data.tasks.TASKS`); a seed's score is their mean.
@@ -325,7 +328,8 @@ def leaderboard(
 
     grid = check_grid(contexts, ratios, methods, tasks, seeds, examples)
     check_tiering(grid, tiering, sparse_prefill, host_tier)
-    options = by_name(grid.selector_names, selector_options, predictor)
+    engine_names = [Method.parse(m).name for m in grid.engine_rows]  # the plugin's selectors take the same options
+    options = by_name(list(dict.fromkeys(grid.selector_names + engine_names)), selector_options, predictor)
     device, torch_dtype = resolve_device(device, dtype)
     loaded = load_model(model, dtype=torch_dtype, device=device)
     paths = run_leaderboard(

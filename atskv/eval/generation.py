@@ -186,7 +186,7 @@ def generate_batch(
                 cache = session.cache
             label = f"{session.selector.name}@{budget}"
     first_token, last_token = clock.times[1], clock.times[-2]
-    stops = _eos_ids(model, tokenizer)
+    stops = eos_ids(model, tokenizer)
     runs = []
     for row, example in enumerate(examples or [None] * len(ids)):
         new = out[row, ids.shape[1] :].tolist()
@@ -208,7 +208,7 @@ def generate_batch(
     return runs
 
 
-def _eos_ids(model, tokenizer) -> set[int]:
+def eos_ids(model, tokenizer) -> set[int]:
     """Tokens that end a generation: the model's generation config and the tokenizer may each name some."""
     eos = model.generation_config.eos_token_id
     eos = set(eos) if isinstance(eos, (list, tuple)) else {eos}

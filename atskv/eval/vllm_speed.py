@@ -48,6 +48,7 @@ class EngineSpec:
     identity_context: int = 2048
     identity_batch: int = 4
     label: str = ""  # the rows' name of this engine (default: the method), to run one method twice
+    load_format: str = "dummy"  # "auto": the weights saved in `shape_dir` (a model's directory)
 
     def __post_init__(self):
         self.label = self.label or self.method
@@ -56,7 +57,7 @@ class EngineSpec:
 def engine_arguments(spec: EngineSpec, max_model_len: int, max_num_seqs: int) -> dict:
     """`vllm.LLM` keyword arguments of a method: vanilla vLLM, or the CUSTOM backend with atskv's settings."""
     arguments = dict(
-        model=spec.shape_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+        model=spec.shape_dir, load_format=spec.load_format, skip_tokenizer_init=True, dtype="bfloat16",
         max_model_len=max_model_len, enable_prefix_caching=False, max_num_seqs=max_num_seqs,
         gpu_memory_utilization=spec.gpu_memory_utilization, seed=0,
     )  # fmt: skip
@@ -141,10 +142,14 @@ def file_stem(label: str) -> str:
     return re.sub(r"[^\w.-]+", "-", label).strip("-")
 
 
-def engine_process(module: str, *files: Path) -> None:
-    """`python -m module files...` with vLLM's engine in that process (one engine a process)."""
+def engine_process(module: str, *files: Path, check: bool = False) -> None:
+    """`python -m module files...` with vLLM's engine in that process (one engine a process);
+    `ATSKV_VLLM_PYTHONPATH`, where set, is that process's `PYTHONPATH` (vLLM beside another
+    transformers than the caller's, as on the GPU machine: `benchmarks/device/vllm_env.sh`)."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    subprocess.run([sys.executable, "-m", module, *map(str, files)], env=env, check=False)
+    if path := os.environ.get("ATSKV_VLLM_PYTHONPATH"):
+        env["PYTHONPATH"] = path
+    subprocess.run([sys.executable, "-m", module, *map(str, files)], env=env, check=check)
 
 
 def timed_batch(engine, batch_prompts: list[dict], new_tokens: int, tag: str) -> dict:

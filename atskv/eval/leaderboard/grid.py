@@ -9,10 +9,11 @@ from dataclasses import dataclass
 
 from atskv.data import TASKS, TaskExample
 from atskv.errors import InputError, built_from_option
-from atskv.eval.method import DENSE, HOST, KVPRESS, KVPRESS_FULL, OWN, TIERED, Method, check_methods
+from atskv.eval.method import DENSE, HOST, KVPRESS, KVPRESS_FULL, OWN, TIERED, VLLM, Method, check_methods
 
-RUNTIMES = (OWN, TIERED, HOST, KVPRESS)  # the methods' runtimes a leaderboard runs
+RUNTIMES = (OWN, TIERED, HOST, KVPRESS, VLLM)  # the methods' runtimes a leaderboard runs
 KVPRESS_DENSE = str(Method(KVPRESS, KVPRESS_FULL))
+VLLM_DENSE = str(Method(VLLM))  # vanilla vLLM, the dense beside the plugin's rows
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,9 @@ class Cell:
 
 @dataclass(frozen=True)
 class Grid:
-    """What to run; `methods` are atskv selector names, `tiered:<selector>`, `host:<selector>` and
-    `kvpress:<press>` names (dense is always run, it is the reference)."""
+    """What to run; `methods` are atskv selector names, `tiered:<selector>`, `host:<selector>`,
+    `kvpress:<press>` and `vllm:<selector>` names (dense is always run, it is the reference; with
+    kvpress or vLLM rows, their own full-KV run too)."""
 
     contexts: tuple[int, ...]
     ratios: tuple[float, ...]
@@ -54,7 +56,7 @@ class Grid:
 
     @property
     def selectors(self) -> list[str]:
-        return [m for m in self.methods if Method.parse(m).runtime != KVPRESS and m != DENSE]
+        return [m for m in self.methods if Method.parse(m).runtime not in (KVPRESS, VLLM) and m != DENSE]
 
     @property
     def tiered(self) -> list[str]:
@@ -70,6 +72,11 @@ class Grid:
     def selector_names(self) -> list[str]:
         """The selectors the atskv rows build, each once (a `tiered:` or `host:` row's without its prefix)."""
         return list(dict.fromkeys(Method.parse(m).name for m in self.selectors))
+
+    @property
+    def engine_rows(self) -> list[str]:
+        """The `vllm:<selector>` rows (vLLM with atskv's plugin, beside vanilla vLLM)."""
+        return [m for m in self.methods if Method.parse(m).runtime == VLLM]
 
     @property
     def presses(self) -> list[str]:
@@ -100,7 +107,7 @@ def check_grid(
     check_methods(methods, RUNTIMES)
     return Grid(
         tuple(dict.fromkeys(contexts)), tuple(dict.fromkeys(float(r) for r in ratios)),
-        tuple(dict.fromkeys(m for m in methods if m != DENSE)), tuple(dict.fromkeys(tasks)),
+        tuple(dict.fromkeys(m for m in methods if m not in (DENSE, VLLM_DENSE))), tuple(dict.fromkeys(tasks)),
         tuple(dict.fromkeys(seeds)),
     )  # fmt: skip
 
@@ -133,5 +140,7 @@ def build_examples(tokenizer, task: str, context: int, seed: int, n: int, filler
 
 
 def own_dense(method: str) -> str:
-    """The full-KV row of `method`'s own environment: kvpress's for a press, atskv's dense else."""
-    return KVPRESS_DENSE if Method.parse(method).runtime == KVPRESS else DENSE
+    """The full-KV row of `method`'s own environment: kvpress's for a press, vanilla vLLM for the
+    plugin's rows, atskv's dense else."""
+    runtime = Method.parse(method).runtime
+    return KVPRESS_DENSE if runtime == KVPRESS else VLLM_DENSE if runtime == VLLM else DENSE

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from atskv.data import TASKS
 from atskv.errors import InputError
-from atskv.eval.leaderboard.grid import KVPRESS_DENSE, Grid
+from atskv.eval.leaderboard.grid import KVPRESS_DENSE, VLLM_DENSE, Grid
 from atskv.eval.leaderboard.report import describe, write
 from atskv.eval.leaderboard.store import CellStore
 from atskv.eval.method import DENSE, KVPRESS, Method
@@ -91,7 +91,7 @@ def merge_folders(
                 if (renamed := replace(cell, method=str(labelled))).key not in store:
                     store.add(renamed)
     cells = list(store.cells.values())
-    methods = [m for m in dict.fromkeys(c.method for c in cells) if m not in (DENSE, KVPRESS_DENSE)]
+    methods = [m for m in dict.fromkeys(c.method for c in cells) if m not in (DENSE, KVPRESS_DENSE, VLLM_DENSE)]
     tasks = {c.task for c in cells}
     grid = Grid(
         tuple(sorted({c.context for c in cells})), tuple(sorted({c.ratio for c in cells if c.ratio is not None})),

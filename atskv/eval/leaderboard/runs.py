@@ -1,6 +1,8 @@
 """Computing a leaderboard's missing cells into its folder: atskv's rows through `generate_batch`
-(the fast path, the hook, the two-tier store or the host tier, as the row's runtime says) and
-kvpress's presses through the peer check's venv, one process a press."""
+(the fast path, the hook, the two-tier store or the host tier, as the row's runtime says),
+kvpress's presses through the peer check's venv, one process a press, and the vLLM rows (vanilla
+vLLM and vLLM with atskv's plugin) through `atskv.eval.vllm_generate`, one engine a row and ratio
+over every prompt of the grid."""
 
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ from atskv.data import filler_text
 from atskv.data.prompts import encode_prompt
 from atskv.errors import InputError
 from atskv.eval import peer
-from atskv.eval.generation import Runtime, generate_batch, pad_left
-from atskv.eval.leaderboard.grid import KVPRESS_DENSE, Cell, Grid, build_examples, check_tiering
+from atskv.eval.generation import Runtime, eos_ids, generate_batch, pad_left
+from atskv.eval.leaderboard.grid import KVPRESS_DENSE, VLLM_DENSE, Cell, Grid, build_examples, check_tiering
 from atskv.eval.leaderboard.report import describe, write
 from atskv.eval.leaderboard.store import CellStore
 from atskv.eval.method import DENSE, HOOK, HOST, KVPRESS, OWN, TIERED, Method
@@ -94,6 +96,51 @@ def _kvpress_cells(loaded, python, folder, examples, group, press, ratios, new_t
     return cells
 
 
+def _engine_cells(loaded, out: Path, wanted: dict, batches: dict, new_tokens: dict, dense_layers: int,
+                  selector_options: Mapping | None) -> list[Cell]:  # fmt: skip
+    """The vLLM rows' cells: for each (method, ratio) of `wanted` (by group: the keys it lacks), one
+    engine over the prompts of all its groups (`batches`, generating the most `new_tokens` any
+    needs), each output cut to its group's new tokens and at the model's end of sequence, decoded
+    and scored as atskv's runs are. The model is saved once as a Hugging Face directory in `out`."""
+    from atskv.eval.vllm_generate import GenerationJob, generate, save_for_vllm
+    from atskv.runtime.vllm.config import PluginConfig
+
+    model_dir = save_for_vllm(loaded, out / "vllm-model")
+    tokenizer, jobs, groups_of = loaded.tokenizer, {}, defaultdict(list)
+    prompt_ids = {g: [encode_prompt(tokenizer, ex.prompt, chat=False)[0].tolist() for ex in batches[g]] for g in wanted}
+    for group, keys in wanted.items():
+        for key in keys:
+            groups_of[key].append(group)
+    for (method, ratio), groups in groups_of.items():
+        name = Method.parse(method).name
+        if name:  # the plugin's settings checked here, before an engine starts (a bad option: one line)
+            PluginConfig.from_additional_config({"atskv": {
+                "selector": name, "budget": peer.budget_fraction(ratio), "dense_layers": dense_layers,
+                "options": dict((selector_options or {}).get(name, {}))}})  # fmt: skip
+        requests = [{"id": f"{c}-{t}-{s}-{i}", "prompt_token_ids": prompt_ids[c, t, s][i]} for c, t, s in groups
+                    for i in range(len(batches[c, t, s]))]  # fmt: skip
+        jobs[method, ratio] = GenerationJob(
+            method, str(model_dir), None if ratio is None else peer.budget_fraction(ratio), dense_layers,
+            max(new_tokens[g] for g in groups), requests, dict((selector_options or {}).get(name, {})),
+        )  # fmt: skip
+    outputs = generate(list(jobs.values()), out / "vllm" / "outputs.jsonl")
+    stops, cells = eos_ids(loaded.model, tokenizer), []
+    for (method, ratio), job in jobs.items():
+        for c, t, s in groups_of[method, ratio]:
+            texts = []
+            for i in range(len(batches[c, t, s])):
+                tokens = outputs[job.label][f"{c}-{t}-{s}-{i}"][: new_tokens[c, t, s]]
+                ends = [j for j, token in enumerate(tokens) if token in stops]
+                texts.append(tokenizer.decode(tokens[: ends[0] + 1] if ends else tokens, skip_special_tokens=True))
+            scores = tuple(ex.score(text) for ex, text in zip(batches[c, t, s], texts))
+            cells.append(Cell(
+                c, t, s, method, ratio, job.budget, None if ratio is None else dense_layers, "dense (vLLM's)",
+                new_tokens[c, t, s], sum(scores) / len(scores), scores,
+                tuple(ex.n_tokens for ex in batches[c, t, s]), tuple(texts),
+            ))  # fmt: skip
+    return cells
+
+
 def run_leaderboard(
     loaded,
     out: str | Path,
@@ -160,7 +207,10 @@ def run_leaderboard(
     atskv_keys = {g: [(DENSE, None)] + [(m, r) for m in selectors for r in grid.ratios] for g in groups}
     press_runs = [(KVPRESS_DENSE, None)] + [(str(Method(KVPRESS, p)), r) for p in presses for r in grid.ratios]
     press_keys = {g: press_runs if presses else [] for g in groups}
-    pending = {g: [k for k in atskv_keys[g] + press_keys[g] if (*g, *k) not in store] for g in groups}
+    engine_runs = [(VLLM_DENSE, None)] + [(m, r) for m in grid.engine_rows for r in grid.ratios]
+    engine_keys = {g: engine_runs if grid.engine_rows else [] for g in groups}
+    pending = {g: [k for k in atskv_keys[g] + press_keys[g] + engine_keys[g] if (*g, *k) not in store] for g in groups}
+    batches, room = {}, {}  # the vLLM rows' prompts and new tokens, by group, for one engine over them all
     text = filler_text(filler)
     bar = tqdm(total=sum(map(len, pending.values())), desc="leaderboard", disable=not progress)
     failed: list[str] = []
@@ -170,6 +220,7 @@ def run_leaderboard(
         context, task, seed = group
         batch = build_examples(loaded.tokenizer, task, context, seed, examples, text)
         new_tokens = max_new_tokens or answer_room(loaded.tokenizer, batch)
+        batches[group], room[group] = batch, new_tokens
         for method, ratio in (k for k in pending[group] if k in atskv_keys[group]):
             bar.set_postfix_str(f"{context} {task} seed {seed} {method} {ratio or ''}")
             budget = None if ratio is None else peer.budget_fraction(ratio)
@@ -198,8 +249,16 @@ def run_leaderboard(
             for cell in made:
                 store.add(cell)
                 bar.update()
+    engine_wanted = {g: [k for k in pending[g] if k in engine_keys[g]] for g in groups}
+    if any(engine_wanted.values()):  # after atskv's and kvpress's rows: an engine that fails loses only its own
+        bar.set_postfix_str("vLLM")
+        for cell in _engine_cells(loaded, store.out, {g: k for g, k in engine_wanted.items() if k}, batches, room,
+                                  dense_layers, selector_options):  # fmt: skip
+            store.add(cell)
+            bar.update()
     bar.close()
-    cells = [store.cells[(*g, *k)] for g in groups for k in atskv_keys[g] + press_keys[g] if (*g, *k) in store.cells]
+    every = {g: atskv_keys[g] + press_keys[g] + engine_keys[g] for g in groups}
+    cells = [store.cells[(*g, *k)] for g in groups for k in every[g] if (*g, *k) in store.cells]
     notes = describe(settings, grid, skipped)
     if failed:
         notes += "\n\nkvpress runs that failed (their cells are empty; a rerun tries again): " + "; ".join(failed)
