@@ -1,6 +1,8 @@
 """Where a decode step of the vLLM plugin goes, per layer, outside vLLM: the plugin's stages on a
 synthetic paged cache of the 8B shape (32/8 heads, dim 128, blocks of 16), each graph-captured and
-timed alone (`triton.testing.do_bench_cudagraph`, median), beside SDPA over the whole context.
+timed alone (`triton.testing.do_bench_cudagraph`, median), beside SDPA over the whole context:
+Quest, StreamingLLM, the kept lists of H2O and the learned selector (random lists: what a step
+costs does not depend on what they hold), SparQ on random keys.
 `--capacity` is the engine's max_model_len: the block table's width, which sizes a fractional
 budget's index lists. `--tune` adds the sparse decode kernel of StreamingLLM's pick at other
 pipeline depths and split counts (its defaults: 1 stage, `choose_split_size`).
@@ -19,7 +21,8 @@ from triton.testing import do_bench_cudagraph
 from atskv.kernels.paged import paged_page_scores
 from atskv.kernels.quest_decode import quest_pick
 from atskv.kernels.sparse_decode import choose_split_size, sparse_decode_attention_triton
-from atskv.runtime.vllm.selection import PagedQuest, PagedStreamingLLM, paged_sparse_decode, slot_view
+from atskv.runtime.vllm.heavy_hitters import KeptLists
+from atskv.runtime.vllm.selection import PagedQuest, PagedSparQ, PagedStreamingLLM, paged_sparse_decode, slot_view
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--budget", type=float, default=0.05)
@@ -58,6 +61,22 @@ for run in args.runs:
         chosen = streaming.pick(query, HKV, None, table, seq_lens, BS, args.budget)
         return paged_sparse_decode(query, key_cache, value_cache, *chosen, table, D**-0.5)
 
+    lists = KeptLists.empty(blocks * BS, HKV, dev)
+    lists.kept.random_(0, context - 1)
+    lists.kept_value.uniform_()
+    sparq, key_slots = PagedSparQ(), slot_view(key_cache, 1)[0]
+
+    def kept_step(new_value: float, mass: bool):
+        chosen = lists.step(table, seq_lens, BS, args.budget, 0.5 if mass else 0.0, new_value)
+        out = paged_sparse_decode(query, key_cache, value_cache, *chosen, table, D**-0.5, want_mass=mass)
+        if mass:
+            lists.add_read_mass(out[1], table, seq_lens, BS)
+        return out
+
+    def sparq_step():
+        chosen = sparq.pick(query, HKV, None, table, seq_lens, BS, args.budget, {}, keys=key_slots, scaling=D**-0.5)
+        return paged_sparse_decode(query, key_cache, value_cache, *chosen, table, D**-0.5)
+
     stages = {
         "SDPA, whole context": lambda: F.scaled_dot_product_attention(
             query.unsqueeze(2), dense_k, dense_v, enable_gqa=True),
@@ -69,6 +88,12 @@ for run in args.runs:
         "quest: whole step": quest_step,
         "streaming: pick": lambda: streaming.pick(query, HKV, None, table, seq_lens, BS, args.budget),
         "streaming: whole step": streaming_step,
+        "kept lists: step": lambda: lists.step(table, seq_lens, BS, args.budget, 0.5, 0.0),
+        "h2o: whole step": lambda: kept_step(0.0, mass=True),
+        "learned: whole step": lambda: kept_step(float("inf"), mass=False),
+        "sparq: pick": lambda: sparq.pick(query, HKV, None, table, seq_lens, BS, args.budget, {}, keys=key_slots,
+                                          scaling=D**-0.5),
+        "sparq: whole step": sparq_step,
     }  # fmt: skip
     if args.tune:
         recent, recent_lengths = streaming.pick(query, HKV, None, table, seq_lens, BS, args.budget)

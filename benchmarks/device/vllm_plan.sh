@@ -7,6 +7,10 @@
 #        0.25 and 1 request/s through one engine, NEW tokens each (256; ~7 min; free: unread blocks back)
 #   bash benchmarks/device/vllm_plan.sh inflight METHOD [free [DENSE]]  # 12 requests of 128K at once through
 #        one engine (~4 min): the most in flight and each one's share of the KV pool (DENSE layers, default 2)
+#   bash benchmarks/device/vllm_plan.sh quality [CONTEXT]  # SmolLM2 with its real weights (not yet run): an
+#        engine-ready predictor collected and fit here, then the leaderboard's atskv rows and vllm: rows (beside
+#        vanilla vLLM) on the same prompts, 3 seeds (needs benchmarks/device/stage.sh's .whl and .device/s1-s3
+#        carried too; the parent runs atskv's transformers, each engine process vLLM's: ATSKV_VLLM_PYTHONPATH)
 # Rows land under $OUT (JSON lines, as they finish), with the logs.
 set -uo pipefail
 source benchmarks/device/vllm_env.sh
@@ -52,5 +56,20 @@ vllm_trace.measure([spec], [vllm_trace.Trace(rate=50.0, requests=12, shortest=13
 print(vllm_trace.table(rows))
 PY
     ;;
-  *) echo "usage: vllm_plan.sh profile|decode [METHODS]|tests [K]|trace METHOD [free [NEW]]|inflight METHOD [free [DENSE]]" >&2; exit 2 ;;
+  quality)
+    export ATSKV_VLLM_PYTHONPATH=$PYTHONPATH
+    source benchmarks/device/env.sh && assemble smollm2-135m.gguf
+    m=/tmp/mdl/smollm2-135m.gguf q=/tmp/quality
+    python3 -m atskv.cli collect --model $m --corpus austen --windows 32 --window_tokens 4096 --device cuda \
+      --out $q/collect > "$OUT/quality.log" 2>&1
+    python3 -m atskv.cli fit --config configs/fit.yaml --data.folder $q/collect --model.reduced_width 0 \
+      --model.without '[hidden_norm, token_type]' --trainer.max_epochs 5 --trainer.default_root_dir $q/fit \
+      --trainer.logger.init_args.save_dir $q/fit >> "$OUT/quality.log" 2>&1
+    python3 -m atskv.cli export "$(ls -d $q/fit/*/version_*/checkpoints/last.ckpt | tail -1)" --model $m \
+      --out $q/predictor >> "$OUT/quality.log" 2>&1
+    python3 -m atskv.cli eval leaderboard --model $m --predictor $q/predictor --contexts "[${2:-4096}]" \
+      --methods '[learned, vllm:learned, snapkv, vllm:snapkv, h2o, vllm:h2o]' --ratios '[0.875, 0.9]' \
+      --seeds '[0, 1, 2]' --device cuda --dtype bfloat16 --out "$OUT/lb" >> "$OUT/quality.log" 2>&1
+    grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" "$OUT/quality.log" | tail -8; cat "$OUT/lb/leaderboard.md" ;;
+  *) echo "usage: vllm_plan.sh profile|decode [METHODS]|tests [K]|trace METHOD [free [NEW]]|inflight METHOD [free [DENSE]]|quality [CONTEXT]" >&2; exit 2 ;;
 esac
