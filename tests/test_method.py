@@ -91,10 +91,12 @@ def test_check_methods_refuses_what_the_evaluator_cannot_run(text, message):
 
 def test_vllm_methods_name_the_plugins_selectors():
     """atskv's registry is not the plugin's: a selector it has not brought to vLLM is refused there."""
-    assert [str(m) for m in check_methods(["vllm", "vllm:h2o", "vllm:learned"], (VLLM,))] == [
-        "vllm", "vllm:h2o", "vllm:learned"]  # fmt: skip
-    with pytest.raises(InputError, match="plugin has no selector 'sparq'; it has: h2o, learned, quest, snapkv"):
-        check_methods(["vllm:sparq"], (VLLM,))
+    assert [str(m) for m in check_methods(["vllm", "vllm:h2o", "vllm:learned+sparq"], (VLLM,))] == [
+        "vllm", "vllm:h2o", "vllm:learned+sparq"]  # fmt: skip
+    with pytest.raises(InputError, match="plugin has no selector 'kascade'; it has: h2o, learned, quest, snapkv"):
+        check_methods(["vllm:kascade"], (VLLM,))
+    with pytest.raises(InputError, match="no selector 'learned\\+spark'"):
+        check_methods(["vllm:learned+spark"], (VLLM,))
 
 
 def test_check_methods_gives_the_methods_in_order():

@@ -626,3 +626,73 @@ def test_the_plugins_selection_imports_no_transformers():
     code = "; ".join([f"import atskv.runtime.vllm.{m}" for m in modules] + ["import sys", heavy])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("budget, residency", [(12, None), (0.1, 0.5), (8, 40)])
+def test_a_composition_reads_what_sparq_chooses_among_the_residents(cache, budget, residency, monkeypatch):
+    """`streaming_llm+sparq`: StreamingLLM's sinks and recent tokens at the residency budget (4x the
+    budget by default, atskv's rule), then SparQ's choice among them at the budget, normalised over
+    the residents as atskv's `HybridSelector` shows them to its attention part; the kernels
+    (Triton's interpreter on the CPU) and the reference alike."""
+    from atskv.runtime.vllm.composition import RESIDENCY_FACTOR, build_paged_selector
+    from atskv.runtime.vllm.selection import slot_view
+    from atskv.selectors.hybrid import RESIDENCY_FACTOR as ATSKV_FACTOR
+
+    assert RESIDENCY_FACTOR == ATSKV_FACTOR
+    options = {"sparq": {"rank_fraction": 4 / D}} | ({"residency_budget": residency} if residency else {})
+    selector = build_paged_selector("streaming_llm+sparq", options)
+    assert selector.name == "streaming_llm+sparq" and selector.reads_keys and not selector.keeps_state
+    b, width = len(cache.lengths), cache.block_table.shape[1] * BLOCK
+    held = residency or (budget * 4 if isinstance(budget, int) else min(1.0, budget * 4))
+    query = torch.randn(b, HQ, D, generator=torch.Generator().manual_seed(9))
+    seq_lens = torch.tensor(cache.lengths, dtype=torch.int32)
+    slot_pos = torch.full((b, HKV, width), -1)
+    for r, n in enumerate(cache.lengths):
+        k = math.ceil(n * held) if isinstance(held, float) else min(n, held)
+        keep = torch.where(torch.arange(n) < 4, torch.inf, torch.arange(n, dtype=torch.float32)).topk(k).indices
+        slot_pos[r, :, keep] = keep
+    keys = padded(cache.keys, width)
+    k = budget if isinstance(budget, int) else math.ceil(budget * width)
+    want_idx, want_len = sparq_decode_reference(query, keys, keys.transpose(2, 3).clone(), slot_pos,
+                                                (seq_lens.long() - 1).view(-1, 1).expand(-1, HKV), seq_lens, D**-0.5,
+                                                4, budget, k)  # fmt: skip
+    key_slots = slot_view(cache.split()[0], 1)[0]
+    for kernels, device in (("reference", "cpu"), ("triton", KERNELS)):
+        monkeypatch.setenv("ATSKV_KERNELS", kernels)
+        inputs = [t.to(device) for t in (query, cache.block_table, seq_lens, key_slots)]
+        positions, lengths = selector.pick(inputs[0], HKV, None, inputs[1], inputs[2], BLOCK, budget, {},
+                                           keys=inputs[3], scaling=D**-0.5)  # fmt: skip
+        positions, lengths = positions.cpu(), lengths.cpu()
+        assert torch.equal(lengths.long(), want_len.long()), kernels
+        for r in range(b):
+            for h in range(HKV):
+                n = int(lengths[r, h])
+                assert set(positions[r, h, :n].tolist()) == set(want_idx[r, h, :n].tolist()), (kernels, r, h)
+                assert set(positions[r, h, :n].tolist()) <= set(slot_pos[r, h][slot_pos[r, h] >= 0].tolist())
+    assert (lengths < seq_lens.view(-1, 1)).any()
+
+
+def test_a_composition_hands_the_reads_mass_to_its_residency_part_by_its_own_entries():
+    from atskv.runtime.vllm.composition import build_paged_selector
+
+    selector = build_paged_selector("h2o+sparq", {"residency_budget": 20})
+    assert selector.reads_mass and selector.scores_prompt and selector.keeps_state
+    got = {}
+    selector.residency.observe_read = lambda state, mass, *rest: got.setdefault("mass", mass)
+    chosen = torch.tensor([[[3, 0, 5]]])
+    selector._chosen = (chosen, torch.tensor([[2]]), 6)
+    selector.observe_read(None, torch.tensor([[[0.5, 0.25, 9.0]]]), None, None, BLOCK)
+    assert got["mass"].tolist() == [[[0.25, 0.0, 0.0, 0.5, 0.0, 0.0]]]  # the third read entry is filler
+
+
+@pytest.mark.parametrize("name, options, message", [
+    ("quest+sparq", {}, "quest chooses per query"),
+    ("h2o+snapkv", {}, "snapkv cannot choose among"),
+    ("h2o+sparq", {"sparq": {"rank": 4}}, "sparq has no option 'rank'"),
+    ("h2o+sparq", {"h2o_": {}}, "no option 'h2o_'"),
+    ("h2o+sparq", {"residency_budget": 0}, "bad residency_budget"),
+    ("a+b+c", {}, "no selector 'a\\+b\\+c'"),
+])  # fmt: skip
+def test_bad_compositions_are_one_line_errors(name, options, message):
+    with pytest.raises(InputError, match=message):
+        PluginConfig(selector=name, options=options)

@@ -99,9 +99,10 @@ def check_methods(texts: Iterable[str], runtimes: Sequence[str]) -> list[Method]
         elif method.runtime == VLLM and method.name:
             from atskv.runtime.vllm.selection import PAGED_SELECTORS  # pure torch: no vLLM needed
 
-            if method.name not in PAGED_SELECTORS:
+            parts = method.name.split("+")
+            if len(parts) > 2 or not all(p in PAGED_SELECTORS for p in parts):
                 raise InputError(f"{method}: atskv's vLLM plugin has no selector {method.name!r}; it has: "
-                                 f"{', '.join(sorted(PAGED_SELECTORS))}")  # fmt: skip
+                                 f"{', '.join(sorted(PAGED_SELECTORS))} and <residency>+sparq")  # fmt: skip
         elif method.name:
             try:
                 check_selector_names([method.name])

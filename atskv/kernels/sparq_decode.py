@@ -128,21 +128,23 @@ def sparq_decode(query, keys, keys_t, slot_pos, write_slot, context, scaling: fl
 def sparq_decode_paged(query, key_slots, block_table, block_size: int, slot_pos, context, scaling: float,
                        rank: int, budget: int | float, k: int,
                        recent: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """`sparq_decode` over a paged cache read in place (vLLM's), with no channel-major copy: slots
-    are each request's logical positions, `key_slots` `[Hkv, num_slots, D]` the cache's keys by
-    physical slot, `block_table` `[B, W]` maps positions to them, `slot_pos` `[B, 1 or Hkv, W *
-    block_size]` is a position where the request holds it, else -1, and `context` `[B]` its length
-    (the newest position, for `recent`, is `context - 1`). A chosen channel of a row-major key is
-    one scattered load per token: this reads most of K's sectors (the copy is what saves them)."""
+    """`sparq_decode` over a paged cache read in place (vLLM's), with no channel-major copy: slot s
+    of a row holds logical position `slot_pos[b, h, s]` (-1: none; `[B, 1 or Hkv, S]`), read through
+    `block_table` `[B, W]` from `key_slots` `[Hkv, num_slots, D]`, the cache's keys by physical
+    slot. Every position a request holds (`slot_pos` = the slot itself below its length), or a
+    kept list's (a composition's residents). `context` `[B]` is each request's length (the budget's
+    base); `recent` needs the first layout (its newest position, `context - 1`, at that slot).
+    Returns slots, as `sparq_decode`. A chosen channel of a row-major key is one scattered load per
+    token: this reads most of K's sectors (the copy is what saves them)."""
     b, hkv = query.shape[0], key_slots.shape[0]
     slot_pos = slot_pos.expand(b, hkv, -1)
-    newest = (context.long() - 1).clamp(min=0).view(b, 1).expand(b, hkv)
+    newest = (context.long() - 1).clamp(min=0, max=slot_pos.shape[-1] - 1).view(b, 1).expand(b, hkv)  # its slot
     if use_triton(query):
         keys_t = key_slots.transpose(1, 2).unsqueeze(0).expand(b, -1, -1, -1)  # [B, Hkv, D, num_slots], a view
         return sparq_decode_triton(query, keys_t, keys_t, slot_pos, newest, context, scaling, rank, budget, k,
                                    recent=recent, block_table=block_table, block_size=block_size)  # fmt: skip
-    logical = torch.arange(block_table.shape[1] * block_size, device=query.device).view(1, 1, -1).expand(b, 1, -1)
-    keys = key_slots[:, physical_slots(logical, block_table, block_size).view(b, -1).long()].transpose(0, 1)
+    physical = physical_slots(slot_pos.clamp(min=0), block_table, block_size).long()  # [B, Hkv, S]
+    keys = key_slots[torch.arange(hkv, device=query.device).view(1, -1, 1), physical]  # [B, Hkv, S, D]
     return sparq_decode_reference(query, keys, keys.transpose(2, 3).clone(), slot_pos, newest, context, scaling,
                                   rank, budget, k, recent=recent)  # fmt: skip
 
@@ -246,9 +248,9 @@ def _logits_kernel(
     slots), the max and sum over the span to `[rows, GROUP, parts, 2]`. Loops and masks run to
     `width` and `kt_cols` (multiples of 64 when `keys_t` is `channel_major`'s), so that a mask is the
     same over each vector of a load: bounded by an odd slot count, the loads do not vectorise
-    and this step runs over twice as long (`SLOT_ALIGN`). PAGE > 0: slots are logical positions
-    of pages of PAGE slots, `keys_t` is indexed by physical slot through the block table
-    `table` `[B, W]` (vLLM's paged cache), and only held slots are read."""
+    and this step runs over twice as long (`SLOT_ALIGN`). PAGE > 0: a slot holds the logical
+    position in `pos` (pages of PAGE positions), read from `keys_t` by physical slot through the
+    block table `table` `[B, W]` (vLLM's paged cache); only held slots are read."""
     wait_for_inputs(PDL)
     head = tl.program_id(0)
     part = tl.program_id(1)
@@ -272,10 +274,11 @@ def _logits_kernel(
     for start in range(first, last, BLOCK_S):
         s = start + tl.arange(0, BLOCK_S)
         ok = s < last
-        held = tl.load(pos_ptr + b * sp_b + h * sp_h + s * sp_s, mask=s < n_slots, other=-1) >= 0
+        pos = tl.load(pos_ptr + b * sp_b + h * sp_h + s * sp_s, mask=s < n_slots, other=-1)
+        held = pos >= 0
         if PAGE > 0:
-            page = tl.load(table_ptr + b * stb_b + s // PAGE, mask=held, other=0).to(tl.int64)
-            tile = tl.load(rows_at + (page * PAGE + s % PAGE)[None, :] * st_s, mask=used[:, None] & held[None, :],
+            page = tl.load(table_ptr + b * stb_b + pos // PAGE, mask=held, other=0).to(tl.int64)
+            tile = tl.load(rows_at + (page * PAGE + pos % PAGE)[None, :] * st_s, mask=used[:, None] & held[None, :],
                            other=0.0)  # fmt: skip
         else:
             tile = tl.load(rows_at + s[None, :] * st_s, mask=used[:, None] & (s < kt_cols)[None, :], other=0.0)

@@ -34,8 +34,9 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from atskv.errors import InputError
 from atskv.runtime.vllm.batch import PromptChunk, prefill_share, prompt_rows
+from atskv.runtime.vllm.composition import build_paged_selector
 from atskv.runtime.vllm.config import WORKER, PluginConfig
-from atskv.runtime.vllm.selection import PAGED_SELECTORS, paged_sparse_decode, slot_view
+from atskv.runtime.vllm.selection import paged_sparse_decode, slot_view
 
 logger = init_logger(__name__)
 
@@ -49,7 +50,7 @@ class AtskvMetadataBuilder(FlashAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         config = PluginConfig.from_additional_config(vllm_config.additional_config)
-        self.scores_prompt = not config.dense and PAGED_SELECTORS[config.selector].scores_prompt
+        self.scores_prompt = not config.dense and build_paged_selector(config.selector, config.options).scores_prompt
         if self.scores_prompt and vllm_config.cache_config.enable_prefix_caching:  # a shared first block
             raise InputError(f"atskv: {config.selector} ranks each prompt in its own blocks; it needs "
                              "enable_prefix_caching=False")  # fmt: skip
@@ -75,8 +76,7 @@ class AtskvAttentionImpl(FlashAttentionImpl):
         super().__init__(*args, **kwargs)
         vllm_config = get_current_vllm_config_or_none()
         self.config = PluginConfig.from_additional_config(vllm_config.additional_config if vllm_config else None)
-        selector = PAGED_SELECTORS.get(self.config.selector)
-        self.selector = None if self.config.dense else selector(**(self.config.options or {}))
+        self.selector = None if self.config.dense else build_paged_selector(self.config.selector, self.config.options)
         self.state = None  # the selector's, beside the cache (`keeps_state`): made once the cache exists
         self._state_blocks = 0
         self._sparse: bool | None = None  # decided at the first call, which names the layer

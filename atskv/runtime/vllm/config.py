@@ -16,14 +16,27 @@ BUDGET_RULE = (
 )
 
 
+def check_plugin_budget(budget, name: str) -> None:
+    """An `InputError` naming `name` unless `budget` follows `BUDGET_RULE`."""
+    if (
+        isinstance(budget, bool)
+        or not isinstance(budget, (int, float))
+        or (isinstance(budget, int) and budget < 1)
+        or (isinstance(budget, float) and not 0.0 < budget <= 1.0)
+    ):
+        raise InputError(f"atskv: bad {name} {budget!r}: {BUDGET_RULE}")
+
+
 @dataclass(frozen=True)
 class PluginConfig:
-    """`selector`: a name of `atskv.runtime.vllm.selection.PAGED_SELECTORS`, or "dense" (vLLM's own
-    attention everywhere). `budget`: what a decode query reads (`BUDGET_RULE`). `dense_layers`: the
-    first layers attend in full, as in `atskv.sparse` (sliding-window layers always do).
-    `options`: the selector's own (e.g. `{"sinks": 4}` for streaming_llm). `free_blocks`: the
-    blocks a selector that `frees_blocks` will not read go back to vLLM's pool, so more requests
-    fit (needs `worker_cls=WORKER` and prefix caching off: `atskv.runtime.vllm.freeing`)."""
+    """`selector`: a name of `atskv.runtime.vllm.selection.PAGED_SELECTORS`, a composition of two
+    (`atskv.runtime.vllm.composition`: `learned+sparq`), or "dense" (vLLM's own attention
+    everywhere). `budget`: what a decode query reads (`BUDGET_RULE`). `dense_layers`: the first
+    layers attend in full, as in `atskv.sparse` (sliding-window layers always do). `options`: the
+    selector's own (e.g. `{"sinks": 4}` for streaming_llm; a composition's by part name, and
+    `residency_budget`). `free_blocks`: the blocks a selector that `frees_blocks` will not read go
+    back to vLLM's pool, so more requests fit (needs `worker_cls=WORKER` and prefix caching off:
+    `atskv.runtime.vllm.freeing`)."""
 
     selector: str = "quest"
     budget: int | float = 0.05
@@ -32,30 +45,21 @@ class PluginConfig:
     free_blocks: bool = False
 
     def __post_init__(self):
+        from atskv.runtime.vllm.composition import build_paged_selector
         from atskv.runtime.vllm.selection import PAGED_SELECTORS
 
-        known = ["dense", *PAGED_SELECTORS]
-        if self.selector not in known:
-            raise InputError(f"atskv's vLLM plugin has no selector {self.selector!r}; it has: {', '.join(known)}")
-        budget = self.budget
-        if (
-            isinstance(budget, bool)
-            or not isinstance(budget, (int, float))
-            or (isinstance(budget, int) and budget < 1)
-            or (isinstance(budget, float) and not 0.0 < budget <= 1.0)
-        ):
-            raise InputError(f"atskv: bad budget {budget!r}: {BUDGET_RULE}")
+        if not isinstance(self.selector, str):
+            raise InputError(f"atskv: selector must be a name, got {self.selector!r}")
+        check_plugin_budget(self.budget, "budget")
         if isinstance(self.dense_layers, bool) or not isinstance(self.dense_layers, int) or self.dense_layers < 0:
             raise InputError(f"atskv: dense_layers must be an int >= 0, got {self.dense_layers!r}")
         if self.options is not None and not isinstance(self.options, dict):
             raise InputError(f"atskv: options must be a dict of the selector's own, got {self.options!r}")
-        if self.selector in PAGED_SELECTORS:  # before any engine starts: a worker's traceback is long
-            selector = PAGED_SELECTORS[self.selector]
-            check_options(f"atskv's {self.selector}", self.options or {}, [f.name for f in fields(selector)])
-            selector(**(self.options or {}))  # its own checks (the learned selector: its predictor)
+        # built before any engine starts (a worker's traceback is long): its options, its own checks
+        selector = None if self.selector == "dense" else build_paged_selector(self.selector, self.options)
         if not isinstance(self.free_blocks, bool):
             raise InputError(f"atskv: free_blocks must be true or false, got {self.free_blocks!r}")
-        if self.free_blocks and (self.dense or not PAGED_SELECTORS[self.selector].frees_blocks):
+        if self.free_blocks and (self.dense or not selector.frees_blocks):
             freeing = [name for name, cls in PAGED_SELECTORS.items() if cls.frees_blocks]
             raise InputError(f"atskv: free_blocks needs a budget below 1.0 and a selector whose reads follow "
                              f"from a request's length: {', '.join(freeing)}")  # fmt: skip

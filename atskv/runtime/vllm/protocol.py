@@ -1,7 +1,8 @@
 """What a paged selector declares (`atskv.runtime.vllm.selection` describes the protocol): the
 base class's defaults are a selector that keeps no state, scores no prompt, reads no mass, frees
-no block and reads no keys to choose; a selector's class names only where it differs, as vLLM's
-attention backends declare what they support on their own class."""
+no block, reads no keys to choose and keeps one set of tokens whatever the query; a selector's
+class names only where it differs, as vLLM's attention backends declare what they support on
+their own class."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ class PagedSelector:
     reads_mass: ClassVar[bool] = False  # `observe_read` with the mass each decode read gives
     frees_blocks: ClassVar[bool] = False  # `unread_blocks` go back to vLLM's pool
     reads_keys: ClassVar[bool] = False  # `pick` gets `keys` (the cache's `[Hkv, num_slots, D]`) and `scaling`
+    query_aware: ClassVar[bool] = False  # chooses per query (else: a kept set, a composition's residency part)
+    picks_among: ClassVar[bool] = False  # `pick_among` given positions: a composition's attention part
 
     def after_write(self, state, key, slot_mapping, block_size: int) -> None:
         """The keys a forward just wrote, `[N, Hkv, D]` at physical `slot_mapping` (nothing by default:

@@ -51,6 +51,7 @@ class PagedQuest(PagedSelector):
 
     name: ClassVar[str] = "quest"
     keeps_state: ClassVar[bool] = True  # frees no block: any block may be the next query's best
+    query_aware: ClassVar[bool] = True
 
     def new_state(self, num_blocks: int, block_size: int, kv_heads: int, head_size: int, dtype, device):
         """The key bounds of every block (and a row for padding tokens' writes)."""
@@ -90,6 +91,8 @@ class PagedSparQ(PagedSelector):
 
     name: ClassVar[str] = "sparq"
     reads_keys: ClassVar[bool] = True
+    query_aware: ClassVar[bool] = True
+    picks_among: ClassVar[bool] = True
     rank_fraction: float = 1 / 8
     recent: int = 0
 
@@ -99,9 +102,23 @@ class PagedSparQ(PagedSelector):
         step = {} if step is None else step
         if "positions" not in step:
             step["positions"] = usable_positions(seq_lens, slots)
-        rank = max(1, min(query.shape[-1], round(query.shape[-1] * self.rank_fraction)))
-        return sparq_decode_paged(query, keys, block_table, block_size, step["positions"], seq_lens, scaling, rank,
-                                  budget, kept_count(budget, slots), recent=self.recent)  # fmt: skip
+        return sparq_decode_paged(query, keys, block_table, block_size, step["positions"], seq_lens, scaling,
+                                  self.rank(query.shape[-1]), budget, kept_count(budget, slots),
+                                  recent=self.recent)  # fmt: skip
+
+    def pick_among(self, query, positions, counts, block_table, seq_lens, block_size: int, budget: int | float, *,
+                   keys: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """SparQ's choice among each row's first `counts` `positions` `[B, Hkv, K]` (a composition's
+        residents; the budget's base is still the request's length): the chosen entries' indices
+        into `positions` and how many count. `recent` is not applied here (the residents carry
+        their own window)."""
+        listed = torch.arange(positions.shape[-1], device=positions.device) < counts.unsqueeze(-1)
+        k = min(positions.shape[-1], kept_count(budget, block_table.shape[1] * block_size))
+        return sparq_decode_paged(query, keys, block_table, block_size, torch.where(listed, positions, -1), seq_lens,
+                                  scaling, self.rank(query.shape[-1]), budget, k)  # fmt: skip
+
+    def rank(self, head_size: int) -> int:
+        return max(1, min(head_size, round(head_size * self.rank_fraction)))
 
 
 @dataclass
