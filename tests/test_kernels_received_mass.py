@@ -13,6 +13,7 @@ from atskv.kernels.received_mass import (
 )
 
 SMALL_BLOCKS = {"block_n": 32, "block_m": 16}  # several key and query blocks at test sizes
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def make_chunk(b, hkv, group, d, tq, offset, spare, dtype=torch.float32, seed=0, device="cpu"):
@@ -180,3 +181,25 @@ def test_triton_on_gpu_at_realistic_sizes(offset):
                                            seed=offset, device="cuda")  # fmt: skip
     expected = prefix_received_mass_reference(query.float(), keys.float(), lse, offset, scaling)
     torch.testing.assert_close(prefix_received_mass(query, keys, lse, offset, scaling), expected, rtol=1e-3, atol=1e-3)
+    from atskv.kernels.received_mass import prefix_lse  # at its default blocks, the flash pass's lse
+
+    torch.testing.assert_close(prefix_lse(query, keys, offset, scaling), lse.float(), rtol=0, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group, offset, tq", [(1, 0, 37), (3, 50, 37), (2, 130, 5), (4, 7, 64)])
+def test_the_lse_kernel_matches_the_flash_pass(dtype, group, offset, tq):
+    """`prefix_lse` (logits only) against the flash pass the vLLM plugin ran for the log-sum-exps
+    (`prefix_causal_attention` with the keys as values); several key and query blocks, a chunk at
+    the start and past it, GQA groups."""
+    from atskv.kernels.received_mass import prefix_lse_reference, prefix_lse_triton
+
+    g = torch.Generator().manual_seed(group * 100 + offset)
+    hkv, d = 2, 32
+    query = torch.randn(2, hkv * group, tq, d, generator=g).to(dtype)
+    keys = torch.randn(2, hkv, offset + tq + 9, d, generator=g).to(dtype)  # spare slots past the chunk
+    want = prefix_lse_reference(query, keys, offset, d**-0.5)
+    got = prefix_lse_triton(query.to(DEVICE), keys.to(DEVICE), offset, d**-0.5, block_m=16, block_n=16)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=tolerance)
+    assert got.shape == (2, hkv * group, tq) and got.dtype == torch.float32

@@ -205,6 +205,8 @@ def test_the_engine_timing_predictor_reads_only_what_an_attention_backend_sees(t
     assert options == {"refresh": 1, "predictor": str(tmp_path / "p")}
     given = {"predictor": "mine"}
     assert timing_options("vllm:learned", given, "llama3.1-8b", 2, tmp_path / "q") == given
+    composed = timing_options("vllm:learned+sparq", {"sparq": {"recent": 4}}, "llama3.1-8b", 2, tmp_path / "p")
+    assert composed == {"sparq": {"recent": 4}, "learned": {"predictor": str(tmp_path / "p")}}
     selector = PagedLearned(predictor=options["predictor"])
     assert selector.loaded.header.managed_layers == tuple(range(2, 32))
     assert selector.loaded.mlp.inputs() == {"attention", "position", "log_age", "key_norm", "prev_attention"}

@@ -112,14 +112,18 @@ def random_engine_predictor(name: str, dense_layers: int, folder: Path) -> Path:
 
 
 def timing_options(method: str, options: dict, shape: str, dense_layers: int, folder: Path) -> dict:
-    """A method's selector options for a timing: the learned selector without a predictor gets
+    """A method's selector options for a timing: the learned selector without a predictor, alone
+    or as a composition's part (`learned+sparq`: its options under "learned"), gets
     `random_engine_predictor`'s (made once in `folder`)."""
-    if Method.parse(method).name != "learned" or "predictor" in options:
+    name = Method.parse(method).name
+    composed = "+" in name
+    own = options.get("learned", {}) if composed else options
+    if "learned" not in name.split("+") or "predictor" in own:
         return options
-    predictor = folder / "predictor.safetensors"
-    if not predictor.is_file():
+    if not (folder / "predictor.safetensors").is_file():
         random_engine_predictor(shape, dense_layers, folder)
-    return {**options, "predictor": str(folder)}
+    own = {**own, "predictor": str(folder)}
+    return {**options, "learned": own} if composed else own
 
 
 def prompts(context: int, batch: int, vocab: int, seed: int) -> list[dict]:

@@ -207,3 +207,84 @@ def _probs(
         q_t = q_t.to(tl.float32)
     logits = tl.dot(k, q_t, input_precision=DOT_PRECISION)
     return tl.exp2(logits * qk_scale - lse[None, :])
+
+
+def prefix_lse(query: torch.Tensor, keys: torch.Tensor, offset: int, scaling: float) -> torch.Tensor:
+    """Each query's natural-log log-sum-exp `[B, Hq, Tq]` (float32) over what it sees of `keys`
+    (slots `0 .. offset + i`, the layout of `prefix_received_mass`): the `lse` that kernel takes,
+    where nothing else computed it. The Triton kernel (the logits alone: no values read or
+    multiplied) on CUDA; elsewhere `prefix_causal_attention` with the keys standing in for the values."""
+    if use_triton(query) and query.shape[-1] <= MAX_HEAD_DIM:
+        return prefix_lse_triton(query, keys, offset, scaling)
+    return prefix_lse_reference(query, keys, offset, scaling)
+
+
+def prefix_lse_reference(query: torch.Tensor, keys: torch.Tensor, offset: int, scaling: float) -> torch.Tensor:
+    from atskv.attention import prefix_causal_attention
+
+    visible = keys[:, :, : offset + query.shape[2]]
+    return prefix_causal_attention(query, visible, visible, offset, scaling)[1].float()
+
+
+def prefix_lse_triton(query: torch.Tensor, keys: torch.Tensor, offset: int, scaling: float, *,
+                      block_m: int = 64, block_n: int = 64, num_warps: int = 4) -> torch.Tensor:  # fmt: skip
+    """The kernel: one program per (block of `block_m` queries, query head), walking the keys it
+    sees `block_n` at a time with a running max and sum of exps (flash attention's forward
+    without its values)."""
+    _check(query, keys, torch.empty(query.shape[:3], device=query.device), offset)
+    b, hq, tq, d = query.shape
+    hkv = keys.shape[1]
+    lse = torch.empty(b, hq, tq, dtype=torch.float32, device=query.device)
+    grid = (triton.cdiv(tq, block_m), b * hq)
+    _lse_kernel[grid](
+        query, keys, lse, *query.stride(), *keys.stride(), *lse.stride(), hq, hq // hkv, tq, int(offset),
+        float(scaling) * _LOG2E, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=block_m,
+        BLOCK_N=block_n, DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
+        UPCAST_DOT=query.dtype == torch.bfloat16 and not query.is_cuda, num_warps=num_warps,
+    )  # fmt: skip
+    return lse
+
+
+@jit
+def _lse_kernel(
+    q_ptr, k_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_lb, stride_lh, stride_lt,
+    num_heads, group, num_queries, offset, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):  # fmt: skip
+    """One block of queries of one head: query `i` sees slot `j` iff `j <= offset + i`; key blocks
+    wholly before the block's first query's last slot go unmasked, the few after it masked."""
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // num_heads
+    h = bh % num_heads
+    i = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    rows = i < num_queries
+    q_mask = rows[:, None] & (d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + i[:, None] * stride_qt + d[None, :] * stride_qd,
+                mask=q_mask, other=0.0)  # fmt: skip
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+    k_row = k_ptr + b * stride_kb + (h // group) * stride_kh
+    top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    last = offset + tl.minimum(tl.program_id(0) * BLOCK_M + BLOCK_M, num_queries)  # slots the block sees: < last
+    unmasked = offset + tl.program_id(0) * BLOCK_M + 1  # every query of the block sees slots below this
+    for start in range(0, last, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        k = tl.load(k_row + j[:, None] * stride_ks + d[None, :] * stride_kd,
+                    mask=(j < last)[:, None] & (d < HEAD_DIM)[None, :], other=0.0)  # fmt: skip
+        if UPCAST_DOT:
+            k = k.to(tl.float32)
+        logits = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], base 2
+        if start + BLOCK_N > unmasked:
+            logits = tl.where(j[None, :] <= offset + i[:, None], logits, float("-inf"))
+        step_top = tl.maximum(top, tl.max(logits, 1))
+        safe = tl.where(step_top == float("-inf"), 0.0, step_top)
+        total = total * tl.exp2(top - safe) + tl.sum(tl.exp2(logits - safe[:, None]), 1)
+        top = step_top
+    tl.store(lse_ptr + b * stride_lb + h * stride_lh + i * stride_lt, (top + tl.log2(total)) / 1.4426950408889634,
+             mask=rows)  # fmt: skip

@@ -17,8 +17,7 @@ import torch
 
 from atskv.errors import InputError, check_options
 from atskv.runtime.vllm.batch import PromptChunk
-from atskv.runtime.vllm.config import check_plugin_budget
-from atskv.runtime.vllm.protocol import PagedSelector
+from atskv.runtime.vllm.protocol import PagedSelector, check_plugin_budget
 
 RESIDENCY_FACTOR = 4  # atskv.selectors.hybrid's (that module imports transformers; a test keeps them equal)
 

@@ -8,23 +8,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from atskv.errors import InputError, check_options
+from atskv.runtime.vllm.protocol import check_plugin_budget
 
 WORKER = "atskv.runtime.vllm.worker.AtskvWorker"  # vLLM's `worker_cls` when blocks are freed
-BUDGET_RULE = (
-    "an int is tokens per KV head (>= 1), a float in (0, 1] a fraction of each request's context "
-    "(1.0: vLLM's own attention)"
-)
-
-
-def check_plugin_budget(budget, name: str) -> None:
-    """An `InputError` naming `name` unless `budget` follows `BUDGET_RULE`."""
-    if (
-        isinstance(budget, bool)
-        or not isinstance(budget, (int, float))
-        or (isinstance(budget, int) and budget < 1)
-        or (isinstance(budget, float) and not 0.0 < budget <= 1.0)
-    ):
-        raise InputError(f"atskv: bad {name} {budget!r}: {BUDGET_RULE}")
 
 
 @dataclass(frozen=True)

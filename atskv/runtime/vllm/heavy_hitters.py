@@ -22,10 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from atskv.attention import prefix_causal_attention
 from atskv.kernels.budget import kept_count
 from atskv.kernels.kept_lists import add_list_values, kept_list_step
-from atskv.kernels.received_mass import prefix_received_mass
+from atskv.kernels.received_mass import prefix_lse, prefix_received_mass
 from atskv.runtime.vllm.batch import PromptChunk
 from atskv.runtime.vllm.prompt_ranks import rank_newest_first
 
@@ -98,9 +97,8 @@ class KeptLists:
 def chunk_mass(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
     """`[Hkv, L]` float32: the attention mass a prefill chunk's queries `[n, Hq, D]` (positions
     `L - n .. L - 1`, causal) give each of the request's tokens so far, `keys` `[Hkv, L, D]`, summed
-    over the queries and the group's heads: their log-sum-exps from a flash pass (the keys stand in
-    for the values, which it does not need), then atskv's received-mass kernel."""
+    over the queries and the group's heads: their log-sum-exps (`prefix_lse`: logits only), then
+    atskv's received-mass kernel."""
     n, length = queries.shape[0], keys.shape[1]
     q, k = queries.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0)
-    _, lse = prefix_causal_attention(q, k, k, length - n, scaling)
-    return prefix_received_mass(q, k, lse.float(), length - n, scaling)[0]
+    return prefix_received_mass(q, k, prefix_lse(q, k, length - n, scaling), length - n, scaling)[0]

@@ -2,11 +2,30 @@
 base class's defaults are a selector that keeps no state, scores no prompt, reads no mass, frees
 no block, reads no keys to choose and keeps one set of tokens whatever the query; a selector's
 class names only where it differs, as vLLM's attention backends declare what they support on
-their own class."""
+their own class. The plugin's budget rule (`check_plugin_budget`) lives here too: the settings
+and the compositions both read it."""
 
 from __future__ import annotations
 
 from typing import ClassVar
+
+from atskv.errors import InputError
+
+BUDGET_RULE = (
+    "an int is tokens per KV head (>= 1), a float in (0, 1] a fraction of each request's context "
+    "(1.0: vLLM's own attention)"
+)
+
+
+def check_plugin_budget(budget, name: str) -> None:
+    """An `InputError` naming `name` unless `budget` follows `BUDGET_RULE`."""
+    if (
+        isinstance(budget, bool)
+        or not isinstance(budget, (int, float))
+        or (isinstance(budget, int) and budget < 1)
+        or (isinstance(budget, float) and not 0.0 < budget <= 1.0)
+    ):
+        raise InputError(f"atskv: bad {name} {budget!r}: {BUDGET_RULE}")
 
 
 class PagedSelector:
