@@ -21,6 +21,7 @@ from triton.testing import do_bench_cudagraph
 from atskv.kernels.paged import paged_page_scores
 from atskv.kernels.quest_decode import quest_pick
 from atskv.kernels.sparse_decode import choose_split_size, sparse_decode_attention_triton
+from atskv.runtime.vllm.composition import build_paged_selector
 from atskv.runtime.vllm.heavy_hitters import KeptLists
 from atskv.runtime.vllm.selection import PagedQuest, PagedSparQ, PagedStreamingLLM, paged_sparse_decode, slot_view
 
@@ -73,6 +74,15 @@ for run in args.runs:
             lists.add_read_mass(out[1], table, seq_lens, BS)
         return out
 
+    composed = build_paged_selector("h2o+sparq", {})
+
+    def composed_step():
+        chosen = composed.pick(query, HKV, lists, table, seq_lens, BS, args.budget, {}, keys=key_slots,
+                               scaling=D**-0.5)  # fmt: skip
+        out = paged_sparse_decode(query, key_cache, value_cache, *chosen, table, D**-0.5, want_mass=True)
+        composed.observe_read(lists, out[1], table, seq_lens, BS)
+        return out
+
     def sparq_step():
         chosen = sparq.pick(query, HKV, None, table, seq_lens, BS, args.budget, {}, keys=key_slots, scaling=D**-0.5)
         return paged_sparse_decode(query, key_cache, value_cache, *chosen, table, D**-0.5)
@@ -94,6 +104,7 @@ for run in args.runs:
         "sparq: pick": lambda: sparq.pick(query, HKV, None, table, seq_lens, BS, args.budget, {}, keys=key_slots,
                                           scaling=D**-0.5),
         "sparq: whole step": sparq_step,
+        "h2o+sparq: whole step": composed_step,
     }  # fmt: skip
     if args.tune:
         recent, recent_lengths = streaming.pick(query, HKV, None, table, seq_lens, BS, args.budget)

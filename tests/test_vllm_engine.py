@@ -159,14 +159,15 @@ def read_in_full(shape):
     return want
 
 
-@pytest.mark.parametrize("selector", ["snapkv", "h2o", "learned", "sparq"])
+@pytest.mark.parametrize("selector", ["snapkv", "h2o", "learned", "sparq", "h2o+sparq"])
 def test_selectors_that_rank_tokens_read_in_full_at_a_budget_above_the_context(shape, read_in_full, selector,
                                                                                tmp_path):  # fmt: skip
     """SnapKV, H2O and the learned selector (a random predictor that reads no hidden state) score
     each prompt in 512-token chunks (some beside other requests' decodes) and keep their lists by
-    physical slot; SparQ ranks every token from the cache's keys at each step. With a budget above
-    every request's length they read every token: the tokens and log-probabilities of reading
-    everything, up to near-ties. At 64 tokens the same requests finish, and the pool is whole again."""
+    physical slot; SparQ ranks every token from the cache's keys at each step, `h2o+sparq` the
+    tokens H2O keeps at 4x the budget. With a budget above every request's length they read every
+    token: the tokens and log-probabilities of reading everything, up to near-ties. At 64 tokens
+    the same requests finish, and the pool is whole again."""
     from atskv.eval.vllm_speed import random_engine_predictor
 
     options = {}
