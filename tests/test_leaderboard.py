@@ -383,6 +383,7 @@ def test_vllm_rows_run_one_engine_a_row_and_ratio_over_every_group(loaded, calls
                 f.write(json.dumps({"job": job.label, "id": r["id"], "tokens": out[0, ids.shape[1] :].tolist()}) + "\n")
 
     monkeypatch.setattr(vllm_generate, "engine_process", engine)
+    monkeypatch.setenv("ATSKV_VLLM_PYTHONPATH", str(tmp_path))  # where vLLM would be: the stand-in needs none
     grid = check_grid(**{**PLAN, "methods": ["h2o", "vllm:h2o", "vllm"]}, seeds=[0], examples=2)
     assert grid.engine_rows == ["vllm:h2o"] and grid.selectors == ["h2o"]
     paths = run_leaderboard(loaded, tmp_path, grid, **{**RUN, "max_new_tokens": None})
@@ -409,6 +410,41 @@ def test_a_vllm_row_with_an_option_the_plugin_lacks_is_one_line_before_any_engin
     from atskv.eval import vllm_generate
 
     monkeypatch.setattr(vllm_generate, "engine_process", lambda *a, **k: pytest.fail("an engine started"))
+    monkeypatch.setenv("ATSKV_VLLM_PYTHONPATH", str(tmp_path))
     grid = check_grid(**{**PLAN, "contexts": [200], "methods": ["vllm:h2o"]}, seeds=[0], examples=2)
     with pytest.raises(InputError, match="no option 'window'"):
         run_leaderboard(loaded, tmp_path, grid, selector_options={"h2o": {"window": 8}}, **RUN)
+
+
+def test_vllm_rows_without_vllm_are_one_line_before_any_row_runs(loaded, calls, monkeypatch, tmp_path):
+    import importlib.util
+
+    monkeypatch.delenv("ATSKV_VLLM_PYTHONPATH", raising=False)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    grid = check_grid(**{**PLAN, "contexts": [200], "methods": ["h2o", "vllm:h2o"]}, seeds=[0], examples=2)
+    with pytest.raises(InputError, match="rows need vLLM"):
+        run_leaderboard(loaded, tmp_path, grid, **RUN)
+    assert calls == []
+
+
+def test_a_failed_engine_loses_only_its_row_and_the_table_says_so(loaded, monkeypatch, tmp_path):
+    import subprocess
+
+    from atskv.eval import vllm_generate
+
+    def engine(module, job_file, rows, check=False):
+        job = vllm_generate.GenerationJob(**json.loads(Path(job_file).read_text()))
+        if job.method != "vllm":
+            raise subprocess.CalledProcessError(3, "engine")
+        with open(rows, "a") as f:
+            for r in job.requests:
+                f.write(json.dumps({"job": job.label, "id": r["id"], "tokens": [1, 2]}) + "\n")
+
+    monkeypatch.setattr(vllm_generate, "engine_process", engine)
+    monkeypatch.setenv("ATSKV_VLLM_PYTHONPATH", str(tmp_path))
+    grid = check_grid(**{**PLAN, "contexts": [200], "ratios": [0.5], "methods": ["vllm:h2o"]}, seeds=[0], examples=2)
+    paths = run_leaderboard(loaded, tmp_path, grid, **RUN)
+    methods = {c["method"] for c in json.loads(paths["json"].read_text())["cells"]}
+    assert methods == {"dense", "vllm"}
+    assert "the vLLM engine of vllm:h2o@0.5 (exit 3)" in paths["markdown"].read_text()

@@ -154,7 +154,7 @@ def plot(
 
 
 def describe(settings: dict, grid: Grid, skipped: str | None) -> str:
-    """The report's notes: how a score is made, what the tiered: and host: rows run, and why
+    """The report's notes: how a score is made, what the tiered:, host: and vllm: rows run, and why
     kvpress's rows are empty where they are (`skipped`)."""
     notes = (
         f"Score: mean exact-match score in points (0-100) over the tasks {', '.join(grid.tasks)}, then mean ± "
@@ -181,6 +181,12 @@ def describe(settings: dict, grid: Grid, skipped: str | None) -> str:
             f" host:<selector>: the selector on the fast path with its host tier (HostRetrieval, {options}): the "
             "budget on the GPU, every token in pinned host memory, and the pages of the parked tokens each query "
             "rates highest read back at each step."
+        )
+    if grid.engine_rows:
+        notes += (
+            " vllm:<selector>: vLLM with atskv's plugin (its prefill vLLM's own, dense; then the selector reads the "
+            "budget at every decode step, the first layers dense as atskv's), on the same token ids, its dense "
+            "column vanilla vLLM (`vllm`), the model's weights in bf16."
         )
     if skipped:
         notes += f"\n\nkvpress methods skipped: {skipped}"

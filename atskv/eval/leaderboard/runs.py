@@ -97,11 +97,12 @@ def _kvpress_cells(loaded, python, folder, examples, group, press, ratios, new_t
 
 
 def _engine_cells(loaded, out: Path, wanted: dict, batches: dict, new_tokens: dict, dense_layers: int,
-                  selector_options: Mapping | None) -> list[Cell]:  # fmt: skip
-    """The vLLM rows' cells: for each (method, ratio) of `wanted` (by group: the keys it lacks), one
-    engine over the prompts of all its groups (`batches`, generating the most `new_tokens` any
-    needs), each output cut to its group's new tokens and at the model's end of sequence, decoded
-    and scored as atskv's runs are. The model is saved once as a Hugging Face directory in `out`."""
+                  selector_options: Mapping | None) -> tuple[list[Cell], list[str]]:  # fmt: skip
+    """The vLLM rows' cells, and the engines that failed (their rows' cells stay empty): for each
+    (method, ratio) of `wanted` (by group: the keys it lacks), one engine over the prompts of all
+    its groups (`batches`, generating the most `new_tokens` any needs), each output cut to its
+    group's new tokens and at the model's end of sequence, decoded and scored as atskv's runs
+    are. The model is saved once as a Hugging Face directory in `out`."""
     from atskv.eval.vllm_generate import GenerationJob, generate, save_for_vllm
     from atskv.runtime.vllm.config import PluginConfig
 
@@ -123,9 +124,11 @@ def _engine_cells(loaded, out: Path, wanted: dict, batches: dict, new_tokens: di
             method, str(model_dir), None if ratio is None else peer.budget_fraction(ratio), dense_layers,
             max(new_tokens[g] for g in groups), requests, dict((selector_options or {}).get(name, {})),
         )  # fmt: skip
-    outputs = generate(list(jobs.values()), out / "vllm" / "outputs.jsonl")
+    outputs, failed = generate(list(jobs.values()), out / "vllm" / "outputs.jsonl")
     stops, cells = eos_ids(loaded.model, tokenizer), []
     for (method, ratio), job in jobs.items():
+        if job.label not in outputs:
+            continue
         for c, t, s in groups_of[method, ratio]:
             texts = []
             for i in range(len(batches[c, t, s])):
@@ -138,7 +141,7 @@ def _engine_cells(loaded, out: Path, wanted: dict, batches: dict, new_tokens: di
                 new_tokens[c, t, s], sum(scores) / len(scores), scores,
                 tuple(ex.n_tokens for ex in batches[c, t, s]), tuple(texts),
             ))  # fmt: skip
-    return cells
+    return cells, failed
 
 
 def run_leaderboard(
@@ -175,6 +178,10 @@ def run_leaderboard(
     from atskv.selectors import selectors_for_model
 
     check_tiering(grid, tiering, sparse_prefill, host_tier)
+    if grid.engine_rows:
+        from atskv.eval.vllm_generate import check_vllm
+
+        check_vllm()  # before any row runs
     host = HostRetrieval(**(host_tier or {}))  # the host: rows' tier options (a call builds its own store)
 
     settings = {
@@ -252,16 +259,18 @@ def run_leaderboard(
     engine_wanted = {g: [k for k in pending[g] if k in engine_keys[g]] for g in groups}
     if any(engine_wanted.values()):  # after atskv's and kvpress's rows: an engine that fails loses only its own
         bar.set_postfix_str("vLLM")
-        for cell in _engine_cells(loaded, store.out, {g: k for g, k in engine_wanted.items() if k}, batches, room,
-                                  dense_layers, selector_options):  # fmt: skip
+        made, engines_failed = _engine_cells(loaded, store.out, {g: k for g, k in engine_wanted.items() if k}, batches,
+                                             room, dense_layers, selector_options)  # fmt: skip
+        for cell in made:
             store.add(cell)
             bar.update()
+        failed += [f"the vLLM engine of {label}" for label in engines_failed]
     bar.close()
     every = {g: atskv_keys[g] + press_keys[g] + engine_keys[g] for g in groups}
     cells = [store.cells[(*g, *k)] for g in groups for k in every[g] if (*g, *k) in store.cells]
     notes = describe(settings, grid, skipped)
     if failed:
-        notes += "\n\nkvpress runs that failed (their cells are empty; a rerun tries again): " + "; ".join(failed)
+        notes += "\n\nRuns that failed (their cells are empty; a rerun tries again): " + "; ".join(failed)
     return write(cells, store.out, grid, loaded.name, notes, settings)
 
 
