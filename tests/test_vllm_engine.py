@@ -4,8 +4,8 @@ their blocks back (the pool returns to its size) and the rest finish; StreamingL
 `free_blocks` beside dense layers gives the tokens and log-probabilities it gives without, while
 its requests hold only the blocks it reads (and the dense layers' blocks); SnapKV, H2O and the
 learned selector, which score prompts chunk by chunk, and SparQ read everything at a budget
-above the context. A small Llama shape with dummy weights; each engine runs in this process
-(`VLLM_ENABLE_V1_MULTIPROCESSING=0`)."""
+above the context; requests preempted by a small pool are recomputed and finish. A small Llama
+shape with dummy weights; each engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`)."""
 
 from __future__ import annotations
 
@@ -35,10 +35,13 @@ def shape(tmp_path_factory):
     return write_shape("smollm2-135m-shape", tmp_path_factory.mktemp("shape") / "smollm2")
 
 
-def engine(shape, method: str, budget, max_num_batched_tokens: int | None = None, **settings):
+def engine(shape, method: str, budget, max_num_batched_tokens: int | None = None, blocks: int | None = None,
+           **settings):  # fmt: skip
+    """A small engine; `blocks`: its KV pool's size in blocks (vLLM's `num_gpu_blocks_override`)."""
     spec = EngineSpec(method, str(shape), [], budget=budget, gpu_memory_utilization=0.06, **settings)
-    chunks = {} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens}
-    return vllm.LLM(**engine_arguments(spec, 4096, 8), **chunks)
+    extra = {} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens}
+    extra |= {} if blocks is None else {"num_gpu_blocks_override": blocks}
+    return vllm.LLM(**engine_arguments(spec, 4096, 8), **extra)
 
 
 def tokens_and_logprobs(llm, batch, new_tokens: int):
@@ -181,3 +184,32 @@ def test_selectors_that_rank_tokens_read_in_full_at_a_budget_above_the_context(s
     small = engine(shape, f"vllm:{selector}", 64, max_num_batched_tokens=512, options=options)
     held = held_while_decoding(small, prompts(1500, 4, 49152, seed=13), 30)
     assert held >= 4 * 94, "reading less frees nothing: the blocks stay vLLM's"
+
+
+@pytest.mark.parametrize("selector", ["quest", "streaming_llm", "h2o"])
+def test_preempted_requests_are_recomputed_and_give_the_pool_back(shape, selector):
+    """A pool of 260 blocks (vLLM wants one request of max_model_len 4096 to fit: 256) for 4
+    requests of 1000-token prompts (63 blocks each) and 64 new tokens: as they grow, vLLM preempts
+    one (its blocks freed, its tokens recomputed later by a prefill). Every request finishes, the
+    pool is whole again, and for the selectors whose state follows the cache (Quest's key bounds
+    are rebuilt from the recompute's writes, StreamingLLM keeps none) the tokens are those of a
+    pool large enough for all, up to near-ties (the recompute's prefill computes the generated
+    tokens' KV in one GEMM rather than one a step). H2O's lists after a recompute rank the
+    generated tokens as prompt (its state follows what vLLM ran)."""
+    batch = prompts(1000, 4, 49152, seed=21)
+    roomy = engine(shape, f"vllm:{selector}", 64)
+    want = greedy_with_runner_up(roomy, batch, 64)
+    del roomy
+    gc.collect()
+    torch.cuda.empty_cache()
+    tight = engine(shape, f"vllm:{selector}", 64, blocks=260)
+    scheduler = tight.llm_engine.engine_core.engine_core.scheduler
+    preempted, preempt = [], scheduler._preempt_request
+    scheduler._preempt_request = lambda request, timestamp: (preempted.append(request.request_id),
+                                                              preempt(request, timestamp))[1]  # fmt: skip
+    idle = free_blocks(tight)
+    got = greedy_with_runner_up(tight, batch, 64)
+    assert preempted, "the pool must be small enough to preempt a request"
+    assert [len(r) for r in got] == [64] * 4 and free_blocks(tight) == idle
+    if selector != "h2o":
+        assert_same_up_to_near_ties(got, want)
