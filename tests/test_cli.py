@@ -133,7 +133,8 @@ def test_selectors_lists_the_registry(capsys):
     from atskv.runtime.vllm.selection import PAGED_SELECTORS
 
     vllm_line = next(line for line in out.splitlines() if line.startswith("inside vLLM"))
-    assert vllm_line == f"inside vLLM (atskv[vllm], attention_backend=CUSTOM): {', '.join(sorted(PAGED_SELECTORS))}"
+    assert vllm_line == (f"inside vLLM (atskv[vllm], attention_backend=CUSTOM): {', '.join(sorted(PAGED_SELECTORS))}; "
+                         "compositions <residency>+sparq")
     assert {"quest", "snapkv", "streaming_llm"} <= set(PAGED_SELECTORS)
 
 

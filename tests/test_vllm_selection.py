@@ -696,3 +696,23 @@ def test_a_composition_hands_the_reads_mass_to_its_residency_part_by_its_own_ent
 def test_bad_compositions_are_one_line_errors(name, options, message):
     with pytest.raises(InputError, match=message):
         PluginConfig(selector=name, options=options)
+
+
+def test_learned_plus_sparq_takes_its_parts_options_by_name(tmp_path):
+    """`learned+sparq` with the learned part's predictor under "learned": the composition scores the
+    prompt and keeps state (its residency part's), reads keys (its attention part's), and builds
+    from the plugin's settings as vLLM hands them over."""
+    from atskv.eval.vllm_speed import random_engine_predictor
+
+    predictor = str(random_engine_predictor("smollm2-135m-shape", 2, tmp_path / "p"))
+    config = PluginConfig.from_additional_config({"atskv": {
+        "selector": "learned+sparq", "budget": 0.05,
+        "options": {"learned": {"predictor": predictor, "window_share": 0.5}, "residency_budget": 0.25}}})  # fmt: skip
+    from atskv.runtime.vllm.composition import build_paged_selector
+
+    selector = build_paged_selector(config.selector, config.options)
+    assert (selector.scores_prompt, selector.keeps_state, selector.reads_keys, selector.reads_mass) == (
+        True, True, True, False)  # fmt: skip
+    assert selector.residency.window_share == 0.5 and selector.residency_budget == 0.25
+    with pytest.raises(InputError, match="needs its predictor"):
+        PluginConfig(selector="learned+sparq", options={"sparq": {}})

@@ -230,7 +230,8 @@ def selectors() -> None:
           "every composition runs on the reference path and under atskv.tiered")
     from atskv.runtime.vllm.selection import PAGED_SELECTORS
 
-    print(f"inside vLLM (atskv[vllm], attention_backend=CUSTOM): {', '.join(sorted(PAGED_SELECTORS))}")
+    print(f"inside vLLM (atskv[vllm], attention_backend=CUSTOM): {', '.join(sorted(PAGED_SELECTORS))}; "
+          "compositions <residency>+sparq")
 
 
 selector_help(passkey, generate)
