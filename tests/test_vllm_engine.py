@@ -213,3 +213,21 @@ def test_preempted_requests_are_recomputed_and_give_the_pool_back(shape, selecto
     assert [len(r) for r in got] == [64] * 4 and free_blocks(tight) == idle
     if selector != "h2o":
         assert_same_up_to_near_ties(got, want)
+
+
+def test_the_learned_selector_with_a_refresh_reads_in_full_at_a_budget_above_the_context(shape, read_in_full,
+                                                                                        tmp_path):  # fmt: skip
+    """`refresh_every: 4`: its rescoring kernel inside the CUDA-graph decode (rows due every fourth
+    step, the rest exiting at once) and the read mass it accumulates change nothing when the list
+    holds every token; at 64 tokens the requests finish and the pool is whole again."""
+    from atskv.eval.vllm_speed import random_engine_predictor
+
+    options = {"predictor": str(random_engine_predictor("smollm2-135m-shape", 2, tmp_path / "predictor")),
+               "refresh_every": 4}  # fmt: skip
+    llm = engine(shape, "vllm:learned", 4096, max_num_batched_tokens=512, options=options)
+    assert_same_up_to_near_ties(greedy_with_runner_up(llm, prompts(1500, 4, 49152, seed=13), 24), read_in_full)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    small = engine(shape, "vllm:learned", 64, max_num_batched_tokens=512, options=options)
+    assert held_while_decoding(small, prompts(1500, 4, 49152, seed=13), 30) >= 4 * 94

@@ -716,3 +716,91 @@ def test_learned_plus_sparq_takes_its_parts_options_by_name(tmp_path):
     assert selector.residency.window_share == 0.5 and selector.residency_budget == 0.25
     with pytest.raises(InputError, match="needs its predictor"):
         PluginConfig(selector="learned+sparq", options={"sparq": {}})
+
+
+@pytest.mark.parametrize("window_share", [0.0, 0.5])
+def test_paged_learned_with_a_refresh_rescores_its_list_every_n_steps(window_share, tmp_path, monkeypatch):
+    """`refresh_every=2`, two managed layers: at decode steps 2 and 4 of each request every listed
+    token's score becomes the predictor's (scored by the MLP itself, not the folded kernel form)
+    on its current features: the mass the prompt and the decode reads gave it so far, its key's
+    norm as written, its age, the previous layer's received mass; pinned tokens stay +inf; at
+    steps 1 and 3 the scores stay. The kernel path (Triton's interpreter) gives the same."""
+    from atskv.features import feature_columns
+    from atskv.kernels.budget import kept_count, kept_tokens
+    from atskv.runtime.vllm.selection import PagedLearned, slot_view
+
+    layers = (2, 3)
+    predictor = engine_ready_predictor(tmp_path / "predictor", layers)
+    selector = {layer: PagedLearned(predictor=predictor, window_share=window_share, window=2, refresh_every=2)
+                for layer in layers}  # fmt: skip
+    for layer, s in selector.items():
+        s.layer = layer
+    assert selector[2].reads_mass
+    mlp = selector[2].loaded.mlp
+    budget = 0.4
+    for kernels in ("reference", "triton"):
+        monkeypatch.setenv("ATSKV_KERNELS", kernels)
+        generator, cache, prompts = decoding_requests(seed=5)
+        key_slots = slot_view(cache.split()[0], 1)[0]
+        states = {layer: selector[layer].new_state(key_slots.shape[1] // BLOCK, BLOCK, HKV, D, torch.float32, "cpu")
+                  for layer in layers}  # fmt: skip
+        for r, prompt in enumerate(prompts):
+            for layer in layers:  # the prompt's keys as the cache write hands them over
+                selector[layer].after_write(states[layer], cache.keys[r][:prompt], cache.slot(r, torch.arange(prompt)),
+                                            BLOCK)  # fmt: skip
+            for start in range(0, prompt, CHUNK):
+                stop, step = min(prompt, start + CHUNK), {}
+                for layer in layers:
+                    queries = torch.randn(stop - start, HQ, D, generator=generator)
+                    chunk = PromptChunk(queries, key_slots, cache.block_table[r], stop, BLOCK, D**-0.5, budget, layer,
+                                        r, step)  # fmt: skip
+                    selector[layer].observe_prompt(states[layer], chunk)
+            written = states[layers[0]].key_norm[cache.slot(r, torch.arange(prompt)).long()]
+            torch.testing.assert_close(written, cache.keys[r][:prompt].norm(dim=-1))
+        rows = len(prompts)
+        for g in range(GENERATED):
+            seq_lens = torch.tensor([p + g + 1 for p in prompts], dtype=torch.int32)
+            step = {}
+            for i, layer in enumerate(layers):
+                state = states[layer]
+                for r, prompt in enumerate(prompts):  # the new token's key
+                    selector[layer].after_write(state, cache.keys[r][prompt + g : prompt + g + 1],
+                                                cache.slot(r, torch.tensor([prompt + g])), BLOCK)  # fmt: skip
+                before = state.kept_value.clone()
+                want = {}
+                for r, prompt in enumerate(prompts):  # the expected scores, by position, from the state as it is
+                    n = prompt + g + 1
+                    held = int(kept_tokens(budget, torch.tensor(n - 1)))
+                    at = cache.slot(r, torch.arange(held)).long()
+                    for h in range(HKV):
+                        pos = state.kept[at, h].long()
+                        where = cache.slot(r, pos).long()
+                        seen = (n - 1 - pos).clamp(min=1).float()
+                        attention = state.prompt_mass[where, h] / (HQ // HKV) / seen
+                        prev = (states[layers[0]].prompt_mass[where].mean(-1) / (HQ // HKV) / seen if i
+                                else torch.zeros(held))  # fmt: skip
+                        columns = feature_columns(attention, pos.float(), torch.tensor(n - 1.0), torch.zeros(held),
+                                                  state.key_norm[where, h], prev)  # fmt: skip
+                        with torch.no_grad():
+                            score = mlp.score(columns.new_zeros(held, 0), columns, torch.zeros(held, dtype=torch.long),
+                                              torch.full((held,), i), torch.full((held,), h)).float()  # fmt: skip
+                        want[r, h] = (at, torch.where(state.pinned[where, h], torch.inf, score))
+                positions, counts = selector[layer].pick(torch.randn(rows, HQ, D, generator=generator), HKV, state,
+                                                         cache.block_table, seq_lens, BLOCK, budget, step)  # fmt: skip
+                due = (g + 1) % 2 == 0
+                for (r, h), (at, score) in want.items():
+                    newest = prompts[r] + g
+                    others = state.kept[at, h] != newest  # the entry the new token took, if one
+                    got = state.kept_value[at, h][others]
+                    expected = score[others] if due else before[at, h][others]
+                    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4,
+                                               msg=f"{kernels} {g} {layer} {r} {h}")  # fmt: skip
+                if window_share and due:
+                    assert torch.isinf(torch.cat([s for _, s in want.values()])).any(), "pinned tokens stay +inf"
+                width = positions.shape[-1]
+                mass = torch.rand(rows, HKV, width, generator=generator)
+                received = state.prompt_mass.clone()
+                selector[layer].observe_read(state, mass, cache.block_table, seq_lens, BLOCK)
+                read = cache.slot(1, positions[1, 0, : counts[1, 0]]).long()  # what the read gave request 1, head 0
+                torch.testing.assert_close(state.prompt_mass[read, 0] - received[read, 0], mass[1, 0, : counts[1, 0]])
+        assert kept_count(budget, 161) > 0

@@ -3,8 +3,8 @@
 #   bash benchmarks/device/vllm_plan.sh profile   # per-stage kernel times (~40 s, no vLLM needed)
 #   bash benchmarks/device/vllm_plan.sh decode [METHODS]  # vanilla vLLM, Quest, StreamingLLM (or LABEL=vllm:X ...): 3 shapes (~7.5 min)
 #   bash benchmarks/device/vllm_plan.sh tests [K] # the plugin's GPU tests, small engines of ~40 s each: run
-#        'not rank_tokens and not preempted' (~4 min), 'rank_tokens' (~7.5 min) and 'preempted' (~4 min) as three
-#        calls (one would pass the 10-minute limit)
+#        'not rank_tokens and not preempted and not refresh' (~4 min), 'rank_tokens' (~7.5 min) and
+#        'preempted or refresh' (~6 min) as three calls (one would pass the 10-minute limit)
 #   bash benchmarks/device/vllm_plan.sh trace METHOD [free [NEW]]  # Poisson traces of 16K-128K prompts at
 #        0.25 and 1 request/s through one engine, NEW tokens each (256; ~7 min; free: unread blocks back)
 #   bash benchmarks/device/vllm_plan.sh inflight METHOD [free [DENSE]]  # 12 requests of 128K at once through

@@ -94,6 +94,8 @@ class AtskvAttentionImpl(FlashAttentionImpl):
                 or self.dcp_world_size > 1
             )
             self._sparse = not own_rule and extract_layer_index(layer.layer_name) >= self.config.dense_layers
+            if self._sparse:
+                self.selector.layer = extract_layer_index(layer.layer_name)
         return self._sparse
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:

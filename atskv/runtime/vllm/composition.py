@@ -65,6 +65,7 @@ class PagedComposition(PagedSelector):
     def pick(self, query, kv_heads: int, state, block_table, seq_lens, block_size: int, budget: int | float,
              step: dict | None = None, *, keys: torch.Tensor, scaling: float):  # fmt: skip
         held = residency_budget(budget, self.residency_budget)
+        self.residency.layer = self.attention.layer = self.layer
         residents, counts = self.residency.pick(query, kv_heads, state, block_table, seq_lens, block_size, held, step)
         chosen, lengths = self.attention.pick_among(query, residents, counts, block_table, seq_lens, block_size,
                                                     budget, keys=keys, scaling=scaling)  # fmt: skip

@@ -15,8 +15,10 @@ Each prefill chunk scores the request's tokens so far and keeps its top budget (
 list stands, as the end of a dense prefill leaves it); a decode step keeps the tokens generated
 since (their score waits at +inf) and drops the lowest-scored prompt token when the budget did not
 grow. That is atskv's `learned` (with its `window_share`, without a threshold) with
-`refresh_every` above the tokens generated: scores are not refreshed during decoding (their refresh inside vLLM's CUDA
-graphs is not built yet).
+`refresh_every` above the tokens generated, unless `refresh_every` is set: then every that many
+decode steps of a request its listed tokens are scored again from their current features
+(`atskv.kernels.listed_refresh`: the attention received now includes the decode reads', so the
+selector reads mass as H2O does), in one kernel a layer that exits at once for rows not due.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ import torch
 from atskv.errors import InputError
 from atskv.features import feature_columns
 from atskv.kernels.budget import kept_count
+from atskv.kernels.kept_lists import by_head
+from atskv.kernels.listed_refresh import fold_mlp, refresh_listed_scores
+from atskv.kernels.paged import physical_slots
 from atskv.runtime.vllm.batch import PromptChunk
 from atskv.runtime.vllm.heavy_hitters import KeptLists, chunk_mass
 from atskv.runtime.vllm.prompt_ranks import window_votes
@@ -59,6 +64,24 @@ def engine_predictor(path: str):
 
 
 @dataclass
+class LearnedLists(KeptLists):
+    """`KeptLists` plus what a refresh reads by physical slot: key norms, pins (`window_share`) and
+    each request's prompt length (at its first position's slot); `prompt_mass` then also
+    accumulates the decode reads' mass (the attention a token received so far)."""
+
+    key_norm: torch.Tensor
+    pinned: torch.Tensor
+    prompt_len: torch.Tensor
+
+    @classmethod
+    def empty(cls, num_slots: int, kv_heads: int, device) -> LearnedLists:
+        lists = KeptLists.empty(num_slots, kv_heads, device)
+        return cls(lists.prompt_mass, lists.kept, lists.kept_value, torch.zeros_like(lists.prompt_mass),
+                   torch.zeros(num_slots + 1, kv_heads, dtype=torch.bool, device=device),
+                   torch.zeros(num_slots + 1, dtype=torch.int32, device=device))  # fmt: skip
+
+
+@dataclass
 class PagedLearned(PagedSelector):
     """atskv's learned selector over vLLM's paged cache (see the module docstring). `predictor`: the
     exported predictor's folder or file."""
@@ -72,6 +95,7 @@ class PagedLearned(PagedSelector):
     window_share: float = 0.0
     window: int = 32
     kernel: int = 7
+    refresh_every: int = 0  # > 0: rescore the listed tokens every that many decode steps (0: never)
 
     def __post_init__(self):
         if self.predictor is None:
@@ -79,15 +103,32 @@ class PagedLearned(PagedSelector):
         if not 0.0 <= self.window_share <= 1.0 or self.window < 1:
             raise InputError(f"atskv: window_share is a share of the budget in [0, 1] and window a count of queries "
                              f">= 1; got {self.window_share}, {self.window}")  # fmt: skip
+        if isinstance(self.refresh_every, bool) or not isinstance(self.refresh_every, int) or self.refresh_every < 0:
+            raise InputError(f"atskv: refresh_every is a count of decode steps >= 0 (0: never), "
+                             f"got {self.refresh_every!r}")  # fmt: skip
         self.loaded = engine_predictor(str(self.predictor))
         self.managed = {layer: i for i, layer in enumerate(self.loaded.header.managed_layers)}
+        self.reads_mass = self.refresh_every > 0  # the refresh's attention feature includes the reads'
+        self._read = None  # the last pick's positions and counts, for `observe_read`
 
     def new_state(self, num_blocks: int, block_size: int, kv_heads: int, head_size: int, dtype, device):
         """The kept lists (with their scores) and the prompt's mass by physical slot."""
         if (heads := self.loaded.header.feature_spec.num_kv_heads) != kv_heads:
             raise InputError(f"atskv: the predictor scores {heads} KV heads, this model's layers have {kv_heads}")
         self.loaded.mlp.to(device)
-        return KeptLists.empty(num_blocks * block_size, kv_heads, device)
+        if not self.refresh_every:
+            return KeptLists.empty(num_blocks * block_size, kv_heads, device)
+        self.folded = fold_mlp(self.loaded.mlp)  # here, before any CUDA graph is captured
+        return LearnedLists.empty(num_blocks * block_size, kv_heads, device)
+
+    def after_write(self, state, key, slot_mapping, block_size: int) -> None:
+        """With a refresh: a written slot's key norm, its received mass and pin restarting there."""
+        if not self.refresh_every:
+            return
+        at = torch.where(slot_mapping >= 0, slot_mapping, state.spare).long()
+        state.key_norm[at] = key.float().norm(dim=-1)
+        state.prompt_mass[at] = 0.0
+        state.pinned[at] = False
 
     def observe_prompt(self, state: KeptLists, chunk: PromptChunk) -> None:
         """One request's chunk: its tokens so far scored with their features at its end, the list rebuilt."""
@@ -111,7 +152,14 @@ class PagedLearned(PagedSelector):
                                   keys.float().norm(dim=-1), prev.expand(heads, -1))  # fmt: skip
         scores = self.scores(index, scalars)
         if self.window_share > 0:
-            scores.scatter_(1, self.pinned(chunk), torch.inf)
+            pins = self.pinned(chunk)
+            scores.scatter_(1, pins, torch.inf)
+        if self.refresh_every:  # what a refresh reads of this request: its prompt's length, its pins
+            slots = chunk.slots(0, length).long()
+            state.prompt_len[slots[:1]] = length
+            state.pinned[slots] = False
+            if self.window_share > 0:
+                state.pinned[slots[pins], torch.arange(heads, device=keys.device).view(-1, 1)] = True
         state.keep_top(scores, chunk, recent_fraction=0.0)
 
     def pinned(self, chunk: PromptChunk) -> torch.Tensor:
@@ -144,4 +192,23 @@ class PagedLearned(PagedSelector):
 
     def pick(self, query, kv_heads: int, state: KeptLists, block_table, seq_lens, block_size: int,
              budget: int | float, step: dict | None = None):  # fmt: skip
-        return state.step(block_table, seq_lens, block_size, budget, 0.0, new_value=math.inf)
+        if self.refresh_every:
+            step = {} if step is None else step
+            slots = block_table.shape[1] * block_size
+            index, previous = self.managed[self.layer], step.get((self.name, "received"))
+            previous = previous[1] if previous is not None and index > 0 and previous[0] < self.layer else None
+            refresh_listed_scores(state.kept, state.kept_value, state.prompt_mass, state.key_norm, previous,
+                                  state.pinned, state.prompt_len, block_table, seq_lens, block_size, budget,
+                                  self.refresh_every, query.shape[1] // kv_heads, self.folded, index,
+                                  min(slots, kept_count(budget, slots) + 1))  # fmt: skip
+            step[(self.name, "received")] = (self.layer, state.prompt_mass)
+        positions, counts = state.step(block_table, seq_lens, block_size, budget, 0.0, new_value=math.inf)
+        self._read = (positions, counts)
+        return positions, counts
+
+    def observe_read(self, state: LearnedLists, mass, block_table, seq_lens, block_size: int) -> None:
+        """With a refresh: the mass the read gave each listed token, added to what it received."""
+        positions, counts = self._read
+        listed = torch.arange(positions.shape[-1], device=mass.device) < counts.unsqueeze(-1)
+        where = by_head(physical_slots(positions, block_table, block_size).long())
+        state.prompt_mass.view(-1).index_put_((where,), torch.where(listed, mass, 0.0).reshape(-1), accumulate=True)
