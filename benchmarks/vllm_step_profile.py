@@ -2,7 +2,8 @@
 synthetic paged cache of the 8B shape (32/8 heads, dim 128, blocks of 16), each graph-captured and
 timed alone (`triton.testing.do_bench_cudagraph`, median), beside SDPA over the whole context:
 Quest, StreamingLLM, the kept lists of H2O and the learned selector (random lists: what a step
-costs does not depend on what they hold), SparQ on random keys.
+costs does not depend on what they hold), SparQ on random keys, `h2o+sparq`, and the learned
+selector's refresh with every row due (its worst step; rows not due exit at once).
 `--capacity` is the engine's max_model_len: the block table's width, which sizes a fractional
 budget's index lists. `--tune` adds the sparse decode kernel of StreamingLLM's pick at other
 pipeline depths and split counts (its defaults: 1 stage, `choose_split_size`).
@@ -18,9 +19,12 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
+from atskv.features import SCALAR_FEATURES
+from atskv.kernels.listed_refresh import fold_mlp, refresh_listed_scores
 from atskv.kernels.paged import paged_page_scores
 from atskv.kernels.quest_decode import quest_pick
 from atskv.kernels.sparse_decode import choose_split_size, sparse_decode_attention_triton
+from atskv.predictor.model import FeatureSpec, RelevanceMLP
 from atskv.runtime.vllm.composition import build_paged_selector
 from atskv.runtime.vllm.heavy_hitters import KeptLists
 from atskv.runtime.vllm.selection import PagedQuest, PagedSparQ, PagedStreamingLLM, paged_sparse_decode, slot_view
@@ -75,6 +79,17 @@ for run in args.runs:
         return out
 
     composed = build_paged_selector("h2o+sparq", {})
+    spec = FeatureSpec(4096, SCALAR_FEATURES, 30, HKV)
+    folded = fold_mlp(RelevanceMLP(spec, reduced_width=0, without=["hidden_norm", "token_type"]).eval().to(dev))
+    slots_all = blocks * BS + 1
+    key_norm, pinned = torch.rand(slots_all, HKV, device=dev), torch.zeros(slots_all, HKV, dtype=torch.bool, device=dev)
+    prompt_len = torch.zeros(slots_all, dtype=torch.int32, device=dev)  # every row due (context % 16 == 0)
+    list_width = min(width * BS, int(args.budget * width * BS) + 2)
+
+    def refresh():
+        refresh_listed_scores(lists.kept, lists.kept_value, lists.prompt_mass, key_norm, lists.prompt_mass, pinned,
+                              prompt_len, table, seq_lens, BS, args.budget, 16, HQ // HKV, folded, 1,
+                              list_width)  # fmt: skip
 
     def composed_step():
         chosen = composed.pick(query, HKV, lists, table, seq_lens, BS, args.budget, {}, keys=key_slots,
@@ -105,6 +120,7 @@ for run in args.runs:
                                           scaling=D**-0.5),
         "sparq: whole step": sparq_step,
         "h2o+sparq: whole step": composed_step,
+        "learned refresh, every row due": refresh,
     }  # fmt: skip
     if args.tune:
         recent, recent_lengths = streaming.pick(query, HKV, None, table, seq_lens, BS, args.budget)
