@@ -78,7 +78,16 @@ def kept_list_step_reference(kept, values, block_table, seq_lens, block_size: in
 
 
 @jit
-def _list_slot(table_row, j, seq_len, spare, PAGE: tl.constexpr):
+def list_row(len_ptr, table_ptr, n_heads, s_table):
+    """A (request, KV head) program's row of the grid, its KV head, its request's length and
+    block-table row."""
+    row = tl.program_id(0)
+    b = row // n_heads
+    return row, row % n_heads, tl.load(len_ptr + b).to(tl.int64), table_ptr + b.to(tl.int64) * s_table
+
+
+@jit
+def list_slot(table_row, j, seq_len, spare, PAGE: tl.constexpr):
     """Physical slots of logical slots `j` of one request (`spare` past its length)."""
     inside = j < seq_len
     page = tl.load(table_row + j // PAGE, mask=inside, other=0).to(tl.int64)
@@ -92,11 +101,7 @@ def _step_kernel(
     PAGE: tl.constexpr, FRACTION: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One (request, KV head): the entry to replace, then the positions to read and the new entry."""
-    row = tl.program_id(0)
-    b = row // n_heads
-    h = row % n_heads
-    seq_len = tl.load(len_ptr + b).to(tl.int64)
-    table_row = table_ptr + b.to(tl.int64) * s_table
+    row, h, seq_len, table_row = list_row(len_ptr, table_ptr, n_heads, s_table)
     held = budget_limit(tl.maximum(seq_len - 1, 0), budget, FRACTION)
     count = budget_limit(seq_len, budget, FRACTION)
     newest = seq_len - 1
@@ -107,7 +112,7 @@ def _step_kernel(
     for start in range(0, width, BLOCK):
         j = start + tl.arange(0, BLOCK).to(tl.int64)
         listed = (j <= held) & (j < width)
-        at = _list_slot(table_row, j, seq_len, spare, PAGE)
+        at = list_slot(table_row, j, seq_len, spare, PAGE)
         pos = tl.load(kept_ptr + at * n_heads + h, mask=listed, other=0).to(tl.int64)
         val = tl.load(val_ptr + at * n_heads + h, mask=listed, other=0.0)
         pos = tl.where(j == held, newest, pos)
@@ -129,11 +134,11 @@ def _step_kernel(
     for start in range(0, width, BLOCK):
         j = start + tl.arange(0, BLOCK).to(tl.int64)
         inside = j < width
-        at = _list_slot(table_row, j, seq_len, spare, PAGE)
+        at = list_slot(table_row, j, seq_len, spare, PAGE)
         pos = tl.load(kept_ptr + at * n_heads + h, mask=inside & (j < count), other=0)
         pos = tl.where((j == held) | (j == target), newest, pos)
         tl.store(out_row + j, tl.where(j < count, pos, 0).to(tl.int32), mask=inside)
-    at_target = _list_slot(table_row, target, seq_len, spare, PAGE)
+    at_target = list_slot(table_row, target, seq_len, spare, PAGE)
     tl.store(kept_ptr + at_target * n_heads + h, newest.to(tl.int32))
     tl.store(val_ptr + at_target * n_heads + h, new_value)
     tl.store(count_ptr + row, count.to(tl.int32))
@@ -173,15 +178,11 @@ def _add_kernel(val_ptr, mass_ptr, table_ptr, len_ptr, n_heads, width, spare, s_
                 BLOCK: tl.constexpr):  # fmt: skip
     """One (request, KV head): its entries' values plus the mass; the spare row, which every row past
     its length shares, is left alone (what it holds counts for nothing)."""
-    row = tl.program_id(0)
-    b = row // n_heads
-    h = row % n_heads
-    seq_len = tl.load(len_ptr + b).to(tl.int64)
-    table_row = table_ptr + b.to(tl.int64) * s_table
+    row, h, seq_len, table_row = list_row(len_ptr, table_ptr, n_heads, s_table)
     for start in range(0, width, BLOCK):
         j = start + tl.arange(0, BLOCK).to(tl.int64)
         mine = (j < width) & (j < seq_len)
-        at = _list_slot(table_row, j, seq_len, spare, PAGE)
+        at = list_slot(table_row, j, seq_len, spare, PAGE)
         mass = tl.load(mass_ptr + row.to(tl.int64) * width + j, mask=mine, other=0.0)
         old = tl.load(val_ptr + at * n_heads + h, mask=mine, other=0.0)
         tl.store(val_ptr + at * n_heads + h, old + mass, mask=mine)

@@ -23,7 +23,7 @@ import torch
 from atskv.features import SCALAR_FEATURES, feature_columns
 from atskv.kernels.backend import jit, tl, triton, use_triton
 from atskv.kernels.budget import budget_limit, kept_tokens
-from atskv.kernels.kept_lists import list_slots
+from atskv.kernels.kept_lists import list_row, list_slot, list_slots
 from atskv.kernels.paged import physical_slots
 
 _KERNEL_FEATURES = ("attention", "position", "log_age", "hidden_norm", "key_norm", "prev_attention")
@@ -144,19 +144,14 @@ def _refresh_kernel(
     PAGE: tl.constexpr, FRACTION: tl.constexpr, PREVIOUS: tl.constexpr, FEATURES: tl.constexpr,
     BLOCK_J: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
-    b = row // n_heads
-    h = row % n_heads
-    seq_len = tl.load(len_ptr + b).to(tl.int64)
-    table_row = table_ptr + b.to(tl.int64) * s_table
+    _, h, seq_len, table_row = list_row(len_ptr, table_ptr, n_heads, s_table)
     first_page = tl.load(table_row).to(tl.int64)
     steps = seq_len - tl.load(prompt_ptr + first_page * PAGE).to(tl.int64)
     if (seq_len > 0) & (steps > 0) & (steps % refresh_every == 0):
         held = budget_limit(tl.maximum(seq_len - 1, 0), budget, FRACTION)
         j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J).to(tl.int64)
         listed = (j < held) & (j < width) & (j < seq_len)
-        page = tl.load(table_row + j // PAGE, mask=listed, other=0).to(tl.int64)
-        at = tl.where(listed, page * PAGE + j % PAGE, spare)
+        at = list_slot(table_row, j, seq_len, spare, PAGE)
         pos = tl.load(kept_ptr + at * n_heads + h, mask=listed, other=0).to(tl.int64)
         pos = tl.minimum(tl.maximum(pos, 0), tl.maximum(seq_len - 1, 0))
         where = tl.load(table_row + pos // PAGE, mask=listed, other=0).to(tl.int64) * PAGE + pos % PAGE
