@@ -11,8 +11,9 @@
 #        one engine (~4 min): the most in flight and each one's share of the KV pool (DENSE layers, default 2)
 #   bash benchmarks/device/vllm_plan.sh quality [CONTEXT]  # SmolLM2 with its real weights (not yet run): an
 #        engine-ready predictor collected and fit here, then the leaderboard's atskv rows and vllm: rows (beside
-#        vanilla vLLM) on the same prompts, 3 seeds (needs benchmarks/device/stage.sh's .whl and .device/s1-s3
-#        carried too; the parent runs atskv's transformers, each engine process vLLM's: ATSKV_VLLM_PYTHONPATH)
+#        vanilla vLLM) on the same prompts, 3 seeds (needs benchmarks/device/stage.sh's .whl, .device/s1-s3 and
+#        .device/corpora.tar.xz carried too, one staging call each; the parent runs atskv's transformers, each
+#        engine process vLLM's: ATSKV_VLLM_PYTHONPATH)
 # Rows land under $OUT (JSON lines, as they finish), with the logs.
 set -uo pipefail
 source benchmarks/device/vllm_env.sh
