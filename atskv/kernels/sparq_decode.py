@@ -56,6 +56,11 @@ _BINS_BITS = 12
 LOGITS_WAVES = 4  # programs per SM the logits kernel aims at
 
 
+def channel_rank(head_dim: int, fraction: float) -> int:
+    """SparQ's r: `fraction` of the head dimension, rounded, at least 1 (the selector's and the plugin's)."""
+    return max(1, min(head_dim, round(head_dim * fraction)))
+
+
 def top_channels(query: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """SparQ's step 1 for `query` `[..., D]`: the `rank` channels of largest |q| (equal magnitudes:
     the lower channel first, on every device), and the share of the query's L1 mass they keep

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from atskv.kernels.sparq_decode import channel_major, recent_first, sparq_decode, sparq_probs
+from atskv.kernels.sparq_decode import channel_major, channel_rank, recent_first, sparq_decode, sparq_probs
 from atskv.selectors.base import LayerView, Selector, budget_tokens
 
 
@@ -47,7 +47,7 @@ class SparQSelector(Selector):
     recent: int = 0
 
     def rank(self, head_dim: int) -> int:
-        return max(1, min(head_dim, round(head_dim * self.rank_fraction)))
+        return channel_rank(head_dim, self.rank_fraction)
 
     def scores(self, view: LayerView):
         probs = sparq_probs(view.query, view.keys, view.valid, view.scaling, self.rank(view.query.shape[-1]))

@@ -34,7 +34,7 @@ from atskv.kernels.paged import (
     update_page_bounds,
 )
 from atskv.kernels.quest_decode import quest_pick
-from atskv.kernels.sparq_decode import sparq_decode_paged
+from atskv.kernels.sparq_decode import channel_rank, sparq_decode_paged
 from atskv.kernels.sparse_decode import sparse_decode_attention
 from atskv.runtime.vllm.batch import PromptChunk
 from atskv.runtime.vllm.heavy_hitters import KeptLists, chunk_mass
@@ -118,7 +118,7 @@ class PagedSparQ(PagedSelector):
                                   scaling, self.rank(query.shape[-1]), budget, k)  # fmt: skip
 
     def rank(self, head_size: int) -> int:
-        return max(1, min(head_size, round(head_size * self.rank_fraction)))
+        return channel_rank(head_size, self.rank_fraction)
 
 
 @dataclass
