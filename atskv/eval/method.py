@@ -97,12 +97,12 @@ def check_methods(texts: Iterable[str], runtimes: Sequence[str]) -> list[Method]
             if method.name not in KVPRESS_PRESSES:
                 raise InputError(f"unknown kvpress press {method.name!r}; choose from: {', '.join(KVPRESS_PRESSES)}")
         elif method.runtime == VLLM and method.name:
-            from atskv.runtime.vllm.selection import PAGED_SELECTORS  # pure torch: no vLLM needed
+            from atskv.runtime.vllm.composition import paged_selector_parts  # pure torch: no vLLM needed
 
-            parts = method.name.split("+")
-            if len(parts) > 2 or not all(p in PAGED_SELECTORS for p in parts):
-                raise InputError(f"{method}: atskv's vLLM plugin has no selector {method.name!r}; it has: "
-                                 f"{', '.join(sorted(PAGED_SELECTORS))} and <residency>+sparq")  # fmt: skip
+            try:
+                paged_selector_parts(method.name)
+            except InputError as error:
+                raise InputError(f"{method}: {error}") from None
         elif method.name:
             try:
                 check_selector_names([method.name])

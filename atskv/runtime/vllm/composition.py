@@ -80,6 +80,18 @@ class PagedComposition(PagedSelector):
         self.residency.observe_read(state, by_entry, block_table, seq_lens, block_size)
 
 
+def paged_selector_parts(name: str) -> list[str]:
+    """The plugin's selectors `name` is made of (one, or a composition's two), or an `InputError`
+    naming those it has; checks names only, builds nothing."""
+    from atskv.runtime.vllm.selection import PAGED_SELECTORS
+
+    parts = name.split("+")
+    if len(parts) > 2 or not all(p in PAGED_SELECTORS for p in parts):
+        raise InputError(f"atskv's vLLM plugin has no selector {name!r}; it has: {', '.join(sorted(PAGED_SELECTORS))} "
+                         "and compositions <residency>+sparq (e.g. learned+sparq)")  # fmt: skip
+    return parts
+
+
 def build_paged_selector(name: str, options: dict | None) -> PagedSelector:
     """The plugin's selector `name` (a registered one, or `<residency>+<attention>`) with `options`,
     or an `InputError` naming what is wrong (an unknown name or option, parts that cannot play
@@ -87,10 +99,7 @@ def build_paged_selector(name: str, options: dict | None) -> PagedSelector:
     from atskv.runtime.vllm.selection import PAGED_SELECTORS  # its registry imports this module's users
 
     options = dict(options or {})
-    parts = name.split("+")
-    if len(parts) > 2 or not all(p in PAGED_SELECTORS for p in parts):
-        raise InputError(f"atskv's vLLM plugin has no selector {name!r}; it has: {', '.join(PAGED_SELECTORS)} "
-                         "and compositions <residency>+sparq (e.g. learned+sparq)")  # fmt: skip
+    parts = paged_selector_parts(name)
     if len(parts) == 1:
         check_options(f"atskv's {name}", options, [f.name for f in fields(PAGED_SELECTORS[name])])
         return PAGED_SELECTORS[name](**options)
