@@ -93,9 +93,10 @@ class AtskvAttentionImpl(FlashAttentionImpl):
                 or self.logits_soft_cap
                 or self.dcp_world_size > 1
             )
-            self._sparse = not own_rule and extract_layer_index(layer.layer_name) >= self.config.dense_layers
+            index = extract_layer_index(layer.layer_name)
+            self._sparse = not own_rule and index >= self.config.dense_layers
             if self._sparse:
-                self.selector.layer = extract_layer_index(layer.layer_name)
+                self.selector.layer = index
         return self._sparse
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
@@ -119,13 +120,13 @@ class AtskvAttentionImpl(FlashAttentionImpl):
             out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                   output_block_scale)  # fmt: skip
             if attn_metadata is not None and self.sparse_layer(layer):
-                self.observe_prompts(layer, query, kv_cache, attn_metadata)
+                self.observe_prompts(query, kv_cache, attn_metadata)
             return out
         tokens = attn_metadata.num_actual_tokens
         if tokens > decodes:  # the prefill requests behind the decodes: FlashAttention over their share
             rest = prefill_share(attn_metadata, decodes)
             super().forward(layer, query[decodes:], key[decodes:], value[decodes:], kv_cache, rest, output[decodes:])
-            self.observe_prompts(layer, query, kv_cache, attn_metadata)
+            self.observe_prompts(query, kv_cache, attn_metadata)
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
         block_size = kv_cache.shape[2]
         q, table = query[:decodes], attn_metadata.block_table[:decodes]
@@ -141,7 +142,7 @@ class AtskvAttentionImpl(FlashAttentionImpl):
         return output
 
 
-    def observe_prompts(self, layer, query, kv_cache, metadata) -> None:
+    def observe_prompts(self, query, kv_cache, metadata) -> None:
         """Each prefill request's chunk, to a selector that scores the prompt (`scores_prompt`):
         its queries, its keys so far through its block table (eager: prefill runs outside full graphs)."""
         rows = metadata.__dict__.get("atskv_prompt_rows")
@@ -151,10 +152,9 @@ class AtskvAttentionImpl(FlashAttentionImpl):
         key_slots = slot_view(key_cache, 1)[0]
         queries = query.view(query.shape[0], -1, self.head_size)
         step = metadata.__dict__.setdefault("atskv_step", {})
-        index = extract_layer_index(layer.layer_name)
-        for row, start, stop, length in rows:
+        for row, start, stop, length in rows:  # a sparse layer's: `sparse_layer` named the selector's layer
             chunk = PromptChunk(queries[start:stop], key_slots, metadata.block_table[row], length, key_cache.shape[1],
-                                self.scale, self.config.budget, index, row, step)  # fmt: skip
+                                self.scale, self.config.budget, self.selector.layer, row, step)  # fmt: skip
             self.selector.observe_prompt(self.state, chunk)
 
 
