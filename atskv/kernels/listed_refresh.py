@@ -79,7 +79,8 @@ def refresh_listed_scores(kept, values, received, key_norm, previous, pinned, pr
 def listed_features(kept, received, key_norm, previous, block_table, seq_lens, block_size: int, group: int,
                     width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Features `[B, Hkv, width, F]` of each request's first `width` list entries, their list
-    slots `[B, width]` and positions `[B, Hkv, width]` (entries past a list: garbage, unused)."""
+    slots `[B, width]` and their positions' physical slots `[B, Hkv, width]` (entries past a
+    list: garbage, unused)."""
     b, heads = block_table.shape[0], kept.shape[1]
     at = list_slots(block_table, seq_lens, block_size, width, kept.shape[0] - 1)
     context = seq_lens.long().view(b, 1, 1)
@@ -92,18 +93,17 @@ def listed_features(kept, received, key_norm, previous, block_table, seq_lens, b
     newest = (context - 1).float()
     columns = feature_columns(attention, positions.float(), newest, torch.zeros_like(attention),
                               key_norm[where, head], prev)  # fmt: skip
-    return columns, at, positions
+    return columns, at, where
 
 
 def refresh_listed_scores_reference(kept, values, received, key_norm, previous, pinned, prompt_len, block_table,
                                     seq_lens, block_size: int, budget: int | float, refresh_every: int, group: int,
                                     mlp: FoldedMLP, layer: int, width: int) -> None:  # fmt: skip
     b, heads = block_table.shape[0], kept.shape[1]
-    columns, at, positions = listed_features(kept, received, key_norm, previous, block_table, seq_lens, block_size,
-                                             group, width)  # fmt: skip
+    columns, at, where = listed_features(kept, received, key_norm, previous, block_table, seq_lens, block_size,
+                                         group, width)  # fmt: skip
     hidden = torch.relu(columns @ mlp.w + mlp.bias[layer].view(1, heads, 1, -1))
     logits = hidden @ mlp.w2 + mlp.b2
-    where = physical_slots(positions, block_table, block_size).long()
     head = torch.arange(heads, device=kept.device).view(1, -1, 1)
     logits = torch.where(pinned[where, head], torch.inf, logits)
     context = seq_lens.long().view(b, 1, 1)
