@@ -122,8 +122,8 @@ def choose_config(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
     return {"block_n": 128, "block_m": 64, "num_warps": 4, "num_stages": 3}
 
 
-def _check(query: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, offset: int) -> None:
-    """Validates shapes and dtypes."""
+def _check(query: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor | None, offset: int) -> None:
+    """Validates shapes and dtypes (`lse` None: the log-sum-exps are what is being computed)."""
     if query.dim() != 4 or keys.dim() != 4:
         raise ValueError(f"expected query [B, Hq, Tq, D] and keys [B, Hkv, S, D], got {tuple(query.shape)}, "
                          f"{tuple(keys.shape)}")  # fmt: skip
@@ -133,7 +133,7 @@ def _check(query: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, offset: i
         raise ValueError(f"query {tuple(query.shape)} does not fit keys {tuple(keys.shape)} (GQA needs Hq % Hkv == 0)")
     if keys.dtype != query.dtype:
         raise TypeError(f"query and keys must share a dtype, got {query.dtype}, {keys.dtype}")
-    if lse.shape != (b, hq, tq) or not lse.is_floating_point():
+    if lse is not None and (lse.shape != (b, hq, tq) or not lse.is_floating_point()):
         raise ValueError(f"lse must be a float [B, Hq, Tq] = [{b}, {hq}, {tq}], got {lse.dtype} {tuple(lse.shape)}")
     if not 0 <= offset <= slots - tq:
         raise ValueError(f"the chunk's {tq} queries at offset {offset} need offset + Tq <= S = {slots} slots")
@@ -231,7 +231,7 @@ def prefix_lse_triton(query: torch.Tensor, keys: torch.Tensor, offset: int, scal
     """The kernel: one program per (block of `block_m` queries, query head), walking the keys it
     sees `block_n` at a time with a running max and sum of exps (flash attention's forward
     without its values)."""
-    _check(query, keys, torch.empty(query.shape[:3], device=query.device), offset)
+    _check(query, keys, None, offset)
     b, hq, tq, d = query.shape
     hkv = keys.shape[1]
     lse = torch.empty(b, hq, tq, dtype=torch.float32, device=query.device)
