@@ -155,7 +155,7 @@ class PagedLearned(PagedSelector):
             pins = self.pinned(chunk)
             scores.scatter_(1, pins, torch.inf)
         if self.refresh_every:  # what a refresh reads of this request: its prompt's length, its pins
-            slots = chunk.slots(0, length).long()
+            slots = chunk.slots(0, length)
             state.prompt_len[slots[:1]] = length
             state.pinned[slots] = False
             if self.window_share > 0:
