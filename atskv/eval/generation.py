@@ -189,9 +189,7 @@ def generate_batch(
     stops = eos_ids(model, tokenizer)
     runs = []
     for row, example in enumerate(examples or [None] * len(ids)):
-        new = out[row, ids.shape[1] :].tolist()
-        ends = [i for i, token in enumerate(new) if token in stops]
-        new = new[: ends[0] + 1] if ends else new
+        new = cut_at_eos(out[row, ids.shape[1] :].tolist(), stops)
         text = tokenizer.decode(new, skip_special_tokens=True)
         runs.append(
             GenerationRun(
@@ -206,6 +204,12 @@ def generate_batch(
             )
         )
     return runs
+
+
+def cut_at_eos(tokens: list[int], stops: set[int]) -> list[int]:
+    """A generation's tokens up to and with its first end of sequence (`eos_ids`)."""
+    ends = [i for i, token in enumerate(tokens) if token in stops]
+    return tokens[: ends[0] + 1] if ends else tokens
 
 
 def eos_ids(model, tokenizer) -> set[int]:

@@ -19,7 +19,7 @@ from atskv.data import filler_text
 from atskv.data.prompts import encode_prompt
 from atskv.errors import InputError
 from atskv.eval import peer
-from atskv.eval.generation import Runtime, eos_ids, generate_batch, pad_left
+from atskv.eval.generation import Runtime, cut_at_eos, eos_ids, generate_batch, pad_left
 from atskv.eval.leaderboard.grid import KVPRESS_DENSE, VLLM_DENSE, Cell, Grid, build_examples, check_tiering
 from atskv.eval.leaderboard.report import describe, write
 from atskv.eval.leaderboard.store import CellStore
@@ -114,16 +114,15 @@ def _engine_cells(loaded, out: Path, wanted: dict, batches: dict, new_tokens: di
             groups_of[key].append(group)
     for (method, ratio), groups in groups_of.items():
         name = Method.parse(method).name
+        budget = None if ratio is None else peer.budget_fraction(ratio)
+        options = dict((selector_options or {}).get(name, {}))
         if name:  # the plugin's settings checked here, before an engine starts (a bad option: one line)
             PluginConfig.from_additional_config({"atskv": {
-                "selector": name, "budget": peer.budget_fraction(ratio), "dense_layers": dense_layers,
-                "options": dict((selector_options or {}).get(name, {}))}})  # fmt: skip
+                "selector": name, "budget": budget, "dense_layers": dense_layers, "options": options}})  # fmt: skip
         requests = [{"id": f"{c}-{t}-{s}-{i}", "prompt_token_ids": prompt_ids[c, t, s][i]} for c, t, s in groups
                     for i in range(len(batches[c, t, s]))]  # fmt: skip
-        jobs[method, ratio] = GenerationJob(
-            method, str(model_dir), None if ratio is None else peer.budget_fraction(ratio), dense_layers,
-            max(new_tokens[g] for g in groups), requests, dict((selector_options or {}).get(name, {})),
-        )  # fmt: skip
+        jobs[method, ratio] = GenerationJob(method, str(model_dir), budget, dense_layers,
+                                            max(new_tokens[g] for g in groups), requests, options)  # fmt: skip
     outputs, failed = generate(list(jobs.values()), out / "vllm" / "outputs.jsonl")
     stops, cells = eos_ids(loaded.model, tokenizer), []
     for (method, ratio), job in jobs.items():
@@ -132,9 +131,8 @@ def _engine_cells(loaded, out: Path, wanted: dict, batches: dict, new_tokens: di
         for c, t, s in groups_of[method, ratio]:
             texts = []
             for i in range(len(batches[c, t, s])):
-                tokens = outputs[job.label][f"{c}-{t}-{s}-{i}"][: new_tokens[c, t, s]]
-                ends = [j for j, token in enumerate(tokens) if token in stops]
-                texts.append(tokenizer.decode(tokens[: ends[0] + 1] if ends else tokens, skip_special_tokens=True))
+                tokens = cut_at_eos(outputs[job.label][f"{c}-{t}-{s}-{i}"][: new_tokens[c, t, s]], stops)
+                texts.append(tokenizer.decode(tokens, skip_special_tokens=True))
             scores = tuple(ex.score(text) for ex, text in zip(batches[c, t, s], texts))
             cells.append(Cell(
                 c, t, s, method, ratio, job.budget, None if ratio is None else dense_layers, "dense (vLLM's)",
