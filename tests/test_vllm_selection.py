@@ -243,6 +243,8 @@ def test_a_cache_not_in_nhd_order_is_refused():
         ({"selector": "h2o", "options": [0.5]}, "options must be a dict"),
         ({"selector": "learned"}, "needs its predictor"),
         ({"selector": "learned", "options": {"predictor": "/no/such/dir"}}, "/no/such/dir"),
+        ({"selector": "learned", "options": {"predictor": "/no/such/dir", "refresh_every": -1}}, "refresh_every"),
+        ({"selector": "learned", "options": {"predictor": "/no/such/dir", "refresh_every": 2.5}}, "refresh_every"),
     ],
 )
 def test_bad_plugin_settings_are_one_line_errors(settings, message):
