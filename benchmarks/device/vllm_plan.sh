@@ -13,7 +13,10 @@
 #        engine-ready predictor collected and fit here, then the leaderboard's atskv rows and vllm: rows (beside
 #        vanilla vLLM) on the same prompts, 3 seeds (needs benchmarks/device/stage.sh's .whl, .device/s1-s3 and
 #        .device/corpora.tar.xz carried too, one staging call each; the parent runs atskv's transformers, each
-#        engine process vLLM's: ATSKV_VLLM_PYTHONPATH)
+#        engine process vLLM's: ATSKV_VLLM_PYTHONPATH; a leaderboard whose engine failed runs once more, a resume)
+#   bash benchmarks/device/vllm_plan.sh quality-start [CONTEXT]  # quality in the background from a copy of this
+#        tree (/tmp/qtree, so later calls' trees do not touch it), rows in /tmp/qout, while other calls run
+#   bash benchmarks/device/vllm_plan.sh quality-wait SECONDS  # until it ends (at most SECONDS), its rows to $OUT
 # Rows land under $OUT (JSON lines, as they finish), with the logs.
 set -uo pipefail
 source benchmarks/device/vllm_env.sh
@@ -74,6 +77,18 @@ PY
     python3 -m atskv.cli eval leaderboard --model $m --predictor $q/predictor --contexts "[${2:-4096}]" \
       --methods '[learned, vllm:learned, snapkv, vllm:snapkv, h2o, vllm:h2o]' --ratios '[0.875, 0.9]' \
       --seeds '[0, 1, 2]' --device cuda --dtype bfloat16 --out "$OUT/lb" >> "$OUT/quality.log" 2>&1
+    grep -q "Runs that failed" "$OUT/lb/leaderboard.md" && python3 -m atskv.cli eval leaderboard --model $m \
+      --predictor $q/predictor --contexts "[${2:-4096}]" --methods '[learned, vllm:learned, snapkv, vllm:snapkv, h2o, vllm:h2o]' \
+      --ratios '[0.875, 0.9]' --seeds '[0, 1, 2]' --device cuda --dtype bfloat16 --out "$OUT/lb" >> "$OUT/quality.log" 2>&1
     grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" "$OUT/quality.log" | tail -8; cat "$OUT/lb/leaderboard.md" ;;
-  *) echo "usage: vllm_plan.sh profile|decode [METHODS]|tests [K]|trace METHOD [free [NEW]]|inflight METHOD [free [DENSE]]|quality [CONTEXT]" >&2; exit 2 ;;
+  quality-start)
+    source benchmarks/device/env.sh && assemble smollm2-135m.gguf
+    rm -rf /tmp/qtree /tmp/qout && mkdir -p /tmp/qout && mkdir /tmp/qtree && tar -c --exclude=./.device --exclude=./.whl --exclude=./.git . | tar x -C /tmp/qtree
+    ( cd /tmp/qtree && OUT=/tmp/qout setsid nohup bash -c "bash benchmarks/device/vllm_plan.sh quality ${2:-}; touch /tmp/qout/.done" \
+        > /tmp/qout/stage.log 2>&1 < /dev/null & )
+    sleep 5; ls /tmp/mdl /tmp/site | head -3; cat /tmp/qout/stage.log ;;
+  quality-wait)
+    for _ in $(seq "$2"); do [ -f /tmp/qout/.done ] && break; sleep 1; done
+    cp -r /tmp/qout "$OUT/quality"; tail -5 /tmp/qout/quality.log; cat /tmp/qout/stage.log | tail -12 ;;
+  *) echo "usage: vllm_plan.sh profile|decode [METHODS]|tests [K]|trace METHOD [free [NEW]]|inflight METHOD [free [DENSE]]|quality [CONTEXT]|quality-start [CONTEXT]|quality-wait SECONDS" >&2; exit 2 ;;
 esac
