@@ -41,3 +41,27 @@ def test_a_graph_of_dependent_launches_gives_what_plain_launches_give(monkeypatc
             graph.replay()
         outs[pdl] = out.clone()
     torch.testing.assert_close(outs["1"], outs["0"], rtol=0, atol=0)
+
+
+def test_no_kernel_reads_a_plain_module_global():
+    """Compiled Triton refuses a module global that is not a `tl.constexpr` (Triton's interpreter,
+    what CI runs, reads it): every `@jit` function of the kernels names only functions, modules and
+    constexprs among its globals."""
+    import importlib
+    import pkgutil
+
+    import atskv.kernels
+
+    triton = pytest.importorskip("triton")
+    offenders = []
+    for info in pkgutil.iter_modules(atskv.kernels.__path__):
+        module = importlib.import_module(f"atskv.kernels.{info.name}")
+        for name, kernel in vars(module).items():
+            fn = getattr(kernel, "fn", None)
+            if not callable(fn) or not hasattr(fn, "__code__") or fn.__module__ != module.__name__:
+                continue
+            for used in fn.__code__.co_names:
+                value = fn.__globals__.get(used)
+                if isinstance(value, (bool, int, float)) and not isinstance(value, triton.language.constexpr):
+                    offenders.append(f"{info.name}.{name} reads {used}")
+    assert not offenders, offenders

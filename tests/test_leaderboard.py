@@ -448,3 +448,22 @@ def test_a_failed_engine_loses_only_its_row_and_the_table_says_so(loaded, monkey
     methods = {c["method"] for c in json.loads(paths["json"].read_text())["cells"]}
     assert methods == {"dense", "vllm"}
     assert "the vLLM engine of vllm:h2o@0.5 (exit 3)" in paths["markdown"].read_text()
+
+
+def test_a_generation_job_reaches_its_engine_with_paths_as_text_and_eager(monkeypatch, tmp_path):
+    """The CLI hands the learned selector its predictor as a `Path`: the job file the engine
+    process reads holds it as text, and the scored (not timed) engine skips compile and graphs."""
+    from atskv.eval import vllm_generate
+
+    seen = []
+
+    def engine(module, job_file, rows, check=False):
+        seen.append(json.loads(Path(job_file).read_text()))
+
+    monkeypatch.setattr(vllm_generate, "engine_process", engine)
+    monkeypatch.setenv("ATSKV_VLLM_PYTHONPATH", str(tmp_path))
+    job = vllm_generate.GenerationJob("vllm:learned", str(tmp_path), 0.1, 1, 4, [{"id": "a", "prompt_token_ids": [1]}],
+                                      {"predictor": tmp_path / "predictor"})  # fmt: skip
+    outputs, failed = vllm_generate.generate([job], tmp_path / "out.jsonl")
+    assert seen[0]["options"] == {"predictor": str(tmp_path / "predictor")} and seen[0]["eager"]
+    assert outputs == {} and failed == []

@@ -37,6 +37,7 @@ class GenerationJob:
     requests: list[dict]
     options: dict = field(default_factory=dict)
     gpu_memory_utilization: float = 0.5
+    eager: bool = True  # scored, not timed: vLLM's compile and graph capture (~60 s an engine) skipped
 
     @property
     def label(self) -> str:
@@ -71,7 +72,7 @@ def generate(jobs: list[GenerationJob], rows: Path) -> tuple[dict[str, dict[str,
         if job.label in {r["job"] for r in json_lines(rows)}:
             continue
         job_file = rows.with_suffix(f".{file_stem(job.label)}.job.json")
-        job_file.write_text(json.dumps(asdict(job)))
+        job_file.write_text(json.dumps(asdict(job), default=str))  # options may hold paths (a predictor's)
         print(f"vLLM engine: {job.label} ({len(job.requests)} prompts)", file=sys.stderr)
         try:
             engine_process("atskv.eval.vllm_generate", job_file, rows, check=True)
@@ -92,7 +93,7 @@ def run_job(job: GenerationJob, rows: Path) -> None:
     longest = max(len(r["prompt_token_ids"]) for r in job.requests)
     spec = EngineSpec("vllm" if job.budget is None else job.method, job.model_dir, [], budget=job.budget or 1.0,
                       dense_layers=job.dense_layers, options=job.options, load_format="auto",
-                      gpu_memory_utilization=job.gpu_memory_utilization)  # fmt: skip
+                      gpu_memory_utilization=job.gpu_memory_utilization, eager=job.eager)  # fmt: skip
     llm = LLM(**engine_arguments(spec, longest + job.max_new_tokens + 16, min(32, len(job.requests))))
     params = SamplingParams(max_tokens=job.max_new_tokens, temperature=0.0, detokenize=False)
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in job.requests]

@@ -49,6 +49,7 @@ class EngineSpec:
     identity_batch: int = 4
     label: str = ""  # the rows' name of this engine (default: the method), to run one method twice
     load_format: str = "dummy"  # "auto": the weights saved in `shape_dir` (a model's directory)
+    eager: bool = False  # no compile, no CUDA graphs: an engine up in seconds, for runs scored, not timed
 
     def __post_init__(self):
         self.label = self.label or self.method
@@ -59,7 +60,7 @@ def engine_arguments(spec: EngineSpec, max_model_len: int, max_num_seqs: int) ->
     arguments = dict(
         model=spec.shape_dir, load_format=spec.load_format, skip_tokenizer_init=True, dtype="bfloat16",
         max_model_len=max_model_len, enable_prefix_caching=False, max_num_seqs=max_num_seqs,
-        gpu_memory_utilization=spec.gpu_memory_utilization, seed=0,
+        gpu_memory_utilization=spec.gpu_memory_utilization, seed=0, enforce_eager=spec.eager,
     )  # fmt: skip
     if spec.method != VANILLA:
         selector = Method.parse(spec.method).name

@@ -98,17 +98,18 @@ def list_slot(table_row, j, seq_len, spare, PAGE: tl.constexpr):
 def _step_kernel(
     kept_ptr, val_ptr, table_ptr, len_ptr, pos_ptr, count_ptr, n_heads, width, spare, budget, recent_fraction,
     new_value, s_table,
-    PAGE: tl.constexpr, FRACTION: tl.constexpr, BLOCK: tl.constexpr,
+    PAGE: tl.constexpr, FRACTION: tl.constexpr, BLOCK: tl.constexpr, INT_MAX: tl.constexpr,
 ):  # fmt: skip
-    """One (request, KV head): the entry to replace, then the positions to read and the new entry."""
+    """One (request, KV head): the entry to replace, then the positions to read and the new entry
+    (`INT_MAX` an argument: compiled Triton reads no plain module globals, its interpreter does)."""
     row, h, seq_len, table_row = list_row(len_ptr, table_ptr, n_heads, s_table)
     held = budget_limit(tl.maximum(seq_len - 1, 0), budget, FRACTION)
     count = budget_limit(seq_len, budget, FRACTION)
     newest = seq_len - 1
     window = (count.to(tl.float32) * recent_fraction).to(tl.int64)
     best_score = tl.full([], float("inf"), tl.float32)
-    best_pos = tl.full([], _INT_MAX, tl.int64)
-    best_j = tl.full([], _INT_MAX, tl.int64)
+    best_pos = tl.full([], INT_MAX, tl.int64)
+    best_j = tl.full([], INT_MAX, tl.int64)
     for start in range(0, width, BLOCK):
         j = start + tl.arange(0, BLOCK).to(tl.int64)
         listed = (j <= held) & (j < width)
@@ -120,8 +121,8 @@ def _step_kernel(
         score = tl.where(listed & (pos <= newest - window), val, float("inf"))
         low = tl.min(tl.where(listed, score, float("inf")), 0)
         at_low = listed & (score == low)
-        low_pos = tl.min(tl.where(at_low, pos, _INT_MAX), 0)
-        low_j = tl.min(tl.where(at_low & (pos == low_pos), j, _INT_MAX), 0)
+        low_pos = tl.min(tl.where(at_low, pos, INT_MAX), 0)
+        low_j = tl.min(tl.where(at_low & (pos == low_pos), j, INT_MAX), 0)
         better = (low < best_score) | ((low == best_score) & ((low_pos < best_pos) |
                                                               ((low_pos == best_pos) & (low_j < best_j))))  # fmt: skip
         has = tl.sum(listed.to(tl.int32), 0) > 0
@@ -154,7 +155,7 @@ def kept_list_step_triton(kept, values, block_table, seq_lens, block_size: int, 
     _step_kernel[(b * heads,)](
         kept, values, block_table, seq_lens, positions, counts, heads, width, kept.shape[0] - 1, budget,
         recent_fraction, new_value, block_table.stride(0), PAGE=block_size, FRACTION=isinstance(budget, float),
-        BLOCK=min(block, triton.next_power_of_2(width)), num_warps=4,
+        BLOCK=min(block, triton.next_power_of_2(width)), INT_MAX=_INT_MAX, num_warps=4,
     )  # fmt: skip
     return positions, counts
 

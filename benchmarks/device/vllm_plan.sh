@@ -1,7 +1,8 @@
 # The vLLM plugin's GPU plan, one stage a call (each well under the 10-minute limit), after the
 # four staging calls of vllm_env.sh (send every call in ONE message: a pause loses the machine):
 #   bash benchmarks/device/vllm_plan.sh profile   # per-stage kernel times (~40 s, no vLLM needed)
-#   bash benchmarks/device/vllm_plan.sh decode [METHODS]  # vanilla vLLM, Quest, StreamingLLM (or LABEL=vllm:X ...): 3 shapes (~7.5 min)
+#   bash benchmarks/device/vllm_plan.sh decode [METHODS]  # vanilla vLLM, Quest, StreamingLLM (or LABEL=vllm:X ...): 3 shapes (~7.5 min;
+#        RUNS='32768x8' for fewer)
 #   bash benchmarks/device/vllm_plan.sh tests [K] # the plugin's GPU tests, small engines of ~40 s each: run
 #        'not rank_tokens and not preempted and not refresh' (~4 min), 'rank_tokens' (~7.5 min) and
 #        'preempted or refresh' (~6 min) as three calls (one would pass the 10-minute limit)
@@ -27,7 +28,7 @@ case "$1" in
   decode)
     methods=${*:2}
     python3 benchmarks/vllm_decode.py "$OUT/decode.jsonl" --methods ${methods:-vllm quest=vllm:quest streaming=vllm:streaming_llm} \
-      --runs 32768x1 32768x8 131072x1 --new_tokens 64 --identity_tokens 32 > "$OUT/decode.log" 2>&1
+      --runs ${RUNS:-32768x1 32768x8 131072x1} --new_tokens 64 --identity_tokens 32 > "$OUT/decode.log" 2>&1
     grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" "$OUT/decode.log" | tail -20 ;;
   tests)
     python3 -m pip install -q --no-index --no-deps --target /tmp/pt .device/pt/*.whl 2>/dev/null
@@ -75,10 +76,10 @@ PY
     python3 -m atskv.cli export "$(ls -d $q/fit/*/version_*/checkpoints/last.ckpt | tail -1)" --model $m \
       --out $q/predictor >> "$OUT/quality.log" 2>&1
     python3 -m atskv.cli eval leaderboard --model $m --predictor $q/predictor --contexts "[${2:-4096}]" \
-      --methods '[learned, vllm:learned, snapkv, vllm:snapkv, h2o, vllm:h2o]' --ratios '[0.875, 0.9]' \
+      --methods "${QUALITY_METHODS:-[learned, vllm:learned, snapkv, vllm:snapkv, h2o, vllm:h2o]}" --ratios '[0.875, 0.9]' \
       --seeds '[0, 1, 2]' --device cuda --dtype bfloat16 --out "$OUT/lb" >> "$OUT/quality.log" 2>&1
     grep -q "Runs that failed" "$OUT/lb/leaderboard.md" && python3 -m atskv.cli eval leaderboard --model $m \
-      --predictor $q/predictor --contexts "[${2:-4096}]" --methods '[learned, vllm:learned, snapkv, vllm:snapkv, h2o, vllm:h2o]' \
+      --predictor $q/predictor --contexts "[${2:-4096}]" --methods "${QUALITY_METHODS:-[learned, vllm:learned, snapkv, vllm:snapkv, h2o, vllm:h2o]}" \
       --ratios '[0.875, 0.9]' --seeds '[0, 1, 2]' --device cuda --dtype bfloat16 --out "$OUT/lb" >> "$OUT/quality.log" 2>&1
     grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" "$OUT/quality.log" | tail -8; cat "$OUT/lb/leaderboard.md" ;;
   quality-start)
