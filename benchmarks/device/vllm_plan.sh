@@ -16,11 +16,16 @@
 #        .device/corpora.tar.xz carried too, one staging call each; the parent runs atskv's transformers, each
 #        engine process vLLM's: ATSKV_VLLM_PYTHONPATH; a leaderboard whose engine failed runs once more, a resume)
 #   bash benchmarks/device/vllm_plan.sh quality-start [CONTEXT]  # quality in the background from a copy of this
-#        tree (/tmp/qtree, so later calls' trees do not touch it), rows in /tmp/qout, while other calls run
+#        tree (/tmp/qtree, so later calls' trees do not touch it), rows in /tmp/qout, while other calls run (not
+#        engine tests: vLLM's start asserts when another process frees GPU memory while it profiles)
 #   bash benchmarks/device/vllm_plan.sh quality-wait SECONDS  # until it ends (at most SECONDS), its rows to $OUT
 # Rows land under $OUT (JSON lines, as they finish), with the logs.
 set -uo pipefail
 source benchmarks/device/vllm_env.sh
+if [ "$1" != profile ] && [ ! -f /tmp/vsite/.done ]; then  # a refused staging call: stop before spending the call
+  echo "vLLM is not unpacked: /tmp/vst has [$(ls /tmp/vst 2>/dev/null | tr '\n' ' ')] of ${VLLM_PARTS:-4} parts; carry the rest" >&2
+  exit 3
+fi
 case "$1" in
   profile)
     python3 benchmarks/vllm_step_profile.py --tune | tee "$OUT/profile.txt"
@@ -68,6 +73,7 @@ PY
     export ATSKV_VLLM_PYTHONPATH=$PYTHONPATH
     source benchmarks/device/env.sh && assemble smollm2-135m.gguf
     m=/tmp/mdl/smollm2-135m.gguf q=/tmp/quality
+    LEARNED='{learned: {window_share: 0.5}}'  # the predictor alone (window_share 0) scored 1.7 at 0.875 (2026-12-02)
     python3 -m atskv.cli collect --model $m --corpus austen --windows 32 --window_tokens 4096 --device cuda \
       --out $q/collect > "$OUT/quality.log" 2>&1
     python3 -m atskv.cli fit --config configs/fit.yaml --data.folder $q/collect --model.reduced_width 0 \
@@ -77,10 +83,10 @@ PY
       --out $q/predictor >> "$OUT/quality.log" 2>&1
     python3 -m atskv.cli eval leaderboard --model $m --predictor $q/predictor --contexts "[${2:-4096}]" \
       --methods "${QUALITY_METHODS:-[learned, vllm:learned, snapkv, vllm:snapkv, h2o, vllm:h2o]}" --ratios '[0.875, 0.9]' \
-      --seeds '[0, 1, 2]' --device cuda --dtype bfloat16 --out "$OUT/lb" >> "$OUT/quality.log" 2>&1
+      --seeds '[0, 1, 2]' --device cuda --dtype bfloat16 --selector_options "$LEARNED" --out "$OUT/lb" >> "$OUT/quality.log" 2>&1
     grep -q "Runs that failed" "$OUT/lb/leaderboard.md" && python3 -m atskv.cli eval leaderboard --model $m \
       --predictor $q/predictor --contexts "[${2:-4096}]" --methods "${QUALITY_METHODS:-[learned, vllm:learned, snapkv, vllm:snapkv, h2o, vllm:h2o]}" \
-      --ratios '[0.875, 0.9]' --seeds '[0, 1, 2]' --device cuda --dtype bfloat16 --out "$OUT/lb" >> "$OUT/quality.log" 2>&1
+      --ratios '[0.875, 0.9]' --seeds '[0, 1, 2]' --device cuda --dtype bfloat16 --selector_options "$LEARNED" --out "$OUT/lb" >> "$OUT/quality.log" 2>&1
     grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" "$OUT/quality.log" | tail -8; cat "$OUT/lb/leaderboard.md" ;;
   quality-start)
     source benchmarks/device/env.sh && assemble smollm2-135m.gguf
