@@ -88,6 +88,9 @@ def generate(jobs: list[GenerationJob], rows: Path) -> tuple[dict[str, dict[str,
 def run_job(job: GenerationJob, rows: Path) -> None:
     """In this process: one engine for `job`, its outputs appended to `rows` once all are in (a
     job is in the file whole or not at all)."""
+    # greedy needs no top-k/top-p kernels; FlashInfer's are compiled at an engine's first start on
+    # a fresh machine (the suspect of a start that did not finish in 2 minutes)
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     from vllm import LLM, SamplingParams
 
     longest = max(len(r["prompt_token_ids"]) for r in job.requests)
