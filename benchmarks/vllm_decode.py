@@ -27,14 +27,17 @@ parser.add_argument("--identity_tokens", type=int, default=0)
 parser.add_argument("--identity_context", type=int, default=2048)
 parser.add_argument("--options", type=json.loads, default={}, help="per method, e.g. '{\"vllm:quest\": {...}}'")
 parser.add_argument("--budgets", type=json.loads, default={}, help="a budget per method, overriding --budget")
+parser.add_argument("--dense_layers", type=json.loads, default={},
+                    help=f"first layers kept dense per method (default {EngineSpec.dense_layers}), e.g. '{{\"s0\": 0}}'")
 args = parser.parse_args()
 shape = write_shape(args.shape, Path(tempfile.mkdtemp()) / args.shape)
 runs = [tuple(int(x) for x in run.split("x")) for run in args.runs]
 labelled = [m.split("=", 1) if "=" in m else (m, m) for m in args.methods]
+dense = {label: args.dense_layers.get(label, EngineSpec.dense_layers) for label, _ in labelled}
 specs = [
-    EngineSpec(m, str(shape), runs, args.new_tokens, args.budgets.get(label, args.budget),
-               options=timing_options(m, args.options.get(label, {}), args.shape, EngineSpec.dense_layers,
-                                      shape.parent / "predictor"),
+    EngineSpec(m, str(shape), runs, args.new_tokens, args.budgets.get(label, args.budget), dense[label],
+               options=timing_options(m, args.options.get(label, {}), args.shape, dense[label],
+                                      shape.parent / f"predictor-{dense[label]}"),
                identity_tokens=args.identity_tokens,
                identity_context=args.identity_context, label=label)
     for label, m in labelled

@@ -2,12 +2,13 @@
 # four staging calls of vllm_env.sh (send every call in ONE message: a pause loses the machine):
 #   bash benchmarks/device/vllm_plan.sh profile   # per-stage kernel times (~40 s, no vLLM needed)
 #   bash benchmarks/device/vllm_plan.sh decode [METHODS]  # vanilla vLLM, Quest, StreamingLLM (or LABEL=vllm:X ...): 3 shapes (~7.5 min;
-#        RUNS='32768x8' for fewer)
+#        RUNS='32768x8' for fewer; DENSE='{"LABEL": 0}' for other dense layers than 2)
 #   bash benchmarks/device/vllm_plan.sh tests [K] # the plugin's GPU tests, small engines of ~40 s each: run
 #        'not rank_tokens and not preempted and not refresh' (~4 min), 'rank_tokens' (~7.5 min) and
 #        'preempted or refresh' (~6 min) as three calls (one would pass the 10-minute limit)
 #   bash benchmarks/device/vllm_plan.sh trace METHOD [free [NEW]]  # Poisson traces of 16K-128K prompts at
-#        0.25 and 1 request/s through one engine, NEW tokens each (256; ~7 min; free: unread blocks back)
+#        0.25 and 1 request/s through one engine, NEW tokens each (256; ~7 min; free: unread blocks back);
+#        RATES='2.0' LIMIT=240 REQUESTS=32 for other rates, cut-off (s) and request counts
 #   bash benchmarks/device/vllm_plan.sh inflight METHOD [free [DENSE]]  # 12 requests of 128K at once through
 #        one engine (~4 min): the most in flight and each one's share of the KV pool (DENSE layers, default 2)
 #   bash benchmarks/device/vllm_plan.sh quality [CONTEXT]  # SmolLM2 with its real weights (not yet run): an
@@ -31,9 +32,12 @@ case "$1" in
     python3 benchmarks/vllm_step_profile.py --tune | tee "$OUT/profile.txt"
     python3 benchmarks/vllm_step_profile.py --capacity 32784 --runs 32768x1 32768x8 | tee -a "$OUT/profile.txt" ;;
   decode)
-    methods=${*:2}
-    python3 benchmarks/vllm_decode.py "$OUT/decode.jsonl" --methods ${methods:-vllm quest=vllm:quest streaming=vllm:streaming_llm} \
-      --runs ${RUNS:-32768x1 32768x8 131072x1} --new_tokens 64 --identity_tokens 32 > "$OUT/decode.log" 2>&1
+    methods=${*:2}  # rows kept in /tmp/rows between calls: a stage cut at its limit resumes in the next call
+    mkdir -p /tmp/rows && touch /tmp/rows/decode.jsonl
+    timeout "${STAGE_S:-560}" python3 benchmarks/vllm_decode.py /tmp/rows/decode.jsonl \
+      --methods ${methods:-vllm quest=vllm:quest streaming=vllm:streaming_llm} --runs ${RUNS:-32768x1 32768x8 131072x1} \
+      --new_tokens 64 --identity_tokens 32 --dense_layers "${DENSE:-{\}}" >> /tmp/rows/decode.log 2>&1
+    cp /tmp/rows/decode.* "$OUT/"
     grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" "$OUT/decode.log" | tail -20 ;;
   tests)
     python3 -m pip install -q --no-index --no-deps --target /tmp/pt .device/pt/*.whl 2>/dev/null
@@ -42,7 +46,7 @@ case "$1" in
       ${2:+-k "$2"} 2>&1 | tee "$OUT/tests.log" | grep -v "^\[\|^INFO\|^WARNING" | tail -25 ;;
   trace)
     python3 - "$OUT" "$2" "${3:-}" "${4:-256}" <<'PY' 2>&1 | grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" | tail -12
-import sys, tempfile
+import os, sys, tempfile
 from pathlib import Path
 from atskv.eval import vllm_speed, vllm_trace
 shape = vllm_speed.write_shape("llama3.1-8b", Path(tempfile.mkdtemp()) / "llama3.1-8b")
@@ -50,7 +54,8 @@ free = sys.argv[3] == "free"
 spec = vllm_speed.EngineSpec(sys.argv[2], str(shape), [], free_blocks=free,
                              label=sys.argv[2] + (" (free_blocks)" if free else ""))
 rows = Path(sys.argv[1]) / "trace.jsonl"
-traces = [vllm_trace.Trace(rate=r, requests=32, new_tokens=int(sys.argv[4]), limit_s=150) for r in (0.25, 1.0)]
+traces = [vllm_trace.Trace(rate=float(r), requests=int(os.environ.get("REQUESTS", 32)), new_tokens=int(sys.argv[4]),
+                           limit_s=float(os.environ.get("LIMIT", 150))) for r in os.environ.get("RATES", "0.25 1.0").split()]
 vllm_trace.measure([spec], traces, rows)
 print(vllm_trace.table(rows))
 PY
