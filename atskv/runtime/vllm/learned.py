@@ -127,8 +127,8 @@ class PagedLearned(PagedSelector):
             return
         at = torch.where(slot_mapping >= 0, slot_mapping, state.spare).long()
         state.key_norm[at] = key.float().norm(dim=-1)
-        state.prompt_mass[at] = 0.0
-        state.pinned[at] = False
+        state.prompt_mass.index_fill_(0, at, 0.0)  # a fill, not `[at] = 0.0`: that copies a host scalar,
+        state.pinned.index_fill_(0, at, False)  # which CUDA graph capture refuses
 
     def observe_prompt(self, state: KeptLists, chunk: PromptChunk) -> None:
         """One request's chunk: its tokens so far scored with their features at its end, the list rebuilt."""
