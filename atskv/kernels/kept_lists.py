@@ -7,9 +7,11 @@ decode step.
 A request's list lives at its own logical slots: its j-th kept position in `kept` and that token's
 value in `values`, both `[num_slots + 1, Hkv]` at the physical slot of logical slot j (the last
 row a spare, written for slots past a request's length). Each (request, KV head) program walks
-the list twice: first for the entry to replace (the lowest (value, position), the newest
-`recent_fraction` of the budget and the new token never), then to write the positions to read
-and the new token's entry. `add_list_values` adds what a read returned to the listed values.
+the list twice: first its held entries for the one to replace (the lowest (value, position), the
+newest `recent_fraction` of the budget and the new token never), then the output row, loading
+the positions to read (zeros past the count, with no loads: a short request in an engine sized
+for long ones walks its own list, not the table's width) and writing the new token's entry.
+`add_list_values` adds what a read returned to the listed values.
 """
 
 from __future__ import annotations
@@ -110,10 +112,10 @@ def _step_kernel(
     best_score = tl.full([], float("inf"), tl.float32)
     best_pos = tl.full([], INT_MAX, tl.int64)
     best_j = tl.full([], INT_MAX, tl.int64)
-    for start in range(0, width, BLOCK):
+    for start in range(0, tl.minimum(held + 1, width), BLOCK):  # the request's own list, not the table's width
         j = start + tl.arange(0, BLOCK).to(tl.int64)
         listed = (j <= held) & (j < width)
-        at = list_slot(table_row, j, seq_len, spare, PAGE)
+        at = list_slot(table_row, j, tl.minimum(held + 1, seq_len), spare, PAGE)
         pos = tl.load(kept_ptr + at * n_heads + h, mask=listed, other=0).to(tl.int64)
         val = tl.load(val_ptr + at * n_heads + h, mask=listed, other=0.0)
         pos = tl.where(j == held, newest, pos)
@@ -135,7 +137,7 @@ def _step_kernel(
     for start in range(0, width, BLOCK):
         j = start + tl.arange(0, BLOCK).to(tl.int64)
         inside = j < width
-        at = list_slot(table_row, j, seq_len, spare, PAGE)
+        at = list_slot(table_row, j, count, spare, PAGE)  # past the count: no load, zeros stored
         pos = tl.load(kept_ptr + at * n_heads + h, mask=inside & (j < count), other=0)
         pos = tl.where((j == held) | (j == target), newest, pos)
         tl.store(out_row + j, tl.where(j < count, pos, 0).to(tl.int32), mask=inside)

@@ -11,11 +11,12 @@
 #        RATES='2.0' LIMIT=240 REQUESTS=32 for other rates, cut-off (s) and request counts
 #   bash benchmarks/device/vllm_plan.sh inflight METHOD [free [DENSE]]  # 12 requests of 128K at once through
 #        one engine (~4 min): the most in flight and each one's share of the KV pool (DENSE layers, default 2)
-#   bash benchmarks/device/vllm_plan.sh quality [CONTEXT]  # SmolLM2 with its real weights (not yet run): an
+#   bash benchmarks/device/vllm_plan.sh quality [CONTEXT]  # SmolLM2 with its real weights (ran 2026-12-06): an
 #        engine-ready predictor collected and fit here, then the leaderboard's atskv rows and vllm: rows (beside
 #        vanilla vLLM) on the same prompts, 3 seeds (needs benchmarks/device/stage.sh's .whl, .device/s1-s3 and
 #        .device/corpora.tar.xz carried too, one staging call each; the parent runs atskv's transformers, each
-#        engine process vLLM's: ATSKV_VLLM_PYTHONPATH; a leaderboard whose engine failed runs once more, a resume)
+#        engine process vLLM's: ATSKV_VLLM_PYTHONPATH; a leaderboard whose engine failed runs once more, a resume;
+#        LEARNED_OPTIONS='{learned: {window_share: 0.5, refresh_every: 16}}' for both runtimes' learned rows)
 #   bash benchmarks/device/vllm_plan.sh quality-start [CONTEXT]  # quality in the background from a copy of this
 #        tree (/tmp/qtree, so later calls' trees do not touch it), rows in /tmp/qout, while other calls run (not
 #        engine tests: vLLM's start asserts when another process frees GPU memory while it profiles)
@@ -78,14 +79,18 @@ PY
     export ATSKV_VLLM_PYTHONPATH=$PYTHONPATH
     source benchmarks/device/env.sh && assemble smollm2-135m.gguf
     m=/tmp/mdl/smollm2-135m.gguf q=/tmp/quality
-    LEARNED='{learned: {window_share: 0.5}}'  # the predictor alone (window_share 0) scored 1.7 at 0.875 (2026-12-02)
-    python3 -m atskv.cli collect --model $m --corpus austen --windows 32 --window_tokens 4096 --device cuda \
-      --out $q/collect > "$OUT/quality.log" 2>&1
-    python3 -m atskv.cli fit --config configs/fit.yaml --data.folder $q/collect --model.reduced_width 0 \
-      --model.without '[hidden_norm, token_type]' --trainer.max_epochs 5 --trainer.default_root_dir $q/fit \
-      --trainer.logger.init_args.save_dir $q/fit >> "$OUT/quality.log" 2>&1
-    python3 -m atskv.cli export "$(ls -d $q/fit/*/version_*/checkpoints/last.ckpt | tail -1)" --model $m \
-      --out $q/predictor >> "$OUT/quality.log" 2>&1
+    # the predictor alone (window_share 0) scored 1.7 at 0.875 (2026-12-02); both runtimes get these options
+    LEARNED=${LEARNED_OPTIONS:-'{learned: {window_share: 0.5}}'}
+    touch "$OUT/quality.log"
+    if [ ! -f $q/predictor/predictor.safetensors ]; then  # one predictor per machine: a second variant reuses it
+      python3 -m atskv.cli collect --model $m --corpus austen --windows 32 --window_tokens 4096 --device cuda \
+        --out $q/collect > "$OUT/quality.log" 2>&1
+      python3 -m atskv.cli fit --config configs/fit.yaml --data.folder $q/collect --model.reduced_width 0 \
+        --model.without '[hidden_norm, token_type]' --trainer.max_epochs 5 --trainer.default_root_dir $q/fit \
+        --trainer.logger.init_args.save_dir $q/fit >> "$OUT/quality.log" 2>&1
+      python3 -m atskv.cli export "$(ls -d $q/fit/*/version_*/checkpoints/last.ckpt | tail -1)" --model $m \
+        --out $q/predictor >> "$OUT/quality.log" 2>&1
+    fi
     python3 -m atskv.cli eval leaderboard --model $m --predictor $q/predictor --contexts "[${2:-4096}]" \
       --methods "${QUALITY_METHODS:-[learned, vllm:learned, snapkv, vllm:snapkv, h2o, vllm:h2o]}" --ratios '[0.875, 0.9]' \
       --seeds '[0, 1, 2]' --device cuda --dtype bfloat16 --selector_options "$LEARNED" --out "$OUT/lb" >> "$OUT/quality.log" 2>&1
