@@ -28,7 +28,7 @@ parser.add_argument("--identity_context", type=int, default=2048)
 parser.add_argument("--options", type=json.loads, default={}, help="per method, e.g. '{\"vllm:quest\": {...}}'")
 parser.add_argument("--budgets", type=json.loads, default={}, help="a budget per method, overriding --budget")
 parser.add_argument("--dense_layers", type=json.loads, default={},
-                    help=f"first layers kept dense per method (default {EngineSpec.dense_layers}), e.g. '{{\"s0\": 0}}'")
+                    help=f"first layers kept dense per label (default {EngineSpec.dense_layers}), e.g. '{{\"s0\": 0}}'")
 args = parser.parse_args()
 shape = write_shape(args.shape, Path(tempfile.mkdtemp()) / args.shape)
 runs = [tuple(int(x) for x in run.split("x")) for run in args.runs]

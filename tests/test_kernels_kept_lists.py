@@ -61,7 +61,8 @@ def test_the_step_kernel_matches_its_reference(budget, recent_fraction, new_valu
     assert not torch.equal(want_kept, kept), "the step must write the new tokens' entries"
 
 
-def test_read_mass_is_added_to_the_listed_values():
+@pytest.mark.parametrize("block", [8, 1024])
+def test_read_mass_is_added_to_the_listed_values(block):
     lengths = [37, 0, 100, 6]
     kept, values, table = lists(lengths, 32, 40, seed=2)
     seq_lens = torch.tensor(lengths, dtype=torch.int32)
@@ -73,7 +74,7 @@ def test_read_mass_is_added_to_the_listed_values():
 
     kl.use_triton, use = (lambda _: True), kl.use_triton
     try:
-        add_list_values(got, mass.to(DEVICE), table.to(DEVICE), seq_lens.to(DEVICE), BLOCK)
+        add_list_values(got, mass.to(DEVICE), table.to(DEVICE), seq_lens.to(DEVICE), BLOCK, block=block)
     finally:
         kl.use_triton = use
     torch.testing.assert_close(got.cpu()[:-1], want[:-1])

@@ -1,16 +1,18 @@
 """The decode step of kept lists beside a paged cache (`atskv.runtime.vllm.heavy_hitters.KeptLists`,
-the lists H2O and the learned selector keep inside vLLM) in one kernel a layer, where the torch
+the lists H2O and the learned selector keep inside vLLM) in two kernels a layer, where the torch
 reference runs ~20 small kernels (gathers through the block table, masks, a min and an argmin,
 two scatters): inside a CUDA graph each costs a launch, and together they were most of a layer's
 decode step.
 
 A request's list lives at its own logical slots: its j-th kept position in `kept` and that token's
 value in `values`, both `[num_slots + 1, Hkv]` at the physical slot of logical slot j (the last
-row a spare, written for slots past a request's length). Each (request, KV head) program walks
-the list twice: first its held entries for the one to replace (the lowest (value, position), the
-newest `recent_fraction` of the budget and the new token never), then the output row, loading
-the positions to read (zeros past the count, with no loads: a short request in an engine sized
-for long ones walks its own list, not the table's width) and writing the new token's entry.
+row a spare, written for slots past a request's length). A step is two kernels: one program per
+tile of each (request, KV head)'s list writes the positions to read (zeros past the count, with
+no loads there) and its candidate to replace, the lowest (value, position) outside the newest
+`recent_fraction` of the budget (the new token never); then one program per list picks among
+its tiles' candidates and writes the new token's entry. A list is thus read in one round of
+dependent loads (block table, position, value) however long it is, where one program walking it
+tile by tile waited on each tile in turn.
 `add_list_values` adds what a read returned to the listed values.
 """
 
@@ -97,50 +99,63 @@ def list_slot(table_row, j, seq_len, spare, PAGE: tl.constexpr):
 
 
 @jit
-def _step_kernel(
-    kept_ptr, val_ptr, table_ptr, len_ptr, pos_ptr, count_ptr, n_heads, width, spare, budget, recent_fraction,
-    new_value, s_table,
+def _step_tile_kernel(
+    kept_ptr, val_ptr, table_ptr, len_ptr, pos_ptr, low_ptr, low_pos_ptr, low_j_ptr, n_heads, width, spare, budget,
+    recent_fraction, new_value, s_table,
     PAGE: tl.constexpr, FRACTION: tl.constexpr, BLOCK: tl.constexpr, INT_MAX: tl.constexpr,
 ):  # fmt: skip
-    """One (request, KV head): the entry to replace, then the positions to read and the new entry
-    (`INT_MAX` an argument: compiled Triton reads no plain module globals, its interpreter does)."""
+    """One tile of one (request, KV head)'s list: the positions to read (the new token's entry
+    after the held ones, zeros past the count, no loads there) and the tile's candidate to
+    replace, its lowest (value, position, entry) (`INT_MAX` an argument: compiled Triton reads no
+    plain module globals, its interpreter does)."""
     row, h, seq_len, table_row = list_row(len_ptr, table_ptr, n_heads, s_table)
+    tile = tl.program_id(1)
     held = budget_limit(tl.maximum(seq_len - 1, 0), budget, FRACTION)
     count = budget_limit(seq_len, budget, FRACTION)
     newest = seq_len - 1
     window = (count.to(tl.float32) * recent_fraction).to(tl.int64)
-    best_score = tl.full([], float("inf"), tl.float32)
-    best_pos = tl.full([], INT_MAX, tl.int64)
-    best_j = tl.full([], INT_MAX, tl.int64)
-    for start in range(0, tl.minimum(held + 1, width), BLOCK):  # the request's own list, not the table's width
-        j = start + tl.arange(0, BLOCK).to(tl.int64)
-        listed = (j <= held) & (j < width)
-        at = list_slot(table_row, j, tl.minimum(held + 1, seq_len), spare, PAGE)
-        pos = tl.load(kept_ptr + at * n_heads + h, mask=listed, other=0).to(tl.int64)
-        val = tl.load(val_ptr + at * n_heads + h, mask=listed, other=0.0)
-        pos = tl.where(j == held, newest, pos)
-        val = tl.where(j == held, new_value, val)
-        score = tl.where(listed & (pos <= newest - window), val, float("inf"))
-        low = tl.min(tl.where(listed, score, float("inf")), 0)
-        at_low = listed & (score == low)
-        low_pos = tl.min(tl.where(at_low, pos, INT_MAX), 0)
-        low_j = tl.min(tl.where(at_low & (pos == low_pos), j, INT_MAX), 0)
-        better = (low < best_score) | ((low == best_score) & ((low_pos < best_pos) |
-                                                              ((low_pos == best_pos) & (low_j < best_j))))  # fmt: skip
-        has = tl.sum(listed.to(tl.int32), 0) > 0
-        take = has & better
-        best_score = tl.where(take, low, best_score)
-        best_pos = tl.where(take, low_pos, best_pos)
-        best_j = tl.where(take, low_j, best_j)
+    j = tile * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    inside = j < width
+    listed = (j <= held) & inside
+    at = list_slot(table_row, j, tl.minimum(held + 1, seq_len), spare, PAGE)
+    pos = tl.load(kept_ptr + at * n_heads + h, mask=listed, other=0).to(tl.int64)
+    val = tl.load(val_ptr + at * n_heads + h, mask=listed, other=0.0)
+    pos = tl.where(j == held, newest, pos)
+    val = tl.where(j == held, new_value, val)
+    score = tl.where(listed & (pos <= newest - window), val, float("inf"))
+    low = tl.min(tl.where(listed, score, float("inf")), 0)
+    at_low = listed & (score == low)
+    low_pos = tl.min(tl.where(at_low, pos, INT_MAX), 0)
+    low_j = tl.min(tl.where(at_low & (pos == low_pos), j, INT_MAX), 0)
+    tiles = tl.num_programs(1)
+    tl.store(low_ptr + row * tiles + tile, low)
+    tl.store(low_pos_ptr + row * tiles + tile, low_pos)
+    tl.store(low_j_ptr + row * tiles + tile, low_j)
+    tl.store(pos_ptr + row.to(tl.int64) * width + j, tl.where(j < count, pos, 0).to(tl.int32), mask=inside)
+
+
+@jit
+def _step_entry_kernel(
+    kept_ptr, val_ptr, table_ptr, len_ptr, pos_ptr, count_ptr, low_ptr, low_pos_ptr, low_j_ptr, n_heads, width,
+    tiles, spare, budget, new_value, s_table,
+    PAGE: tl.constexpr, FRACTION: tl.constexpr, BLOCK_T: tl.constexpr, INT_MAX: tl.constexpr,
+):  # fmt: skip
+    """One (request, KV head): the entry to replace from its tiles' candidates (when the budget did
+    not grow; else the entry after the held ones), the new token written there, and the count."""
+    row, h, seq_len, table_row = list_row(len_ptr, table_ptr, n_heads, s_table)
+    held = budget_limit(tl.maximum(seq_len - 1, 0), budget, FRACTION)
+    count = budget_limit(seq_len, budget, FRACTION)
+    t = tl.arange(0, BLOCK_T)
+    mine = t < tiles
+    low = tl.load(low_ptr + row * tiles + t, mask=mine, other=float("inf"))
+    low_pos = tl.load(low_pos_ptr + row * tiles + t, mask=mine, other=INT_MAX)
+    low_j = tl.load(low_j_ptr + row * tiles + t, mask=mine, other=INT_MAX)
+    best = tl.min(low, 0)
+    best_pos = tl.min(tl.where(low == best, low_pos, INT_MAX), 0)
+    best_j = tl.min(tl.where((low == best) & (low_pos == best_pos), low_j, INT_MAX), 0)
     target = tl.where(count > held, held, best_j)
-    out_row = pos_ptr + row.to(tl.int64) * width
-    for start in range(0, width, BLOCK):
-        j = start + tl.arange(0, BLOCK).to(tl.int64)
-        inside = j < width
-        at = list_slot(table_row, j, count, spare, PAGE)  # past the count: no load, zeros stored
-        pos = tl.load(kept_ptr + at * n_heads + h, mask=inside & (j < count), other=0)
-        pos = tl.where((j == held) | (j == target), newest, pos)
-        tl.store(out_row + j, tl.where(j < count, pos, 0).to(tl.int32), mask=inside)
+    newest = seq_len - 1
+    tl.store(pos_ptr + row.to(tl.int64) * width + target, newest.to(tl.int32), mask=target < count)
     at_target = list_slot(table_row, target, seq_len, spare, PAGE)
     tl.store(kept_ptr + at_target * n_heads + h, newest.to(tl.int32))
     tl.store(val_ptr + at_target * n_heads + h, new_value)
@@ -150,26 +165,41 @@ def _step_kernel(
 def kept_list_step_triton(kept, values, block_table, seq_lens, block_size: int, budget: int | float,
                           recent_fraction: float, new_value: float, width: int,
                           block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """`block`: list entries per step of a program's walk."""
+    """Two kernels: every tile of every list at once (`block` entries a program: a list's walk
+    is one round of dependent loads, not one per tile), then one program a list for the entry
+    to replace and the new token's write."""
     b, heads = block_table.shape[0], kept.shape[1]
+    block = min(block, triton.next_power_of_2(width))
+    tiles = triton.cdiv(width, block)
     positions = torch.empty(b, heads, width, dtype=torch.int32, device=kept.device)
     counts = torch.empty(b, heads, dtype=torch.int32, device=kept.device)
-    _step_kernel[(b * heads,)](
-        kept, values, block_table, seq_lens, positions, counts, heads, width, kept.shape[0] - 1, budget,
-        recent_fraction, new_value, block_table.stride(0), PAGE=block_size, FRACTION=isinstance(budget, float),
-        BLOCK=min(block, triton.next_power_of_2(width)), INT_MAX=_INT_MAX, num_warps=4,
+    low = torch.empty(b * heads, tiles, dtype=torch.float32, device=kept.device)
+    low_pos = torch.empty(b * heads, tiles, dtype=torch.int64, device=kept.device)
+    low_j = torch.empty_like(low_pos)
+    common = dict(PAGE=block_size, FRACTION=isinstance(budget, float), INT_MAX=_INT_MAX)
+    _step_tile_kernel[(b * heads, tiles)](
+        kept, values, block_table, seq_lens, positions, low, low_pos, low_j, heads, width, kept.shape[0] - 1, budget,
+        recent_fraction, new_value, block_table.stride(0), BLOCK=block, num_warps=4, **common,
+    )  # fmt: skip
+    _step_entry_kernel[(b * heads,)](
+        kept, values, block_table, seq_lens, positions, counts, low, low_pos, low_j, heads, width, tiles,
+        kept.shape[0] - 1, budget, new_value, block_table.stride(0), BLOCK_T=triton.next_power_of_2(tiles),
+        num_warps=1, **common,
     )  # fmt: skip
     return positions, counts
 
 
-def add_list_values(values, mass, block_table, seq_lens, block_size: int) -> None:
+def add_list_values(values, mass, block_table, seq_lens, block_size: int, block: int = 1024) -> None:
     """After a read: the mass `[B, Hkv, width]` each listed entry received, added to its value in
-    `values` `[num_slots + 1, Hkv]` (entries past a request's length add to the spare row)."""
+    `values` `[num_slots + 1, Hkv]` (entries past a request's length add to the spare row);
+    `block`: the kernel's entries a program."""
     if use_triton(values):
         b, heads, width = mass.shape
-        _add_kernel[(b * heads,)](values, mass.contiguous(), block_table, seq_lens, heads, width, values.shape[0] - 1,
-                                  block_table.stride(0), PAGE=block_size,
-                                  BLOCK=min(1024, triton.next_power_of_2(width)), num_warps=4)  # fmt: skip
+        block = min(block, triton.next_power_of_2(width))
+        _add_kernel[(b * heads, triton.cdiv(width, block))](
+            values, mass.contiguous(), block_table, seq_lens, heads, width, values.shape[0] - 1, block_table.stride(0),
+            PAGE=block_size, BLOCK=block, num_warps=4,
+        )  # fmt: skip
         return
     at = list_slots(block_table, seq_lens, block_size, mass.shape[-1], values.shape[0] - 1)
     flat = by_head(at.unsqueeze(1).expand(-1, mass.shape[1], -1))
@@ -179,13 +209,12 @@ def add_list_values(values, mass, block_table, seq_lens, block_size: int) -> Non
 @jit
 def _add_kernel(val_ptr, mass_ptr, table_ptr, len_ptr, n_heads, width, spare, s_table, PAGE: tl.constexpr,
                 BLOCK: tl.constexpr):  # fmt: skip
-    """One (request, KV head): its entries' values plus the mass; the spare row, which every row past
-    its length shares, is left alone (what it holds counts for nothing)."""
+    """One tile of one (request, KV head)'s entries: their values plus the mass; the spare row, which
+    every row past its length shares, is left alone (what it holds counts for nothing)."""
     row, h, seq_len, table_row = list_row(len_ptr, table_ptr, n_heads, s_table)
-    for start in range(0, width, BLOCK):
-        j = start + tl.arange(0, BLOCK).to(tl.int64)
-        mine = (j < width) & (j < seq_len)
-        at = list_slot(table_row, j, seq_len, spare, PAGE)
-        mass = tl.load(mass_ptr + row.to(tl.int64) * width + j, mask=mine, other=0.0)
-        old = tl.load(val_ptr + at * n_heads + h, mask=mine, other=0.0)
-        tl.store(val_ptr + at * n_heads + h, old + mass, mask=mine)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mine = (j < width) & (j < seq_len)
+    at = list_slot(table_row, j, seq_len, spare, PAGE)
+    mass = tl.load(mass_ptr + row.to(tl.int64) * width + j, mask=mine, other=0.0)
+    old = tl.load(val_ptr + at * n_heads + h, mask=mine, other=0.0)
+    tl.store(val_ptr + at * n_heads + h, old + mass, mask=mine)
