@@ -26,9 +26,9 @@ def _state(g, width: int):
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_the_token_write_matches_its_reference(monkeypatch, bias):
+@pytest.mark.parametrize("width", [7, 0])  # 7: the last bfloat16 pair half used; 0: a predictor without the hidden state
+def test_the_token_write_matches_its_reference(monkeypatch, bias, width):
     g = torch.Generator().manual_seed(0)
-    width = 7  # odd: the last bfloat16 pair is half used
     weight, b = torch.randn(width, D_MODEL, generator=g), torch.randn(width, generator=g) if bias else None
     hidden = (torch.randn(B, 3, D_MODEL, generator=g) * 4).bfloat16()[:, -1]  # a strided view, as the step's
     types = torch.randint(0, 8, (100,), generator=g, dtype=torch.int8)

@@ -138,8 +138,8 @@ def write_token_features_triton(weight, bias, hidden, token_types, ids, slots, p
     config = dict(_TOKEN_CONFIG)
     block_w, block_d = config.pop("BLOCK_W"), min(config.pop("BLOCK_D"), triton.next_power_of_2(d_model))
     bits = projected.view(torch.int16)
-    grid = (b, triton.cdiv(width, block_w))
-    _token_features_kernel[grid](
+    grid = (b, max(1, triton.cdiv(width, block_w)))  # a predictor without the hidden state (width 0) still
+    _token_features_kernel[grid](  # restarts the slot's norm, kind, attention received and score (part 0)
         hidden, weight, bias if bias is not None else weight, token_types, ids, slots, bits, hidden_norm, kind,
         received, score, h, d_model, width, float(d_model), torch.finfo(weight.dtype).eps,
         *hidden.stride(), *weight.stride(), ids.stride(0), *slots.stride(), *bits.stride(), *hidden_norm.stride(),
