@@ -211,18 +211,24 @@ def test_fast_generate_with_a_budget_the_prompt_does_not_fill_gives_the_referenc
         assert max(int(before[0].max()) for before, _ in held) == (65 if budget == 64 else 69)
 
 
-@pytest.mark.parametrize("selector", ["h2o", "snapkv", "quest", "sparcas", "h2o+sparq", "learned with a threshold"])
+@pytest.mark.parametrize("selector", ["h2o", "snapkv", "quest", "sparcas", "h2o+sparq", "learned with a threshold",
+                                      "learned without the hidden state"])  # fmt: skip
 def test_fast_generate_through_the_kernels_gives_the_reference_tokens(monkeypatch, tmp_path, selector):
     """The fast path as it runs on a GPU (its Triton kernels: decode write, eviction, attention
     with mass, Quest's pick, SparCas's partial logits, the learned selector's features and refresh;
-    Triton's interpreter on the CPU), a left-padded batch, against the reference session in torch."""
+    Triton's interpreter on the CPU), a left-padded batch, against the reference session in torch.
+    "without the hidden state": the predictor the vLLM plugin can feed (no projection, norm or token
+    type), refreshing only after the 5 steps, so its decode tokens' slots restart as they are written."""
     model, ids, mask = left_padded("llama", 100, 20, seed=3)
     budget = 0.2 if "+" not in selector else 12
     options = {"residency_budget": 24} if "+" in selector else OPTIONS.get(selector, {})
-    if selector.startswith("learned"):  # refreshing on steps 2 and 4 of the 5
+    if selector == "learned with a threshold":  # refreshing on steps 2 and 4 of the 5
         options = {"predictor": _random_predictor(model, tmp_path, [1, 2, 3]), "refresh_every": 2,
                    "threshold": THRESHOLD["llama"]}  # fmt: skip
         selector, budget = "learned", 24
+    elif selector == "learned without the hidden state":
+        predictor = _random_predictor(model, tmp_path, [1, 2, 3], reduced_width=0, without=["hidden_norm", "token_type"])
+        options, selector, budget = {"predictor": predictor, "refresh_every": 8}, "learned", 24
     expected = _reference(model, ids, atskv.make_selector(selector, **options), budget, 6, mask)
     monkeypatch.setenv("ATSKV_KERNELS", "triton")
     held = _held_around_evictions(monkeypatch)
@@ -490,7 +496,7 @@ def test_graph_replay_gives_the_eager_tokens(tmp_path, selector):
     assert torch.equal(eager, graphed)
 
 
-def _random_predictor(model, folder, managed):
+def _random_predictor(model, folder, managed, reduced_width: int = 8, without=()):
     from atskv.features import SCALAR_FEATURES
     from atskv.models.geometry import model_geometry
     from atskv.predictor.export import export_predictor
@@ -499,8 +505,9 @@ def _random_predictor(model, folder, managed):
     torch.manual_seed(1)
     spec = FeatureSpec(model.config.hidden_size, SCALAR_FEATURES, len(managed), model.config.num_key_value_heads)
     types = torch.randint(0, spec.num_token_types, (model.config.vocab_size,), dtype=torch.int8)
-    export_predictor(RelevanceMLP(spec, reduced_width=8, hidden=16).eval(), types, folder, base_model="tiny",
-                     geometry=model_geometry(model.config), managed_layers=managed)  # fmt: skip
+    mlp = RelevanceMLP(spec, reduced_width=reduced_width, hidden=16, without=list(without)).eval()
+    export_predictor(mlp, types, folder, base_model="tiny", geometry=model_geometry(model.config),
+                     managed_layers=managed)  # fmt: skip
     return folder
 
 
