@@ -26,6 +26,7 @@ from atskv.runtime.fast.host_pages import HostRetrieval
 from atskv.runtime.fast.session import causal_mass_from
 from atskv.runtime.fast.static_cache import StaticSlotLayer
 from atskv.runtime.reference.sparse import attach
+from atskv.runtime.vllm.learned import WITHOUT
 from atskv.selectors.hybrid import HybridSelector
 from atskv.selectors.learned import LearnedSelector
 from atskv.selectors.sparcas import SparCasSelector
@@ -227,7 +228,7 @@ def test_fast_generate_through_the_kernels_gives_the_reference_tokens(monkeypatc
                    "threshold": THRESHOLD["llama"]}  # fmt: skip
         selector, budget = "learned", 24
     elif selector == "learned without the hidden state":
-        predictor = _random_predictor(model, tmp_path, [1, 2, 3], reduced_width=0, without=["hidden_norm", "token_type"])
+        predictor = _random_predictor(model, tmp_path, [1, 2, 3], reduced_width=0, without=WITHOUT)
         options, selector, budget = {"predictor": predictor, "refresh_every": 8}, "learned", 24
     expected = _reference(model, ids, atskv.make_selector(selector, **options), budget, 6, mask)
     monkeypatch.setenv("ATSKV_KERNELS", "triton")
