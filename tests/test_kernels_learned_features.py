@@ -26,7 +26,7 @@ def _state(g, width: int):
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("width", [7, 0])  # 7: the last bfloat16 pair half used; 0: a predictor without the hidden state
+@pytest.mark.parametrize("width", [7, 0])  # 7: the last bfloat16 pair half used; 0: a predictor without hidden state
 def test_the_token_write_matches_its_reference(monkeypatch, bias, width):
     g = torch.Generator().manual_seed(0)
     weight, b = torch.randn(width, D_MODEL, generator=g), torch.randn(width, generator=g) if bias else None

@@ -177,6 +177,26 @@ def test_equal_probabilities_go_to_the_higher_slot(knobs):
     assert chosen(*tri)[0][1] == set(range(170, 210))
 
 
+@pytest.mark.parametrize("knobs", [SMALL, {}])
+def test_nearly_flat_probabilities_are_narrowed_by_the_second_level(knobs):
+    """Keys a thousandth of the usual size: every held slot's pooled probability lies within a
+    percent of the others, so the first level's cut bin holds most slots (more than the
+    collection's registers) and the second level's bins part them. Both choose the same slots."""
+    args = list(static_layer(group=4, slots=1200))
+    args[3][:, :, 280:1100] = torch.arange(280, 1100)  # held up to 1100
+    args[5] = torch.tensor([1100, 1100])
+    args[1] = args[1] * 1e-3
+    args[2] = args[1].transpose(2, 3).contiguous()
+    query, keys, _, slot_pos, _, _, scaling = args
+    probs = sparq_probs(query.unsqueeze(2), keys, (slot_pos >= 0).unsqueeze(2), scaling, RANK)[:, :, 0]
+    bits = probs.view(torch.int32)[slot_pos >= 0]
+    first, second = bits >> 19, (bits >> 7) & 4095
+    top = first.mode().values
+    assert (first == top).sum() > 300 and second[first == top].unique().numel() > 20, "not the case meant"
+    ref, tri, _, _ = both(tuple(args), 100, 128, **knobs)
+    assert chosen(*tri) == chosen(*ref)
+
+
 def test_dispatch_picks_the_kernel_by_backend(monkeypatch):
     args = static_layer()
     monkeypatch.setenv("ATSKV_KERNELS", "reference")

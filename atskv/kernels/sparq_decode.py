@@ -18,8 +18,11 @@ query head reads r / D of its KV head's keys (a KV head at most the union of its
   `recent` newest positions: keys above every probability's), and a per-row histogram of the
   keys' top 12 bits; the row's last program finds the bin holding the budget's last slot.
 - `_collect_kernel` (row x block): slots above that bin go to the list, those in it to the
-  candidates, at places reserved by atomics; the row's last program picks the candidates the
-  budget still needs by a radix search over (key, slot) in registers.
+  candidates, at places reserved by atomics, their next 12 bits counted into a second histogram;
+  the row's last program picks the candidates the budget still needs by a radix search over
+  (key, slot) in registers, after narrowing them to the second level's cut bin when more wait
+  than its registers hold (nearly flat attention: random or dummy weights put most slots in one
+  first-level bin, and the search reads every candidate again each pass).
 
 Every stage runs many programs per row (the earlier three-kernel step selected in one program
 per row, a handful of programs at small batches, and counted all 4096 bins with `tl.histogram`,
@@ -189,7 +192,7 @@ def _channels_kernel(
 ):  # fmt: skip
     """One query head: its r channels of largest |q| (`dims` `[heads, BLOCK_R]`) and their q
     components times SparQ's temperature-corrected scale (`coef`). A row's head 0 also copies the
-    new token's key into `keys_t` (WRITE) and zeroes the row's histogram and counters for the
+    new token's key into `keys_t` (WRITE) and zeroes the row's histograms and counters for the
     kernels after it. Done once per head here, so the logits kernel's many programs only stream
     keys. FIXED (SparCas): the channels come from `fix` `[B, Hkv, RANK]`, the compact copy's rows
     0 .. RANK - 1 hold them, the scale is `scaling`, and the caller has written the new token's entry."""
@@ -206,7 +209,8 @@ def _channels_kernel(
             new = tl.load(w_ptr + b * sw_b + h * sw_h)  # the slot the decode token was written to
             k_new = tl.load(k_ptr + b * sk_b + h * sk_h + new * sk_s + d * sk_d, mask=d_ok)
             tl.store(kt_ptr + b * st_b + h * st_h + d * st_d + new * st_s, k_new, mask=d_ok)
-        tl.store(hist_ptr + row.to(tl.int64) * N_BINS + tl.arange(0, N_BINS), tl.zeros([N_BINS], tl.int32))
+        both = tl.arange(0, 2 * N_BINS)  # the row's two histogram levels
+        tl.store(hist_ptr + row.to(tl.int64) * 2 * N_BINS + both, tl.zeros([2 * N_BINS], tl.int32))
         tl.store(count_ptr + row * 8 + tl.arange(0, 8), tl.zeros([8], tl.int64))
     q_at = q_ptr + b * sq_b + (h * GROUP + g) * sq_h
     if FIXED:
@@ -361,7 +365,7 @@ def _probs_kernel(
     count = tl.histogram(tl.where(inside, bins - low, 0), WINDOW)
     w = tl.arange(0, WINDOW)
     count -= tl.where(w == 0, tl.sum((~inside).to(tl.int32), 0), 0)  # the others were put in bin 0
-    hist = hist_ptr + row * N_BINS
+    hist = hist_ptr + row * 2 * N_BINS  # the first level (the second: the collection's)
     tl.atomic_add(hist + low + w, count, mask=count > 0, sem="relaxed")
     tl.atomic_add(hist + bins, tl.full([BLOCK_S], 1, tl.int32), mask=held & ~inside, sem="relaxed")
     tl.debug_barrier()
@@ -390,17 +394,21 @@ def _relative(key_row, cand_row, c, n_cand, SHIFT: tl.constexpr, slot_bits):
 
 @jit
 def _collect_kernel(
-    key_ptr, count_ptr, cand_ptr, idx_ptr, width, n_out, slot_bits,
-    SHIFT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, RADIX: tl.constexpr,
-    PDL: tl.constexpr,
+    key_ptr, count_ptr, cand_ptr, idx_ptr, hist_ptr, width, n_out, slot_bits,
+    SHIFT: tl.constexpr, SHIFT_2: tl.constexpr, N_BINS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
+    RADIX: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One (row, KV head) and BLOCK slots: this block's slots of bins above the cut (from the
     probabilities kernel) go to the index list, those of the cut bin to the row's candidates, both
     at places reserved by one packed atomic add per program (the list is unordered), and the
-    places after the row's length get in-range filler. The row's last program to finish (a
-    counter with release / acquire order) picks the candidates the budget still needs: the n-th
+    places after the row's length get in-range filler; the candidates' next bits below the bin's
+    (from SHIFT_2 up) are counted into the row's second histogram level. The row's last program to
+    finish (a counter with release / acquire order) picks the candidates the budget still needs: the n-th
     largest of their unique `_relative` keys, RADIX bits per pass, in registers (a few hundred
-    candidates at 32K slots; more are read again each pass)."""
+    candidates at 32K slots with peaked attention). When more than BLOCK_C wait (flat
+    attention: nearly every slot in the cut bin), the second level's cut first takes the
+    candidates above it and keeps those in it, in one pass, so that the search, whose every pass
+    reads its candidates again, runs over that bin's alone."""
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     key_row = key_ptr + row * width
@@ -422,16 +430,38 @@ def _collect_kernel(
     tl.store(out_row + n_hi + tl.cumsum(hi.to(tl.int32), 0) - 1, s, mask=hi)
     tl.store(cand_row + n_tie + tl.cumsum(tie.to(tl.int32), 0) - 1, s, mask=tie)
     tl.store(out_row + s, s, mask=(s >= length) & (s < n_out))
+    second = hist_ptr + row * 2 * N_BINS + N_BINS
+    tl.atomic_add(second + ((key >> SHIFT_2) & (N_BINS - 1)), tl.full([BLOCK], 1, tl.int32), mask=tie, sem="relaxed")
     tl.debug_barrier()
     if tl.atomic_add(counters + 1, 1, sem="acq_rel") == tl.num_programs(1) - 1:
         n_cand = (tl.load(counters, volatile=True) >> 32).to(tl.int32)
         need = length - above
         c = tl.arange(0, BLOCK_C)
+        lo = tl.zeros([], tl.int64)
+        shift = (SHIFT + slot_bits).to(tl.int64)
+        if (n_cand > BLOCK_C) & (need > 0):  # many candidates: narrowed to the second level's cut bin
+            cut_2, _ = _cut(tl.load(second + tl.arange(0, N_BINS), cache_modifier=".cg"), need, N_BINS)
+            placed = tl.zeros([], tl.int32)
+            kept = tl.zeros([], tl.int32)
+            for start in range(0, n_cand, BLOCK_C):  # in place: a chunk's keepers land at or before it
+                ok = start + c < n_cand
+                slot = tl.load(cand_row + start + c, mask=ok, other=0, cache_modifier=".cg")
+                sub = (tl.load(key_row + slot, mask=ok, other=0) >> SHIFT_2) & (N_BINS - 1)
+                tl.debug_barrier()  # the chunk is read before any of it is overwritten
+                up, stay = ok & (sub > cut_2), ok & (sub == cut_2)
+                tl.store(out_row + above + placed + tl.cumsum(up.to(tl.int32), 0) - 1, slot, mask=up)
+                tl.store(cand_row + kept + tl.cumsum(stay.to(tl.int32), 0) - 1, slot, mask=stay)
+                placed += tl.sum(up.to(tl.int32), 0)
+                kept += tl.sum(stay.to(tl.int32), 0)
+            tl.debug_barrier()
+            above += placed
+            need -= placed
+            n_cand = kept
+            shift = (SHIFT_2 + slot_bits).to(tl.int64)  # the keepers share every bit above these
+            lo = cut_2.to(tl.int64) << shift
         slot, rel = _relative(key_row, cand_row, c, n_cand, SHIFT, slot_bits)  # the first BLOCK_C stay
         jj = tl.arange(0, 1 << RADIX).to(tl.int64)
-        lo = tl.zeros([], tl.int64)
         at_lo = n_cand  # candidates at or above lo
-        shift = (SHIFT + slot_bits).to(tl.int64)
         while (shift > 0) & (at_lo > need):  # stops once exactly `need` are at or above lo
             shift = tl.maximum(shift - RADIX, 0)
             trial = lo + (jj << shift)
@@ -485,7 +515,7 @@ def sparq_decode_triton(query, keys, keys_t, slot_pos, write_slot, context, scal
     coef = torch.empty(rows * group, block_r + 1, dtype=torch.float32, device=device)
     logits = torch.empty(rows, group, width, dtype=torch.float32, device=device)
     stats = torch.empty(rows, group, parts, 2, dtype=torch.float32, device=device)
-    hist = torch.empty(rows, 1 << _BINS_BITS, dtype=torch.int32, device=device)
+    hist = torch.empty(rows, 2, 1 << _BINS_BITS, dtype=torch.int32, device=device)  # two levels a row
     counters = torch.empty(rows, 8, dtype=torch.int64, device=device)
     keys32 = torch.empty(rows, width, dtype=torch.int32, device=device)
     candidates = torch.empty(rows, width, dtype=torch.int32, device=device)
@@ -519,8 +549,9 @@ def sparq_decode_triton(query, keys, keys_t, slot_pos, write_slot, context, scal
     )  # fmt: skip
     grid = (rows, triton.cdiv(width, collect_block))
     _collect_kernel[grid](
-        keys32, counters, candidates, indices, width, k, max(1, (slots - 1).bit_length()), SHIFT=shift,
-        BLOCK=collect_block, BLOCK_C=block_c, RADIX=radix, num_warps=warps[3],
+        keys32, counters, candidates, indices, hist, width, k, max(1, (slots - 1).bit_length()), SHIFT=shift,
+        SHIFT_2=shift - _BINS_BITS, N_BINS=1 << _BINS_BITS, BLOCK=collect_block, BLOCK_C=block_c, RADIX=radix,
+        num_warps=warps[3],
         **dependent_launch(query, grid),
     )  # fmt: skip
     return indices, lengths
