@@ -16,7 +16,8 @@
 #        vanilla vLLM) on the same prompts, 3 seeds (needs benchmarks/device/stage.sh's .whl, .device/s1-s3 and
 #        .device/corpora.tar.xz carried too, one staging call each; the parent runs atskv's transformers, each
 #        engine process vLLM's: ATSKV_VLLM_PYTHONPATH; a leaderboard whose engine failed runs once more, a resume;
-#        LEARNED_OPTIONS='{learned: {window_share: 0.5, refresh_every: 16}}' for both runtimes' learned rows)
+#        LEARNED_OPTIONS='{learned: {window_share: 0.5, refresh_every: 16}}' for both runtimes' learned rows;
+#        MODEL=gemma3-270m with .device/g1-g7 carried, one staging call each)
 #   bash benchmarks/device/vllm_plan.sh quality-start [CONTEXT]  # quality in the background from a copy of this
 #        tree (/tmp/qtree, so later calls' trees do not touch it), rows in /tmp/qout, while other calls run (not
 #        engine tests: vLLM's start asserts when another process frees GPU memory while it profiles)
@@ -77,8 +78,9 @@ PY
     ;;
   quality)
     export ATSKV_VLLM_PYTHONPATH=$PYTHONPATH
-    source benchmarks/device/env.sh && assemble smollm2-135m.gguf
-    m=/tmp/mdl/smollm2-135m.gguf q=/tmp/quality
+    model=${MODEL:-smollm2-135m}  # or gemma3-270m (its parts .device/g1-g7 carried; its local layers stay vLLM's)
+    source benchmarks/device/env.sh && assemble $model.gguf
+    m=/tmp/mdl/$model.gguf q=/tmp/quality-$model
     # both runtimes get these options (window_share 0.5: as the shipped predictor scored best)
     LEARNED=${LEARNED_OPTIONS:-'{learned: {window_share: 0.5}}'}
     touch "$OUT/quality.log"
@@ -91,15 +93,17 @@ PY
       python3 -m atskv.cli export "$(ls -d $q/fit/*/version_*/checkpoints/last.ckpt | tail -1)" --model $m \
         --out $q/predictor >> "$OUT/quality.log" 2>&1
     fi
-    python3 -m atskv.cli eval leaderboard --model $m --predictor $q/predictor --contexts "[${2:-4096}]" \
-      --methods "${QUALITY_METHODS:-[learned, vllm:learned, snapkv, vllm:snapkv, h2o, vllm:h2o]}" --ratios '[0.875, 0.9]' \
-      --seeds '[0, 1, 2]' --device cuda --dtype bfloat16 --selector_options "$LEARNED" --out "$OUT/lb" >> "$OUT/quality.log" 2>&1
-    grep -q "Runs that failed" "$OUT/lb/leaderboard.md" && python3 -m atskv.cli eval leaderboard --model $m \
-      --predictor $q/predictor --contexts "[${2:-4096}]" --methods "${QUALITY_METHODS:-[learned, vllm:learned, snapkv, vllm:snapkv, h2o, vllm:h2o]}" \
-      --ratios '[0.875, 0.9]' --seeds '[0, 1, 2]' --device cuda --dtype bfloat16 --selector_options "$LEARNED" --out "$OUT/lb" >> "$OUT/quality.log" 2>&1
+    board() {
+      python3 -m atskv.cli eval leaderboard --model $m --predictor $q/predictor --contexts "[${2:-4096}]" \
+        --methods "${QUALITY_METHODS:-[learned, vllm:learned, snapkv, vllm:snapkv, h2o, vllm:h2o]}" \
+        --ratios '[0.875, 0.9]' --seeds '[0, 1, 2]' --device cuda --dtype bfloat16 --selector_options "$LEARNED" \
+        --out "$OUT/lb" >> "$OUT/quality.log" 2>&1
+    }
+    board "$@"
+    grep -q "Runs that failed" "$OUT/lb/leaderboard.md" && board "$@"  # an engine that failed: once more, a resume
     grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" "$OUT/quality.log" | tail -8; cat "$OUT/lb/leaderboard.md" ;;
   quality-start)
-    source benchmarks/device/env.sh && assemble smollm2-135m.gguf
+    source benchmarks/device/env.sh && assemble ${MODEL:-smollm2-135m}.gguf
     rm -rf /tmp/qtree /tmp/qout && mkdir -p /tmp/qout && mkdir /tmp/qtree && tar -c --exclude=./.device --exclude=./.whl --exclude=./.git . | tar x -C /tmp/qtree
     ( cd /tmp/qtree && OUT=/tmp/qout setsid nohup bash -c "bash benchmarks/device/vllm_plan.sh quality ${2:-}; touch /tmp/qout/.done" \
         > /tmp/qout/stage.log 2>&1 < /dev/null & )
