@@ -99,6 +99,21 @@ def list_slot(table_row, j, seq_len, spare, PAGE: tl.constexpr):
 
 
 @jit
+def list_sizes(seq_len, budget, FRACTION: tl.constexpr):
+    """A list's entries before its new token (`held`) and after it (`count`)."""
+    return budget_limit(tl.maximum(seq_len - 1, 0), budget, FRACTION), budget_limit(seq_len, budget, FRACTION)
+
+
+@jit
+def _lowest(score, pos, j, valid, INT_MAX: tl.constexpr):
+    """The lowest (score, position, entry) among the `valid` ones: (inf, INT_MAX, INT_MAX) if none."""
+    low = tl.min(tl.where(valid, score, float("inf")), 0)
+    at_low = valid & (score == low)
+    low_pos = tl.min(tl.where(at_low, pos, INT_MAX), 0)
+    return low, low_pos, tl.min(tl.where(at_low & (pos == low_pos), j, INT_MAX), 0)
+
+
+@jit
 def _step_tile_kernel(
     kept_ptr, val_ptr, table_ptr, len_ptr, pos_ptr, low_ptr, low_pos_ptr, low_j_ptr, n_heads, width, spare, budget,
     recent_fraction, new_value, s_table,
@@ -110,8 +125,7 @@ def _step_tile_kernel(
     plain module globals, its interpreter does)."""
     row, h, seq_len, table_row = list_row(len_ptr, table_ptr, n_heads, s_table)
     tile = tl.program_id(1)
-    held = budget_limit(tl.maximum(seq_len - 1, 0), budget, FRACTION)
-    count = budget_limit(seq_len, budget, FRACTION)
+    held, count = list_sizes(seq_len, budget, FRACTION)
     newest = seq_len - 1
     window = (count.to(tl.float32) * recent_fraction).to(tl.int64)
     j = tile * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
@@ -122,11 +136,8 @@ def _step_tile_kernel(
     val = tl.load(val_ptr + at * n_heads + h, mask=listed, other=0.0)
     pos = tl.where(j == held, newest, pos)
     val = tl.where(j == held, new_value, val)
-    score = tl.where(listed & (pos <= newest - window), val, float("inf"))
-    low = tl.min(tl.where(listed, score, float("inf")), 0)
-    at_low = listed & (score == low)
-    low_pos = tl.min(tl.where(at_low, pos, INT_MAX), 0)
-    low_j = tl.min(tl.where(at_low & (pos == low_pos), j, INT_MAX), 0)
+    score = tl.where(pos <= newest - window, val, float("inf"))
+    low, low_pos, low_j = _lowest(score, pos, j, listed, INT_MAX)
     tiles = tl.num_programs(1)
     tl.store(low_ptr + row * tiles + tile, low)
     tl.store(low_pos_ptr + row * tiles + tile, low_pos)
@@ -143,16 +154,13 @@ def _step_entry_kernel(
     """One (request, KV head): the entry to replace from its tiles' candidates (when the budget did
     not grow; else the entry after the held ones), the new token written there, and the count."""
     row, h, seq_len, table_row = list_row(len_ptr, table_ptr, n_heads, s_table)
-    held = budget_limit(tl.maximum(seq_len - 1, 0), budget, FRACTION)
-    count = budget_limit(seq_len, budget, FRACTION)
+    held, count = list_sizes(seq_len, budget, FRACTION)
     t = tl.arange(0, BLOCK_T)
     mine = t < tiles
     low = tl.load(low_ptr + row * tiles + t, mask=mine, other=float("inf"))
     low_pos = tl.load(low_pos_ptr + row * tiles + t, mask=mine, other=INT_MAX)
     low_j = tl.load(low_j_ptr + row * tiles + t, mask=mine, other=INT_MAX)
-    best = tl.min(low, 0)
-    best_pos = tl.min(tl.where(low == best, low_pos, INT_MAX), 0)
-    best_j = tl.min(tl.where((low == best) & (low_pos == best_pos), low_j, INT_MAX), 0)
+    _, _, best_j = _lowest(low, low_pos, low_j, mine, INT_MAX)
     target = tl.where(count > held, held, best_j)
     newest = seq_len - 1
     tl.store(pos_ptr + row.to(tl.int64) * width + target, newest.to(tl.int32), mask=target < count)

@@ -22,8 +22,8 @@ import torch
 
 from atskv.features import SCALAR_FEATURES, feature_columns
 from atskv.kernels.backend import jit, tl, triton, use_triton
-from atskv.kernels.budget import budget_limit, kept_tokens
-from atskv.kernels.kept_lists import list_row, list_slot, list_slots
+from atskv.kernels.budget import kept_tokens
+from atskv.kernels.kept_lists import list_row, list_sizes, list_slot, list_slots
 from atskv.kernels.paged import physical_slots
 
 _KERNEL_FEATURES = ("attention", "position", "log_age", "hidden_norm", "key_norm", "prev_attention")
@@ -148,7 +148,7 @@ def _refresh_kernel(
     first_page = tl.load(table_row).to(tl.int64)
     steps = seq_len - tl.load(prompt_ptr + first_page * PAGE).to(tl.int64)
     if (seq_len > 0) & (steps > 0) & (steps % refresh_every == 0):
-        held = budget_limit(tl.maximum(seq_len - 1, 0), budget, FRACTION)
+        held, _ = list_sizes(seq_len, budget, FRACTION)
         j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J).to(tl.int64)
         listed = (j < held) & (j < width) & (j < seq_len)
         at = list_slot(table_row, j, seq_len, spare, PAGE)
