@@ -3,12 +3,15 @@ synthetic paged cache of the 8B shape (32/8 heads, dim 128, blocks of 16), each 
 timed alone (`triton.testing.do_bench_cudagraph`, median), beside SDPA over the whole context:
 Quest, StreamingLLM, the kept lists of H2O and the learned selector (random lists: what a step
 costs does not depend on what they hold), SparQ on random keys, `h2o+sparq`, and the learned
-selector's refresh with every row due (its worst step; rows not due exit at once).
+selector's refresh with every row due (its worst step; rows not due exit at once). Where vLLM
+imports (FlashAttention 3 on a Hopper GPU), also vLLM's own paged decode over the whole context (what
+vanilla vLLM's layer reads) and the `decode_kernel: flash` read of the same picks (`, flash` rows),
+with the 32 splits vLLM allows under CUDA graphs.
 `--capacity` is the engine's max_model_len: the block table's width, which sizes a fractional
 budget's index lists. `--tune` adds the sparse decode kernel of StreamingLLM's pick at other
 pipeline depths and split counts (its defaults: 1 stage, `choose_split_size`).
 
-    python benchmarks/vllm_step_profile.py [--budget 0.05] [--capacity 131072] [--tune]
+    python benchmarks/vllm_step_profile.py [--budget 0.05] [--capacity 131072] [--tune] [--stages flash]
 """
 
 from __future__ import annotations
@@ -29,11 +32,20 @@ from atskv.runtime.vllm.composition import build_paged_selector
 from atskv.runtime.vllm.heavy_hitters import KeptLists
 from atskv.runtime.vllm.selection import PagedQuest, PagedSparQ, PagedStreamingLLM, paged_sparse_decode, slot_view
 
+try:
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    from atskv.runtime.vllm.flash_read import flash_sparse_decode
+except ImportError:  # the profile's first run goes before vLLM is unpacked
+    flash_attn_varlen_func = None
+SPLITS = 32  # vLLM's flash_attn_max_num_splits_for_cuda_graph
+
 parser = argparse.ArgumentParser()
 parser.add_argument("--budget", type=float, default=0.05)
 parser.add_argument("--capacity", type=int, default=131072)
 parser.add_argument("--runs", nargs="+", default=["32768x1", "32768x8", "131072x1"])
 parser.add_argument("--tune", action="store_true")
+parser.add_argument("--stages", default="", help="only the stages whose name contains this")
 args = parser.parse_args()
 HQ, HKV, D, BS = 32, 8, 128, 16
 dev, dt = "cuda", torch.bfloat16
@@ -132,7 +144,27 @@ for run in args.runs:
                     lambda depth=depth, more=more: sparse_decode_attention_triton(
                         query, keys, values, recent, recent_lengths, D**-0.5, block_table=table, block_size=BS,
                         split_size=max(1, split // more), num_stages=depth))  # fmt: skip
-    for name, fn in stages.items():
+    if flash_attn_varlen_func is not None:
+        starts = torch.arange(batch + 1, device=dev, dtype=torch.int32)
+
+        def flash_read(chosen):
+            out = torch.empty_like(query)
+            return flash_sparse_decode(query, key_cache, value_cache, *chosen, table, D**-0.5, out, {}, SPLITS)
+
+        stages |= {
+            "vLLM flash, whole context": lambda: flash_attn_varlen_func(
+                q=query, k=key_cache, v=value_cache, cu_seqlens_q=starts, max_seqlen_q=1, seqused_k=seq_lens,
+                max_seqlen_k=context, softmax_scale=D**-0.5, causal=True, block_table=table, num_splits=SPLITS,
+                fa_version=3),
+            "sparse decode of the pick, flash": lambda: flash_read((picked, lengths)),
+            "quest: whole step, flash": lambda: flash_read(quest.pick(query, HKV, (low, high), table, seq_lens, BS,
+                                                                      args.budget)),
+            "streaming: whole step, flash": lambda: flash_read(streaming.pick(query, HKV, None, table, seq_lens, BS,
+                                                                              args.budget)),
+            "learned: whole step, flash": lambda: flash_read(lists.step(table, seq_lens, BS, args.budget, 0.0,
+                                                                        float("inf"))),
+        }  # fmt: skip
+    for name, fn in ((n, f) for n, f in stages.items() if args.stages in n):
         fn()
         torch.cuda.synchronize()
         print(f"{run:>16} {name:>28} {do_bench_cudagraph(fn, rep=50) * 1e3:8.1f}", flush=True)

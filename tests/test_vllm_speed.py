@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -211,3 +212,45 @@ def test_the_engine_timing_predictor_reads_only_what_an_attention_backend_sees(t
     selector = PagedLearned(predictor=options["predictor"])
     assert selector.loaded.header.managed_layers == tuple(range(2, 32))
     assert selector.loaded.mlp.inputs() == {"attention", "position", "log_age", "key_norm", "prev_attention"}
+
+
+class SteppedEngine:
+    """An engine of `batch` requests whose prompts finish at the first step, then one token a step;
+    each step takes 1 s of the clock it is given, and profiled steps take 5 s more."""
+
+    def __init__(self, clock: list[float]):
+        self.clock, self.produced, self.profiling, self.profiled = clock, {}, False, 0
+
+    def add_request(self, request_id, prompt, params):
+        self.produced[request_id], self.new_tokens = 0, params.max_tokens
+
+    def has_unfinished_requests(self):
+        return min(self.produced.values()) < self.new_tokens
+
+    def step(self):
+        self.clock[0] += 1.0 + 5.0 * self.profiling
+        self.profiled += self.profiling
+        for r in self.produced:
+            self.produced[r] += 1
+        return [SimpleNamespace(request_id=r, outputs=[SimpleNamespace(token_ids=[0] * n)])
+                for r, n in self.produced.items()]  # fmt: skip
+
+    def start_profile(self):
+        assert not self.profiling
+        self.profiling = True
+
+    def stop_profile(self):
+        assert self.profiling
+        self.profiling = False
+
+
+@pytest.mark.parametrize("profile_steps", [0, 3])
+def test_profiled_decode_steps_are_left_out_of_the_timing(monkeypatch, profile_steps):
+    clock = [0.0]
+    monkeypatch.setattr(vllm_speed.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(vllm_speed, "greedy", lambda n: SimpleNamespace(max_tokens=n))
+    engine = SteppedEngine(clock)
+    timing = vllm_speed.timed_batch(engine, [{}, {}], 10, "t", profile_steps)
+    assert timing["ms_per_step"] == pytest.approx(1e3), "1 s a step: the profiled steps' 5 s more are not in it"
+    assert timing["prefill_s"] == 1.0 and not engine.profiling
+    assert engine.profiled == profile_steps

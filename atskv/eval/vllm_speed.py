@@ -6,7 +6,10 @@ Per method and (context, batch): the time until every request has its first toke
 time to first token, ms per decode step once every request decodes (timed between engine steps),
 tokens/s over the batch, and how many requests of the context the engine's KV blocks hold. With
 `identity_tokens`, each method also writes its greedy tokens on fixed prompts, to compare with
-vanilla vLLM's. Rows are appended to a JSON-lines file as they finish; a rerun skips those there.
+vanilla vLLM's. With `profile_dir`, the last `PROFILE_STEPS` decode steps of each batch (not
+timed) run under vLLM's torch profiler, whose table of CUDA time by kernel is kept there as
+`LABEL.CONTEXTxBATCH.txt`: where a step's time goes, vanilla and plugin alike. Rows are appended
+to a JSON-lines file as they finish; a rerun skips those there.
 
     python -m atskv.eval.vllm_speed SPEC.json ROWS.jsonl    (one method: what `measure` starts)
 """
@@ -27,6 +30,7 @@ from atskv.eval.rows import json_lines
 from atskv.eval.shapes import SHAPES
 from atskv.runtime.vllm.config import WORKER
 
+PROFILE_STEPS = 8
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
 VANILLA = "vllm"
 
@@ -43,6 +47,7 @@ class EngineSpec:
     dense_layers: int = 2
     options: dict = field(default_factory=dict)
     free_blocks: bool = False  # blocks the selector will not read go back to vLLM's pool
+    decode_kernel: str = "atskv"  # what reads the picks: atskv's kernel or "flash" (vLLM's FlashAttention 3)
     gpu_memory_utilization: float = 0.85
     identity_tokens: int = 0  # > 0: greedy tokens on fixed prompts first
     identity_context: int = 2048
@@ -50,6 +55,7 @@ class EngineSpec:
     label: str = ""  # the rows' name of this engine (default: the method), to run one method twice
     load_format: str = "dummy"  # "auto": the weights saved in `shape_dir` (a model's directory)
     eager: bool = False  # no compile, no CUDA graphs: an engine up in seconds, for runs scored, not timed
+    profile_dir: str = ""  # absolute: each batch's last PROFILE_STEPS decode steps under vLLM's torch profiler
 
     def __post_init__(self):
         self.label = self.label or self.method
@@ -62,11 +68,16 @@ def engine_arguments(spec: EngineSpec, max_model_len: int, max_num_seqs: int) ->
         max_model_len=max_model_len, enable_prefix_caching=False, max_num_seqs=max_num_seqs,
         gpu_memory_utilization=spec.gpu_memory_utilization, seed=0, enforce_eager=spec.eager,
     )  # fmt: skip
+    if spec.profile_dir:
+        arguments["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": spec.profile_dir,
+                                        "torch_profiler_with_stack": False}  # fmt: skip
     if spec.method != VANILLA:
         selector = Method.parse(spec.method).name
         settings = {"selector": selector, "budget": spec.budget, "dense_layers": spec.dense_layers}
         if spec.options:
             settings["options"] = spec.options
+        if spec.decode_kernel != EngineSpec.decode_kernel:
+            settings["decode_kernel"] = spec.decode_kernel
         arguments.update(attention_backend="CUSTOM", additional_config={"atskv": settings})
         if spec.free_blocks:
             settings["free_blocks"] = True
@@ -157,16 +168,17 @@ def engine_process(module: str, *files: Path, check: bool = False) -> None:
     subprocess.run([sys.executable, "-m", module, *map(str, files)], env=env, check=check)
 
 
-def timed_batch(engine, batch_prompts: list[dict], new_tokens: int, tag: str) -> dict:
-    """Runs one batch through the engine step by step: first-token times and decode ms/step."""
+def timed_batch(engine, batch_prompts: list[dict], new_tokens: int, tag: str, profile_steps: int = 0) -> dict:
+    """Runs one batch through the engine step by step: first-token times and decode ms/step. With
+    `profile_steps`, the last that many decode steps run under the engine's profiler, untimed."""
     params = greedy(new_tokens)
     start = time.perf_counter()
     for i, prompt in enumerate(batch_prompts):
         engine.add_request(f"{tag}-{i}", prompt, params)
     first: dict[str, float] = {}
     produced: dict[str, int] = {}
-    decode_start = decode_steps = None
-    stop = start
+    decode_start = None
+    stop, stop_tokens, profiling = start, 0, False
     while engine.has_unfinished_requests():
         outputs = engine.step()
         now = time.perf_counter()
@@ -175,8 +187,14 @@ def timed_batch(engine, batch_prompts: list[dict], new_tokens: int, tag: str) ->
             first.setdefault(out.request_id, now)
         if decode_start is None and len(first) == len(batch_prompts):
             decode_start, decode_tokens = now, min(produced.values())
-        stop = now
-    decode_steps = min(produced.values()) - decode_tokens
+        if not profiling:
+            stop, stop_tokens = now, min(produced.values(), default=0)
+            if decode_start is not None and profile_steps and new_tokens - stop_tokens <= profile_steps:
+                engine.start_profile()
+                profiling = True
+    if profiling:
+        engine.stop_profile()
+    decode_steps = stop_tokens - decode_tokens
     step_ms = (stop - decode_start) / decode_steps * 1e3 if decode_steps > 0 else float("nan")
     return {
         "prefill_s": decode_start - start,
@@ -214,7 +232,11 @@ def run_engine(spec: EngineSpec, rows: Path) -> None:
         emit({"kind": "tokens", "context": spec.identity_context, "tokens": tokens})
     for context, requested, batch in runs:
         timing = timed_batch(llm.llm_engine, prompts(context, batch, vocab, seed=context + batch), spec.new_tokens,
-                             f"{context}x{batch}")  # fmt: skip
+                             f"{context}x{batch}", PROFILE_STEPS if spec.profile_dir else 0)  # fmt: skip
+        if spec.profile_dir:  # vLLM's table of this batch's profiled steps (rewritten at each stop)
+            table_file = Path(spec.profile_dir) / "profiler_out_0.txt"
+            if table_file.is_file():
+                table_file.rename(Path(spec.profile_dir) / f"{file_stem(spec.label)}.{requested}x{batch}.txt")
         emit({"kind": "speed", "context": requested, "tokens_in_prompt": context, "batch": batch,
               "requests_held": kv_tokens / (context + spec.new_tokens), **timing})  # fmt: skip
 
