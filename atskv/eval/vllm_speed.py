@@ -217,6 +217,8 @@ def run_engine(spec: EngineSpec, rows: Path) -> None:
     runs = [(min(c, positions - spec.new_tokens), c, b) for c, b in spec.runs]  # a prompt fits the positions
     longest = max([c for c, _, _ in runs] + [spec.identity_context if spec.identity_tokens else 0])
     max_model_len = min(positions, longest + spec.new_tokens + 16)
+    if spec.profile_dir:
+        Path(spec.profile_dir).mkdir(parents=True, exist_ok=True)
     llm = LLM(**engine_arguments(spec, max_model_len, max([b for _, _, b in runs] + [spec.identity_batch])))
     kv_tokens = pool_tokens(llm.llm_engine)
 

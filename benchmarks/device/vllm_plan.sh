@@ -2,7 +2,8 @@
 # four staging calls of vllm_env.sh (send every call in ONE message: a pause loses the machine):
 #   bash benchmarks/device/vllm_plan.sh profile   # per-stage kernel times (~40 s, no vLLM needed)
 #   bash benchmarks/device/vllm_plan.sh decode [METHODS]  # vanilla vLLM, Quest, StreamingLLM (or LABEL=vllm:X ...): 3 shapes (~7.5 min;
-#        RUNS='32768x8' for fewer; DENSE='{"LABEL": 0}' for other dense layers than 2)
+#        RUNS='32768x8' for fewer; DENSE='{"LABEL": 0}' for other dense layers than 2; KERNEL='{"LABEL": "flash"}'
+#        for vLLM's FlashAttention as the read; PROFILE=1: each batch's last 8 steps profiled, CUDA-time tables)
 #   bash benchmarks/device/vllm_plan.sh tests [K] # the plugin's GPU tests, small engines of ~40 s each: run
 #        'not rank_tokens and not preempted and not refresh' (~4 min), 'rank_tokens' (~7.5 min) and
 #        'preempted or refresh' (~6 min) as three calls (one would pass the 10-minute limit)
@@ -38,13 +39,14 @@ case "$1" in
     mkdir -p /tmp/rows && touch /tmp/rows/decode.jsonl
     timeout "${STAGE_S:-560}" python3 benchmarks/vllm_decode.py /tmp/rows/decode.jsonl \
       --methods ${methods:-vllm quest=vllm:quest streaming=vllm:streaming_llm} --runs ${RUNS:-32768x1 32768x8 131072x1} \
-      --new_tokens 64 --identity_tokens 32 --dense_layers "${DENSE:-{\}}" >> /tmp/rows/decode.log 2>&1
-    cp /tmp/rows/decode.* "$OUT/"
+      --new_tokens 64 --identity_tokens 32 --dense_layers "${DENSE:-{\}}" --decode_kernel "${KERNEL:-{\}}" \
+      ${PROFILE:+--profile /tmp/rows/profile} >> /tmp/rows/decode.log 2>&1
+    cp -r /tmp/rows/decode.* "$OUT/"; [ -d /tmp/rows/profile ] && cp /tmp/rows/profile/*.txt "$OUT/" 2>/dev/null
     grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" "$OUT/decode.log" | tail -20 ;;
   tests)
     python3 -m pip install -q --no-index --no-deps --target /tmp/pt .device/pt/*.whl 2>/dev/null
     PYTHONPATH=/tmp/pt:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider tests/test_vllm_engine.py tests/test_vllm_freeing.py \
-      tests/test_vllm_selection.py tests/test_kernels_kept_lists.py tests/test_kernels_listed_refresh.py \
+      tests/test_vllm_selection.py tests/test_vllm_flash_read.py tests/test_kernels_kept_lists.py tests/test_kernels_listed_refresh.py \
       ${2:+-k "$2"} 2>&1 | tee "$OUT/tests.log" | grep -v "^\[\|^INFO\|^WARNING" | tail -25 ;;
   trace)
     python3 - "$OUT" "$2" "${3:-}" "${4:-256}" <<'PY' 2>&1 | grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" | tail -12
