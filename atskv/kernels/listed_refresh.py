@@ -148,7 +148,7 @@ def _refresh_kernel(
     first_page = tl.load(table_row).to(tl.int64)
     steps = seq_len - tl.load(prompt_ptr + first_page * PAGE).to(tl.int64)
     if (seq_len > 0) & (steps > 0) & (steps % refresh_every == 0):
-        held, _ = list_sizes(seq_len, budget, FRACTION)
+        held, _unused = list_sizes(seq_len, budget, FRACTION)
         j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J).to(tl.int64)
         listed = (j < held) & (j < width) & (j < seq_len)
         at = list_slot(table_row, j, seq_len, spare, PAGE)
