@@ -29,9 +29,6 @@ parser.add_argument("--options", type=json.loads, default={}, help="per method, 
 parser.add_argument("--budgets", type=json.loads, default={}, help="a budget per method, overriding --budget")
 parser.add_argument("--dense_layers", type=json.loads, default={},
                     help=f"first layers kept dense per label (default {EngineSpec.dense_layers}), e.g. '{{\"s0\": 0}}'")
-parser.add_argument("--decode_kernel", type=json.loads, default={},
-                    help=f"what reads the picks per label (default {EngineSpec.decode_kernel}), "
-                         "e.g. '{\"s0\": \"flash\"}'")
 parser.add_argument("--profile", type=Path, default=None,
                     help="a folder: each batch's last decode steps under vLLM's torch profiler, its CUDA-time "
                          "table per label and shape there (untimed)")
@@ -46,7 +43,6 @@ specs = [
                                       shape.parent / f"predictor-{dense[label]}"),
                identity_tokens=args.identity_tokens,
                identity_context=args.identity_context, label=label,
-               decode_kernel=args.decode_kernel.get(label, EngineSpec.decode_kernel),
                profile_dir=str(args.profile.resolve()) if args.profile else "")
     for label, m in labelled
 ]  # fmt: skip

@@ -4,14 +4,13 @@ timed alone (`triton.testing.do_bench_cudagraph`, median), beside SDPA over the 
 Quest, StreamingLLM, the kept lists of H2O and the learned selector (random lists: what a step
 costs does not depend on what they hold), SparQ on random keys, `h2o+sparq`, and the learned
 selector's refresh with every row due (its worst step; rows not due exit at once). Where vLLM
-imports (FlashAttention 3 on a Hopper GPU), also vLLM's own paged decode over the whole context (what
-vanilla vLLM's layer reads) and the `decode_kernel: flash` read of the same picks (`, flash` rows),
-with the 32 splits vLLM allows under CUDA graphs.
+imports, also vLLM's own paged FlashAttention decode over the whole context (what vanilla vLLM's
+layer reads), with the 32 splits vLLM allows under CUDA graphs.
 `--capacity` is the engine's max_model_len: the block table's width, which sizes a fractional
 budget's index lists. `--tune` adds the sparse decode kernel of StreamingLLM's pick at other
 pipeline depths and split counts (its defaults: 1 stage, `choose_split_size`).
 
-    python benchmarks/vllm_step_profile.py [--budget 0.05] [--capacity 131072] [--tune] [--stages flash]
+    python benchmarks/vllm_step_profile.py [--budget 0.05] [--capacity 131072] [--tune] [--stages "whole step"]
 """
 
 from __future__ import annotations
@@ -34,8 +33,6 @@ from atskv.runtime.vllm.selection import PagedQuest, PagedSparQ, PagedStreamingL
 
 try:
     from vllm.vllm_flash_attn import flash_attn_varlen_func
-
-    from atskv.runtime.vllm.flash_read import flash_sparse_decode
 except ImportError:  # the profile's first run goes before vLLM is unpacked
     flash_attn_varlen_func = None
 SPLITS = 32  # vLLM's flash_attn_max_num_splits_for_cuda_graph
@@ -146,23 +143,11 @@ for run in args.runs:
                         split_size=max(1, split // more), num_stages=depth))  # fmt: skip
     if flash_attn_varlen_func is not None:
         starts = torch.arange(batch + 1, device=dev, dtype=torch.int32)
-
-        def flash_read(chosen):
-            out = torch.empty_like(query)
-            return flash_sparse_decode(query, key_cache, value_cache, *chosen, table, D**-0.5, out, {}, SPLITS)
-
         stages |= {
             "vLLM flash, whole context": lambda: flash_attn_varlen_func(
                 q=query, k=key_cache, v=value_cache, cu_seqlens_q=starts, max_seqlen_q=1, seqused_k=seq_lens,
                 max_seqlen_k=context, softmax_scale=D**-0.5, causal=True, block_table=table, num_splits=SPLITS,
                 fa_version=3),
-            "sparse decode of the pick, flash": lambda: flash_read((picked, lengths)),
-            "quest: whole step, flash": lambda: flash_read(quest.pick(query, HKV, (low, high), table, seq_lens, BS,
-                                                                      args.budget)),
-            "streaming: whole step, flash": lambda: flash_read(streaming.pick(query, HKV, None, table, seq_lens, BS,
-                                                                              args.budget)),
-            "learned: whole step, flash": lambda: flash_read(lists.step(table, seq_lens, BS, args.budget, 0.0,
-                                                                        float("inf"))),
         }  # fmt: skip
     for name, fn in ((n, f) for n, f in stages.items() if args.stages in n):
         fn()

@@ -227,37 +227,6 @@ def test_a_cache_not_in_nhd_order_is_refused():
         paged_sparse_decode(torch.randn(1, HQ, D), key_cache, key_cache, one.unsqueeze(-1), one, one, 1.0)
 
 
-@pytest.mark.parametrize("kernels", ["reference", "triton"])
-def test_head_pages_address_each_picked_token_of_each_kv_head(cache, kernels, monkeypatch):
-    """FlashAttention's read (`decode_kernel: flash`): page `head_pages[b * HKV + h, k]` of the
-    cache seen as one-token, one-head pages is the key of request b's k-th picked position at head h."""
-    from atskv.kernels.paged import head_pages
-    from atskv.runtime.vllm.flash_read import head_page_view
-
-    monkeypatch.setenv("ATSKV_KERNELS", kernels)
-    b = len(cache.lengths)
-    query = torch.randn(b, HQ, D)
-    seq_lens = torch.tensor(cache.lengths, dtype=torch.int32)
-    positions, lengths = PagedQuest().pick(query, HKV, cache.bounds, cache.block_table, seq_lens, BLOCK, 40)
-    lengths = lengths.clone()
-    lengths[1, 0] = 3  # a head reading fewer than its list holds: pages past its count are page 0
-    device = KERNELS if kernels == "triton" else "cpu"
-    pages, counts = head_pages(positions.to(device), lengths.to(device), cache.block_table.to(device), BLOCK)
-    pages, counts = pages.cpu(), counts.cpu()
-    assert pages.dtype == counts.dtype == torch.int32 and pages.shape == (b * HKV, positions.shape[-1])
-    assert counts.tolist() == lengths.reshape(-1).tolist()
-    key_pages = head_page_view(cache.split()[0])
-    assert key_pages.shape == (cache.kv_cache.shape[0] * BLOCK * HKV, 1, 1, D)
-    for r in range(b):
-        for h in range(HKV):
-            n = int(lengths[r, h])
-            picked = positions[r, h, :n].long()
-            torch.testing.assert_close(key_pages[pages[r * HKV + h, :n].long(), 0, 0], cache.keys[r][picked, h])
-            assert not pages[r * HKV + h, n:].any()
-    with pytest.raises(ValueError, match="NHD"):
-        head_page_view(cache.kv_cache)  # the logical [blocks, HKV, BLOCK, 2D] order is not a slot-major one
-
-
 @pytest.mark.parametrize(
     "settings, message",
     [
@@ -270,8 +239,6 @@ def test_head_pages_address_each_picked_token_of_each_kv_head(cache, kernels, mo
         ({"selector": "quest", "free_blocks": True}, "free_blocks needs"),
         ({"selector": "streaming_llm", "budget": 1.0, "free_blocks": True}, "free_blocks needs"),
         ({"selector": "streaming_llm", "free_blocks": "yes"}, "true or false"),
-        ({"selector": "quest", "decode_kernel": "fa3"}, "decode_kernel must be one of atskv, flash"),
-        ({"selector": "h2o", "decode_kernel": "flash"}, "h2o reads each token's attention"),
         ({"selector": "streaming_llm", "options": {"sink": 4}}, "no option 'sink'; its options: sinks"),
         ({"selector": "h2o", "options": [0.5]}, "options must be a dict"),
         ({"selector": "learned"}, "needs its predictor"),
@@ -291,7 +258,6 @@ def test_plugin_settings_from_vllms_additional_config():
     assert (config.selector, config.budget, config.dense) == ("streaming_llm", 512, False)
     assert PluginConfig.from_additional_config({"atskv": {"budget": 1.0}}).dense
     assert PluginConfig(selector="streaming_llm", free_blocks=True).free_blocks  # dense layers beside: kept
-    assert PluginConfig(selector="quest", decode_kernel="flash").decode_kernel == "flash"
 
 
 @pytest.mark.parametrize("budget, sinks, prompt", [(0.05, 4, 3000), (0.3, 4, 200), (100, 4, 700), (40, 20, 90),

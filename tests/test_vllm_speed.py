@@ -215,11 +215,13 @@ def test_the_engine_timing_predictor_reads_only_what_an_attention_backend_sees(t
 
 
 class SteppedEngine:
-    """An engine of `batch` requests whose prompts finish at the first step, then one token a step;
-    each step takes 1 s of the clock it is given, and profiled steps take 5 s more."""
+    """Requests whose first tokens come one step apart (chunked prefill), then one token a step
+    each; a step takes as many seconds of the clock it is given as requests decode in it, and 5
+    more when profiled."""
 
     def __init__(self, clock: list[float]):
         self.clock, self.produced, self.profiling, self.profiled = clock, {}, False, 0
+        self.steps = 0
 
     def add_request(self, request_id, prompt, params):
         self.produced[request_id], self.new_tokens = 0, params.max_tokens
@@ -228,12 +230,14 @@ class SteppedEngine:
         return min(self.produced.values()) < self.new_tokens
 
     def step(self):
-        self.clock[0] += 1.0 + 5.0 * self.profiling
+        self.steps += 1
+        active = [r for i, r in enumerate(self.produced) if i < self.steps and self.produced[r] < self.new_tokens]
+        self.clock[0] += len(active) + 5.0 * self.profiling
         self.profiled += self.profiling
-        for r in self.produced:
+        for r in active:
             self.produced[r] += 1
-        return [SimpleNamespace(request_id=r, outputs=[SimpleNamespace(token_ids=[0] * n)])
-                for r, n in self.produced.items()]  # fmt: skip
+        return [SimpleNamespace(request_id=r, outputs=[SimpleNamespace(token_ids=[0] * self.produced[r])])
+                for r in active]  # fmt: skip
 
     def start_profile(self):
         assert not self.profiling
@@ -245,12 +249,14 @@ class SteppedEngine:
 
 
 @pytest.mark.parametrize("profile_steps", [0, 3])
-def test_profiled_decode_steps_are_left_out_of_the_timing(monkeypatch, profile_steps):
+def test_only_full_batch_decode_steps_are_timed_and_profiled(monkeypatch, profile_steps):
     clock = [0.0]
     monkeypatch.setattr(vllm_speed.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(vllm_speed, "greedy", lambda n: SimpleNamespace(max_tokens=n))
     engine = SteppedEngine(clock)
-    timing = vllm_speed.timed_batch(engine, [{}, {}], 10, "t", profile_steps)
-    assert timing["ms_per_step"] == pytest.approx(1e3), "1 s a step: the profiled steps' 5 s more are not in it"
-    assert timing["prefill_s"] == 1.0 and not engine.profiling
+    timing = vllm_speed.timed_batch(engine, [{}, {}, {}], 12, "t", profile_steps)
+    # 3 requests a step from step 3 (the last one's first token) until the first request's 12th token
+    assert timing["ms_per_step"] == pytest.approx(3e3), "neither the tail of fewer requests nor profiled steps"
+    assert timing["steady_steps"] == 12 - 3 - profile_steps
+    assert timing["prefill_s"] == 1.0 + 2.0 + 3.0 and not engine.profiling
     assert engine.profiled == profile_steps

@@ -3,13 +3,14 @@
 (`load_format="dummy"`, a config.json from `atskv.eval.shapes`, token ids as prompts).
 
 Per method and (context, batch): the time until every request has its first token and the mean
-time to first token, ms per decode step once every request decodes (timed between engine steps),
-tokens/s over the batch, and how many requests of the context the engine's KV blocks hold. With
-`identity_tokens`, each method also writes its greedy tokens on fixed prompts, to compare with
-vanilla vLLM's. With `profile_dir`, the last `PROFILE_STEPS` decode steps of each batch (not
-timed) run under vLLM's torch profiler, whose table of CUDA time by kernel is kept there as
-`LABEL.CONTEXTxBATCH.txt`: where a step's time goes, vanilla and plugin alike. Rows are appended
-to a JSON-lines file as they finish; a rerun skips those there.
+time to first token, ms per decode step while the whole batch decodes (timed between engine steps,
+until the first request ends: `timed_batch`), tokens/s over the batch, and how many requests of
+the context the engine's KV blocks hold. With `identity_tokens`, each method also writes its
+greedy tokens on fixed prompts, to compare with vanilla vLLM's. With `profile_dir`, the last
+`PROFILE_STEPS` full-batch decode steps (not timed) run under vLLM's torch profiler, whose table
+of CUDA time by kernel is kept there as `LABEL.CONTEXTxBATCH.txt`: where a step's time goes,
+vanilla and plugin alike. Rows are appended to a JSON-lines file as they finish; a rerun skips
+those there.
 
     python -m atskv.eval.vllm_speed SPEC.json ROWS.jsonl    (one method: what `measure` starts)
 """
@@ -47,7 +48,6 @@ class EngineSpec:
     dense_layers: int = 2
     options: dict = field(default_factory=dict)
     free_blocks: bool = False  # blocks the selector will not read go back to vLLM's pool
-    decode_kernel: str = "atskv"  # what reads the picks: atskv's kernel or "flash" (vLLM's FlashAttention 3)
     gpu_memory_utilization: float = 0.85
     identity_tokens: int = 0  # > 0: greedy tokens on fixed prompts first
     identity_context: int = 2048
@@ -76,8 +76,6 @@ def engine_arguments(spec: EngineSpec, max_model_len: int, max_num_seqs: int) ->
         settings = {"selector": selector, "budget": spec.budget, "dense_layers": spec.dense_layers}
         if spec.options:
             settings["options"] = spec.options
-        if spec.decode_kernel != EngineSpec.decode_kernel:
-            settings["decode_kernel"] = spec.decode_kernel
         arguments.update(attention_backend="CUSTOM", additional_config={"atskv": settings})
         if spec.free_blocks:
             settings["free_blocks"] = True
@@ -169,8 +167,11 @@ def engine_process(module: str, *files: Path, check: bool = False) -> None:
 
 
 def timed_batch(engine, batch_prompts: list[dict], new_tokens: int, tag: str, profile_steps: int = 0) -> dict:
-    """Runs one batch through the engine step by step: first-token times and decode ms/step. With
-    `profile_steps`, the last that many decode steps run under the engine's profiler, untimed."""
+    """Runs one batch through the engine step by step: first-token times and decode ms/step. A step
+    is timed while the whole batch decodes: from the step at which the last request has its first
+    token (chunked prefill staggers them) to the one at which the first has its last, so the
+    batch's tail, fewer requests a step, is not averaged in. With `profile_steps`, that many of
+    the last full-batch steps run under the engine's profiler instead, untimed."""
     params = greedy(new_tokens)
     start = time.perf_counter()
     for i, prompt in enumerate(batch_prompts):
@@ -178,7 +179,7 @@ def timed_batch(engine, batch_prompts: list[dict], new_tokens: int, tag: str, pr
     first: dict[str, float] = {}
     produced: dict[str, int] = {}
     decode_start = None
-    stop, stop_tokens, profiling = start, 0, False
+    stop, stop_tokens, timing, profiling = start, 0, True, False
     while engine.has_unfinished_requests():
         outputs = engine.step()
         now = time.perf_counter()
@@ -187,20 +188,26 @@ def timed_batch(engine, batch_prompts: list[dict], new_tokens: int, tag: str, pr
             first.setdefault(out.request_id, now)
         if decode_start is None and len(first) == len(batch_prompts):
             decode_start, decode_tokens = now, min(produced.values())
-        if not profiling:
-            stop, stop_tokens = now, min(produced.values(), default=0)
-            if decode_start is not None and profile_steps and new_tokens - stop_tokens <= profile_steps:
-                engine.start_profile()
-                profiling = True
+        if timing and decode_start is not None:
+            stop, stop_tokens = now, min(produced.values())
+            if max(produced.values()) >= new_tokens - profile_steps:  # the leading request nears its end
+                timing = False
+                if profile_steps:
+                    engine.start_profile()
+                    profiling = True
+        elif profiling and max(produced.values()) >= new_tokens:  # the first request finished: a full batch no more
+            engine.stop_profile()
+            profiling = False
     if profiling:
         engine.stop_profile()
-    decode_steps = stop_tokens - decode_tokens
+    decode_steps = stop_tokens - decode_tokens if decode_start is not None else 0
     step_ms = (stop - decode_start) / decode_steps * 1e3 if decode_steps > 0 else float("nan")
     return {
-        "prefill_s": decode_start - start,
+        "prefill_s": (decode_start or stop) - start,
         "ttft_mean_s": sum(t - start for t in first.values()) / len(first),
         "ms_per_step": step_ms,
         "tokens_per_s": len(batch_prompts) * 1e3 / step_ms if decode_steps > 0 else float("nan"),
+        "steady_steps": decode_steps,
     }
 
 

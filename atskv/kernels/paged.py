@@ -58,50 +58,6 @@ def physical_slots(logical: torch.Tensor, block_table: torch.Tensor, block_size:
     return (block * block_size + logical % block_size).int()
 
 
-def head_pages(positions: torch.Tensor, lengths: torch.Tensor, block_table: torch.Tensor, block_size: int):
-    """The picked tokens as one-token pages of one KV head each, for FlashAttention's paged read:
-    `[B * Hkv, K]` int32, page `slot * Hkv + h` for the `k`-th position of (request `b`, KV head
-    `h`) while `k < lengths[b, h]`, else page 0 (never read), and the lengths as FlashAttention
-    takes them, `[B * Hkv]` int32. `positions` `[B, Hkv, K]` logical, `lengths` `[B, Hkv]`,
-    `block_table` `[B, W]`. One kernel on CUDA."""
-    b, heads, k = positions.shape
-    if not use_triton(positions):
-        counted = _counted(positions, lengths)
-        slots = physical_slots(torch.where(counted, positions, 0), block_table, block_size)
-        pages = slots.long() * heads + torch.arange(heads, device=positions.device).view(1, -1, 1)
-        return torch.where(counted, pages, 0).int().view(b * heads, k), lengths.reshape(b * heads).int()
-    pages = torch.empty(b * heads, k, dtype=torch.int32, device=positions.device)
-    counts = torch.empty(b * heads, dtype=torch.int32, device=positions.device)
-    block = 256
-    grid = (b * heads, triton.cdiv(k, block))
-    _head_pages_kernel[grid](positions, lengths, block_table, pages, counts, heads, k, block_size,
-                             *positions.stride(), *lengths.stride(), block_table.stride(0), block_table.stride(1),
-                             BLOCK=block, **dependent_launch(positions, grid))  # fmt: skip
-    return pages, counts
-
-
-def _counted(positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    return torch.arange(positions.shape[-1], device=positions.device) < lengths.unsqueeze(-1)
-
-
-@jit
-def _head_pages_kernel(pos_ptr, len_ptr, table_ptr, page_ptr, count_ptr, heads, width, block_size,
-                       stride_pb, stride_ph, stride_pk, stride_lb, stride_lh, stride_tb, stride_tw,
-                       BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    wait_for_inputs(PDL)
-    bh = tl.program_id(0).to(tl.int64)
-    b, h = bh // heads, bh % heads
-    k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    length = tl.load(len_ptr + b * stride_lb + h * stride_lh).to(tl.int32)
-    if tl.program_id(1) == 0:
-        tl.store(count_ptr + bh, length)
-    counted = k < length
-    position = tl.load(pos_ptr + b * stride_pb + h * stride_ph + k * stride_pk, mask=counted, other=0).to(tl.int64)
-    block = tl.load(table_ptr + b * stride_tb + (position // block_size) * stride_tw, mask=counted, other=0)
-    page = (block.to(tl.int64) * block_size + position % block_size) * heads + h
-    tl.store(page_ptr + bh * width + k, tl.where(counted, page, 0).to(tl.int32), mask=k < width)
-
-
 def paged_page_scores(query, low, high, block_table, seq_lens, block_size: int) -> torch.Tensor:
     """Quest bound of every logical page of each request, max-pooled over the GQA group: float32
     `[B, Hkv, W]`, -inf past the request's last page. `query` `[B, Hq, D]` (one decode query per

@@ -2,8 +2,8 @@
 # four staging calls of vllm_env.sh (send every call in ONE message: a pause loses the machine):
 #   bash benchmarks/device/vllm_plan.sh profile   # per-stage kernel times (~40 s, no vLLM needed)
 #   bash benchmarks/device/vllm_plan.sh decode [METHODS]  # vanilla vLLM, Quest, StreamingLLM (or LABEL=vllm:X ...): 3 shapes (~7.5 min;
-#        RUNS='32768x8' for fewer; DENSE='{"LABEL": 0}' for other dense layers than 2; KERNEL='{"LABEL": "flash"}'
-#        for vLLM's FlashAttention as the read; PROFILE=1: each batch's last 8 steps profiled, CUDA-time tables)
+#        RUNS='32768x8' for fewer; DENSE='{"LABEL": 0}' for other dense layers than 2;
+#        PROFILE=1: each batch's last 8 steps profiled, vLLM's CUDA-time table per label and shape)
 #   bash benchmarks/device/vllm_plan.sh tests [K] # the plugin's GPU tests, small engines of ~40 s each: run
 #        'not rank_tokens and not preempted and not refresh' (~4 min), 'rank_tokens' (~7.5 min) and
 #        'preempted or refresh' (~6 min) as three calls (one would pass the 10-minute limit)
@@ -12,6 +12,9 @@
 #        RATES='2.0' LIMIT=240 REQUESTS=32 for other rates, cut-off (s) and request counts
 #   bash benchmarks/device/vllm_plan.sh inflight METHOD [free [DENSE]]  # 12 requests of 128K at once through
 #        one engine (~4 min): the most in flight and each one's share of the KV pool (DENSE layers, default 2)
+#   bash benchmarks/device/vllm_plan.sh serve  # the plugin through `vllm serve` (HTTP, ~4-6 min): vanilla, CUSTOM
+#        streaming_llm at budget 1.0 (its greedy tokens must be vanilla's) and Quest, three servers one after the
+#        other (benchmarks/vllm_serve_check.py; rows in serve.jsonl, each server's log beside it)
 #   bash benchmarks/device/vllm_plan.sh quality [CONTEXT]  # SmolLM2 with its real weights (ran 2026-12-06): an
 #        engine-ready predictor collected and fit here, then the leaderboard's atskv rows and vllm: rows (beside
 #        vanilla vLLM) on the same prompts, 3 seeds (needs benchmarks/device/stage.sh's .whl, .device/s1-s3 and
@@ -39,14 +42,14 @@ case "$1" in
     mkdir -p /tmp/rows && touch /tmp/rows/decode.jsonl
     timeout "${STAGE_S:-560}" python3 benchmarks/vllm_decode.py /tmp/rows/decode.jsonl \
       --methods ${methods:-vllm quest=vllm:quest streaming=vllm:streaming_llm} --runs ${RUNS:-32768x1 32768x8 131072x1} \
-      --new_tokens 64 --identity_tokens 32 --dense_layers "${DENSE:-{\}}" --decode_kernel "${KERNEL:-{\}}" \
+      --new_tokens 64 --identity_tokens 32 --dense_layers "${DENSE:-{\}}" \
       ${PROFILE:+--profile /tmp/rows/profile} >> /tmp/rows/decode.log 2>&1
     cp -r /tmp/rows/decode.* "$OUT/"; [ -d /tmp/rows/profile ] && cp /tmp/rows/profile/*.txt "$OUT/" 2>/dev/null
     grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" "$OUT/decode.log" | tail -20 ;;
   tests)
     python3 -m pip install -q --no-index --no-deps --target /tmp/pt .device/pt/*.whl 2>/dev/null
     PYTHONPATH=/tmp/pt:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider tests/test_vllm_engine.py tests/test_vllm_freeing.py \
-      tests/test_vllm_selection.py tests/test_vllm_flash_read.py tests/test_kernels_kept_lists.py tests/test_kernels_listed_refresh.py \
+      tests/test_vllm_selection.py tests/test_kernels_kept_lists.py tests/test_kernels_listed_refresh.py \
       ${2:+-k "$2"} 2>&1 | tee "$OUT/tests.log" | grep -v "^\[\|^INFO\|^WARNING" | tail -25 ;;
   trace)
     python3 - "$OUT" "$2" "${3:-}" "${4:-256}" <<'PY' 2>&1 | grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" | tail -12
@@ -78,6 +81,11 @@ vllm_trace.measure([spec], [vllm_trace.Trace(rate=50.0, requests=12, shortest=13
 print(vllm_trace.table(rows))
 PY
     ;;
+  serve)
+    shape=$(python3 -c 'import tempfile; from pathlib import Path; from atskv.eval.vllm_speed import write_shape
+print(write_shape("llama3.1-8b", Path(tempfile.mkdtemp()) / "llama3.1-8b"))')
+    timeout 540 python3 benchmarks/vllm_serve_check.py --shape_dir "$shape" --out "$OUT/serve.jsonl" 2>&1 \
+      | tee "$OUT/serve.txt" | tail -30 ;;
   quality)
     export ATSKV_VLLM_PYTHONPATH=$PYTHONPATH
     model=${MODEL:-smollm2-135m}  # or gemma3-270m (its parts .device/g1-g7 carried; its local layers stay vLLM's)
@@ -113,5 +121,5 @@ PY
   quality-wait)
     for _ in $(seq "$2"); do [ -f /tmp/qout/.done ] && break; sleep 1; done
     cp -r /tmp/qout "$OUT/quality"; tail -5 /tmp/qout/quality.log; cat /tmp/qout/stage.log | tail -12 ;;
-  *) echo "usage: vllm_plan.sh profile|decode [METHODS]|tests [K]|trace METHOD [free [NEW]]|inflight METHOD [free [DENSE]]|quality [CONTEXT]|quality-start [CONTEXT]|quality-wait SECONDS" >&2; exit 2 ;;
+  *) echo "usage: vllm_plan.sh profile|decode [METHODS]|tests [K]|trace METHOD [free [NEW]]|inflight METHOD [free [DENSE]]|serve|quality [CONTEXT]|quality-start [CONTEXT]|quality-wait SECONDS" >&2; exit 2 ;;
 esac

@@ -36,7 +36,6 @@ from atskv.errors import InputError
 from atskv.runtime.vllm.batch import PromptChunk, prefill_share, prompt_rows
 from atskv.runtime.vllm.composition import build_paged_selector
 from atskv.runtime.vllm.config import WORKER, PluginConfig
-from atskv.runtime.vllm.flash_read import flash_sparse_decode
 from atskv.runtime.vllm.selection import paged_sparse_decode, slot_view
 
 logger = init_logger(__name__)
@@ -81,9 +80,6 @@ class AtskvAttentionImpl(FlashAttentionImpl):
         self.state = None  # the selector's, beside the cache (`keeps_state`): made once the cache exists
         self._state_blocks = 0
         self._sparse: bool | None = None  # decided at the first call, which names the layer
-        if self.config.decode_kernel == "flash" and self.vllm_flash_attn_version != 3:
-            raise InputError(f"atskv: decode_kernel 'flash' needs FlashAttention 3 (Hopper); this engine runs "
-                             f"FlashAttention {self.vllm_flash_attn_version}: decode_kernel 'atskv'")  # fmt: skip
 
     def sparse_layer(self, layer) -> bool:
         if self._sparse is None:
@@ -139,13 +135,8 @@ class AtskvAttentionImpl(FlashAttentionImpl):
         keys = {"keys": slot_view(key_cache, 1)[0], "scaling": self.scale} if self.selector.reads_keys else {}
         positions, lengths = self.selector.pick(q, self.num_kv_heads, self.state, table, seq_lens, block_size,
                                                 self.config.budget, step, **keys)  # fmt: skip
-        out = output[:decodes].view(q.shape)
-        if self.config.decode_kernel == "flash":  # PluginConfig: never a selector that reads the mass
-            flash_sparse_decode(q, key_cache, value_cache, positions, lengths, table, self.scale, out, step,
-                                attn_metadata.max_num_splits, self.vllm_flash_attn_version)  # fmt: skip
-            return output
-        read = paged_sparse_decode(q, key_cache, value_cache, positions, lengths, table, self.scale, out=out,
-                                   want_mass=self.selector.reads_mass)  # fmt: skip
+        read = paged_sparse_decode(q, key_cache, value_cache, positions, lengths, table, self.scale,
+                                   out=output[:decodes].view(q.shape), want_mass=self.selector.reads_mass)  # fmt: skip
         if self.selector.reads_mass:
             self.selector.observe_read(self.state, read[1], table, seq_lens, block_size)
         return output

@@ -11,7 +11,6 @@ from atskv.errors import InputError, check_options
 from atskv.runtime.vllm.protocol import check_plugin_budget
 
 WORKER = "atskv.runtime.vllm.worker.AtskvWorker"  # vLLM's `worker_cls` when blocks are freed
-DECODE_KERNELS = ("atskv", "flash")
 
 
 @dataclass(frozen=True)
@@ -23,16 +22,13 @@ class PluginConfig:
     selector's own (e.g. `{"sinks": 4}` for streaming_llm; a composition's by part name, and
     `residency_budget`). `free_blocks`: the blocks a selector that `frees_blocks` will not read go
     back to vLLM's pool, so more requests fit (needs `worker_cls=WORKER` and prefix caching off:
-    `atskv.runtime.vllm.freeing`). `decode_kernel`: what reads the picked tokens, "atskv" (atskv's
-    sparse decode kernel) or "flash" (vLLM's FlashAttention 3 over one-token pages,
-    `atskv.runtime.vllm.flash_read`; not for selectors that read the attention mass)."""
+    `atskv.runtime.vllm.freeing`)."""
 
     selector: str = "quest"
     budget: int | float = 0.05
     dense_layers: int = 2
     options: dict | None = None
     free_blocks: bool = False
-    decode_kernel: str = "atskv"
 
     def __post_init__(self):
         from atskv.runtime.vllm.composition import build_paged_selector
@@ -53,12 +49,6 @@ class PluginConfig:
             freeing = [name for name, cls in PAGED_SELECTORS.items() if cls.frees_blocks]
             raise InputError(f"atskv: free_blocks needs a budget below 1.0 and a selector whose reads follow "
                              f"from a request's length: {', '.join(freeing)}")  # fmt: skip
-        if self.decode_kernel not in DECODE_KERNELS:
-            raise InputError(f"atskv: decode_kernel must be one of {', '.join(DECODE_KERNELS)}, "
-                             f"got {self.decode_kernel!r}")  # fmt: skip
-        if self.decode_kernel == "flash" and selector is not None and selector.reads_mass:
-            raise InputError(f"atskv: {self.selector} reads each token's attention, which FlashAttention does "
-                             "not return: decode_kernel 'atskv'")  # fmt: skip
 
     @property
     def dense(self) -> bool:
