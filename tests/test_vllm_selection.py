@@ -416,6 +416,36 @@ def test_paged_snapkv_reads_what_snapkv_keeps(budget, monkeypatch):
 GENERATED, CHUNK = 4, 23  # decode steps after each prompt, prefill chunk
 
 
+def causal_lse(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """`[HQ, n]` natural-log log-sum-exps of a chunk's queries `[n, HQ, D]` (the last n of the
+    `[L, HKV, D]` keys' positions) over what each sees: what FlashAttention returns beside its output."""
+    n, length = queries.shape[0], keys.shape[0]
+    logits = torch.einsum("nhd,lhd->hnl", queries, keys.repeat_interleave(HQ // HKV, dim=1)) * D**-0.5
+    sees = torch.arange(length) <= (length - n + torch.arange(n)).view(-1, 1)
+    return logits.masked_fill(~sees, -torch.inf).logsumexp(-1)
+
+
+def test_a_prompt_chunks_mass_uses_the_log_sum_exps_it_is_given(cache):
+    """`chunk_mass` with FlashAttention's log-sum-exps gives what its own pass gives, and uses them:
+    log-sum-exps larger by log 2 halve every token's mass."""
+    from atskv.runtime.vllm.heavy_hitters import chunk_mass
+    from atskv.runtime.vllm.selection import slot_view
+
+    r, start, stop = 3, 100, 161
+    queries = torch.randn(stop - start, HQ, D, generator=torch.Generator().manual_seed(1))
+    key_slots = slot_view(cache.split()[0], 1)[0]
+    chunk = PromptChunk(queries, key_slots, cache.block_table[r], stop, BLOCK, D**-0.5, 0.5)
+    own = chunk_mass(chunk, chunk.keys())
+    lse = causal_lse(queries, cache.keys[r][:stop])
+    given = chunk_mass(PromptChunk(queries, key_slots, cache.block_table[r], stop, BLOCK, D**-0.5, 0.5, lse=lse),
+                       chunk.keys())  # fmt: skip
+    torch.testing.assert_close(given, own, rtol=1e-4, atol=1e-5)
+    assert own.sum().item() == pytest.approx((stop - start) * HQ, rel=1e-4), "each query's probabilities sum to 1"
+    halved = chunk_mass(PromptChunk(queries, key_slots, cache.block_table[r], stop, BLOCK, D**-0.5, 0.5,
+                                    lse=lse + math.log(2)), chunk.keys())  # fmt: skip
+    torch.testing.assert_close(halved, own / 2, rtol=1e-4, atol=1e-5)
+
+
 def decoding_requests(seed: int) -> tuple[torch.Generator, PagedCache, list[int]]:
     """Four requests in a paged cache (one shorter than a wide batch's lists), their prompts `GENERATED`
     tokens short of their lengths, and the generator for their queries."""
@@ -435,12 +465,15 @@ class _Accumulated:
         return self.mass
 
 
+@pytest.mark.parametrize("flash_lse", [False, True])
 @pytest.mark.parametrize("budget", [0.25, 20, 3, 500])
-def test_paged_h2o_reads_and_accumulates_what_h2o_keeps(budget):
+def test_paged_h2o_reads_and_accumulates_what_h2o_keeps(budget, flash_lse):
     """Prompts observed chunk by chunk, then 4 decode steps of the whole batch (a request shorter
     than the widest list, and a padded row of length 0 whose stale block table is another
     request's): each step reads exactly the tokens atskv's h2o keeps (its scores, its top budget,
-    ties to the newer token), attends as over them, and each read's mass accumulates as h2o's."""
+    ties to the newer token), attends as over them, and each read's mass accumulates as h2o's.
+    With `flash_lse` each chunk comes with its queries' log-sum-exps, as the backend takes them
+    from FlashAttention, and the mass uses them instead of its own pass."""
     from atskv.runtime.vllm.selection import PagedH2O, slot_view
     from atskv.selectors.base import LayerView, select_top_budget
     from atskv.selectors.h2o import H2OSelector
@@ -457,8 +490,9 @@ def test_paged_h2o_reads_and_accumulates_what_h2o_keeps(budget):
     for r, prompt in enumerate(prompts):
         for start in range(0, prompt, chunk):
             stop = min(prompt, start + chunk)
+            lse = causal_lse(queries[r][start:stop], cache.keys[r][:stop]) if flash_lse else None
             selector.observe_prompt(state, PromptChunk(queries[r][start:stop], key_slots, cache.block_table[r], stop,
-                                                       BLOCK, D**-0.5, budget))  # fmt: skip
+                                                       BLOCK, D**-0.5, budget, lse=lse))  # fmt: skip
 
     def grouped_logits(q, keys):  # q [Tq, HQ, D], keys [n, HKV, D] -> [HKV, G, Tq, n]
         k = keys.transpose(0, 1).unsqueeze(1)

@@ -23,6 +23,7 @@ from vllm.config import get_current_vllm_config_or_none
 from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
+from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
 from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionBackend,
     FlashAttentionImpl,
@@ -117,16 +118,25 @@ class AtskvAttentionImpl(FlashAttentionImpl):
                 output_block_scale=None):  # fmt: skip
         decodes = 0 if attn_metadata is None else attn_metadata.num_decode_reqs
         if not decodes or attn_metadata.use_cascade or output_scale is not None or not self.sparse_layer(layer):
-            out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
-                                  output_block_scale)  # fmt: skip
+            lse = None
+            if output_scale is None and self.prompt_lse_wanted(layer, attn_metadata):
+                lse = self.prefill_with_lse(query, kv_cache, attn_metadata, output)
+            if lse is None:
+                super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                output_block_scale)  # fmt: skip
             if attn_metadata is not None and self.sparse_layer(layer):
-                self.observe_prompts(query, kv_cache, attn_metadata)
-            return out
+                self.observe_prompts(query, kv_cache, attn_metadata, lse)
+            return output
         tokens = attn_metadata.num_actual_tokens
         if tokens > decodes:  # the prefill requests behind the decodes: FlashAttention over their share
             rest = prefill_share(attn_metadata, decodes)
-            super().forward(layer, query[decodes:], key[decodes:], value[decodes:], kv_cache, rest, output[decodes:])
-            self.observe_prompts(query, kv_cache, attn_metadata)
+            lse = None
+            if self.prompt_lse_wanted(layer, attn_metadata):
+                lse = self.prefill_with_lse(query[decodes:], kv_cache, rest, output[decodes:])
+            if lse is None:
+                super().forward(layer, query[decodes:], key[decodes:], value[decodes:], kv_cache, rest,
+                                output[decodes:])  # fmt: skip
+            self.observe_prompts(query, kv_cache, attn_metadata, lse, decodes)
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
         block_size = kv_cache.shape[2]
         q, table = query[:decodes], attn_metadata.block_table[:decodes]
@@ -141,10 +151,45 @@ class AtskvAttentionImpl(FlashAttentionImpl):
             self.selector.observe_read(self.state, read[1], table, seq_lens, block_size)
         return output
 
+    def prompt_lse_wanted(self, layer, metadata) -> bool:
+        """Whether this forward's prefill chunks go to a selector that takes their log-sum-exps."""
+        return (
+            metadata is not None
+            and self.sparse_layer(layer)
+            and self.selector.takes_prompt_lse
+            and self.state is not None
+            and bool(metadata.__dict__.get("atskv_prompt_rows"))
+        )
 
-    def observe_prompts(self, query, kv_cache, metadata) -> None:
+    def prefill_with_lse(self, query, kv_cache, metadata, output) -> torch.Tensor | None:
+        """FlashAttention over `metadata`'s requests into `output`, as vLLM's forward runs it for a
+        plain causal decoder layer (what a sparse layer is), keeping the queries' log-sum-exps
+        `[Hq, tokens]`: a selector's prompt mass then needs no pass of its own for them. None, with
+        nothing done, where vLLM's forward does more (cascade attention, per-request causality,
+        multimodal prefixes, restricted sliding windows): the selector computes them itself."""
+        if (
+            metadata.use_cascade
+            or metadata.causal is not True
+            or getattr(metadata, "mm_prefix_range_tensor", None) is not None
+            or getattr(metadata, "rswa_prefix_lens", None) is not None
+        ):
+            return None
+        tokens = metadata.num_actual_tokens
+        key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+        _, lse = flash_attn_varlen_func(
+            q=query[:tokens], k=key_cache, v=value_cache, out=output[:tokens],
+            cu_seqlens_q=metadata.query_start_loc, max_seqlen_q=metadata.max_query_len,
+            seqused_k=metadata.seq_lens, max_seqlen_k=metadata.max_seq_len, softmax_scale=self.scale, causal=True,
+            block_table=metadata.block_table, scheduler_metadata=metadata.scheduler_metadata,
+            fa_version=self.vllm_flash_attn_version, num_splits=metadata.max_num_splits, return_softmax_lse=True,
+        )  # fmt: skip
+        return lse
+
+    def observe_prompts(self, query, kv_cache, metadata, lse=None, lse_offset: int = 0) -> None:
         """Each prefill request's chunk, to a selector that scores the prompt (`scores_prompt`):
-        its queries, its keys so far through its block table (eager: prefill runs outside full graphs)."""
+        its queries, its keys so far through its block table (eager: prefill runs outside full
+        graphs) and, where the backend kept them, its queries' log-sum-exps (`lse` `[Hq, tokens]`,
+        its columns the batch's tokens from `lse_offset` on)."""
         rows = metadata.__dict__.get("atskv_prompt_rows")
         if not rows or self.state is None:  # none, or vLLM's profiling run before the cache exists
             return
@@ -153,8 +198,9 @@ class AtskvAttentionImpl(FlashAttentionImpl):
         queries = query.view(query.shape[0], -1, self.head_size)
         step = metadata.__dict__.setdefault("atskv_step", {})
         for row, start, stop, length in rows:  # a sparse layer's: `sparse_layer` named the selector's layer
+            rows_lse = None if lse is None else lse[:, start - lse_offset : stop - lse_offset].float()
             chunk = PromptChunk(queries[start:stop], key_slots, metadata.block_table[row], length, key_cache.shape[1],
-                                self.scale, self.config.budget, self.selector.layer, row, step)  # fmt: skip
+                                self.scale, self.config.budget, self.selector.layer, row, step, rows_lse)  # fmt: skip
             self.selector.observe_prompt(self.state, chunk)
 
 

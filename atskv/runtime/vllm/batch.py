@@ -43,7 +43,9 @@ class PromptChunk:
     FlashAttention: its queries `[n, Hq, D]` (positions `length - n .. length - 1`), the layer's keys
     as `[Hkv, num_slots, D]` and the request's block table row `[W]`; `layer` the model's layer
     index, `row` the request's row in the batch and `step` a dict shared by the forward's layers
-    (what one layer leaves for the next)."""
+    (what one layer leaves for the next); `lse` `[Hq, n]` (float32, natural log), where the
+    backend has them, the queries' log-sum-exps over the request's tokens so far from the chunk's
+    own FlashAttention, which spares a selector's mass its own pass over the keys for them."""
 
     queries: torch.Tensor
     key_slots: torch.Tensor
@@ -55,6 +57,7 @@ class PromptChunk:
     layer: int = 0
     row: int = 0
     step: dict = dataclasses.field(default_factory=dict)
+    lse: torch.Tensor | None = None
 
     def slots(self, start: int, stop: int) -> torch.Tensor:
         """Physical slots (long) of the request's positions `start .. stop - 1`."""

@@ -94,11 +94,13 @@ class KeptLists:
         add_list_values(self.kept_value, mass, block_table, seq_lens, block_size)
 
 
-def chunk_mass(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+def chunk_mass(chunk: PromptChunk, keys: torch.Tensor) -> torch.Tensor:
     """`[Hkv, L]` float32: the attention mass a prefill chunk's queries `[n, Hq, D]` (positions
     `L - n .. L - 1`, causal) give each of the request's tokens so far, `keys` `[Hkv, L, D]`, summed
-    over the queries and the group's heads: their log-sum-exps (`prefix_lse`: logits only), then
-    atskv's received-mass kernel."""
-    n, length = queries.shape[0], keys.shape[1]
-    q, k = queries.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0)
-    return prefix_received_mass(q, k, prefix_lse(q, k, length - n, scaling), length - n, scaling)[0]
+    over the queries and the group's heads: atskv's received-mass kernel, given the queries'
+    log-sum-exps. Those are FlashAttention's when the backend kept them (`chunk.lse`), else a
+    logits-only pass of their own (`prefix_lse`)."""
+    n, length = chunk.queries.shape[0], keys.shape[1]
+    q, k = chunk.queries.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0)
+    lse = prefix_lse(q, k, length - n, chunk.scaling) if chunk.lse is None else chunk.lse.unsqueeze(0)
+    return prefix_received_mass(q, k, lse, length - n, chunk.scaling)[0]

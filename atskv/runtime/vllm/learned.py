@@ -89,6 +89,7 @@ class PagedLearned(PagedSelector):
     name: ClassVar[str] = "learned"  # frees no block: which hold kept tokens differs per layer and KV head
     keeps_state: ClassVar[bool] = True
     scores_prompt: ClassVar[bool] = True
+    takes_prompt_lse: ClassVar[bool] = True
     predictor: str | None = None
     # as atskv's `learned`: the share of the budget pinned for the prompt tokens its last `window`
     # queries attend most (SnapKV's vote, max-pooled over `kernel`; the window itself first)
@@ -136,7 +137,7 @@ class PagedLearned(PagedSelector):
             raise InputError(f"atskv: layer {chunk.layer} reads sparsely but the predictor manages layers "
                              f"{list(self.managed)}; set dense_layers to match it")  # fmt: skip
         keys, length = chunk.keys(), chunk.length
-        mass = state.add_prompt_mass(chunk_mass(chunk.queries, keys, chunk.scaling), chunk.queries.shape[0], chunk)
+        mass = state.add_prompt_mass(chunk_mass(chunk, keys), chunk.queries.shape[0], chunk)
         heads = keys.shape[0]
         position = torch.arange(length, device=keys.device, dtype=torch.float32)
         attention = mass / (chunk.queries.shape[1] // heads) / (length - position)  # mean over heads and queries

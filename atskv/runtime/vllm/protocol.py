@@ -32,6 +32,7 @@ class PagedSelector:
     name: ClassVar[str] = ""
     keeps_state: ClassVar[bool] = False  # state beside the cache (`new_state`), kept by `after_write`
     scores_prompt: ClassVar[bool] = False  # `observe_prompt` after each prefill chunk
+    takes_prompt_lse: ClassVar[bool] = False  # that chunk with FlashAttention's log-sum-exps (`PromptChunk.lse`)
     reads_mass: ClassVar[bool] = False  # `observe_read` with the mass each decode read gives
     frees_blocks: ClassVar[bool] = False  # `unread_blocks` go back to vLLM's pool
     reads_keys: ClassVar[bool] = False  # `pick` gets `keys` (the cache's `[Hkv, num_slots, D]`) and `scaling`

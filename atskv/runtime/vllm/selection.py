@@ -195,6 +195,7 @@ class PagedH2O(PagedSelector):
     name: ClassVar[str] = "h2o"  # frees no block: which hold kept tokens differs per layer and KV head
     keeps_state: ClassVar[bool] = True
     scores_prompt: ClassVar[bool] = True
+    takes_prompt_lse: ClassVar[bool] = True
     reads_mass: ClassVar[bool] = True
     recent_fraction: float = 0.5
 
@@ -204,7 +205,7 @@ class PagedH2O(PagedSelector):
 
     def observe_prompt(self, state: KeptLists, chunk: PromptChunk) -> None:
         """One request's chunk: its queries' mass on every token so far, added; the list rebuilt."""
-        mass = chunk_mass(chunk.queries, chunk.keys(), chunk.scaling)
+        mass = chunk_mass(chunk, chunk.keys())
         state.keep_top(state.add_prompt_mass(mass, chunk.queries.shape[0], chunk), chunk, self.recent_fraction)
 
     def pick(self, query, kv_heads: int, state: KeptLists, block_table, seq_lens, block_size: int,
