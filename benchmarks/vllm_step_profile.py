@@ -11,6 +11,7 @@ budget's index lists. `--tune` adds the sparse decode kernel of StreamingLLM's p
 pipeline depths and split counts (its defaults: 1 stage, `choose_split_size`).
 
     python benchmarks/vllm_step_profile.py [--budget 0.05] [--capacity 131072] [--tune] [--stages "whole step"]
+        [--kernels sparq]   (and each kernel of the stages named so)
 """
 
 from __future__ import annotations
@@ -37,12 +38,26 @@ except ImportError:  # the profile's first run goes before vLLM is unpacked
     flash_attn_varlen_func = None
 SPLITS = 32  # vLLM's flash_attn_max_num_splits_for_cuda_graph
 
+
+def kernel_times(fn, calls: int = 10) -> None:
+    """Each CUDA kernel of `calls` eager runs of a stage: its mean time a call (µs), by total."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:8]:
+        print(f"{'':>16} {'  ' + e.key[:44]:>46} {e.self_device_time_total / calls:8.1f}  ({e.count // calls}/call)")
+
+
 parser = argparse.ArgumentParser()
 parser.add_argument("--budget", type=float, default=0.05)
 parser.add_argument("--capacity", type=int, default=131072)
 parser.add_argument("--runs", nargs="+", default=["32768x1", "32768x8", "131072x1"])
 parser.add_argument("--tune", action="store_true")
 parser.add_argument("--stages", default="", help="only the stages whose name contains this")
+parser.add_argument("--kernels", default=None,
+                    help="also the CUDA time of each kernel of the stages whose name contains this (torch profiler)")
 args = parser.parse_args()
 HQ, HKV, D, BS = 32, 8, 128, 16
 dev, dt = "cuda", torch.bfloat16
@@ -153,3 +168,6 @@ for run in args.runs:
         fn()
         torch.cuda.synchronize()
         print(f"{run:>16} {name:>28} {do_bench_cudagraph(fn, rep=50) * 1e3:8.1f}", flush=True)
+        if args.kernels is not None and args.kernels in name:
+            kernel_times(fn)
+
