@@ -25,7 +25,8 @@ parser.add_argument("--budget", type=json.loads, default=0.05, help="int tokens 
 parser.add_argument("--new_tokens", type=int, default=64)
 parser.add_argument("--identity_tokens", type=int, default=0)
 parser.add_argument("--identity_context", type=int, default=2048)
-parser.add_argument("--options", type=json.loads, default={}, help="per method, e.g. '{\"vllm:quest\": {...}}'")
+parser.add_argument("--options", type=json.loads, default={},
+                    help="a selector's options per label, e.g. '{\"l0\": {\"prompt_sample\": 8}}'")
 parser.add_argument("--budgets", type=json.loads, default={}, help="a budget per method, overriding --budget")
 parser.add_argument("--dense_layers", type=json.loads, default={},
                     help=f"first layers kept dense per label (default {EngineSpec.dense_layers}), e.g. '{{\"s0\": 0}}'")

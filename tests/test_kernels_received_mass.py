@@ -203,3 +203,29 @@ def test_the_lse_kernel_matches_the_flash_pass(dtype, group, offset, tq):
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.cpu(), want, rtol=0, atol=tolerance)
     assert got.shape == (2, hkv * group, tq) and got.dtype == torch.float32
+
+
+@pytest.mark.parametrize("stride, first", [(3, 2), (8, 0), (8, 5), (40, 1)])
+@pytest.mark.parametrize("kernel", ["reference", "triton"])
+def test_every_strideth_query_gives_what_those_queries_give(stride, first, kernel):
+    """`query_stride`: a sample of a chunk's queries, every `stride`-th from its `first`, at their
+    own positions: the mass is what exactly those queries give (float64), for the reference and,
+    across key and query blocks that straddle the diagonal, the kernel."""
+    b, hkv, group, d, tq, offset, spare = 2, 2, 3, 32, 150, 37, 9
+    query, keys, lse, scaling = make_chunk(b, hkv, group, d, tq, offset, spare, seed=stride + first)
+    picked = slice(first, None, stride)
+    want = float64_mass(query, keys, offset, scaling)  # every query
+    sees = torch.arange(keys.shape[2]) <= offset + torch.arange(tq)[:, None]
+    k = keys.double().repeat_interleave(group, 1)
+    probs = (torch.einsum("bhtd,bhsd->bhts", query.double(), k) * scaling).masked_fill(~sees, float("-inf")).softmax(-1)
+    want = probs[:, :, picked].reshape(b, hkv, group, -1, keys.shape[2]).sum(dim=(2, 3))
+    args = (query[:, :, picked], keys, lse[:, :, picked], offset + first, scaling)
+    if kernel == "reference":
+        got = prefix_received_mass_reference(*args, query_stride=stride)
+    else:
+        got = prefix_received_mass_triton(*args, query_stride=stride, **SMALL_BLOCKS)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+    last = offset + first + (query[:, :, picked].shape[2] - 1) * stride  # the last sampled query's position
+    with pytest.raises(ValueError, match="apart"):  # a sample reaching past the buffer's slots
+        prefix_received_mass_reference(query[:, :, picked], keys[:, :, :last], lse[:, :, picked], offset + first,
+                                       scaling, query_stride=stride)  # fmt: skip

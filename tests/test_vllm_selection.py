@@ -245,6 +245,8 @@ def test_a_cache_not_in_nhd_order_is_refused():
         ({"selector": "learned", "options": {"predictor": "/no/such/dir"}}, "/no/such/dir"),
         ({"selector": "learned", "options": {"predictor": "/no/such/dir", "refresh_every": -1}}, "refresh_every"),
         ({"selector": "learned", "options": {"predictor": "/no/such/dir", "refresh_every": 2.5}}, "refresh_every"),
+        ({"selector": "learned", "options": {"predictor": "/no/such/dir", "prompt_sample": 0}}, "prompt_sample"),
+        ({"selector": "h2o", "options": {"prompt_sample": 1.5}}, "prompt_sample is a stride"),
     ],
 )
 def test_bad_plugin_settings_are_one_line_errors(settings, message):
@@ -444,6 +446,26 @@ def test_a_prompt_chunks_mass_uses_the_log_sum_exps_it_is_given(cache):
     halved = chunk_mass(PromptChunk(queries, key_slots, cache.block_table[r], stop, BLOCK, D**-0.5, 0.5,
                                     lse=lse + math.log(2)), chunk.keys())  # fmt: skip
     torch.testing.assert_close(halved, own / 2, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("sample", [2, 7, 61])
+def test_a_sampled_prompt_mass_is_every_strideth_querys_times_the_stride(cache, sample):
+    """`prompt_sample`: the mass of every s-th query of the chunk, the chunk's last among them, times s."""
+    from atskv.runtime.vllm.heavy_hitters import chunk_mass
+    from atskv.runtime.vllm.selection import slot_view
+
+    r, start, stop = 3, 100, 161
+    queries = torch.randn(stop - start, HQ, D, generator=torch.Generator().manual_seed(sample))
+    key_slots = slot_view(cache.split()[0], 1)[0]
+    lse = causal_lse(queries, cache.keys[r][:stop])
+    chunk = PromptChunk(queries, key_slots, cache.block_table[r], stop, BLOCK, D**-0.5, 0.5, lse=lse)
+    got = chunk_mass(chunk, chunk.keys(), sample)
+    sampled = torch.arange(stop - start).flip(0)[::sample].flip(0)  # the chunk's last query, then every s-th back
+    logits = torch.einsum("nhd,lhd->hnl", queries, cache.keys[r][:stop].repeat_interleave(HQ // HKV, dim=1))
+    sees = torch.arange(stop) <= (start + torch.arange(stop - start)).view(-1, 1)
+    probs = (logits * D**-0.5).masked_fill(~sees, -torch.inf).softmax(-1)[:, sampled]  # [HQ, m, L]
+    want = probs.view(HKV, HQ // HKV, -1, stop).sum(dim=(1, 2)) * sample
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def decoding_requests(seed: int) -> tuple[torch.Generator, PagedCache, list[int]]:

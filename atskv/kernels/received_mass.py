@@ -10,6 +10,9 @@ it), the mass of slot `j` is `sum over the group's G = Hq / Hkv heads and the qu
 of exp(q . k_j * scaling - lse)`, `[B, Hkv, S]` float32. Slots past `offset + Tq` (the static
 buffer's free ones) get 0, and a query whose `lse` is -inf (it saw nothing) gives nothing, as in
 `atskv.attention.received_mass`. The GQA group shares its KV head's keys, which are never expanded.
+With `query_stride` s > 1 the queries are a sample of the chunk's, every s-th: query `i` sits at
+position `offset + i * s` and sees slots `0 .. offset + i * s` (the buffer still holds the whole
+chunk), which estimates the chunk's mass at 1/s of the cost when scaled by s.
 
 Why a kernel: the torch path (`received_mass`, a block of queries at a time) writes and reads a
 `[B, Hkv, G, block, S]` float32 logits buffer, then its exp, mask and sum. At long contexts
@@ -43,30 +46,30 @@ MAX_HEAD_DIM = 256  # larger head dims take the reference (no model the package 
 
 
 def prefix_received_mass(
-    query: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, offset: int, scaling: float
+    query: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, offset: int, scaling: float, query_stride: int = 1
 ) -> torch.Tensor:
-    """Mass `[B, Hkv, S]` (float32) each slot receives from a causal prompt chunk at `offset` (see
-    the module docstring): the Triton kernel on CUDA, the torch reference elsewhere (see
-    `kernels.backend`) and for head dims over `MAX_HEAD_DIM`."""
+    """Mass `[B, Hkv, S]` (float32) each slot receives from a causal prompt chunk at `offset`, or
+    from every `query_stride`-th of its queries (see the module docstring): the Triton kernel on
+    CUDA, the torch reference elsewhere (see `kernels.backend`) and for head dims over `MAX_HEAD_DIM`."""
     if use_triton(query) and query.shape[-1] <= MAX_HEAD_DIM:
-        return prefix_received_mass_triton(query, keys, lse, offset, scaling)
-    return prefix_received_mass_reference(query, keys, lse, offset, scaling)
+        return prefix_received_mass_triton(query, keys, lse, offset, scaling, query_stride=query_stride)
+    return prefix_received_mass_reference(query, keys, lse, offset, scaling, query_stride=query_stride)
 
 
 def prefix_received_mass_reference(
     query: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, offset: int, scaling: float,
-    max_elements: int = 1 << 27,
+    max_elements: int = 1 << 27, query_stride: int = 1,
 ) -> torch.Tensor:  # fmt: skip
-    """Plain torch: `received_mass` over the chunk's visible slots `0 .. offset + Tq - 1` with a
-    causal `allowed`, padded with zeros to the buffer's `S` slots (what `StaticSession.prompt_chunk`
-    did before the kernel). The CPU path and the kernel's ground truth."""
-    _check(query, keys, lse, offset)
+    """Plain torch: `received_mass` over the chunk's visible slots `0 .. offset + (Tq - 1) * stride`
+    with a causal `allowed`, padded with zeros to the buffer's `S` slots (what
+    `StaticSession.prompt_chunk` did before the kernel). The CPU path and the kernel's ground truth."""
+    _check(query, keys, lse, offset, query_stride)
     tq, slots = query.shape[2], keys.shape[2]
-    stop = offset + tq
+    stop = offset + (tq - 1) * query_stride + 1
     slot = torch.arange(stop, device=keys.device)
 
     def allowed(start: int, end: int) -> torch.Tensor:  # [1, 1, end - start, stop]
-        position = offset + torch.arange(start, end, device=keys.device)
+        position = offset + torch.arange(start, end, device=keys.device) * query_stride
         return (slot <= position[:, None]).view(1, 1, end - start, stop)
 
     mass = received_mass(query, keys[:, :, :stop], lse, allowed, scaling, max_elements)
@@ -75,14 +78,14 @@ def prefix_received_mass_reference(
 
 def prefix_received_mass_triton(
     query: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, offset: int, scaling: float, *,
-    block_n: int | None = None, block_m: int | None = None, num_warps: int | None = None,
+    query_stride: int = 1, block_n: int | None = None, block_m: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The Triton kernel. `block_n` (keys per program), `block_m` (queries per step), `num_warps`
     and `num_stages` override `choose_config`, to cover several blocks in tests or to tune on a GPU."""
     if triton is None:
         raise RuntimeError("the received-mass kernel needs Triton (pip install 'atskv[gpu]' or 'atskv[test]')")
-    _check(query, keys, lse, offset)
+    _check(query, keys, lse, offset, query_stride)
     b, hq, tq, d = query.shape
     hkv, slots = keys.shape[1], keys.shape[2]
     if d > MAX_HEAD_DIM:
@@ -99,7 +102,7 @@ def prefix_received_mass_triton(
     _mass_kernel[grid](
         query, keys, lse, mass,
         *query.stride(), *keys.stride(), *lse.stride(), *mass.stride(),
-        hkv, tq, slots, int(offset), float(scaling) * _LOG2E,
+        hkv, tq, slots, int(offset), int(query_stride), float(scaling) * _LOG2E,
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=config["block_n"], BLOCK_M=config["block_m"],
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,  # fp32 stays fp32, not TF32
         # Triton's interpreter (the only way to run on CPU tensors) multiplies bf16 as raw integers
@@ -122,7 +125,7 @@ def choose_config(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
     return {"block_n": 128, "block_m": 64, "num_warps": 4, "num_stages": 3}
 
 
-def _check(query: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor | None, offset: int) -> None:
+def _check(query: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor | None, offset: int, stride: int = 1) -> None:
     """Validates shapes and dtypes (`lse` None: the log-sum-exps are what is being computed)."""
     if query.dim() != 4 or keys.dim() != 4:
         raise ValueError(f"expected query [B, Hq, Tq, D] and keys [B, Hkv, S, D], got {tuple(query.shape)}, "
@@ -135,8 +138,9 @@ def _check(query: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor | None, of
         raise TypeError(f"query and keys must share a dtype, got {query.dtype}, {keys.dtype}")
     if lse is not None and (lse.shape != (b, hq, tq) or not lse.is_floating_point()):
         raise ValueError(f"lse must be a float [B, Hq, Tq] = [{b}, {hq}, {tq}], got {lse.dtype} {tuple(lse.shape)}")
-    if not 0 <= offset <= slots - tq:
-        raise ValueError(f"the chunk's {tq} queries at offset {offset} need offset + Tq <= S = {slots} slots")
+    if stride < 1 or not 0 <= offset <= slots - (tq - 1) * stride - 1:
+        raise ValueError(f"the chunk's {tq} queries at offset {offset}, {stride} apart, need offset + (Tq - 1) * "
+                         f"stride < S = {slots} slots")  # fmt: skip
 
 
 @jit
@@ -146,13 +150,14 @@ def _mass_kernel(
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_lb, stride_lh, stride_lt,
     stride_ob, stride_oh, stride_os,
-    num_kv_heads, num_queries, num_slots, offset, qk_scale,
+    num_kv_heads, num_queries, num_slots, offset, query_stride, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):  # fmt: skip
     """One block of keys of one (batch row, KV head): the mass its slots receive from the group's
-    queries. Query `i` sees slot `j` iff `j <= offset + i`; query blocks wholly before the key
-    block are skipped, those crossing the diagonal masked, the rest summed without a mask."""
+    queries. Query `i` sees slot `j` iff `j <= offset + i * query_stride`; query blocks wholly
+    before the key block are skipped, those crossing the diagonal masked, the rest summed without
+    a mask."""
     bh = tl.program_id(1).to(tl.int64)  # 64-bit: batch/head offsets into a large cache overflow int32
     b = bh // num_kv_heads
     h = bh % num_kv_heads
@@ -171,8 +176,8 @@ def _mass_kernel(
 
     # query blocks: [first, full) cross the diagonal (some query misses some slot), [full, blocks) see it all
     blocks = tl.cdiv(num_queries, BLOCK_M)
-    first = tl.minimum(tl.maximum(start - offset, 0) // BLOCK_M, blocks)
-    full = tl.cdiv(tl.maximum(start + BLOCK_N - 1 - offset, 0), BLOCK_M)
+    first = tl.minimum(tl.maximum(start - offset, 0) // query_stride // BLOCK_M, blocks)
+    full = tl.cdiv(tl.maximum(start + BLOCK_N - 1 - offset, 0), query_stride * BLOCK_M)
     full = tl.minimum(tl.maximum(full, first), blocks)
     mass = tl.zeros([BLOCK_N], tl.float32)
     for g in range(GROUP):
@@ -180,7 +185,7 @@ def _mass_kernel(
             i = m * BLOCK_M + tl.arange(0, BLOCK_M)
             p = _probs(q_row + g * stride_qh, lse_row + g * stride_lh, k, i, d, stride_qt, stride_qd, stride_lt,
                        num_queries, qk_scale, HEAD_DIM, BLOCK_D, DOT_PRECISION, UPCAST_DOT)  # fmt: skip
-            mass += tl.sum(tl.where(j[:, None] <= offset + i[None, :], p, 0.0), 1)
+            mass += tl.sum(tl.where(j[:, None] <= offset + i[None, :] * query_stride, p, 0.0), 1)
         for m in range(full, blocks):
             i = m * BLOCK_M + tl.arange(0, BLOCK_M)
             p = _probs(q_row + g * stride_qh, lse_row + g * stride_lh, k, i, d, stride_qt, stride_qd, stride_lt,

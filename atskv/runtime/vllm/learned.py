@@ -37,7 +37,7 @@ from atskv.kernels.kept_lists import by_head
 from atskv.kernels.listed_refresh import fold_mlp, refresh_listed_scores
 from atskv.kernels.paged import physical_slots
 from atskv.runtime.vllm.batch import PromptChunk
-from atskv.runtime.vllm.heavy_hitters import KeptLists, chunk_mass
+from atskv.runtime.vllm.heavy_hitters import KeptLists, check_prompt_sample, chunk_mass
 from atskv.runtime.vllm.prompt_ranks import window_votes
 from atskv.runtime.vllm.protocol import PagedSelector
 
@@ -97,6 +97,7 @@ class PagedLearned(PagedSelector):
     window: int = 32
     kernel: int = 7
     refresh_every: int = 0  # > 0: rescore the listed tokens every that many decode steps (0: never)
+    prompt_sample: int = 1  # score the prompt's attention received with every s-th query (`chunk_mass`)
 
     def __post_init__(self):
         if self.predictor is None:
@@ -107,6 +108,7 @@ class PagedLearned(PagedSelector):
         if isinstance(self.refresh_every, bool) or not isinstance(self.refresh_every, int) or self.refresh_every < 0:
             raise InputError(f"atskv: refresh_every is a count of decode steps >= 0 (0: never), "
                              f"got {self.refresh_every!r}")  # fmt: skip
+        check_prompt_sample(self.prompt_sample)
         self.loaded = engine_predictor(str(self.predictor))
         self.managed = {layer: i for i, layer in enumerate(self.loaded.header.managed_layers)}
         self.reads_mass = self.refresh_every > 0  # the refresh's attention feature includes the reads'
@@ -137,7 +139,7 @@ class PagedLearned(PagedSelector):
             raise InputError(f"atskv: layer {chunk.layer} reads sparsely but the predictor manages layers "
                              f"{list(self.managed)}; set dense_layers to match it")  # fmt: skip
         keys, length = chunk.keys(), chunk.length
-        mass = state.add_prompt_mass(chunk_mass(chunk, keys), chunk.queries.shape[0], chunk)
+        mass = state.add_prompt_mass(chunk_mass(chunk, keys, self.prompt_sample), chunk.queries.shape[0], chunk)
         heads = keys.shape[0]
         position = torch.arange(length, device=keys.device, dtype=torch.float32)
         attention = mass / (chunk.queries.shape[1] // heads) / (length - position)  # mean over heads and queries

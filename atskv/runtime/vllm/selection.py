@@ -37,7 +37,7 @@ from atskv.kernels.quest_decode import quest_pick
 from atskv.kernels.sparq_decode import channel_rank, sparq_decode_paged
 from atskv.kernels.sparse_decode import sparse_decode_attention
 from atskv.runtime.vllm.batch import PromptChunk
-from atskv.runtime.vllm.heavy_hitters import KeptLists, chunk_mass
+from atskv.runtime.vllm.heavy_hitters import KeptLists, check_prompt_sample, chunk_mass
 from atskv.runtime.vllm.learned import PagedLearned
 from atskv.runtime.vllm.prompt_ranks import PromptRanks, rank_newest_first, window_votes
 from atskv.runtime.vllm.protocol import PagedSelector
@@ -198,6 +198,10 @@ class PagedH2O(PagedSelector):
     takes_prompt_lse: ClassVar[bool] = True
     reads_mass: ClassVar[bool] = True
     recent_fraction: float = 0.5
+    prompt_sample: int = 1  # score the prompt with every s-th query (`chunk_mass`)
+
+    def __post_init__(self):
+        check_prompt_sample(self.prompt_sample)
 
     def new_state(self, num_blocks: int, block_size: int, kv_heads: int, head_size: int, dtype, device):
         """The kept lists and the prompt's mass by physical slot: 12 bytes a token per KV head."""
@@ -205,7 +209,7 @@ class PagedH2O(PagedSelector):
 
     def observe_prompt(self, state: KeptLists, chunk: PromptChunk) -> None:
         """One request's chunk: its queries' mass on every token so far, added; the list rebuilt."""
-        mass = chunk_mass(chunk, chunk.keys())
+        mass = chunk_mass(chunk, chunk.keys(), self.prompt_sample)
         state.keep_top(state.add_prompt_mass(mass, chunk.queries.shape[0], chunk), chunk, self.recent_fraction)
 
     def pick(self, query, kv_heads: int, state: KeptLists, block_table, seq_lens, block_size: int,
