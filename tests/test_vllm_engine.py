@@ -4,7 +4,8 @@ their blocks back (the pool returns to its size) and the rest finish; StreamingL
 `free_blocks` beside dense layers gives the tokens and log-probabilities it gives without, while
 its requests hold only the blocks it reads (and the dense layers' blocks); SnapKV, H2O and the
 learned selector, which score prompts chunk by chunk, and SparQ read everything at a budget
-above the context; requests preempted by a small pool are recomputed and finish. A small Llama
+above the context, and H2O's prompt mass is the same from FlashAttention's log-sum-exps as from
+its own pass; requests preempted by a small pool are recomputed and finish. A small Llama
 shape with dummy weights; each engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`)."""
 
 from __future__ import annotations
@@ -184,6 +185,35 @@ def test_selectors_that_rank_tokens_read_in_full_at_a_budget_above_the_context(s
     small = engine(shape, f"vllm:{selector}", 64, max_num_batched_tokens=512, options=options)
     held = held_while_decoding(small, prompts(1500, 4, 49152, seed=13), 30)
     assert held >= 4 * 94, "reading less frees nothing: the blocks stay vLLM's"
+
+
+def test_h2o_scores_prompts_with_flashattentions_log_sum_exps_as_with_its_own_pass(shape, monkeypatch):
+    """H2O's prompt mass, layer by layer and slot by slot, from the log-sum-exps vLLM's
+    FlashAttention returns beside each prefill chunk's output (512-token chunks, some beside other
+    requests' decodes) equals the one from its own logits-only pass, to bf16 rounding."""
+    from atskv.runtime.vllm.backend import AtskvAttentionImpl
+
+    batch = prompts(1500, 3, 49152, seed=17)
+
+    def prompt_masses(llm) -> list[torch.Tensor]:
+        greedy_tokens(llm, batch, 4)
+        return llm.apply_model(lambda model: [
+            m.impl.state.prompt_mass.cpu() for m in model.modules()
+            if isinstance(getattr(m, "impl", None), AtskvAttentionImpl) and m.impl.state is not None])[0]  # fmt: skip
+
+    original, kept = AtskvAttentionImpl.prefill_with_lse, []
+    monkeypatch.setattr(AtskvAttentionImpl, "prefill_with_lse",
+                        lambda self, *args: kept.append(original(self, *args)) or kept[-1])  # fmt: skip
+    from_flash = prompt_masses(engine(shape, "vllm:h2o", 64, max_num_batched_tokens=512))
+    assert kept and all(lse is not None for lse in kept), "every prefill took FlashAttention's log-sum-exps"
+    gc.collect()
+    torch.cuda.empty_cache()
+    monkeypatch.setattr(AtskvAttentionImpl, "prefill_with_lse", lambda self, *args: None)
+    own = prompt_masses(engine(shape, "vllm:h2o", 64, max_num_batched_tokens=512))
+    assert len(from_flash) == len(own) == 28  # 30 layers, 2 dense
+    for flash_mass, own_mass in zip(from_flash, own):
+        assert own_mass.sum() > 0
+        torch.testing.assert_close(flash_mass, own_mass, rtol=2e-2, atol=1e-3)
 
 
 @pytest.mark.parametrize("selector", ["quest", "streaming_llm", "h2o"])
