@@ -118,24 +118,17 @@ class AtskvAttentionImpl(FlashAttentionImpl):
                 output_block_scale=None):  # fmt: skip
         decodes = 0 if attn_metadata is None else attn_metadata.num_decode_reqs
         if not decodes or attn_metadata.use_cascade or output_scale is not None or not self.sparse_layer(layer):
-            lse = None
-            if output_scale is None and self.prompt_lse_wanted(layer, attn_metadata):
-                lse = self.prefill_with_lse(query, kv_cache, attn_metadata, output)
-            if lse is None:
-                super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
-                                output_block_scale)  # fmt: skip
+            wanted = output_scale is None and self.prompt_lse_wanted(layer, attn_metadata)
+            lse = self.attend(layer, query, key, value, kv_cache, attn_metadata, output, wanted, output_scale,
+                              output_block_scale)  # fmt: skip
             if attn_metadata is not None and self.sparse_layer(layer):
                 self.observe_prompts(query, kv_cache, attn_metadata, lse)
             return output
         tokens = attn_metadata.num_actual_tokens
         if tokens > decodes:  # the prefill requests behind the decodes: FlashAttention over their share
-            rest = prefill_share(attn_metadata, decodes)
-            lse = None
-            if self.prompt_lse_wanted(layer, attn_metadata):
-                lse = self.prefill_with_lse(query[decodes:], kv_cache, rest, output[decodes:])
-            if lse is None:
-                super().forward(layer, query[decodes:], key[decodes:], value[decodes:], kv_cache, rest,
-                                output[decodes:])  # fmt: skip
+            rest = prefill_share(attn_metadata, decodes)  # (which drops the builder's prompt rows: asked here)
+            lse = self.attend(layer, query[decodes:], key[decodes:], value[decodes:], kv_cache, rest,
+                              output[decodes:], self.prompt_lse_wanted(layer, attn_metadata))  # fmt: skip
             self.observe_prompts(query, kv_cache, attn_metadata, lse, decodes)
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
         block_size = kv_cache.shape[2]
@@ -150,6 +143,14 @@ class AtskvAttentionImpl(FlashAttentionImpl):
         if self.selector.reads_mass:
             self.selector.observe_read(self.state, read[1], table, seq_lens, block_size)
         return output
+
+    def attend(self, layer, query, key, value, kv_cache, metadata, output, lse_wanted: bool, *scales):
+        """vLLM's FlashAttention over `metadata`'s requests into `output`; with `lse_wanted`, through
+        `prefill_with_lse`, whose log-sum-exps it returns (None where it keeps none: vLLM's forward)."""
+        lse = self.prefill_with_lse(query, kv_cache, metadata, output) if lse_wanted else None
+        if lse is None:
+            super().forward(layer, query, key, value, kv_cache, metadata, output, *scales)
+        return lse
 
     def prompt_lse_wanted(self, layer, metadata) -> bool:
         """Whether this forward's prefill chunks go to a selector that takes their log-sum-exps."""
