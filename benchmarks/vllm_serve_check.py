@@ -1,7 +1,7 @@
 """The plugin through `vllm serve` (vLLM's OpenAI-compatible HTTP server), not only `vllm.LLM`:
 three servers, one after the other, each a subprocess on a free localhost port with dummy weights
-of the shape in SHAPE_DIR (a config.json: `atskv.eval.vllm_speed.write_shape`), token ids as
-prompts and no tokenizer (`--skip-tokenizer-init`):
+of an 8B-class shape's config (`atskv.eval.vllm_speed.write_shape`), token ids as prompts and no
+tokenizer (`--skip-tokenizer-init`):
 
   vanilla         vLLM's own attention backend
   streaming_llm   `--attention-backend CUSTOM --additional-config '{"atskv": {"selector":
@@ -11,16 +11,16 @@ prompts and no tokenizer (`--skip-tokenizer-init`):
                   serves at all (its tokens may differ from vanilla's)
 
 Each server: /health polled until 200, then PROMPTS prompts of CONTEXT random token ids (fixed
-seed) sent one at a time to /v1/completions (temperature 0, ignore_eos, return_token_ids), its
-generated token ids kept; the server is stopped (SIGINT to its process group, SIGKILL after a
+seed, `vllm_speed.prompts`) sent one at a time to /v1/completions (temperature 0, ignore_eos,
+return_token_ids), its generated token ids kept; the server is stopped (SIGINT to its process group, SIGKILL after a
 grace period) whatever happened, and the GPU's memory awaited before the next one starts. A JSON
 line per server in OUT, each server's log beside it (OUT's stem.LABEL.log). Exit status 1 when a
 server does not come up or answer, or when budget 1.0 does not repeat vanilla's tokens.
 
-    python benchmarks/vllm_serve_check.py --shape_dir SHAPE_DIR --out serve.jsonl
-    python benchmarks/vllm_serve_check.py --shape_dir SHAPE_DIR --out serve.jsonl --dry_run   (commands only)
+    python benchmarks/vllm_serve_check.py --out serve.jsonl [--shape llama3.1-8b]
+    python benchmarks/vllm_serve_check.py --out serve.jsonl --dry_run   (commands only)
 
-Standard library only (the HTTP calls are urllib's): vLLM and the plugin are found through the
+The HTTP calls are the standard library's (urllib); vLLM and the plugin are found through the
 environment's PYTHONPATH (the plugin's entry point: `benchmarks/device/vllm_env.sh`).
 """
 
@@ -29,17 +29,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import re
 import shlex
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from atskv.eval.vllm_speed import first_differences, prompts, write_shape
 
 MODEL_NAME = "atskv-serve-check"  # --served-model-name, and the requests' "model"
 SERVERS = [  # (label, the "atskv" entry of --additional-config; None: vanilla vLLM)
@@ -202,7 +204,7 @@ def log_tail(log: Path, lines: int = 15) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
-def run_server(label: str, settings: dict | None, args, prompts: list[list[int]], log: Path) -> dict:
+def run_server(label: str, settings: dict | None, args, token_ids: list[list[int]], log: Path) -> dict:
     """One server from start to stop; its row (`error` set where it failed)."""
     port = free_port()
     command = serve_command(args.shape_dir, port, settings, args.max_model_len)
@@ -217,7 +219,7 @@ def run_server(label: str, settings: dict | None, args, prompts: list[list[int]]
     try:
         row["healthy_s"] = round(wait_healthy(process, base, args.health_timeout, started), 1)
         t0 = time.monotonic()
-        row["tokens"] = [greedy_tokens(base, p, args.new_tokens, args.request_timeout) for p in prompts]
+        row["tokens"] = [greedy_tokens(base, p, args.new_tokens, args.request_timeout) for p in token_ids]
         row["requests_s"] = round(time.monotonic() - t0, 2)
     except Exception as error:  # recorded, the server stopped, the next one tried
         row["error"] = f"{type(error).__name__}: {error}"
@@ -228,13 +230,9 @@ def run_server(label: str, settings: dict | None, args, prompts: list[list[int]]
     return row
 
 
-def first_differences(a: list[list[int]], b: list[list[int]]) -> list[int]:
-    return [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), min(len(p), len(q))) for p, q in zip(a, b)]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape_dir", type=Path, required=True, help="a folder with a config.json")
+    parser.add_argument("--shape", default="llama3.1-8b", help="an 8B-class shape (atskv.eval.shapes)")
     parser.add_argument("--out", type=Path, required=True, help="JSON lines, one per server; the logs beside it")
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--context", type=int, default=2048, help="token ids per prompt")
@@ -247,10 +245,8 @@ def main() -> int:
     parser.add_argument("--dry_run", action="store_true", help="print the servers' commands only")
     args = parser.parse_args()
 
-    config_file = args.shape_dir / "config.json"
-    if not config_file.is_file():
-        parser.error(f"no config.json in {args.shape_dir}")
-    vocab = json.loads(config_file.read_text())["vocab_size"]
+    args.shape_dir = write_shape(args.shape, Path(tempfile.mkdtemp()) / args.shape)
+    vocab = json.loads((args.shape_dir / "config.json").read_text())["vocab_size"]
     if args.context + args.new_tokens > args.max_model_len:
         parser.error(f"--context {args.context} + --new_tokens {args.new_tokens} > --max_model_len")
     if args.dry_run:
@@ -258,8 +254,7 @@ def main() -> int:
             print(f"{label}: {shlex.join(serve_command(args.shape_dir, 8000, settings, args.max_model_len))}")
         return 0
 
-    rng = random.Random(args.seed)
-    prompts = [[rng.randrange(3, vocab) for _ in range(args.context)] for _ in range(args.prompts)]
+    token_ids = [p["prompt_token_ids"] for p in prompts(args.context, args.prompts, vocab, args.seed)]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("")  # this run's rows only
 
@@ -272,7 +267,7 @@ def main() -> int:
     rows: dict[str, dict] = {}
     for label, settings in SERVERS:
         log = args.out.with_name(f"{args.out.stem}.{label}.log")
-        row = run_server(label, settings, args, prompts, log)
+        row = run_server(label, settings, args, token_ids, log)
         rows[label] = row
         with args.out.open("a") as f:
             f.write(json.dumps(row) + "\n")

@@ -311,10 +311,16 @@ def identity_report(rows: Path) -> list[str]:
         if method == VANILLA:
             continue
         same = sum(a == b for a, b in zip(rows_tokens, base))
-        firsts = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(rows_tokens, base)]
         lines.append(f"{method}: {same}/{len(base)} prompts token-identical to vanilla vLLM; "
-                     f"first differences at {firsts}")  # fmt: skip
+                     f"first differences at {first_differences(rows_tokens, base)}")  # fmt: skip
     return lines
+
+
+def first_differences(tokens: list[list[int]], base: list[list[int]]) -> list[int]:
+    """For each prompt, the index of the first token where `tokens` and `base` differ (the shorter
+    length where one is the other's start)."""
+    pairs = zip(tokens, base)
+    return [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))) for a, b in pairs]
 
 
 if __name__ == "__main__":

@@ -83,10 +83,7 @@ print(vllm_trace.table(rows))
 PY
     ;;
   serve)
-    shape=$(python3 -c 'import tempfile; from pathlib import Path; from atskv.eval.vllm_speed import write_shape
-print(write_shape("llama3.1-8b", Path(tempfile.mkdtemp()) / "llama3.1-8b"))')
-    timeout 540 python3 benchmarks/vllm_serve_check.py --shape_dir "$shape" --out "$OUT/serve.jsonl" 2>&1 \
-      | tee "$OUT/serve.txt" | tail -30 ;;
+    timeout 540 python3 benchmarks/vllm_serve_check.py --out "$OUT/serve.jsonl" 2>&1 | tee "$OUT/serve.txt" | tail -30 ;;
   quality)
     export ATSKV_VLLM_PYTHONPATH=$PYTHONPATH
     model=${MODEL:-smollm2-135m}  # or gemma3-270m (its parts .device/g1-g7 carried; its local layers stay vLLM's)
