@@ -13,7 +13,7 @@ from atskv.kernels.received_mass import (
 )
 
 SMALL_BLOCKS = {"block_n": 32, "block_m": 16}  # several key and query blocks at test sizes
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where the kernel tests run: compiled on a GPU
 
 
 def make_chunk(b, hkv, group, d, tq, offset, spare, dtype=torch.float32, seed=0, device="cpu"):
@@ -82,7 +82,9 @@ def test_reference_is_the_prefills_received_mass(group, offset):
 @pytest.mark.parametrize("offset", [0, 37])
 def test_triton_matches_reference_fp32(group, d, offset):
     # 45 queries: not a whole number of 16-query blocks; 19 free slots past the chunk
-    query, keys, lse, scaling = make_chunk(2, 2, group, d, tq=45, offset=offset, spare=19, seed=d + offset)
+    query, keys, lse, scaling = make_chunk(
+        2, 2, group, d, tq=45, offset=offset, spare=19, seed=d + offset, device=DEVICE
+    )
     expected = prefix_received_mass_reference(query, keys, lse, offset, scaling)
     out = prefix_received_mass_triton(query, keys, lse, offset, scaling, **SMALL_BLOCKS)
     assert out.shape == keys.shape[:3] and out.dtype == torch.float32
@@ -93,7 +95,7 @@ def test_triton_matches_reference_fp32(group, d, offset):
 def test_triton_on_views_that_start_past_a_rows_padding():
     """A left-padded row's real part (`causal_mass_from`): the queries from the first real one and
     the keys from the first real slot, views into the chunk's tensors, as the reference gives."""
-    query, keys, lse, scaling = make_chunk(1, 2, 4, 64, tq=45, offset=37, spare=0, seed=5)
+    query, keys, lse, scaling = make_chunk(1, 2, 4, 64, tq=45, offset=37, spare=0, seed=5, device=DEVICE)
     first, start = 6, 40  # the chunk's first 6 queries and the first 40 slots are padding
     q, k, part_lse = query[:, :, first:], keys[:, :, start:], lse[:, :, first:]
     offset = k.shape[2] - q.shape[2]
@@ -107,7 +109,7 @@ def test_triton_every_alignment_of_offset_and_blocks(block_n, block_m):
     """Every offset modulo the blocks: which query blocks the kernel skips, masks on the diagonal
     and sums without a mask depends on where the chunk starts against the key and query blocks."""
     for offset in range(34):
-        query, keys, lse, scaling = make_chunk(1, 1, 2, 16, tq=21, offset=offset, spare=3, seed=offset)
+        query, keys, lse, scaling = make_chunk(1, 1, 2, 16, tq=21, offset=offset, spare=3, seed=offset, device=DEVICE)
         expected = prefix_received_mass_reference(query, keys, lse, offset, scaling)
         out = prefix_received_mass_triton(query, keys, lse, offset, scaling, block_n=block_n, block_m=block_m)
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"offset {offset}: {m}")
@@ -116,7 +118,7 @@ def test_triton_every_alignment_of_offset_and_blocks(block_n, block_m):
 @pytest.mark.parametrize(("d", "offset", "spare"), [(80, 21, 3), (256, 50, 40)])
 def test_triton_other_head_dims(d, offset, spare):
     """A head dim that is not a power of two (padded in the kernel) and Gemma 3's 256."""
-    query, keys, lse, scaling = make_chunk(2, 1, 4, d, tq=29, offset=offset, spare=spare, seed=d)
+    query, keys, lse, scaling = make_chunk(2, 1, 4, d, tq=29, offset=offset, spare=spare, seed=d, device=DEVICE)
     expected = prefix_received_mass_reference(query, keys, lse, offset, scaling)
     torch.testing.assert_close(prefix_received_mass_triton(query, keys, lse, offset, scaling, **SMALL_BLOCKS),
                                expected, rtol=1e-5, atol=1e-5)  # fmt: skip
@@ -126,7 +128,9 @@ def test_dispatch_and_default_blocks(monkeypatch):
     """The public entry point runs the kernel when asked to (`ATSKV_KERNELS=triton`), with its
     default blocks (128 keys, 64 queries in bf16: several query blocks and a partial key block)."""
     monkeypatch.setenv("ATSKV_KERNELS", "triton")
-    query, keys, lse, scaling = make_chunk(2, 2, 4, 128, tq=150, offset=70, spare=36, dtype=torch.bfloat16, seed=3)
+    query, keys, lse, scaling = make_chunk(
+        2, 2, 4, 128, tq=150, offset=70, spare=36, dtype=torch.bfloat16, seed=3, device=DEVICE
+    )
     expected = prefix_received_mass_reference(query.float(), keys.float(), lse, 70, scaling)
     torch.testing.assert_close(prefix_received_mass(query, keys, lse, 70, scaling), expected, rtol=1e-4, atol=1e-4)
     monkeypatch.setenv("ATSKV_KERNELS", "reference")
@@ -139,7 +143,9 @@ def test_triton_bf16(offset):
     """bf16 inputs: the kernel's logits are float32 accumulations of exact bf16 products, so it
     matches the reference on the same values in float32; the reference in bf16 rounds its logits
     to bf16 before the exp, a few percent per probability."""
-    query, keys, lse, scaling = make_chunk(2, 2, 4, 64, tq=45, offset=offset, spare=19, dtype=torch.bfloat16)
+    query, keys, lse, scaling = make_chunk(
+        2, 2, 4, 64, tq=45, offset=offset, spare=19, dtype=torch.bfloat16, device=DEVICE
+    )
     out = prefix_received_mass_triton(query, keys, lse, offset, scaling, **SMALL_BLOCKS)
     expected = prefix_received_mass_reference(query.float(), keys.float(), lse, offset, scaling)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
@@ -150,7 +156,7 @@ def test_triton_bf16(offset):
 def test_queries_that_saw_nothing_give_nothing():
     """A query whose log-sum-exp is -inf contributes no mass (as in `received_mass`), and the
     query and lse may be any strides."""
-    query, keys, lse, scaling = make_chunk(2, 2, 2, 64, tq=40, offset=10, spare=5)
+    query, keys, lse, scaling = make_chunk(2, 2, 2, 64, tq=40, offset=10, spare=5, device=DEVICE)
     lse = lse.transpose(1, 2).contiguous().transpose(1, 2)  # strides (.., 1, Hq), as CPU flash returns it
     lse[0, 1, 3:30] = -torch.inf
     lse[1, :, :] = -torch.inf

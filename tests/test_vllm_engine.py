@@ -204,16 +204,18 @@ def test_h2o_scores_prompts_with_flashattentions_log_sum_exps_as_with_its_own_pa
     original, kept = AtskvAttentionImpl.prefill_with_lse, []
     monkeypatch.setattr(AtskvAttentionImpl, "prefill_with_lse",
                         lambda self, *args: kept.append(original(self, *args)) or kept[-1])  # fmt: skip
-    from_flash = prompt_masses(engine(shape, "vllm:h2o", 64, max_num_batched_tokens=512))
+    # the same pool size in both engines: the same slots, so the per-slot masses line up
+    from_flash = prompt_masses(engine(shape, "vllm:h2o", 64, max_num_batched_tokens=512, blocks=1024))
     assert kept and all(lse is not None for lse in kept), "every prefill took FlashAttention's log-sum-exps"
     gc.collect()
     torch.cuda.empty_cache()
     monkeypatch.setattr(AtskvAttentionImpl, "prefill_with_lse", lambda self, *args: None)
-    own = prompt_masses(engine(shape, "vllm:h2o", 64, max_num_batched_tokens=512))
+    own = prompt_masses(engine(shape, "vllm:h2o", 64, max_num_batched_tokens=512, blocks=1024))
     assert len(from_flash) == len(own) == 28  # 30 layers, 2 dense
+    null = 16  # block 0 is vLLM's null block: padded tokens of captured batches write there, in no request
     for flash_mass, own_mass in zip(from_flash, own):
-        assert own_mass.sum() > 0
-        torch.testing.assert_close(flash_mass, own_mass, rtol=2e-2, atol=1e-3)
+        assert own_mass[null:].sum() > 0
+        torch.testing.assert_close(flash_mass[null:], own_mass[null:], rtol=2e-2, atol=1e-3)
 
 
 @pytest.mark.parametrize("selector", ["quest", "streaming_llm", "h2o"])
