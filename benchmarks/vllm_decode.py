@@ -33,6 +33,9 @@ parser.add_argument("--dense_layers", type=json.loads, default={},
 parser.add_argument("--profile", type=Path, default=None,
                     help="a folder: each batch's last decode steps under vLLM's torch profiler, its CUDA-time "
                          "table per label and shape there (untimed)")
+parser.add_argument("--profile_prefill", action="store_true",
+                    help="with --profile: also each batch's prefill, run again after its row (one new token a "
+                         "request), its table LABEL.CONTEXTxBATCH.prefill.txt")
 args = parser.parse_args()
 shape = write_shape(args.shape, Path(tempfile.mkdtemp()) / args.shape)
 runs = [tuple(int(x) for x in run.split("x")) for run in args.runs]
@@ -44,7 +47,7 @@ specs = [
                                       shape.parent / f"predictor-{dense[label]}"),
                identity_tokens=args.identity_tokens,
                identity_context=args.identity_context, label=label,
-               profile_dir=str(args.profile.resolve()) if args.profile else "")
+               profile_dir=str(args.profile.resolve()) if args.profile else "", profile_prefill=args.profile_prefill)
     for label, m in labelled
 ]  # fmt: skip
 measure(specs, args.rows)

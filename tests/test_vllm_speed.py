@@ -4,7 +4,9 @@ from the rows already written, the table's ratios and the identity report."""
 from __future__ import annotations
 
 import json
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -260,3 +262,62 @@ def test_only_full_batch_decode_steps_are_timed_and_profiled(monkeypatch, profil
     assert timing["steady_steps"] == 12 - 3 - profile_steps
     assert timing["prefill_s"] == 1.0 + 2.0 + 3.0 and not engine.profiling
     assert engine.profiled == profile_steps
+
+
+class ProfiledLLM:
+    """`vllm.LLM` as `run_engine` uses it: every generate logged with its batch and new tokens;
+    each profiler stop writes vLLM's table file naming what ran since the start."""
+
+    def __init__(self, **arguments):
+        self.folder = arguments["profiler_config"]["torch_profiler_dir"]
+        self.log, self.profiled = [], None
+        self.llm_engine = SimpleNamespace()
+
+    def generate(self, batch, params, use_tqdm):
+        self.log.append(f"generate {len(batch)}x{params.max_tokens}")
+        if self.profiled is not None:
+            self.profiled.append(self.log[-1])
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[0] * params.max_tokens)]) for _ in batch]
+
+    def start_profile(self):
+        self.profiled = []
+
+    def stop_profile(self):
+        (Path(self.folder) / "profiler_out_0.txt").write_text(" ".join(self.profiled))
+        self.profiled = None
+
+
+@pytest.mark.parametrize("prefill", [False, True])
+def test_a_prefill_profile_runs_each_batch_again_after_its_timed_row(monkeypatch, tmp_path, prefill):
+    """`profile_prefill`: after a batch's row is written (its timing unprofiled), the same prompts
+    run once more with one new token each under the profiler, the table kept as
+    LABEL.CONTEXTxBATCH.prefill.txt beside the decode steps' LABEL.CONTEXTxBATCH.txt."""
+    engines = []
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=lambda **a: engines.append(ProfiledLLM(**a))
+                                                               or engines[-1]))  # fmt: skip
+    monkeypatch.setattr(vllm_speed, "greedy", lambda n: SimpleNamespace(max_tokens=n))
+    monkeypatch.setattr(vllm_speed, "pool_tokens", lambda engine: 10_000)
+
+    def timed(engine, batch_prompts, new_tokens, tag, profile_steps):
+        llm = engines[-1]
+        llm.log.append(f"timed {len(batch_prompts)}x{new_tokens}")
+        llm.start_profile()  # as timed_batch profiles its last full-batch steps
+        llm.profiled.append("decode steps")
+        llm.stop_profile()
+        return {"prefill_s": 1.0, "ttft_mean_s": 1.0, "ms_per_step": 2.0, "tokens_per_s": 1.0, "steady_steps": 3}
+
+    monkeypatch.setattr(vllm_speed, "timed_batch", timed)
+    shape = write_shape("llama3.1-8b", tmp_path / "shape")
+    profile = tmp_path / "profile"
+    rows = tmp_path / "rows.jsonl"
+    spec = EngineSpec("vllm", str(shape), [(512, 3)], new_tokens=4, label="v", profile_dir=str(profile),
+                      profile_prefill=prefill)  # fmt: skip
+    vllm_speed.run_engine(spec, rows)
+    log = engines[0].log
+    assert (profile / "v.512x3.txt").read_text() == "decode steps"
+    assert [json.loads(line)["kind"] for line in rows.read_text().splitlines()] == ["speed"]
+    if prefill:
+        assert (profile / "v.512x3.prefill.txt").read_text() == "generate 3x1", "the same batch, one token each"
+        assert log[-2:] == ["timed 3x4", "generate 3x1"], "profiled after the timed run, not during it"
+    else:
+        assert not (profile / "v.512x3.prefill.txt").exists() and log[-1] == "timed 3x4"

@@ -9,7 +9,8 @@ the context the engine's KV blocks hold. With `identity_tokens`, each method als
 greedy tokens on fixed prompts, to compare with vanilla vLLM's. With `profile_dir`, the last
 `PROFILE_STEPS` full-batch decode steps (not timed) run under vLLM's torch profiler, whose table
 of CUDA time by kernel is kept there as `LABEL.CONTEXTxBATCH.txt`: where a step's time goes,
-vanilla and plugin alike. Rows are appended to a JSON-lines file as they finish; a rerun skips
+vanilla and plugin alike; with `profile_prefill` too, each batch's prefill, run again after its
+row, as `LABEL.CONTEXTxBATCH.prefill.txt`: where the time to first token goes. Rows are appended to a JSON-lines file as they finish; a rerun skips
 those there.
 
     python -m atskv.eval.vllm_speed SPEC.json ROWS.jsonl    (one method: what `measure` starts)
@@ -56,6 +57,7 @@ class EngineSpec:
     load_format: str = "dummy"  # "auto": the weights saved in `shape_dir` (a model's directory)
     eager: bool = False  # no compile, no CUDA graphs: an engine up in seconds, for runs scored, not timed
     profile_dir: str = ""  # absolute: each batch's last PROFILE_STEPS decode steps under vLLM's torch profiler
+    profile_prefill: bool = False  # with profile_dir: each batch's prefill again, untimed, under the profiler too
 
     def __post_init__(self):
         self.label = self.label or self.method
@@ -240,14 +242,25 @@ def run_engine(spec: EngineSpec, rows: Path) -> None:
         tokens = greedy_tokens(llm, fixed, spec.identity_tokens)
         emit({"kind": "tokens", "context": spec.identity_context, "tokens": tokens})
     for context, requested, batch in runs:
-        timing = timed_batch(llm.llm_engine, prompts(context, batch, vocab, seed=context + batch), spec.new_tokens,
-                             f"{context}x{batch}", PROFILE_STEPS if spec.profile_dir else 0)  # fmt: skip
-        if spec.profile_dir:  # vLLM's table of this batch's profiled steps (rewritten at each stop)
-            table_file = Path(spec.profile_dir) / "profiler_out_0.txt"
-            if table_file.is_file():
-                table_file.rename(Path(spec.profile_dir) / f"{file_stem(spec.label)}.{requested}x{batch}.txt")
+        batch_prompts = prompts(context, batch, vocab, seed=context + batch)
+        timing = timed_batch(llm.llm_engine, batch_prompts, spec.new_tokens, f"{context}x{batch}",
+                             PROFILE_STEPS if spec.profile_dir else 0)  # fmt: skip
+        stem = f"{file_stem(spec.label)}.{requested}x{batch}"
+        keep_profile_table(spec, f"{stem}.txt")
         emit({"kind": "speed", "context": requested, "tokens_in_prompt": context, "batch": batch,
               "requests_held": kv_tokens / (context + spec.new_tokens), **timing})  # fmt: skip
+        if spec.profile_dir and spec.profile_prefill:  # after the row: the timings above are the unprofiled ones
+            llm.start_profile()
+            greedy_tokens(llm, batch_prompts, 1)
+            llm.stop_profile()
+            keep_profile_table(spec, f"{stem}.prefill.txt")
+
+
+def keep_profile_table(spec: EngineSpec, name: str) -> None:
+    """vLLM's CUDA-time table of the last profiled stretch (rewritten at each stop), renamed to `name`."""
+    table_file = Path(spec.profile_dir) / "profiler_out_0.txt"
+    if spec.profile_dir and table_file.is_file():
+        table_file.rename(Path(spec.profile_dir) / name)
 
 
 def in_process_scheduler(engine):

@@ -4,7 +4,8 @@
 #   bash benchmarks/device/vllm_plan.sh decode [METHODS]  # vanilla vLLM, Quest, StreamingLLM (or LABEL=vllm:X ...): 3 shapes (~7.5 min;
 #        RUNS='32768x8' for fewer; DENSE='{"LABEL": 0}' for other dense layers than 2; OPTIONS='{"LABEL":
 #        {"prompt_sample": 8}}' for a selector's options; PROFILE=1: each batch's last 8 full-batch steps
-#        profiled, vLLM's CUDA-time table per label and shape)
+#        profiled, vLLM's CUDA-time table per label and shape; PROFILE_PREFILL=1: each batch's prefill too, again
+#        after its row)
 #   bash benchmarks/device/vllm_plan.sh tests [K] # the plugin's GPU tests, small engines of ~40 s each: run
 #        'not rank_tokens and not preempted and not refresh' (~4 min), 'rank_tokens' (~7.5 min) and
 #        'preempted or refresh' (~6 min) as three calls (one would pass the 10-minute limit)
@@ -44,7 +45,8 @@ case "$1" in
     timeout "${STAGE_S:-560}" python3 benchmarks/vllm_decode.py /tmp/rows/decode.jsonl \
       --methods ${methods:-vllm quest=vllm:quest streaming=vllm:streaming_llm} --runs ${RUNS:-32768x1 32768x8 131072x1} \
       --new_tokens 64 --identity_tokens 32 --dense_layers "${DENSE:-{\}}" --options "${OPTIONS:-{\}}" \
-      ${PROFILE:+--profile /tmp/rows/profile} >> /tmp/rows/decode.log 2>&1
+      ${PROFILE:+--profile /tmp/rows/profile} ${PROFILE_PREFILL:+--profile /tmp/rows/profile --profile_prefill} \
+      >> /tmp/rows/decode.log 2>&1
     cp -r /tmp/rows/decode.* "$OUT/"; [ -d /tmp/rows/profile ] && cp /tmp/rows/profile/*.txt "$OUT/" 2>/dev/null
     grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" "$OUT/decode.log" | tail -20 ;;
   tests)
