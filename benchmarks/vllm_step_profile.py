@@ -8,7 +8,8 @@ imports, also vLLM's own paged FlashAttention decode over the whole context (wha
 layer reads), with the 32 splits vLLM allows under CUDA graphs.
 `--capacity` is the engine's max_model_len: the block table's width, which sizes a fractional
 budget's index lists. `--tune` adds the sparse decode kernel of StreamingLLM's pick at other
-pipeline depths and split counts (its defaults: 1 stage, `choose_split_size`).
+pipeline depths and split counts (its defaults: 1 stage, `choose_split_size`), and SparQ's pick at
+other slots a step and warps of its logits kernel (its tile's scattered loads: `--kernels "sparq pick"`).
 
     python benchmarks/vllm_step_profile.py [--budget 0.05] [--capacity 131072] [--tune] [--stages "whole step"]
         [--kernels sparq]   (and each kernel of the stages named so)
@@ -23,14 +24,23 @@ import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
 from atskv.features import SCALAR_FEATURES
+from atskv.kernels.budget import kept_count
 from atskv.kernels.listed_refresh import fold_mlp, refresh_listed_scores
 from atskv.kernels.paged import paged_page_scores
 from atskv.kernels.quest_decode import quest_pick
+from atskv.kernels.sparq_decode import sparq_decode_paged
 from atskv.kernels.sparse_decode import choose_split_size, sparse_decode_attention_triton
 from atskv.predictor.model import FeatureSpec, RelevanceMLP
 from atskv.runtime.vllm.composition import build_paged_selector
 from atskv.runtime.vllm.heavy_hitters import KeptLists
-from atskv.runtime.vllm.selection import PagedQuest, PagedSparQ, PagedStreamingLLM, paged_sparse_decode, slot_view
+from atskv.runtime.vllm.selection import (
+    PagedQuest,
+    PagedSparQ,
+    PagedStreamingLLM,
+    paged_sparse_decode,
+    slot_view,
+    usable_positions,
+)
 
 try:
     from vllm.vllm_flash_attn import flash_attn_varlen_func
@@ -156,6 +166,13 @@ for run in args.runs:
                     lambda depth=depth, more=more: sparse_decode_attention_triton(
                         query, keys, values, recent, recent_lengths, D**-0.5, block_table=table, block_size=BS,
                         split_size=max(1, split // more), num_stages=depth))  # fmt: skip
+        sparq_positions, sparq_rank = usable_positions(seq_lens, width * BS), sparq.rank(D)
+        for block_s in (128, 256, 512, 2048):  # the logits kernel's slots a step (2048: the default)
+            for warps in (4, 8):
+                stages[f"sparq pick: {block_s} slots, {warps} warps"] = (
+                    lambda block_s=block_s, warps=warps: sparq_decode_paged(
+                        query, key_slots, table, BS, sparq_positions, seq_lens, D**-0.5, sparq_rank, args.budget,
+                        kept_count(args.budget, width * BS), block_s=block_s, warps=(8, warps, 8, 8)))  # fmt: skip
     if flash_attn_varlen_func is not None:
         starts = torch.arange(batch + 1, device=dev, dtype=torch.int32)
         stages |= {

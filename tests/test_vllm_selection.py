@@ -686,6 +686,31 @@ def test_the_plugins_selection_imports_no_transformers():
     assert out.strip() == "[]"
 
 
+def test_paged_sparqs_logits_kernel_at_other_tile_widths_chooses_the_same(cache, monkeypatch):
+    """`sparq_decode_paged`'s tuning keywords reach the kernels: at 32 and 64 slots a step of the
+    logits kernel (several steps a span) and other warps, the choice is the default tile's."""
+    from atskv.kernels.sparq_decode import sparq_decode_paged
+    from atskv.runtime.vllm.selection import slot_view, usable_positions
+
+    monkeypatch.setenv("ATSKV_KERNELS", "triton")
+    seq_lens = torch.tensor(cache.lengths, dtype=torch.int32)
+    query = torch.randn(len(cache.lengths), HQ, D, generator=torch.Generator().manual_seed(9))
+    keys = slot_view(cache.split()[0], 1)[0]
+    slots = cache.block_table.shape[1] * BLOCK
+    args = [t.to(KERNELS) for t in (query, keys, cache.block_table)]
+    at = [t.to(KERNELS) for t in (usable_positions(seq_lens, slots), seq_lens)]
+
+    def choose(**tuning):
+        idx, lengths = sparq_decode_paged(*args, BLOCK, *at, D**-0.5, 4, 24, 24, **tuning)
+        return [set(idx[r, h, : int(lengths[r, h])].tolist()) for r in range(idx.shape[0]) for h in range(HKV)]
+
+    default = choose()
+    assert choose(block_s=32, parts=2) == default and choose(block_s=64, warps=(4, 8, 4, 4)) == default
+    assert [len(chosen) for chosen in default] == [min(24, n) for n in cache.lengths for _ in range(HKV)]
+    with pytest.raises(Exception, match="power of 2"):  # it reaches the kernel: Triton tiles are powers of 2
+        choose(block_s=48)
+
+
 @pytest.mark.parametrize("budget, residency", [(12, None), (0.1, 0.5), (8, 40)])
 def test_a_composition_reads_what_sparq_chooses_among_the_residents(cache, budget, residency, monkeypatch):
     """`streaming_llm+sparq`: StreamingLLM's sinks and recent tokens at the residency budget (4x the

@@ -134,8 +134,8 @@ def sparq_decode(query, keys, keys_t, slot_pos, write_slot, context, scaling: fl
 
 
 def sparq_decode_paged(query, key_slots, block_table, block_size: int, slot_pos, context, scaling: float,
-                       rank: int, budget: int | float, k: int,
-                       recent: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                       rank: int, budget: int | float, k: int, recent: int = 0,
+                       **tuning) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """`sparq_decode` over a paged cache read in place (vLLM's), with no channel-major copy: slot s
     of a row holds logical position `slot_pos[b, h, s]` (-1: none; `[B, 1 or Hkv, S]`), read through
     `block_table` `[B, W]` from `key_slots` `[Hkv, num_slots, D]`, the cache's keys by physical
@@ -143,14 +143,15 @@ def sparq_decode_paged(query, key_slots, block_table, block_size: int, slot_pos,
     kept list's (a composition's residents). `context` `[B]` is each request's length (the budget's
     base); `recent` needs the first layout (its newest position, `context - 1`, at that slot).
     Returns slots, as `sparq_decode`. A chosen channel of a row-major key is one scattered load per
-    token: this reads most of K's sectors (the copy is what saves them)."""
+    token: this reads most of K's sectors (the copy is what saves them). `tuning`: the Triton
+    path's block sizes and warps (`sparq_decode_triton`'s keywords), for a benchmark's sweep."""
     b, hkv = query.shape[0], key_slots.shape[0]
     slot_pos = slot_pos.expand(b, hkv, -1)
     newest = (context.long() - 1).clamp(min=0, max=slot_pos.shape[-1] - 1).view(b, 1).expand(b, hkv)  # its slot
     if use_triton(query):
         keys_t = key_slots.transpose(1, 2).unsqueeze(0).expand(b, -1, -1, -1)  # [B, Hkv, D, num_slots], a view
         return sparq_decode_triton(query, keys_t, keys_t, slot_pos, newest, context, scaling, rank, budget, k,
-                                   recent=recent, block_table=block_table, block_size=block_size)  # fmt: skip
+                                   recent=recent, block_table=block_table, block_size=block_size, **tuning)  # fmt: skip
     physical = physical_slots(slot_pos.clamp(min=0), block_table, block_size).long()  # [B, Hkv, S]
     keys = key_slots[torch.arange(hkv, device=query.device).view(1, -1, 1), physical]  # [B, Hkv, S, D]
     return sparq_decode_reference(query, keys, keys.transpose(2, 3).clone(), slot_pos, newest, context, scaling,
