@@ -24,6 +24,7 @@ def test_vanilla_is_vllms_own_backend_and_a_selector_is_atskvs(tmp_path):
     plugin = engine_arguments(EngineSpec("vllm:quest", str(shape), [(1024, 1)], budget=256), 2048, 1)
     assert "attention_backend" not in vanilla and vanilla["load_format"] == "dummy"
     assert not vanilla["enforce_eager"], "a timed engine keeps vLLM's compile and CUDA graphs"
+    assert vanilla["jit_monitor_verbose"], "a kernel compiled inside a timed run is logged, each time"
     assert plugin["attention_backend"] == "CUSTOM"
     assert plugin["additional_config"] == {"atskv": {"selector": "quest", "budget": 256, "dense_layers": 2}}
     assert "worker_cls" not in plugin

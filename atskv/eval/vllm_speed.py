@@ -69,6 +69,7 @@ def engine_arguments(spec: EngineSpec, max_model_len: int, max_num_seqs: int) ->
         model=spec.shape_dir, load_format=spec.load_format, skip_tokenizer_init=True, dtype="bfloat16",
         max_model_len=max_model_len, enable_prefix_caching=False, max_num_seqs=max_num_seqs,
         gpu_memory_utilization=spec.gpu_memory_utilization, seed=0, enforce_eager=spec.eager,
+        jit_monitor_verbose=not spec.eager,  # every kernel compiled after warm-up logged: a timing it spoilt shows
     )  # fmt: skip
     if spec.profile_dir:
         arguments["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": spec.profile_dir,

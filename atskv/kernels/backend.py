@@ -30,9 +30,20 @@ def aligned_slots(slots: int) -> int:
     return -(-slots // SLOT_ALIGN) * SLOT_ALIGN
 
 
-def jit(fn):
-    """`triton.jit` where Triton imports; otherwise the plain function (never launched)."""
-    return triton.jit(fn) if triton is not None else fn
+def jit(fn=None, **options):
+    """`triton.jit` where Triton imports (`options` its own, e.g. `do_not_specialize`); otherwise
+    the plain function (never launched)."""
+    if fn is None:
+        return lambda f: jit(f, **options)
+    return triton.jit(fn, **options) if triton is not None else fn
+
+
+# Arguments of the prompt kernels that change with every chunk a server schedules (its token
+# count, its offset, the request's length so far, strides of buffers sized by them). Triton
+# compiles a variant per combination of which of them are 1 or multiples of 16; during serving
+# that means compiles in the middle of prefills (a second or more each), so they stay unspecialised.
+CHUNK_VARYING = ["num_queries", "num_slots", "offset", "stride_kb", "stride_lb", "stride_lh", "stride_ob",
+                 "stride_oh"]  # fmt: skip
 
 
 def use_triton(tensor: torch.Tensor) -> bool:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from atskv.attention import received_mass
-from atskv.kernels.backend import jit, tl, triton, use_triton
+from atskv.kernels.backend import CHUNK_VARYING, jit, tl, triton, use_triton
 
 _LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256  # larger head dims take the reference (no model the package supports has one)
@@ -143,7 +143,7 @@ def _check(query: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor | None, of
                          f"stride < S = {slots} slots")  # fmt: skip
 
 
-@jit
+@jit(do_not_specialize=CHUNK_VARYING)
 def _mass_kernel(
     q_ptr, k_ptr, lse_ptr, out_ptr,
     stride_qb, stride_qh, stride_qt, stride_qd,
@@ -250,7 +250,7 @@ def prefix_lse_triton(query: torch.Tensor, keys: torch.Tensor, offset: int, scal
     return lse
 
 
-@jit
+@jit(do_not_specialize=[name for name in CHUNK_VARYING if name not in ("num_slots", "stride_ob", "stride_oh")])
 def _lse_kernel(
     q_ptr, k_ptr, lse_ptr,
     stride_qb, stride_qh, stride_qt, stride_qd,
