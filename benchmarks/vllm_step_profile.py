@@ -9,7 +9,7 @@ layer reads), with the 32 splits vLLM allows under CUDA graphs.
 `--capacity` is the engine's max_model_len: the block table's width, which sizes a fractional
 budget's index lists. `--tune` adds the sparse decode kernel of StreamingLLM's pick at other
 pipeline depths and split counts (its defaults: 1 stage, `choose_split_size`), and SparQ's pick at
-other slots a step and warps of its logits kernel (its tile's scattered loads: `--kernels "sparq pick"`).
+other slots a step and warps of its logits kernel (whole key rows a tile: `--kernels "sparq pick"`).
 
     python benchmarks/vllm_step_profile.py [--budget 0.05] [--capacity 131072] [--tune] [--stages "whole step"]
         [--kernels sparq]   (and each kernel of the stages named so)
@@ -167,7 +167,7 @@ for run in args.runs:
                         query, keys, values, recent, recent_lengths, D**-0.5, block_table=table, block_size=BS,
                         split_size=max(1, split // more), num_stages=depth))  # fmt: skip
         sparq_positions, sparq_rank = usable_positions(seq_lens, width * BS), sparq.rank(D)
-        for block_s in (128, 256, 512, 2048):  # the logits kernel's slots a step (2048: the default)
+        for block_s in (32, 64, 128, 256):  # the paged logits kernel's slots a step (PAGED_BLOCK_S: the default)
             for warps in (4, 8):
                 stages[f"sparq pick: {block_s} slots, {warps} warps"] = (
                     lambda block_s=block_s, warps=warps: sparq_decode_paged(

@@ -12,7 +12,8 @@ query head reads r / D of its KV head's keys (a KV head at most the union of its
   the row's histogram and counters.
 - `_logits_kernel` (query head x span of slots, ~4 programs per SM): those channels' rows of
   `keys_t`, a tile at a time, give the head's approximate logits and a running max and sum of
-  exps per span.
+  exps per span (over vLLM's paged, row-major cache: whole key rows against the query with only
+  those channels kept).
 - `_probs_kernel` (row x block): each head's log-sum-exp from the spans' partials, each slot's
   probability summed over the GQA group as an order-preserving int32 key (-1: free slot; the
   `recent` newest positions: keys above every probability's), and a per-row histogram of the
@@ -57,6 +58,7 @@ _MIN = torch.finfo(torch.float32).min
 # the top bits of a probability counted by the probabilities kernel: a bin spans 1/16 of an octave
 _BINS_BITS = 12
 LOGITS_WAVES = 4  # programs per SM the logits kernel aims at
+PAGED_BLOCK_S = 64  # slots a step of the logits kernel over a paged cache: [64, head dim] tiles of whole key rows
 
 
 def channel_rank(head_dim: int, fraction: float) -> int:
@@ -142,16 +144,19 @@ def sparq_decode_paged(query, key_slots, block_table, block_size: int, slot_pos,
     slot. Every position a request holds (`slot_pos` = the slot itself below its length), or a
     kept list's (a composition's residents). `context` `[B]` is each request's length (the budget's
     base); `recent` needs the first layout (its newest position, `context - 1`, at that slot).
-    Returns slots, as `sparq_decode`. A chosen channel of a row-major key is one scattered load per
-    token: this reads most of K's sectors (the copy is what saves them). `tuning`: the Triton
-    path's block sizes and warps (`sparq_decode_triton`'s keywords), for a benchmark's sweep."""
+    Returns slots, as `sparq_decode`. Keys are row-major here, so the logits kernel reads each held
+    token's whole key row, coalesced (its chosen channels would touch nearly every sector of it):
+    a step reads all of K, as dense attention does (the fast path's channel-major copy is what
+    saves that). `tuning`: the Triton path's block sizes and warps (`sparq_decode_triton`'s
+    keywords; `block_s` defaults to PAGED_BLOCK_S), for a benchmark's sweep."""
     b, hkv = query.shape[0], key_slots.shape[0]
     slot_pos = slot_pos.expand(b, hkv, -1)
     newest = (context.long() - 1).clamp(min=0, max=slot_pos.shape[-1] - 1).view(b, 1).expand(b, hkv)  # its slot
     if use_triton(query):
         keys_t = key_slots.transpose(1, 2).unsqueeze(0).expand(b, -1, -1, -1)  # [B, Hkv, D, num_slots], a view
         return sparq_decode_triton(query, keys_t, keys_t, slot_pos, newest, context, scaling, rank, budget, k,
-                                   recent=recent, block_table=block_table, block_size=block_size, **tuning)  # fmt: skip
+                                   recent=recent, block_table=block_table, block_size=block_size,
+                                   **{"block_s": PAGED_BLOCK_S} | tuning)  # fmt: skip
     physical = physical_slots(slot_pos.clamp(min=0), block_table, block_size).long()  # [B, Hkv, S]
     keys = key_slots[torch.arange(hkv, device=query.device).view(1, -1, 1), physical]  # [B, Hkv, S, D]
     return sparq_decode_reference(query, keys, keys.transpose(2, 3).clone(), slot_pos, newest, context, scaling,
@@ -249,7 +254,7 @@ def _logits_kernel(
     sp_b, sp_h, sp_s,
     stb_b,
     GROUP: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, FIXED: tl.constexpr,
-    PAGE: tl.constexpr,
+    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     """One query head and `span` slots, BLOCK_S at a time: each step reads the head's r rows of
@@ -259,8 +264,11 @@ def _logits_kernel(
     `width` and `kt_cols` (multiples of 64 when `keys_t` is `channel_major`'s), so that a mask is the
     same over each vector of a load: bounded by an odd slot count, the loads do not vectorise
     and this step runs over twice as long (`SLOT_ALIGN`). PAGE > 0: a slot holds the logical
-    position in `pos` (pages of PAGE positions), read from `keys_t` by physical slot through the
-    block table `table` `[B, W]` (vLLM's paged cache); only held slots are read."""
+    position in `pos` (pages of PAGE positions), read through the block table `table` `[B, W]`
+    from a row-major cache (vLLM's) by physical slot; only held slots are read, each as its whole
+    key row (a [BLOCK_S, BLOCK_D] tile, coalesced) against the head's query with only its r
+    channels kept. The chosen channels would touch nearly every 32-byte sector of a row anyway,
+    one scattered 2-byte load each (2.8 ms a layer at 32K B=1 on an H100, the pick's whole cost)."""
     wait_for_inputs(PDL)
     head = tl.program_id(0)
     part = tl.program_id(1)
@@ -274,10 +282,14 @@ def _logits_kernel(
     used = i < RANK
     q_sel = tl.load(coef_ptr + head * (BLOCK_R + 1) + i)
     scale = tl.load(coef_ptr + head * (BLOCK_R + 1) + BLOCK_R)
+    picked = tl.load(dims_ptr + head * BLOCK_R + i)
+    keys_at = kt_ptr + b * st_b + h * st_h
     if FIXED:  # rows 0 .. RANK - 1 of a compact copy: a row-major one then reads in whole slots
-        rows_at = kt_ptr + b * st_b + h * st_h + i[:, None] * st_d
+        rows_at = keys_at + i[:, None] * st_d
     else:
-        rows_at = kt_ptr + b * st_b + h * st_h + tl.load(dims_ptr + head * BLOCK_R + i)[:, None] * st_d
+        rows_at = keys_at + picked[:, None] * st_d
+    d = tl.arange(0, BLOCK_D)  # paged: whole key rows against the query with only its r channels
+    q_full = tl.sum(tl.where(used[:, None] & (picked[:, None] == d[None, :]), q_sel[:, None], 0.0), 0)
     top = tl.full([], -3.4028234663852886e38, tl.float32)  # float32's min, as the reference's mask
     exps = tl.zeros([], tl.float32)
     out_at = logit_ptr + head.to(tl.int64) * width
@@ -288,11 +300,13 @@ def _logits_kernel(
         held = pos >= 0
         if PAGE > 0:
             page = tl.load(table_ptr + b * stb_b + pos // PAGE, mask=held, other=0).to(tl.int64)
-            tile = tl.load(rows_at + (page * PAGE + pos % PAGE)[None, :] * st_s, mask=used[:, None] & held[None, :],
-                           other=0.0)  # fmt: skip
+            slot = page * PAGE + pos % PAGE
+            tile = tl.load(keys_at + slot[:, None] * st_s + d[None, :] * st_d,
+                           mask=held[:, None] & (d < HEAD_DIM)[None, :], other=0.0)  # fmt: skip
+            logit = tl.sum(tile.to(tl.float32) * q_full[None, :], 1) * scale
         else:
             tile = tl.load(rows_at + s[None, :] * st_s, mask=used[:, None] & (s < kt_cols)[None, :], other=0.0)
-        logit = tl.sum(tile.to(tl.float32) * q_sel[:, None], 0) * scale
+            logit = tl.sum(tile.to(tl.float32) * q_sel[:, None], 0) * scale
         step_top = tl.maximum(top, tl.max(tl.where(held, logit, -3.4028234663852886e38), 0))
         exps = exps * tl.exp(top - step_top) + tl.sum(tl.where(held, tl.exp(logit - step_top), 0.0), 0)
         top = step_top
@@ -536,7 +550,8 @@ def sparq_decode_triton(query, keys, keys_t, slot_pos, write_slot, context, scal
     _logits_kernel[grid](
         keys_t, slot_pos, dims, coef, logits, stats, table, hkv, slots, width, kt_cols, span, *keys_t.stride(),
         *slot_pos.stride(), table.stride(0), GROUP=group, RANK=rank, BLOCK_R=block_r, BLOCK_S=block_s,
-        FIXED=channels is not None, PAGE=block_size if paged else 0, num_warps=warps[1],
+        FIXED=channels is not None, PAGE=block_size if paged else 0, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
+        num_warps=warps[1],
         **dependent_launch(query, grid),
     )  # fmt: skip
     shift = 31 - _BINS_BITS

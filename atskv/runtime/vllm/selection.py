@@ -87,7 +87,7 @@ class PagedSparQ(PagedSelector):
     then the exact top budget (`recent`: the newest positions first). Query-aware, nothing evicted.
     The channels are read from vLLM's cache in place (`atskv.kernels.sparq_decode.sparq_decode_paged`):
     no channel-major copy (it would cost half the KV cache again, outside vLLM's budget), so a step
-    reads most of the keys' bytes, as dense attention reads them, and its win is the values."""
+    reads all of the keys (whole rows, coalesced), as dense attention does, and its win is the values."""
 
     name: ClassVar[str] = "sparq"
     reads_keys: ClassVar[bool] = True
