@@ -10,8 +10,8 @@ greedy tokens on fixed prompts, to compare with vanilla vLLM's. With `profile_di
 `PROFILE_STEPS` full-batch decode steps (not timed) run under vLLM's torch profiler, whose table
 of CUDA time by kernel is kept there as `LABEL.CONTEXTxBATCH.txt`: where a step's time goes,
 vanilla and plugin alike; with `profile_prefill` too, each batch's prefill, run again after its
-row, as `LABEL.CONTEXTxBATCH.prefill.txt`: where the time to first token goes. Rows are appended to a JSON-lines file as they finish; a rerun skips
-those there.
+row, as `LABEL.CONTEXTxBATCH.prefill.txt`: where the time to first token goes. Rows are
+appended to a JSON-lines file as they finish; a rerun skips those there.
 
     python -m atskv.eval.vllm_speed SPEC.json ROWS.jsonl    (one method: what `measure` starts)
 """
