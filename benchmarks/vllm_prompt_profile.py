@@ -1,0 +1,86 @@
+"""Where a prefill chunk's prompt scoring goes, per layer, outside vLLM: what the plugin's H2O and
+learned selectors run after each chunk's FlashAttention (`observe_prompt`), on a synthetic paged
+cache of the 8B shape (32/8 heads, dim 128, blocks of 16), for one chunk of `--chunk` queries
+ending at each `--lengths` token (the request's length so far), with the chunk's log-sum-exps
+given as FlashAttention returns them. Beside the whole call, its parts: the keys gathered through
+the block table, the received-mass kernel (every query, or every `prompt_sample`-th), and what
+the learned selector adds (features, the predictor over every token so far, the list rebuilt).
+The time to first token of these selectors is vLLM's prefill plus this, summed over a prompt's
+chunks and the sparse layers: a chunk at length L costs O(L), so a prompt of n chunks pays about
+(n + 1) / 2 times its last chunk's cost. Median of `triton.testing.do_bench` (eager, synchronised).
+
+    python benchmarks/vllm_prompt_profile.py [--lengths 16384 65536 131072] [--chunk 16384] [--samples 1 8]
+        [--kernels "learned"]   (and each CUDA kernel of the stages named so)
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+from atskv.eval.vllm_speed import random_engine_predictor
+from atskv.kernels.received_mass import prefix_lse
+from atskv.runtime.vllm.batch import PromptChunk
+from atskv.runtime.vllm.composition import build_paged_selector
+from atskv.runtime.vllm.heavy_hitters import chunk_mass
+from atskv.runtime.vllm.selection import slot_view
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 65536, 131072])
+parser.add_argument("--chunk", type=int, default=16384, help="queries of the chunk (vLLM's max_num_batched_tokens)")
+parser.add_argument("--samples", type=int, nargs="+", default=[1, 8], help="prompt_sample values")
+parser.add_argument("--budget", type=float, default=0.05)
+parser.add_argument("--kernels", default=None, help="also each CUDA kernel of the stages whose name contains this")
+args = parser.parse_args()
+HQ, HKV, D, BS, LAYER = 32, 8, 128, 16, 5
+dev, dt = "cuda", torch.bfloat16
+predictor = random_engine_predictor("llama3.1-8b", 0, Path(tempfile.mkdtemp()) / "predictor")
+
+
+def kernel_times(fn, calls: int = 3) -> None:
+    """Each CUDA kernel of `calls` runs of a stage: its mean time a call (µs), by total."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:10]:
+        print(f"{'':>8} {'  ' + e.key[:60]:>62} {e.self_device_time_total / calls:10.1f}  ({e.count // calls}/call)")
+
+
+print(f"{'length':>8} {'stage (one layer, one chunk)':>62} {'us':>10}")
+for length in args.lengths:
+    n = min(args.chunk, length)
+    blocks = -(-length // BS) + 64
+    key_cache = torch.randn(blocks, BS, HKV, D, device=dev, dtype=dt)
+    key_slots = slot_view(key_cache, 1)[0]
+    table_row = torch.randperm(blocks, device=dev)[: -(-length // BS)].int()
+    queries = torch.randn(n, HQ, D, device=dev, dtype=dt)
+
+    def chunk(lse):
+        return PromptChunk(queries, key_slots, table_row, length, BS, D**-0.5, args.budget, LAYER, 0, {}, lse)
+
+    keys = chunk(None).keys()
+    lse = prefix_lse(queries.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), length - n, D**-0.5)[0]
+    stages = {"keys gathered through the block table": lambda: chunk(lse).keys()}
+    for s in args.samples:
+        h2o = build_paged_selector("h2o", {"prompt_sample": s})
+        learned = build_paged_selector("learned", {"predictor": str(predictor), "prompt_sample": s})
+        h2o_state = h2o.new_state(blocks, BS, HKV, D, dt, dev)
+        learned_state = learned.new_state(blocks, BS, HKV, D, dt, dev)
+        stages |= {
+            f"received mass, prompt_sample {s}": lambda s=s: chunk_mass(chunk(lse), keys, s),
+            f"h2o: observe_prompt, prompt_sample {s}": lambda h2o=h2o, st=h2o_state: h2o.observe_prompt(st, chunk(lse)),
+            f"learned: observe_prompt, prompt_sample {s}": (
+                lambda learned=learned, st=learned_state: learned.observe_prompt(st, chunk(lse))),
+        }  # fmt: skip
+    for name, fn in stages.items():
+        fn()
+        torch.cuda.synchronize()
+        print(f"{length:>8} {name:>62} {do_bench(fn, rep=200) * 1e3:10.1f}", flush=True)
+        if args.kernels is not None and args.kernels in name:
+            kernel_times(fn)
