@@ -42,6 +42,7 @@ import urllib.request
 from pathlib import Path
 
 from atskv.eval.vllm_speed import first_differences, prompts, write_shape
+from atskv.runtime.vllm.config import WORKER
 
 MODEL_NAME = "atskv-serve-check"  # --served-model-name, and the requests' "model"
 SERVERS = [  # (label, the "atskv" entry of --additional-config; None: vanilla vLLM)
@@ -73,7 +74,8 @@ def serve_command(shape_dir: Path, port: int, settings: dict | None, max_model_l
         "--no-enable-prefix-caching", "--max-num-seqs", "4", "--disable-uvicorn-access-log",
     ]  # fmt: skip
     if settings is not None:
-        command += ["--attention-backend", "CUSTOM", "--additional-config", json.dumps({"atskv": settings})]
+        command += ["--attention-backend", "CUSTOM", "--worker-cls", WORKER, "--additional-config",
+                    json.dumps({"atskv": settings})]  # fmt: skip
     return command
 
 

@@ -37,12 +37,15 @@ def shape(tmp_path_factory):
 
 
 def engine(shape, method: str, budget, max_num_batched_tokens: int | None = None, blocks: int | None = None,
-           **settings):  # fmt: skip
-    """A small engine; `blocks`: its KV pool's size in blocks (vLLM's `num_gpu_blocks_override`)."""
+           worker_cls: str | None = None, **settings):  # fmt: skip
+    """A small engine; `blocks`: its KV pool's size in blocks (vLLM's `num_gpu_blocks_override`);
+    `worker_cls`: another worker than the plugin's ("auto": vLLM's own)."""
     spec = EngineSpec(method, str(shape), [], budget=budget, gpu_memory_utilization=0.06, **settings)
-    extra = {} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens}
-    extra |= {} if blocks is None else {"num_gpu_blocks_override": blocks}
-    return vllm.LLM(**engine_arguments(spec, 4096, 8), **extra)
+    arguments = engine_arguments(spec, 4096, 8)
+    arguments |= {} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens}
+    arguments |= {} if blocks is None else {"num_gpu_blocks_override": blocks}
+    arguments |= {} if worker_cls is None else {"worker_cls": worker_cls}
+    return vllm.LLM(**arguments)
 
 
 def tokens_and_logprobs(llm, batch, new_tokens: int):
@@ -216,6 +219,46 @@ def test_h2o_scores_prompts_with_flashattentions_log_sum_exps_as_with_its_own_pa
     for flash_mass, own_mass in zip(from_flash, own):
         assert own_mass[null:].sum() > 0
         torch.testing.assert_close(flash_mass[null:], own_mass[null:], rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("selector", ["h2o", "learned"])
+def test_with_atskvs_worker_each_prompt_is_ranked_once_into_the_same_lists(shape, selector, monkeypatch, tmp_path):
+    """atskv's worker shows the builder each prompt's length, so the selectors that rank a whole
+    prompt rank it once, at its last chunk (512-token chunks of 1500-token prompts, some beside other
+    requests' decodes); without it (vLLM's own worker) they rank it at every chunk. The kept lists
+    and their values, slot by slot and layer by layer once the prompts are in (one new token each:
+    no decode step, whose read-mass adds are atomics), are the same."""
+    from atskv.eval.vllm_speed import random_engine_predictor
+    from atskv.runtime.vllm.backend import AtskvAttentionImpl
+    from atskv.runtime.vllm.heavy_hitters import KeptLists
+
+    options = {}
+    if selector == "learned":
+        options = {"predictor": str(random_engine_predictor("smollm2-135m-shape", 2, tmp_path / "predictor"))}
+    batch = prompts(1500, 3, 49152, seed=23)
+    ranked, original = [], KeptLists.keep_top
+    monkeypatch.setattr(KeptLists, "keep_top", lambda self, *args: ranked.append(1) or original(self, *args))
+
+    def lists(worker_cls: str | None) -> tuple[list[torch.Tensor], int]:
+        llm = engine(shape, f"vllm:{selector}", 64, max_num_batched_tokens=512, blocks=1024, worker_cls=worker_cls,
+                     options=options)  # fmt: skip
+        ranked.clear()  # what vLLM's own warm-up runs ranked is not counted
+        greedy_tokens(llm, batch, 1)
+        states = llm.apply_model(lambda model: [
+            torch.cat([m.impl.state.kept.float(), m.impl.state.kept_value], dim=-1).cpu() for m in model.modules()
+            if isinstance(getattr(m, "impl", None), AtskvAttentionImpl) and m.impl.state is not None])[0]  # fmt: skip
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+        return states, len(ranked)
+
+    once, ranks_once = lists(None)  # engine_arguments gives atskv's worker
+    every, ranks_every = lists("auto")
+    assert ranks_once == 3 * 28, "each of the 3 prompts ranked once in each of the 28 sparse layers"
+    assert ranks_every > ranks_once
+    null = 16  # vLLM's null block: padded tokens of captured batches write there, in no request
+    for a, b in zip(once, every, strict=True):
+        torch.testing.assert_close(a[null:], b[null:], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("selector", ["quest", "streaming_llm", "h2o"])

@@ -364,8 +364,12 @@ def test_the_prefill_share_of_a_batch_starts_after_its_decodes():
     assert rest.seq_lens.tolist() == [5, 30] and torch.equal(rest.block_table, batch.block_table[3:])
     assert rest.scheduler_metadata is None and rest.max_num_splits == 0
     assert batch.num_actual_tokens == 15  # the batch's own metadata is left as it was
-    # what a selector that scores the prompt sees of the same batch: (row, tokens [start, end), length)
-    assert prompt_rows(batch.query_start_loc, batch.seq_lens, 3, 2) == [(3, 3, 8, 5), (4, 8, 15, 30)]
+    # what a selector that scores the prompt sees of the same batch: (row, tokens [start, end), length,
+    # last): without the prompts' lengths any chunk may end its prompt; with them, the second does not
+    assert prompt_rows(batch.query_start_loc, batch.seq_lens, 3, 2) == [(3, 3, 8, 5, True), (4, 8, 15, 30, True)]
+    prompts = torch.tensor([7, 3, 9, 5, 64])
+    assert prompt_rows(batch.query_start_loc, batch.seq_lens, 3, 2, prompts) == [(3, 3, 8, 5, True),
+                                                                                 (4, 8, 15, 30, False)]  # fmt: skip
 
 
 @pytest.mark.parametrize("budget", [0.25, 20, 3, 500])
@@ -487,9 +491,33 @@ class _Accumulated:
         return self.mass
 
 
-@pytest.mark.parametrize("flash_lse", [False, True])
+@pytest.mark.parametrize("name", ["h2o", "learned"])
+def test_a_chunk_known_not_to_end_its_prompt_adds_its_mass_and_ranks_nothing(cache, name, tmp_path):
+    """`last=False` (the worker showed the prompt goes on): the chunk's mass is added, the list is
+    left for the last chunk to rank (what it would hold now is never read); `last=True` ranks."""
+    from atskv.runtime.vllm.selection import PagedH2O, PagedLearned, slot_view
+
+    selector = PagedH2O() if name == "h2o" else PagedLearned(predictor=engine_ready_predictor(tmp_path / "p", (2,)))
+    key_slots = slot_view(cache.split()[0], 1)[0]
+    state = selector.new_state(key_slots.shape[1] // BLOCK, BLOCK, HKV, D, torch.float32, "cpu")
+    queries = torch.randn(40, HQ, D, generator=torch.Generator().manual_seed(3))
+    r, stop = 1, 100  # the request of 100 tokens, its last 40
+
+    def observe(last: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        mass, kept = state.prompt_mass.clone(), state.kept.clone()
+        selector.observe_prompt(state, PromptChunk(queries, key_slots, cache.block_table[r], stop, BLOCK, D**-0.5,
+                                                   20, layer=2, last=last))  # fmt: skip
+        return mass, kept
+
+    mass, kept = observe(last=False)
+    assert not torch.equal(state.prompt_mass, mass) and torch.equal(state.kept, kept)
+    mass, kept = observe(last=True)
+    assert not torch.equal(state.prompt_mass, mass) and not torch.equal(state.kept, kept)
+
+
+@pytest.mark.parametrize("flash_lse, last_known", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("budget", [0.25, 20, 3, 500])
-def test_paged_h2o_reads_and_accumulates_what_h2o_keeps(budget, flash_lse):
+def test_paged_h2o_reads_and_accumulates_what_h2o_keeps(budget, flash_lse, last_known):
     """Prompts observed chunk by chunk, then 4 decode steps of the whole batch (a request shorter
     than the widest list, and a padded row of length 0 whose stale block table is another
     request's): each step reads exactly the tokens atskv's h2o keeps (its scores, its top budget,
@@ -499,6 +527,8 @@ def test_paged_h2o_reads_and_accumulates_what_h2o_keeps(budget, flash_lse):
     from atskv.runtime.vllm.selection import PagedH2O, slot_view
     from atskv.selectors.base import LayerView, select_top_budget
     from atskv.selectors.h2o import H2OSelector
+
+    # `last_known`: the worker shows which chunk ends each prompt, and the list is ranked only there
 
     generator, cache, prompts = decoding_requests(seed=5)
     lengths, generated, chunk = cache.lengths, GENERATED, CHUNK
@@ -513,8 +543,9 @@ def test_paged_h2o_reads_and_accumulates_what_h2o_keeps(budget, flash_lse):
         for start in range(0, prompt, chunk):
             stop = min(prompt, start + chunk)
             lse = causal_lse(queries[r][start:stop], cache.keys[r][:stop]) if flash_lse else None
+            last = stop == prompt or not last_known
             selector.observe_prompt(state, PromptChunk(queries[r][start:stop], key_slots, cache.block_table[r], stop,
-                                                       BLOCK, D**-0.5, budget, lse=lse))  # fmt: skip
+                                                       BLOCK, D**-0.5, budget, lse=lse, last=last))  # fmt: skip
 
     def grouped_logits(q, keys):  # q [Tq, HQ, D], keys [n, HKV, D] -> [HKV, G, Tq, n]
         k = keys.transpose(0, 1).unsqueeze(1)
@@ -577,8 +608,9 @@ def engine_ready_predictor(folder, layers: tuple[int, ...]) -> str:
     return str(folder)
 
 
+@pytest.mark.parametrize("last_known", [False, True])
 @pytest.mark.parametrize("budget, window_share", [(0.25, 0.0), (20, 0.0), (3, 0.0), (0.25, 0.5), (20, 0.5)])
-def test_paged_learned_reads_what_the_learned_selector_keeps(budget, window_share, tmp_path, monkeypatch):
+def test_paged_learned_reads_what_the_learned_selector_keeps(budget, window_share, last_known, tmp_path, monkeypatch):
     """Two managed layers (the second reads the first's attention) score prompts chunk by chunk,
     then 4 decode steps: each reads exactly what atskv's learned selector keeps without a refresh
     (the collection's features at the prompt's end, scored as the selector scores slots, the
@@ -607,7 +639,7 @@ def test_paged_learned_reads_what_the_learned_selector_keeps(budget, window_shar
             stop, step = min(prompt, start + chunk), {}  # one forward: its layers share `step`
             for layer in layers:
                 part = PromptChunk(queries[layer][r][start:stop], key_slots, cache.block_table[r], stop, BLOCK,
-                                   D**-0.5, budget, layer, r, step)  # fmt: skip
+                                   D**-0.5, budget, layer, r, step, last=stop == prompt or not last_known)  # fmt: skip
                 selector.observe_prompt(states[layer], part)
 
     kept, scores = {}, {}

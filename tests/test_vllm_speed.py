@@ -27,7 +27,7 @@ def test_vanilla_is_vllms_own_backend_and_a_selector_is_atskvs(tmp_path):
     assert vanilla["jit_monitor_verbose"], "a kernel compiled inside a timed run is logged, each time"
     assert plugin["attention_backend"] == "CUSTOM"
     assert plugin["additional_config"] == {"atskv": {"selector": "quest", "budget": 256, "dense_layers": 2}}
-    assert "worker_cls" not in plugin
+    assert "worker_cls" not in vanilla and plugin["worker_cls"] == WORKER, "atskv's worker with every selector"
     freeing = engine_arguments(EngineSpec("vllm:streaming_llm", str(shape), [], free_blocks=True), 2048, 1)
     assert freeing["additional_config"]["atskv"]["free_blocks"] and freeing["worker_cls"] == WORKER
     assert not freeing["enable_prefix_caching"]

@@ -79,10 +79,10 @@ def engine_arguments(spec: EngineSpec, max_model_len: int, max_num_seqs: int) ->
         settings = {"selector": selector, "budget": spec.budget, "dense_layers": spec.dense_layers}
         if spec.options:
             settings["options"] = spec.options
-        arguments.update(attention_backend="CUSTOM", additional_config={"atskv": settings})
+        # atskv's worker: the prompts' lengths for the selectors that rank them, the freed blocks' specs
+        arguments.update(attention_backend="CUSTOM", additional_config={"atskv": settings}, worker_cls=WORKER)
         if spec.free_blocks:
             settings["free_blocks"] = True
-            arguments["worker_cls"] = WORKER
     return arguments
 
 

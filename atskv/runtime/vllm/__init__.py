@@ -1,7 +1,8 @@
 """atskv inside vLLM (`pip install 'atskv[vllm]'`): a plugin that registers atskv's attention
 backend under vLLM's CUSTOM slot. vLLM calls `register` in each of its processes (the
-`vllm.general_plugins` entry point); select it with `attention_backend="CUSTOM"` and configure it
-with `additional_config={"atskv": {...}}` (`atskv.runtime.vllm.config.PluginConfig`)."""
+`vllm.general_plugins` entry point); select it with `attention_backend="CUSTOM"`, give vLLM atskv's
+worker (`worker_cls="atskv.runtime.vllm.worker.AtskvWorker"`: prompt lengths, freed blocks) and
+configure it with `additional_config={"atskv": {...}}` (`atskv.runtime.vllm.config.PluginConfig`)."""
 
 BACKEND = "atskv.runtime.vllm.backend.AtskvAttentionBackend"
 

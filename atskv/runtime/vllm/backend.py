@@ -18,6 +18,8 @@ fp8 caches, ALiBi, attention sinks and soft-capped logits."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from vllm.config import get_current_vllm_config_or_none
 from vllm.logger import init_logger
@@ -47,6 +49,8 @@ class AtskvMetadataBuilder(FlashAttentionMetadataBuilder):
 
     _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     reorder_batch_threshold = 1
+    # each batch row's prompt length (host), where `AtskvWorker` hands over its runner's
+    prompt_lengths: Callable[[], torch.Tensor] | None = None
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -65,8 +69,10 @@ class AtskvMetadataBuilder(FlashAttentionMetadataBuilder):
         metadata.num_decode_reqs, metadata.num_prefill_reqs = decodes, prefills
         metadata.num_decode_tokens, metadata.num_prefill_tokens = decode_tokens, prefill_tokens
         if self.scores_prompt and prefills:  # eager batches only (prefill is never a full graph)
+            prompts = None if self.prompt_lengths is None else self.prompt_lengths()[: common_attn_metadata.num_reqs]
             metadata.atskv_prompt_rows = prompt_rows(common_attn_metadata.query_start_loc_cpu,
-                                                     common_attn_metadata.seq_lens_cpu, decodes, prefills)  # fmt: skip
+                                                     common_attn_metadata.seq_lens_cpu, decodes, prefills,
+                                                     prompts)  # fmt: skip
         return metadata
 
 
@@ -198,10 +204,11 @@ class AtskvAttentionImpl(FlashAttentionImpl):
         key_slots = slot_view(key_cache, 1)[0]
         queries = query.view(query.shape[0], -1, self.head_size)
         step = metadata.__dict__.setdefault("atskv_step", {})
-        for row, start, stop, length in rows:  # a sparse layer's: `sparse_layer` named the selector's layer
+        for row, start, stop, length, last in rows:  # a sparse layer's: `sparse_layer` named the selector's layer
             rows_lse = None if lse is None else lse[:, start - lse_offset : stop - lse_offset].float()
             chunk = PromptChunk(queries[start:stop], key_slots, metadata.block_table[row], length, key_cache.shape[1],
-                                self.scale, self.config.budget, self.selector.layer, row, step, rows_lse)  # fmt: skip
+                                self.scale, self.config.budget, self.selector.layer, row, step, rows_lse,
+                                last)  # fmt: skip
             self.selector.observe_prompt(self.state, chunk)
 
 

@@ -30,11 +30,16 @@ def prefill_share(metadata, decodes: int):
     )
 
 
-def prompt_rows(query_start_loc_cpu, seq_lens_cpu, decodes: int, prefills: int) -> list[tuple[int, int, int, int]]:
-    """(row, first token, end token, tokens so far) of each prefill request after the `decodes`
-    one-token ones, as host ints (vLLM's host copies of the batch's offsets and lengths)."""
+def prompt_rows(query_start_loc_cpu, seq_lens_cpu, decodes: int, prefills: int,
+                prompt_lens_cpu=None) -> list[tuple[int, int, int, int, bool]]:  # fmt: skip
+    """(row, first token, end token, tokens so far, last) of each prefill request after the
+    `decodes` one-token ones, as host ints (vLLM's host copies of the batch's offsets and
+    lengths). `last`: the chunk ends the request's prompt, by `prompt_lens_cpu` (each row's prompt
+    length, where the worker hands them over: `AtskvWorker`); without them every chunk may be."""
     starts, lengths = query_start_loc_cpu.tolist(), seq_lens_cpu.tolist()
-    return [(r, starts[r], starts[r + 1], lengths[r]) for r in range(decodes, decodes + prefills)]
+    prompts = None if prompt_lens_cpu is None else prompt_lens_cpu.tolist()
+    return [(r, starts[r], starts[r + 1], lengths[r], prompts is None or lengths[r] >= prompts[r])
+            for r in range(decodes, decodes + prefills)]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +50,9 @@ class PromptChunk:
     index, `row` the request's row in the batch and `step` a dict shared by the forward's layers
     (what one layer leaves for the next); `lse` `[Hq, n]` (float32, natural log), where the
     backend has them, the queries' log-sum-exps over the request's tokens so far from the chunk's
-    own FlashAttention, which spares a selector's mass its own pass over the keys for them."""
+    own FlashAttention, which spares a selector's mass its own pass over the keys for them; `last`
+    False when the chunk is known not to end the prompt: a selector that ranks the whole prompt
+    then only adds what the chunk gives (its rank at an earlier chunk is never read)."""
 
     queries: torch.Tensor
     key_slots: torch.Tensor
@@ -58,6 +65,7 @@ class PromptChunk:
     row: int = 0
     step: dict = dataclasses.field(default_factory=dict)
     lse: torch.Tensor | None = None
+    last: bool = True
 
     def slots(self, start: int, stop: int) -> torch.Tensor:
         """Physical slots (long) of the request's positions `start .. stop - 1`."""

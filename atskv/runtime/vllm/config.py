@@ -10,7 +10,7 @@ from typing import Any
 from atskv.errors import InputError, check_options
 from atskv.runtime.vllm.protocol import check_plugin_budget
 
-WORKER = "atskv.runtime.vllm.worker.AtskvWorker"  # vLLM's `worker_cls` when blocks are freed
+WORKER = "atskv.runtime.vllm.worker.AtskvWorker"  # vLLM's `worker_cls`: prompt lengths shown, blocks freed
 
 
 @dataclass(frozen=True)

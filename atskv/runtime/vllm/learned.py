@@ -134,12 +134,15 @@ class PagedLearned(PagedSelector):
         state.pinned.index_fill_(0, at, False)  # which CUDA graph capture refuses
 
     def observe_prompt(self, state: KeptLists, chunk: PromptChunk) -> None:
-        """One request's chunk: its tokens so far scored with their features at its end, the list rebuilt."""
+        """One request's chunk: its mass added; at the prompt's last chunk (every chunk where that is
+        unknown), its tokens so far scored with their features at its end and the list rebuilt."""
         if chunk.layer not in self.managed:
             raise InputError(f"atskv: layer {chunk.layer} reads sparsely but the predictor manages layers "
                              f"{list(self.managed)}; set dense_layers to match it")  # fmt: skip
         keys, length = chunk.keys(), chunk.length
         mass = state.add_prompt_mass(chunk_mass(chunk, keys, self.prompt_sample), chunk.queries.shape[0], chunk)
+        if not chunk.last:  # a list ranked now would be ranked again before any decode reads it
+            return
         heads = keys.shape[0]
         position = torch.arange(length, device=keys.device, dtype=torch.float32)
         attention = mass / (chunk.queries.shape[1] // heads) / (length - position)  # mean over heads and queries

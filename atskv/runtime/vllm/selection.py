@@ -208,9 +208,11 @@ class PagedH2O(PagedSelector):
         return KeptLists.empty(num_blocks * block_size, kv_heads, device)
 
     def observe_prompt(self, state: KeptLists, chunk: PromptChunk) -> None:
-        """One request's chunk: its queries' mass on every token so far, added; the list rebuilt."""
-        mass = chunk_mass(chunk, chunk.keys(), self.prompt_sample)
-        state.keep_top(state.add_prompt_mass(mass, chunk.queries.shape[0], chunk), chunk, self.recent_fraction)
+        """One request's chunk: its queries' mass on every token so far, added; the list rebuilt
+        (at the prompt's last chunk, where that is known)."""
+        mass = state.add_prompt_mass(chunk_mass(chunk, chunk.keys(), self.prompt_sample), chunk.queries.shape[0], chunk)
+        if chunk.last:
+            state.keep_top(mass, chunk, self.recent_fraction)
 
     def pick(self, query, kv_heads: int, state: KeptLists, block_table, seq_lens, block_size: int,
              budget: int | float, step: dict | None = None):  # fmt: skip

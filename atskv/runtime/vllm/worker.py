@@ -1,11 +1,15 @@
-"""vLLM's GPU worker for a plugin that frees blocks (`free_blocks`): pass
-`worker_cls="atskv.runtime.vllm.worker.AtskvWorker"` beside `attention_backend="CUSTOM"`.
+"""vLLM's GPU worker for the plugin: pass `worker_cls="atskv.runtime.vllm.worker.AtskvWorker"`
+beside `attention_backend="CUSTOM"`. Two things change from vLLM's worker:
 
-vLLM asks its worker for each layer's KV spec; this one answers `UnreadBlocksSpec` for the layers
-that read sparsely with a selector that frees blocks, so the scheduler manages their blocks with
-`UnreadBlocksManager` (`atskv.runtime.vllm.freeing`), and `KeptBlocksSpec` for the other
-full-attention layers (the dense ones), which vLLM then lays out in groups of their own. Nothing
-else of vLLM's worker changes."""
+- With `free_blocks`, vLLM asks its worker for each layer's KV spec; this one answers
+  `UnreadBlocksSpec` for the layers that read sparsely with a selector that frees blocks, so the
+  scheduler manages their blocks with `UnreadBlocksManager` (`atskv.runtime.vllm.freeing`), and
+  `KeptBlocksSpec` for the other full-attention layers (the dense ones), which vLLM then lays out
+  in groups of their own.
+- The backend's metadata builders get each batch row's prompt length from the model runner (an
+  attention backend is not shown them), so the selectors that rank a whole prompt (H2O, the
+  learned selector) rank it once, at its last chunk, instead of at every chunk: their scoring
+  costs O(L) a chunk, O(L^2 / chunk) a prompt without it."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 from vllm.v1.worker.gpu_worker import Worker
 
 from atskv.errors import InputError
-from atskv.runtime.vllm.backend import AtskvAttentionImpl
+from atskv.runtime.vllm.backend import AtskvAttentionImpl, AtskvMetadataBuilder
 from atskv.runtime.vllm.config import PluginConfig
 from atskv.runtime.vllm.freeing import KeptBlocksSpec, UnreadBlocksSpec
 
@@ -24,7 +28,17 @@ logger = init_logger(__name__)
 
 
 class AtskvWorker(Worker):
-    """vLLM's worker, declaring the sparse layers' KV as `UnreadBlocksSpec` when blocks are freed."""
+    """vLLM's worker, declaring the sparse layers' KV as `UnreadBlocksSpec` when blocks are freed
+    and showing the backend's builders the batch's prompt lengths."""
+
+    def initialize_from_config(self, kv_cache_config) -> None:
+        super().initialize_from_config(kv_cache_config)
+        runner = self.model_runner
+        builders = [builder for groups in getattr(runner, "attn_groups", []) for group in groups
+                    for builder in group.metadata_builders if isinstance(builder, AtskvMetadataBuilder)]  # fmt: skip
+        for builder in builders:  # the runner's batch, read at each build (the runner may replace it)
+            builder.prompt_lengths = lambda: runner.input_batch.num_prompt_tokens_cpu_tensor
+        logger.info("atskv: prompt lengths shown to %d metadata builders", len(builders))
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         specs = super().get_kv_cache_spec()
