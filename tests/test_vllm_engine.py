@@ -221,43 +221,50 @@ def test_h2o_scores_prompts_with_flashattentions_log_sum_exps_as_with_its_own_pa
         torch.testing.assert_close(flash_mass[null:], own_mass[null:], rtol=2e-2, atol=1e-3)
 
 
-@pytest.mark.parametrize("selector", ["h2o", "learned"])
+@pytest.mark.parametrize("selector", ["snapkv", "h2o", "learned"])
 def test_with_atskvs_worker_each_prompt_is_ranked_once_into_the_same_lists(shape, selector, monkeypatch, tmp_path):
     """atskv's worker shows the builder each prompt's length, so the selectors that rank a whole
     prompt rank it once, at its last chunk (512-token chunks of 1500-token prompts, some beside other
-    requests' decodes); without it (vLLM's own worker) they rank it at every chunk. The kept lists
-    and their values, slot by slot and layer by layer once the prompts are in (one new token each:
-    no decode step, whose read-mass adds are atomics), are the same."""
+    requests' decodes); without it (vLLM's own worker) they rank it at every chunk. Their states
+    (rankings or kept lists, their values, the prompt's mass), slot by slot and layer by layer once
+    the prompts are in (one new token each: no decode step, whose read-mass adds are atomics), are
+    the same."""
     from atskv.eval.vllm_speed import random_engine_predictor
     from atskv.runtime.vllm.backend import AtskvAttentionImpl
     from atskv.runtime.vllm.heavy_hitters import KeptLists
+    from atskv.runtime.vllm.prompt_ranks import PromptRanks
 
     options = {}
     if selector == "learned":
         options = {"predictor": str(random_engine_predictor("smollm2-135m-shape", 2, tmp_path / "predictor"))}
     batch = prompts(1500, 3, 49152, seed=23)
-    ranked, original = [], KeptLists.keep_top
-    monkeypatch.setattr(KeptLists, "keep_top", lambda self, *args: ranked.append(1) or original(self, *args))
+    ranking = (PromptRanks, "store") if selector == "snapkv" else (KeptLists, "keep_top")
+    ranked, original = [], getattr(*ranking)
+    monkeypatch.setattr(*ranking, lambda self, *args: ranked.append(1) or original(self, *args))
 
-    def lists(worker_cls: str | None) -> tuple[list[torch.Tensor], int]:
+    def selector_states(model) -> list[list[torch.Tensor]]:
+        """Each sparse layer's state as its tensors (a dataclass of them)."""
+        impls = [m.impl for m in model.modules() if isinstance(getattr(m, "impl", None), AtskvAttentionImpl)]
+        return [[t for t in vars(i.state).values() if torch.is_tensor(t)] for i in impls if i.state is not None]
+
+    def states(worker_cls: str | None) -> tuple[list[torch.Tensor], int]:
         llm = engine(shape, f"vllm:{selector}", 64, max_num_batched_tokens=512, blocks=1024, worker_cls=worker_cls,
                      options=options)  # fmt: skip
         ranked.clear()  # what vLLM's own warm-up runs ranked is not counted
         greedy_tokens(llm, batch, 1)
-        states = llm.apply_model(lambda model: [
-            torch.cat([m.impl.state.kept.float(), m.impl.state.kept_value], dim=-1).cpu() for m in model.modules()
-            if isinstance(getattr(m, "impl", None), AtskvAttentionImpl) and m.impl.state is not None])[0]  # fmt: skip
+        tensors = llm.apply_model(lambda model: [t.cpu() for state in selector_states(model) for t in state])[0]
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-        return states, len(ranked)
+        return tensors, len(ranked)
 
-    once, ranks_once = lists(None)  # engine_arguments gives atskv's worker
-    every, ranks_every = lists("auto")
+    once, ranks_once = states(None)  # engine_arguments gives atskv's worker
+    every, ranks_every = states("auto")
     assert ranks_once == 3 * 28, "each of the 3 prompts ranked once in each of the 28 sparse layers"
     assert ranks_every > ranks_once
     null = 16  # vLLM's null block: padded tokens of captured batches write there, in no request
-    for a, b in zip(once, every, strict=True):
+    assert len(once) == len(every) >= 2 * 28
+    for a, b in zip(once, every, strict=True):  # every tensor of a state is by slot first
         torch.testing.assert_close(a[null:], b[null:], rtol=0, atol=0)
 
 

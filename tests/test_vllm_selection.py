@@ -372,11 +372,13 @@ def test_the_prefill_share_of_a_batch_starts_after_its_decodes():
                                                                                  (4, 8, 15, 30, False)]  # fmt: skip
 
 
+@pytest.mark.parametrize("last_known", [False, True])
 @pytest.mark.parametrize("budget", [0.25, 20, 3, 500])
-def test_paged_snapkv_reads_what_snapkv_keeps(budget, monkeypatch):
-    """Prompts scored chunk by chunk (the last chunk's ranking stands), then decode queries with 3
-    tokens generated: each reads exactly the tokens atskv's snapkv keeps at that context (scores
-    from the prompt's last queries, +inf for its window and what was generated), ties included."""
+def test_paged_snapkv_reads_what_snapkv_keeps(budget, last_known, monkeypatch):
+    """Prompts scored chunk by chunk (the last chunk's ranking stands; `last_known`: only the last
+    one ranks, as with atskv's worker), then decode queries with 3 tokens generated: each reads
+    exactly the tokens atskv's snapkv keeps at that context (scores from the prompt's last queries,
+    +inf for its window and what was generated), ties included."""
     from atskv.runtime.vllm import prompt_ranks
     from atskv.runtime.vllm.selection import PagedSnapKV, slot_view
     from atskv.selectors.base import LayerView, select_top_budget
@@ -396,9 +398,9 @@ def test_paged_snapkv_reads_what_snapkv_keeps(budget, monkeypatch):
         prompt = n - generated
         for start in range(0, prompt, chunk):
             stop = min(prompt, start + chunk)
-            chunk_queries = queries[r][start:stop]
+            chunk_queries, last = queries[r][start:stop], stop == prompt or not last_known
             selector.observe_prompt(state, PromptChunk(chunk_queries, key_slots, cache.block_table[r], stop, BLOCK,
-                                                       D**-0.5, budget))  # fmt: skip
+                                                       D**-0.5, budget, last=last))  # fmt: skip
     seq_lens = torch.tensor(lengths, dtype=torch.int32)
     positions, counts = selector.pick(torch.randn(len(lengths), HQ, D), HKV, state, cache.block_table, seq_lens, BLOCK,
                                       budget)  # fmt: skip
@@ -494,7 +496,8 @@ class _Accumulated:
 @pytest.mark.parametrize("name", ["h2o", "learned"])
 def test_a_chunk_known_not_to_end_its_prompt_adds_its_mass_and_ranks_nothing(cache, name, tmp_path):
     """`last=False` (the worker showed the prompt goes on): the chunk's mass is added, the list is
-    left for the last chunk to rank (what it would hold now is never read); `last=True` ranks."""
+    left for the last chunk to rank (what it would hold now is never read); `last=True` ranks.
+    (SnapKV keeps no mass: a chunk that is not the last does nothing, `test_paged_snapkv_...`.)"""
     from atskv.runtime.vllm.selection import PagedH2O, PagedLearned, slot_view
 
     selector = PagedH2O() if name == "h2o" else PagedLearned(predictor=engine_ready_predictor(tmp_path / "p", (2,)))

@@ -171,7 +171,10 @@ class PagedSnapKV(PagedSelector):
         return PromptRanks.empty(num_blocks * block_size, kv_heads, device)
 
     def observe_prompt(self, state: PromptRanks, chunk: PromptChunk) -> None:
-        """One request's chunk: its last `window` queries vote for its tokens so far."""
+        """One request's chunk: its last `window` queries vote for its tokens so far (nothing at a
+        chunk known not to end the prompt: the last one's ranking replaces it)."""
+        if not chunk.last:
+            return
         length = chunk.length
         w = min(self.window, chunk.queries.shape[0], length)
         votes = window_votes(chunk.queries[-w:], chunk.keys, length, chunk.scaling, self.kernel)

@@ -7,9 +7,9 @@ beside `attention_backend="CUSTOM"`. Two things change from vLLM's worker:
   `KeptBlocksSpec` for the other full-attention layers (the dense ones), which vLLM then lays out
   in groups of their own.
 - The backend's metadata builders get each batch row's prompt length from the model runner (an
-  attention backend is not shown them), so the selectors that rank a whole prompt (H2O, the
-  learned selector) rank it once, at its last chunk, instead of at every chunk: their scoring
-  costs O(L) a chunk, O(L^2 / chunk) a prompt without it."""
+  attention backend is not shown them), so the selectors that rank a whole prompt (SnapKV, H2O,
+  the learned selector) rank it once, at its last chunk, instead of at every chunk: their
+  ranking costs O(L) a chunk, O(L^2 / chunk) a prompt without it."""
 
 from __future__ import annotations
 
