@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench
 
+from atskv.eval.kernel_times import print_kernel_times
 from atskv.eval.vllm_speed import random_engine_predictor
 from atskv.kernels.received_mass import prefix_lse
 from atskv.runtime.vllm.batch import PromptChunk
@@ -39,17 +40,6 @@ args = parser.parse_args()
 HQ, HKV, D, BS, LAYER = 32, 8, 128, 16, 5
 dev, dt = "cuda", torch.bfloat16
 predictor = random_engine_predictor("llama3.1-8b", 0, Path(tempfile.mkdtemp()) / "predictor")
-
-
-def kernel_times(fn, calls: int = 3) -> None:
-    """Each CUDA kernel of `calls` runs of a stage: its mean time a call (µs), by total."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:10]:
-        print(f"{'':>8} {'  ' + e.key[:60]:>62} {e.self_device_time_total / calls:10.1f}  ({e.count // calls}/call)")
 
 
 print(f"{'length':>8} {'stage (one layer, one chunk)':>62} {'us':>10}")
@@ -83,4 +73,4 @@ for length in args.lengths:
         torch.cuda.synchronize()
         print(f"{length:>8} {name:>62} {do_bench(fn, rep=200) * 1e3:10.1f}", flush=True)
         if args.kernels is not None and args.kernels in name:
-            kernel_times(fn)
+            print_kernel_times(fn, calls=3, top=10, indent=8)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
+from atskv.eval.kernel_times import print_kernel_times
 from atskv.features import SCALAR_FEATURES
 from atskv.kernels.budget import kept_count
 from atskv.kernels.listed_refresh import fold_mlp, refresh_listed_scores
@@ -47,17 +48,6 @@ try:
 except ImportError:  # the profile's first run goes before vLLM is unpacked
     flash_attn_varlen_func = None
 SPLITS = 32  # vLLM's flash_attn_max_num_splits_for_cuda_graph
-
-
-def kernel_times(fn, calls: int = 10) -> None:
-    """Each CUDA kernel of `calls` eager runs of a stage: its mean time a call (µs), by total."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:8]:
-        print(f"{'':>16} {'  ' + e.key[:44]:>46} {e.self_device_time_total / calls:8.1f}  ({e.count // calls}/call)")
 
 
 parser = argparse.ArgumentParser()
@@ -186,5 +176,5 @@ for run in args.runs:
         torch.cuda.synchronize()
         print(f"{run:>16} {name:>28} {do_bench_cudagraph(fn, rep=50) * 1e3:8.1f}", flush=True)
         if args.kernels is not None and args.kernels in name:
-            kernel_times(fn)
+            print_kernel_times(fn)
 
