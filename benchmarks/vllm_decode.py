@@ -14,7 +14,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from atskv.eval.vllm_speed import EngineSpec, identity_report, measure, table, timing_options, write_shape
+from atskv.eval.vllm_speed import EngineSpec, identity_report, measure, plot, table, timing_options, write_shape
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("rows", type=Path)
@@ -54,3 +54,5 @@ measure(specs, args.rows)
 for line in identity_report(args.rows):
     print(line)
 print(table(args.rows))
+plot(args.rows, args.rows.with_suffix(".png"))
+print(f"plot: {args.rows.with_suffix('.png')}")

@@ -322,3 +322,25 @@ def test_a_prefill_profile_runs_each_batch_again_after_its_timed_row(monkeypatch
         assert log[-2:] == ["timed 3x4", "generate 3x1"], "profiled after the timed run, not during it"
     else:
         assert not (profile / "v.512x3.prefill.txt").exists() and log[-1] == "timed 3x4"
+
+
+def test_the_plot_has_a_decode_and_a_first_token_panel_per_shape_with_vanilla(tmp_path, monkeypatch):
+    """Two shapes with vanilla rows and one without: two columns of panels, the bars' heights the
+    tokens/s over vanilla's and the mean times to first token."""
+    import matplotlib.figure
+
+    rows = tmp_path / "rows.jsonl"
+    speed = [("vllm", 32768, 8, 400.0, 6.0), ("s0", 32768, 8, 1000.0, 6.1), ("vllm", 131072, 1, 80.0, 10.0),
+             ("s0", 131072, 1, 150.0, 10.2), ("s0", 65536, 1, 120.0, 5.0)]  # fmt: skip
+    rows.write_text("".join(json.dumps({"method": m, "kind": "speed", "context": c, "batch": b, "tokens_per_s": t,
+                                        "ttft_mean_s": f}) + "\n" for m, c, b, t, f in speed))  # fmt: skip
+    figures, save = [], matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda self, *a, **k: figures.append(self) or save(self, *a, **k))  # fmt: skip
+    vllm_speed.plot(rows, tmp_path / "rows.png")
+    assert (tmp_path / "rows.png").stat().st_size > 0
+    top_32k, top_128k, bottom_32k, bottom_128k = figures[0].axes
+    assert top_32k.get_title() == "32K x 8: decode" and top_128k.get_title() == "128K x 1: decode"
+    assert [round(p.get_height(), 3) for p in top_32k.patches] == [1.0, 2.5]
+    assert [round(p.get_height(), 3) for p in bottom_128k.patches] == [10.0, 10.2]
+    assert bottom_32k.get_title() == "32K x 8: time to first token"

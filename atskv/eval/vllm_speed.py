@@ -315,6 +315,35 @@ def table(rows: Path) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: Path, path: Path) -> None:
+    """Two panels per shape (context x batch): each method's decode tokens/s as a multiple of
+    vanilla vLLM's, and its mean time to first token beside vanilla's (a dashed line); what the
+    table says, for a glance. Shapes without a vanilla row are left out."""
+    from matplotlib.figure import Figure  # renders with Agg; no pyplot, no display
+
+    speed = [r for r in json_lines(rows) if r["kind"] == "speed"]
+    base = {(r["context"], r["batch"]): r for r in speed if r["method"] == VANILLA}
+    shapes = [shape for shape in dict.fromkeys((r["context"], r["batch"]) for r in speed) if shape in base]
+    fig = Figure(figsize=(4.2 * max(len(shapes), 1), 6.4), layout="constrained")
+    axes = fig.subplots(2, max(len(shapes), 1), squeeze=False)
+    for column, (context, batch) in enumerate(shapes):
+        here = [r for r in speed if (r["context"], r["batch"]) == (context, batch)]
+        names = [r["method"] for r in here]
+        ratios = [r["tokens_per_s"] / base[context, batch]["tokens_per_s"] for r in here]
+        top, bottom = axes[0][column], axes[1][column]
+        colors = ["black" if n == VANILLA else f"C{i}" for i, n in enumerate(names)]
+        top.bar(names, ratios, color=colors)
+        top.set(title=f"{context // 1024}K x {batch}: decode", ylabel="tokens/s, x vanilla vLLM")
+        for i, ratio in enumerate(ratios):
+            top.annotate(f"{ratio:.2f}x", (i, ratio), ha="center", va="bottom", fontsize="small")
+        bottom.bar(names, [r["ttft_mean_s"] for r in here], color=colors)
+        bottom.axhline(base[context, batch]["ttft_mean_s"], color="black", linestyle="--", label=VANILLA)
+        bottom.set(title=f"{context // 1024}K x {batch}: time to first token", ylabel="mean s")
+        for ax in (top, bottom):
+            ax.tick_params(axis="x", labelrotation=30, labelsize="small")
+    fig.savefig(path, dpi=120)
+
+
 def identity_report(rows: Path) -> list[str]:
     """For each method with greedy tokens, how many of vanilla vLLM's it repeats (first difference)."""
     tokens = {r["method"]: r["tokens"] for r in json_lines(rows) if r["kind"] == "tokens"}
