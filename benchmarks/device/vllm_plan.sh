@@ -1,6 +1,8 @@
 # The vLLM plugin's GPU plan, one stage a call (each well under the 10-minute limit), after the
 # four staging calls of vllm_env.sh (send every call in ONE message: a pause loses the machine):
 #   bash benchmarks/device/vllm_plan.sh profile   # per-stage kernel times (~40 s, no vLLM needed)
+#   bash benchmarks/device/vllm_plan.sh kernels   # no vLLM needed (.device/pt carried): the kernel tests compiled,
+#        SparQ's paged pick swept, one prefill chunk's prompt scoring part by part (~6 min)
 #   bash benchmarks/device/vllm_plan.sh decode [METHODS]  # vanilla vLLM, Quest, StreamingLLM (or LABEL=vllm:X ...): 3 shapes (~7.5 min;
 #        RUNS='32768x8' for fewer; DENSE='{"LABEL": 0}' for other dense layers than 2; OPTIONS='{"LABEL":
 #        {"prompt_sample": 8}}' for a selector's options; PROFILE=1: each batch's last 8 full-batch steps
@@ -31,7 +33,7 @@
 # Rows land under $OUT (JSON lines, as they finish), with the logs.
 set -uo pipefail
 source benchmarks/device/vllm_env.sh
-if [ "$1" != profile ] && [ ! -f /tmp/vsite/.done ]; then  # a refused staging call: stop before spending the call
+if [ "$1" != profile ] && [ "$1" != kernels ] && [ ! -f /tmp/vsite/.done ]; then  # a refused staging call: stop before spending the call
   echo "vLLM is not unpacked: /tmp/vst has [$(ls /tmp/vst 2>/dev/null | tr '\n' ' ')] of ${VLLM_PARTS:-4} parts; carry the rest" >&2
   exit 3
 fi
@@ -39,6 +41,13 @@ case "$1" in
   profile)
     python3 benchmarks/vllm_step_profile.py --tune | tee "$OUT/profile.txt"
     python3 benchmarks/vllm_step_profile.py --capacity 32784 --runs 32768x1 32768x8 | tee -a "$OUT/profile.txt" ;;
+  kernels)
+    python3 -m pip install -q --no-index --no-deps --target /tmp/pt .device/pt/*.whl 2>/dev/null
+    PYTHONPATH=/tmp/pt:$PYTHONPATH timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_received_mass.py \
+      tests/test_kernels_kept_lists.py tests/test_kernels_listed_refresh.py tests/test_kernels_sparq_decode.py 2>&1 \
+      | tail -15 | tee "$OUT/kernel_tests.txt"
+    timeout 150 python3 benchmarks/vllm_step_profile.py --runs 32768x1 32768x8 --tune --stages sparq 2>&1 | tee "$OUT/sparq.txt"
+    timeout 150 python3 benchmarks/vllm_prompt_profile.py --kernels learned 2>&1 | tee "$OUT/prompt.txt" | tail -30 ;;
   decode)
     methods=${*:2}  # rows kept in /tmp/rows between calls: a stage cut at its limit resumes in the next call
     mkdir -p /tmp/rows && touch /tmp/rows/decode.jsonl
@@ -121,5 +130,5 @@ PY
   quality-wait)
     for _ in $(seq "$2"); do [ -f /tmp/qout/.done ] && break; sleep 1; done
     cp -r /tmp/qout "$OUT/quality"; tail -5 /tmp/qout/quality.log; cat /tmp/qout/stage.log | tail -12 ;;
-  *) echo "usage: vllm_plan.sh profile|decode [METHODS]|tests [K]|trace METHOD [free [NEW]]|inflight METHOD [free [DENSE]]|serve|quality [CONTEXT]|quality-start [CONTEXT]|quality-wait SECONDS" >&2; exit 2 ;;
+  *) echo "usage: vllm_plan.sh profile|kernels|decode [METHODS]|tests [K]|trace METHOD [free [NEW]]|inflight METHOD [free [DENSE]]|serve|quality [CONTEXT]|quality-start [CONTEXT]|quality-wait SECONDS" >&2; exit 2 ;;
 esac
