@@ -38,14 +38,6 @@ def jit(fn=None, **options):
     return triton.jit(fn, **options) if triton is not None else fn
 
 
-# Arguments of the prompt kernels that change with every chunk a server schedules (its token
-# count, its offset, the request's length so far, strides of buffers sized by them). Triton
-# compiles a variant per combination of which of them are 1 or multiples of 16; during serving
-# that means compiles in the middle of prefills (a second or more each), so they stay unspecialised.
-CHUNK_VARYING = ["num_queries", "num_slots", "offset", "stride_kb", "stride_lb", "stride_lh", "stride_ob",
-                 "stride_oh"]  # fmt: skip
-
-
 def use_triton(tensor: torch.Tensor) -> bool:
     choice = os.environ.get("ATSKV_KERNELS", "auto")
     if choice not in ("auto", "reference", "triton"):

@@ -39,10 +39,16 @@ from __future__ import annotations
 import torch
 
 from atskv.attention import received_mass
-from atskv.kernels.backend import CHUNK_VARYING, jit, tl, triton, use_triton
+from atskv.kernels.backend import jit, tl, triton, use_triton
 
 _LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256  # larger head dims take the reference (no model the package supports has one)
+# The kernels' arguments that change with every chunk a server schedules (its token count, its
+# offset, the request's length so far, strides of buffers sized by them). Triton compiles a
+# variant per combination of which of them are 1 or multiples of 16; during serving that means
+# compiles in the middle of prefills (a second or more each), so they stay unspecialised.
+_LSE_PER_CHUNK = ["num_queries", "offset", "stride_kb", "stride_lb", "stride_lh"]
+_MASS_PER_CHUNK = [*_LSE_PER_CHUNK, "num_slots", "stride_ob", "stride_oh"]
 
 
 def prefix_received_mass(
@@ -143,7 +149,7 @@ def _check(query: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor | None, of
                          f"stride < S = {slots} slots")  # fmt: skip
 
 
-@jit(do_not_specialize=CHUNK_VARYING)
+@jit(do_not_specialize=_MASS_PER_CHUNK)
 def _mass_kernel(
     q_ptr, k_ptr, lse_ptr, out_ptr,
     stride_qb, stride_qh, stride_qt, stride_qd,
@@ -250,7 +256,7 @@ def prefix_lse_triton(query: torch.Tensor, keys: torch.Tensor, offset: int, scal
     return lse
 
 
-@jit(do_not_specialize=[name for name in CHUNK_VARYING if name not in ("num_slots", "stride_ob", "stride_oh")])
+@jit(do_not_specialize=_LSE_PER_CHUNK)
 def _lse_kernel(
     q_ptr, k_ptr, lse_ptr,
     stride_qb, stride_qh, stride_qt, stride_qd,
