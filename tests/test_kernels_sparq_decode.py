@@ -22,6 +22,7 @@ from tests.conftest import left_padded, tiny_model
 from tests.test_decode import _no_host_reads, _reference
 
 RANK = 4
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, Triton's interpreter on CPU
 # small blocks and candidate steps: every loop of the kernels runs several times
 SMALL = dict(block_s=16, parts=3, probs_block=64, window=8, collect_block=64, block_c=16, radix=2)
 
@@ -39,7 +40,8 @@ def static_layer(b=2, hkv=2, group=3, slots=300, d=16, dtype=torch.float32, seed
     keys_t[0, 0, :, 279] = 0.0  # the decode token's column is not written yet
     query = torch.randn(b, hkv * group, d, generator=g).to(dtype)
     context = torch.tensor([280, 280])
-    return query, keys, keys_t, slot_pos, write_slot, context, d**-0.5
+    moved = (t.to(DEVICE) for t in (query, keys, keys_t, slot_pos, write_slot, context))
+    return *moved, d**-0.5
 
 
 def chosen(indices, lengths):
@@ -106,7 +108,8 @@ def test_fixed_channels_match_sparcas_scores(group, knobs):
     the same slots, the top budget of the pooled probabilities as `SparCasSelector.scores` has them."""
     query, keys, _, slot_pos, write_slot, context, scaling = static_layer(group=group)
     g = torch.Generator().manual_seed(5)
-    channels = torch.stack([torch.randperm(16, generator=g)[:RANK].sort().values for _ in range(4)]).view(2, 2, RANK)
+    channels = torch.stack([torch.randperm(16, generator=g)[:RANK].sort().values for _ in range(4)])
+    channels = channels.view(2, 2, RANK).to(DEVICE)
     compact = keys.gather(-1, channels.unsqueeze(2).expand(-1, -1, keys.shape[2], -1))  # [B, Hkv, S, R]
     args = (query, keys, compact.transpose(2, 3), slot_pos, write_slot, context, scaling)
     want = sparq_decode_reference(*args, RANK, 40, 64, channels=channels)
@@ -132,8 +135,8 @@ def test_reference_keeps_what_the_selector_ranking_keeps(budget):
     valid = (slot_pos >= 0).unsqueeze(2)
     scores = sparq_probs(query.unsqueeze(2), keys, valid, scaling, RANK)
     keep = select_top_budget(scores, valid, budget, slot_pos, context.view(-1, 1, 1))[:, :, 0]
-    counted = torch.arange(64) < lengths.unsqueeze(-1)
-    picked = torch.zeros(keep.shape, dtype=torch.int).scatter_add_(-1, indices.long(), counted.int()) > 0
+    counted = torch.arange(64, device=DEVICE) < lengths.unsqueeze(-1)
+    picked = torch.zeros(keep.shape, dtype=torch.int, device=DEVICE).scatter_add_(-1, indices.long(), counted.int()) > 0
     assert torch.equal(picked, keep)
 
 
@@ -146,7 +149,7 @@ def test_recent_positions_come_first_in_kernel_and_reference(recent, budget, k, 
     positions shuffled over the slots, another has free slots among them; both take the same slots."""
     query, keys, keys_t, slot_pos, write_slot, context, scaling = static_layer(group=4, seed=2)
     g = torch.Generator().manual_seed(6)
-    slot_pos[0, 1, :280] = slot_pos[0, 1, torch.randperm(280, generator=g)]
+    slot_pos[0, 1, :280] = slot_pos[0, 1, torch.randperm(280, generator=g).to(DEVICE)]
     write_slot = slot_pos.argmax(-1)  # the decode token: the newest
     args = (query, keys, keys_t, slot_pos, write_slot, context, scaling)
     (ref_idx, ref_len), (tri_idx, tri_len), _, _ = both(args, budget, k, recent=recent, **knobs)
@@ -184,7 +187,7 @@ def test_nearly_flat_probabilities_are_narrowed_by_the_second_level(knobs):
     collection's registers) and the second level's bins part them. Both choose the same slots."""
     args = list(static_layer(group=4, slots=1200))
     args[3][:, :, 280:1100] = torch.arange(280, 1100)  # held up to 1100
-    args[5] = torch.tensor([1100, 1100])
+    args[5] = torch.tensor([1100, 1100], device=DEVICE)
     args[1] = args[1] * 1e-3
     args[2] = args[1].transpose(2, 3).contiguous()
     query, keys, _, slot_pos, _, _, scaling = args
@@ -211,7 +214,7 @@ def test_fast_generate_through_the_kernel_gives_the_reference_tokens(monkeypatch
     """SparQ's fused step inside `atskv.generate` (left-padded batch, every step checked for host
     reads) gives the reference session's tokens; so it does with the newest tokens always chosen
     (the padded row's positions start after its padding)."""
-    model, ids, mask = left_padded("llama", 100, 20, seed=3)
+    model, ids, mask = (t.to(DEVICE) for t in left_padded("llama", 100, 20, seed=3))
     expected = _reference(model, ids, atskv.make_selector("sparq", recent=recent), 0.2, 6, mask)
     calls = []
     original = fast_graph.GraphedStep.__call__
@@ -240,9 +243,9 @@ def test_fast_path_keeps_the_channel_major_copy_current(monkeypatch):
             copies.append((view.layer.state[self.name], view.keys, view.slot_pos))
             return out
 
-    model = tiny_model("llama")
+    model = tiny_model("llama").to(DEVICE)
     monkeypatch.setenv("ATSKV_KERNELS", "triton")
-    atskv.generate(model, torch.randint(1, 90, (1, 70)), Watched(), 8, max_new_tokens=4, dense_layers=1)
+    atskv.generate(model, torch.randint(1, 90, (1, 70), device=DEVICE), Watched(), 8, max_new_tokens=4, dense_layers=1)
     assert copies
     for keys_t, keys, slot_pos in copies:
         held = (slot_pos >= 0).unsqueeze(2)

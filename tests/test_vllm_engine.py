@@ -240,7 +240,7 @@ def test_with_atskvs_worker_each_prompt_is_ranked_once_into_the_same_lists(shape
     batch = prompts(1500, 3, 49152, seed=23)
     ranking = (PromptRanks, "store") if selector == "snapkv" else (KeptLists, "keep_top")
     ranked, original = [], getattr(*ranking)
-    monkeypatch.setattr(*ranking, lambda self, *args: ranked.append(1) or original(self, *args))
+    monkeypatch.setattr(*ranking, lambda self, *args, **kwargs: ranked.append(1) or original(self, *args, **kwargs))
 
     def selector_states(model) -> list[list[torch.Tensor]]:
         """Each sparse layer's state as its tensors (a dataclass of them)."""

@@ -1,7 +1,8 @@
 # The vLLM plugin's GPU plan, one stage a call (each well under the 10-minute limit), after the
 # four staging calls of vllm_env.sh (send every call in ONE message: a pause loses the machine):
 #   bash benchmarks/device/vllm_plan.sh profile   # per-stage kernel times (~40 s, no vLLM needed)
-#   bash benchmarks/device/vllm_plan.sh kernels   # no vLLM needed (.device/pt carried): the kernel tests compiled,
+#   bash benchmarks/device/vllm_plan.sh kernels   # no vLLM needed (.device/pt carried): the kernel tests compiled
+#        (not the fast path's: they need atskv's transformers, .whl, which does not fit beside .device/v1),
 #        SparQ's paged pick swept, one prefill chunk's prompt scoring part by part (~6 min)
 #   bash benchmarks/device/vllm_plan.sh decode [METHODS]  # vanilla vLLM, Quest, StreamingLLM (or LABEL=vllm:X ...): 3 shapes (~7.5 min;
 #        RUNS='32768x8' for fewer; DENSE='{"LABEL": 0}' for other dense layers than 2; OPTIONS='{"LABEL":
@@ -44,8 +45,8 @@ case "$1" in
   kernels)
     python3 -m pip install -q --no-index --no-deps --target /tmp/pt .device/pt/*.whl 2>/dev/null
     PYTHONPATH=/tmp/pt:$PYTHONPATH timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_received_mass.py \
-      tests/test_kernels_kept_lists.py tests/test_kernels_listed_refresh.py tests/test_kernels_sparq_decode.py 2>&1 \
-      | tail -15 | tee "$OUT/kernel_tests.txt"
+      tests/test_kernels_kept_lists.py tests/test_kernels_listed_refresh.py tests/test_kernels_sparq_decode.py -rf \
+      -k "not fast_" 2>&1 | tail -40 | tee "$OUT/kernel_tests.txt"
     timeout 150 python3 benchmarks/vllm_step_profile.py --runs 32768x1 32768x8 --tune --stages sparq 2>&1 | tee "$OUT/sparq.txt"
     timeout 150 python3 benchmarks/vllm_prompt_profile.py --kernels learned 2>&1 | tee "$OUT/prompt.txt" | tail -30 ;;
   decode)
