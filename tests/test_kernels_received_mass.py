@@ -192,6 +192,33 @@ def test_triton_on_gpu_at_realistic_sizes(offset):
     torch.testing.assert_close(prefix_lse(query, keys, offset, scaling), lse.float(), rtol=0, atol=2e-2)
 
 
+@pytest.mark.gpu
+def test_a_servers_chunks_compile_the_mass_kernel_once(monkeypatch):
+    """Chunks as a server schedules them: other token counts, offsets and lengths, every 8th query
+    sampled, their log-sum-exps a view into one buffer at any column (16-byte aligned or not).
+    After the first, none compiles a variant of its own (one did inside a timed prefill on the
+    H100, where vLLM's JIT monitor saw it)."""
+    from triton import knobs
+
+    from atskv.kernels.received_mass import prefix_received_mass_triton
+
+    compiled = []
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: compiled.append(kw.get("fn")))
+    for i, (tq, offset, column) in enumerate([(301, 0, 0), (250, 77, 3), (517, 1000, 5), (64, 33, 1)]):
+        query, keys, own, scaling = make_chunk(1, 8, 4, 128, tq=tq, offset=offset, spare=5, dtype=torch.bfloat16,
+                                               seed=i, device="cuda")  # fmt: skip
+        buffer = torch.zeros(32, column + tq, device="cuda")  # FlashAttention's [Hq, tokens]: the request from `column`
+        buffer[:, column:] = own[0]
+        lse = buffer[:, column:].unsqueeze(0)
+        first = (tq - 1) % 8
+        prefix_received_mass_triton(query[:, :, first::8], keys, lse[:, :, first::8], offset + first, scaling,
+                                    query_stride=8)  # fmt: skip
+        torch.cuda.synchronize()
+        if i == 0:
+            compiled.clear()
+    assert compiled == []
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group, offset, tq", [(1, 0, 37), (3, 50, 37), (2, 130, 5), (4, 7, 64)])
 def test_the_lse_kernel_matches_the_flash_pass(dtype, group, offset, tq):

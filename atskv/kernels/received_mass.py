@@ -48,7 +48,10 @@ MAX_HEAD_DIM = 256  # larger head dims take the reference (no model the package 
 # variant per combination of which of them are 1 or multiples of 16; during serving that means
 # compiles in the middle of prefills (a second or more each), so they stay unspecialised.
 _LSE_PER_CHUNK = ["num_queries", "offset", "stride_kb", "stride_lb", "stride_lh"]
-_MASS_PER_CHUNK = [*_LSE_PER_CHUNK, "num_slots", "stride_ob", "stride_oh"]
+# The mass kernel also reads the log-sum-exps where FlashAttention left them: a view at the
+# request's first sampled query, whose address is 16-byte aligned or not by the chunk (with
+# `prompt_sample` 8 at 32K x 8 on the H100, an unaligned one compiled inside a timed prefill).
+_MASS_PER_CHUNK = [*_LSE_PER_CHUNK, "num_slots", "stride_ob", "stride_oh", "lse_ptr"]
 
 
 def prefix_received_mass(
