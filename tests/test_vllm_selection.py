@@ -372,6 +372,36 @@ def test_the_prefill_share_of_a_batch_starts_after_its_decodes():
                                                                                  (4, 8, 15, 30, False)]  # fmt: skip
 
 
+def test_the_builders_see_the_prompt_lengths_of_the_batch_each_runner_builds():
+    """vLLM's second model runner hands each step's batch to its model state's `prepare_attn`
+    (which runs the builders) and keeps it nowhere: the lengths read during that call are that
+    batch's, and `prepare_attn` still gets its arguments and returns its result. Its first runner
+    keeps one batch, read as it stands."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from atskv.runtime.vllm.batch import batch_prompt_lengths
+
+    seen = []
+
+    def prepare_attn(input_batch, mode, *, for_capture=False):
+        seen.append(lengths().tolist())  # what a builder reads while the runner builds
+        return {"mode": mode, "for_capture": for_capture}
+
+    runner = SimpleNamespace(model_state=SimpleNamespace(prepare_attn=prepare_attn))
+    lengths = batch_prompt_lengths(runner)
+    for prefill in ([1500, 700], [0, 0, 0], [40]):  # a real batch, a warm-up's dummy one, another
+        batch = SimpleNamespace(prefill_len_np=np.array(prefill, dtype=np.int32))
+        assert runner.model_state.prepare_attn(batch, "FULL", for_capture=True) == {"mode": "FULL",
+                                                                                   "for_capture": True}
+    assert seen == [[1500, 700], [0, 0, 0], [40]]
+    first = SimpleNamespace(input_batch=SimpleNamespace(num_prompt_tokens_cpu_tensor=torch.tensor([9, 3])))
+    read = batch_prompt_lengths(first)
+    first.input_batch.num_prompt_tokens_cpu_tensor = torch.tensor([5])  # the runner updates its batch
+    assert read().tolist() == [5]
+
+
 @pytest.mark.parametrize("last_known", [False, True])
 @pytest.mark.parametrize("budget", [0.25, 20, 3, 500])
 def test_paged_snapkv_reads_what_snapkv_keeps(budget, last_known, monkeypatch):

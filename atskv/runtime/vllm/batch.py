@@ -10,6 +10,7 @@ scores the prompt gets each prefill request's rows of the batch (`prompt_rows`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -40,6 +41,25 @@ def prompt_rows(query_start_loc_cpu, seq_lens_cpu, decodes: int, prefills: int,
     prompts = None if prompt_lens_cpu is None else prompt_lens_cpu.tolist()
     return [(r, starts[r], starts[r + 1], lengths[r], prompts is None or lengths[r] >= prompts[r])
             for r in range(decodes, decodes + prefills)]  # fmt: skip
+
+
+def batch_prompt_lengths(runner) -> Callable[[], torch.Tensor]:
+    """A callable giving, at a metadata build, each batch row's prompt length (the tokens vLLM's
+    model runner prefills for it), from `runner`. vLLM's second model runner (`v1/worker/gpu`,
+    0.26's default) makes a batch each step and keeps it nowhere; its model state's `prepare_attn`,
+    which runs the builders, is handed it, so the batch is remembered there (in warm-ups a dummy
+    one: lengths 0). Its first runner keeps one `input_batch` it updates in place."""
+    state = getattr(runner, "model_state", None)
+    if state is None:
+        return lambda: runner.input_batch.num_prompt_tokens_cpu_tensor
+    prepare, latest = state.prepare_attn, {}
+
+    def remembering(input_batch, *args, **kwargs):
+        latest["batch"] = input_batch
+        return prepare(input_batch, *args, **kwargs)
+
+    state.prepare_attn = remembering
+    return lambda: torch.from_numpy(latest["batch"].prefill_len_np)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,6 @@ beside `attention_backend="CUSTOM"`. Two things change from vLLM's worker:
 
 from __future__ import annotations
 
-import torch
 from vllm.config import get_layers_from_vllm_config
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
@@ -22,6 +21,7 @@ from vllm.v1.worker.gpu_worker import Worker
 
 from atskv.errors import InputError
 from atskv.runtime.vllm.backend import AtskvAttentionImpl, AtskvMetadataBuilder
+from atskv.runtime.vllm.batch import batch_prompt_lengths
 from atskv.runtime.vllm.config import PluginConfig
 from atskv.runtime.vllm.freeing import KeptBlocksSpec, UnreadBlocksSpec
 
@@ -37,29 +37,10 @@ class AtskvWorker(Worker):
         runner = self.model_runner
         builders = [builder for groups in getattr(runner, "attn_groups", []) for group in groups
                     for builder in group.metadata_builders if isinstance(builder, AtskvMetadataBuilder)]  # fmt: skip
-        prompt_lengths = self._prompt_lengths(runner)
+        prompt_lengths = batch_prompt_lengths(runner)
         for builder in builders:
             builder.prompt_lengths = prompt_lengths
         logger.info("atskv: prompt lengths shown to %d metadata builders", len(builders))
-
-    @staticmethod
-    def _prompt_lengths(runner):
-        """A callable giving the batch's rows' prompt lengths (the tokens the runner prefills) at a
-        build. vLLM's second model runner (`v1/worker/gpu`, 0.26's default) makes a batch each step
-        (a dummy one in warm-ups: lengths 0) and keeps it nowhere; its model state's `prepare_attn`,
-        which calls the builders, is shown it, so the batch is remembered there. Its first runner
-        keeps one batch it updates in place."""
-        state = getattr(runner, "model_state", None)
-        if state is None:
-            return lambda: runner.input_batch.num_prompt_tokens_cpu_tensor
-        prepare, latest = state.prepare_attn, {}
-
-        def remembering(input_batch, *args, **kwargs):
-            latest["batch"] = input_batch
-            return prepare(input_batch, *args, **kwargs)
-
-        state.prepare_attn = remembering
-        return lambda: torch.from_numpy(latest["batch"].prefill_len_np)
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         specs = super().get_kv_cache_spec()
