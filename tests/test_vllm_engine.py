@@ -273,11 +273,10 @@ def test_preempted_requests_are_recomputed_and_give_the_pool_back(shape, selecto
     """A pool of 260 blocks (vLLM wants one request of max_model_len 4096 to fit: 256) for 4
     requests of 1000-token prompts (63 blocks each) and 64 new tokens: as they grow, vLLM preempts
     one (its blocks freed, its tokens recomputed later by a prefill). Every request finishes, the
-    pool is whole again, and for the selectors whose state follows the cache (Quest's key bounds
-    are rebuilt from the recompute's writes, StreamingLLM keeps none) the tokens are those of a
-    pool large enough for all, up to near-ties (the recompute's prefill computes the generated
-    tokens' KV in one GEMM rather than one a step). H2O's lists after a recompute rank the
-    generated tokens as prompt (its state follows what vLLM ran)."""
+    pool is whole again, and the tokens are those of a pool large enough for all, up to near-ties
+    (the recompute's prefill computes the generated tokens' KV in one GEMM rather than one a step):
+    with atskv's worker the recompute ranks the prompt at its own end and reads the outputs as
+    their decode steps did (H2O's list moved on by each in order; `past_prompt_rows`)."""
     batch = prompts(1000, 4, 49152, seed=21)
     roomy = engine(shape, f"vllm:{selector}", 64)
     want = greedy_with_runner_up(roomy, batch, 64)
@@ -293,8 +292,7 @@ def test_preempted_requests_are_recomputed_and_give_the_pool_back(shape, selecto
     got = greedy_with_runner_up(tight, batch, 64)
     assert preempted, "the pool must be small enough to preempt a request"
     assert [len(r) for r in got] == [64] * 4 and free_blocks(tight) == idle
-    if selector != "h2o":
-        assert_same_up_to_near_ties(got, want)
+    assert_same_up_to_near_ties(got, want)
 
 
 def test_the_learned_selector_with_a_refresh_reads_in_full_at_a_budget_above_the_context(shape, read_in_full,

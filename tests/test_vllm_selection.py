@@ -345,7 +345,7 @@ def test_one_forwards_layers_share_the_batchs_usable_positions(cache):
 def test_the_prefill_share_of_a_batch_starts_after_its_decodes():
     from dataclasses import dataclass
 
-    from atskv.runtime.vllm.batch import prefill_share, prompt_rows
+    from atskv.runtime.vllm.batch import past_prompt_rows, prefill_share, prompt_rows
 
     @dataclass
     class Metadata:  # the fields of vLLM's FlashAttentionMetadata that the split touches
@@ -370,13 +370,41 @@ def test_the_prefill_share_of_a_batch_starts_after_its_decodes():
     prompts = torch.tensor([7, 3, 9, 5, 64])
     assert prompt_rows(batch.query_start_loc, batch.seq_lens, 3, 2, prompts) == [(3, 3, 8, 5, True),
                                                                                  (4, 8, 15, 30, False)]  # fmt: skip
+    assert past_prompt_rows(batch.query_start_loc, batch.seq_lens, 3, 2, prompts) == []
+
+
+def test_a_recomputes_outputs_are_read_as_decodes_and_its_prompt_ranked_at_its_end():
+    """A preempted request's recompute prefills its prompt and its outputs: the chunk that crosses
+    the prompt's end gives the prompt part to the selectors that rank it (last, at the prompt's
+    length) and its outputs to the sparse read (with their positions), as does a chunk wholly past
+    the prompt, in reads that keep each request's order; a fresh request's chunks are all prompt."""
+    from atskv.runtime.vllm.batch import past_prompt_rows, past_prompt_waves, prompt_rows
+
+    # rows: 2 decodes; a fresh chunk (positions 0-9 of a 40-token prompt); a recompute's chunk across
+    # its prompt's end (positions 20-31, prompt 25); a recompute's chunk past it (positions 40-44, prompt 30)
+    starts = torch.tensor([0, 1, 2, 12, 24, 29])
+    lengths = torch.tensor([50, 60, 10, 32, 45])
+    prompts = torch.tensor([49, 59, 40, 25, 30])
+    assert prompt_rows(starts, lengths, 2, 3, prompts) == [(2, 2, 12, 10, False), (3, 12, 17, 25, True)]
+    assert past_prompt_rows(starts, lengths, 2, 3, prompts) == [(3, 17, 24, 25), (4, 24, 29, 40)]
+    # the reads they go in: a kept list's pick moves it on, so one token of each request a read, in order
+    rows = past_prompt_rows(starts, lengths, 2, 3, prompts)
+    assert past_prompt_waves(rows, True, 256)[:2] == [([3, 4], [17, 24], [25, 40]), ([3, 4], [18, 25], [26, 41])]
+    assert [len(tokens) for _, tokens, _ in past_prompt_waves(rows, True, 256)] == [2] * 5 + [1] * 2
+    assert past_prompt_waves(rows, False, 5) == [([3] * 5, [17, 18, 19, 20, 21], [25, 26, 27, 28, 29]),
+                                                 ([3, 3, 4, 4, 4], [22, 23, 24, 25, 26], [30, 31, 40, 41, 42]),
+                                                 ([4, 4], [27, 28], [43, 44])]  # fmt: skip
+    assert past_prompt_waves([], True, 5) == past_prompt_waves([], False, 5) == []
+    # without prompt lengths (vLLM's own worker) every chunk is all prompt and may end it
+    assert prompt_rows(starts, lengths, 2, 3) == [(2, 2, 12, 10, True), (3, 12, 24, 32, True), (4, 24, 29, 45, True)]
 
 
 def test_the_builders_see_the_prompt_lengths_of_the_batch_each_runner_builds():
     """vLLM's second model runner hands each step's batch to its model state's `prepare_attn`
     (which runs the builders) and keeps it nowhere: the lengths read during that call are that
-    batch's, and `prepare_attn` still gets its arguments and returns its result. Its first runner
-    keeps one batch, read as it stands."""
+    batch's requests' prompts (a recompute prefills more), none for a warm-up's dummy batch, and
+    `prepare_attn` still gets its arguments and returns its result. Its first runner keeps one
+    batch, read as it stands."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -386,16 +414,21 @@ def test_the_builders_see_the_prompt_lengths_of_the_batch_each_runner_builds():
     seen = []
 
     def prepare_attn(input_batch, mode, *, for_capture=False):
-        seen.append(lengths().tolist())  # what a builder reads while the runner builds
+        read = lengths()  # what a builder reads while the runner builds
+        seen.append(None if read is None else read.tolist())
         return {"mode": mode, "for_capture": for_capture}
 
-    runner = SimpleNamespace(model_state=SimpleNamespace(prepare_attn=prepare_attn))
+    prompt_len = SimpleNamespace(np=np.array([0, 1500, 900, 40], dtype=np.int32))  # by the runner's request index
+    runner = SimpleNamespace(model_state=SimpleNamespace(prepare_attn=prepare_attn),
+                             req_states=SimpleNamespace(prompt_len=prompt_len))  # fmt: skip
     lengths = batch_prompt_lengths(runner)
-    for prefill in ([1500, 700], [0, 0, 0], [40]):  # a real batch, a warm-up's dummy one, another
-        batch = SimpleNamespace(prefill_len_np=np.array(prefill, dtype=np.int32))
+    # a batch (its second request a recompute: more to prefill than its prompt), a warm-up's dummy, another
+    for prefill, index in (([1500, 1000], [1, 2]), ([0, 0, 0], [0, 0, 0]), ([40], [3])):
+        batch = SimpleNamespace(prefill_len_np=np.array(prefill, dtype=np.int32),
+                                idx_mapping_np=np.array(index, dtype=np.int32))  # fmt: skip
         assert runner.model_state.prepare_attn(batch, "FULL", for_capture=True) == {"mode": "FULL",
                                                                                    "for_capture": True}
-    assert seen == [[1500, 700], [0, 0, 0], [40]]
+    assert seen == [[1500, 900], None, [40]]
     first = SimpleNamespace(input_batch=SimpleNamespace(num_prompt_tokens_cpu_tensor=torch.tensor([9, 3])))
     read = batch_prompt_lengths(first)
     first.input_batch.num_prompt_tokens_cpu_tensor = torch.tensor([5])  # the runner updates its batch

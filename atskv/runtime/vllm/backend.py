@@ -36,12 +36,13 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from atskv.errors import InputError
-from atskv.runtime.vllm.batch import PromptChunk, prefill_share, prompt_rows
+from atskv.runtime.vllm.batch import PromptChunk, past_prompt_rows, past_prompt_waves, prefill_share, prompt_rows
 from atskv.runtime.vllm.composition import build_paged_selector
 from atskv.runtime.vllm.config import WORKER, PluginConfig
 from atskv.runtime.vllm.selection import paged_sparse_decode, slot_view
 
 logger = init_logger(__name__)
+PAST_WAVE = 256  # a recompute's past-prompt tokens read at once (each a block table row's copy)
 
 
 class AtskvMetadataBuilder(FlashAttentionMetadataBuilder):
@@ -55,7 +56,8 @@ class AtskvMetadataBuilder(FlashAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         config = PluginConfig.from_additional_config(vllm_config.additional_config)
-        self.scores_prompt = not config.dense and build_paged_selector(config.selector, config.options).scores_prompt
+        self.sparse = not config.dense
+        self.scores_prompt = self.sparse and build_paged_selector(config.selector, config.options).scores_prompt
         if self.scores_prompt and vllm_config.cache_config.enable_prefix_caching:  # a shared first block
             raise InputError(f"atskv: {config.selector} ranks each prompt in its own blocks; it needs "
                              "enable_prefix_caching=False")  # fmt: skip
@@ -68,11 +70,14 @@ class AtskvMetadataBuilder(FlashAttentionMetadataBuilder):
         decodes, prefills, decode_tokens, prefill_tokens = split_decodes_and_prefills(common_attn_metadata)
         metadata.num_decode_reqs, metadata.num_prefill_reqs = decodes, prefills
         metadata.num_decode_tokens, metadata.num_prefill_tokens = decode_tokens, prefill_tokens
-        if self.scores_prompt and prefills:  # eager batches only (prefill is never a full graph)
-            prompts = None if self.prompt_lengths is None else self.prompt_lengths()[: common_attn_metadata.num_reqs]
-            metadata.atskv_prompt_rows = prompt_rows(common_attn_metadata.query_start_loc_cpu,
-                                                     common_attn_metadata.seq_lens_cpu, decodes, prefills,
-                                                     prompts)  # fmt: skip
+        if self.sparse and prefills:  # eager batches only (prefill is never a full graph)
+            prompts = None if self.prompt_lengths is None else self.prompt_lengths()
+            prompts = None if prompts is None else prompts[: common_attn_metadata.num_reqs]
+            rows = (common_attn_metadata.query_start_loc_cpu, common_attn_metadata.seq_lens_cpu, decodes, prefills)
+            if self.scores_prompt:
+                metadata.atskv_prompt_rows = prompt_rows(*rows, prompts)
+            if prompts is not None:
+                metadata.atskv_past_rows = past_prompt_rows(*rows, prompts)
         return metadata
 
 
@@ -129,6 +134,8 @@ class AtskvAttentionImpl(FlashAttentionImpl):
                               output_block_scale)  # fmt: skip
             if attn_metadata is not None and self.sparse_layer(layer):
                 self.observe_prompts(query, kv_cache, attn_metadata, lse)
+                if output_scale is None:
+                    self.read_past_prompts(query, kv_cache, attn_metadata, output)
             return output
         tokens = attn_metadata.num_actual_tokens
         if tokens > decodes:  # the prefill requests behind the decodes: FlashAttention over their share
@@ -136,19 +143,45 @@ class AtskvAttentionImpl(FlashAttentionImpl):
             lse = self.attend(layer, query[decodes:], key[decodes:], value[decodes:], kv_cache, rest,
                               output[decodes:], self.prompt_lse_wanted(layer, attn_metadata))  # fmt: skip
             self.observe_prompts(query, kv_cache, attn_metadata, lse, decodes)
+            self.read_past_prompts(query, kv_cache, attn_metadata, output)
+        step = attn_metadata.__dict__.setdefault("atskv_step", {})  # one forward's metadata: shared by its layers
+        q = query[:decodes]
+        self.read_sparsely(q, kv_cache, attn_metadata.block_table[:decodes], attn_metadata.seq_lens[:decodes], step,
+                           output[:decodes].view(q.shape))  # fmt: skip
+        return output
+
+    def read_sparsely(self, q, kv_cache, table, seq_lens, step: dict, out) -> None:
+        """Decode queries `q` `[B, Hq, D]` (request `b` at position `seq_lens[b] - 1`, its block
+        table row `table[b]`) over what the selector picks, into `out` `[B, Hq, D]`; the selector
+        then sees the mass the read gave (`reads_mass`)."""
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
         block_size = kv_cache.shape[2]
-        q, table = query[:decodes], attn_metadata.block_table[:decodes]
-        seq_lens = attn_metadata.seq_lens[:decodes]
-        step = attn_metadata.__dict__.setdefault("atskv_step", {})  # one forward's metadata: shared by its layers
         keys = {"keys": slot_view(key_cache, 1)[0], "scaling": self.scale} if self.selector.reads_keys else {}
         positions, lengths = self.selector.pick(q, self.num_kv_heads, self.state, table, seq_lens, block_size,
                                                 self.config.budget, step, **keys)  # fmt: skip
-        read = paged_sparse_decode(q, key_cache, value_cache, positions, lengths, table, self.scale,
-                                   out=output[:decodes].view(q.shape), want_mass=self.selector.reads_mass)  # fmt: skip
+        read = paged_sparse_decode(q, key_cache, value_cache, positions, lengths, table, self.scale, out=out,
+                                   want_mass=self.selector.reads_mass)  # fmt: skip
         if self.selector.reads_mass:
             self.selector.observe_read(self.state, read[1], table, seq_lens, block_size)
-        return output
+
+    def read_past_prompts(self, query, kv_cache, metadata, output) -> None:
+        """A recompute's tokens past their request's prompt (`past_prompt_rows`), FlashAttention's
+        dense output for them replaced by the sparse read each had as a decode (their KV is in the
+        cache: the forward wrote the chunk first), in the reads `past_prompt_waves` makes. Only
+        after a preemption."""
+        rows = metadata.__dict__.get("atskv_past_rows")
+        if not rows or (self.selector.keeps_state and self.state is None):
+            return
+        out = output.view(query.shape[0], -1, self.head_size)
+        steps = metadata.__dict__.setdefault("atskv_past_steps", {})  # a read's, shared by the forward's layers
+        waves = past_prompt_waves(rows, self.selector.picks_in_order, PAST_WAVE)
+        for i, (requests, tokens, positions) in enumerate(waves):
+            tokens = torch.tensor(tokens, device=query.device)
+            seq_lens = torch.tensor(positions, device=query.device, dtype=metadata.seq_lens.dtype) + 1
+            read = out.new_empty(len(tokens), *out.shape[1:])
+            table = metadata.block_table[torch.tensor(requests, device=query.device)]
+            self.read_sparsely(query[tokens], kv_cache, table, seq_lens, steps.setdefault(i, {}), read)
+            out[tokens] = read
 
     def attend(self, layer, query, key, value, kv_cache, metadata, output, lse_wanted: bool, *scales):
         """vLLM's FlashAttention over `metadata`'s requests into `output`; with `lse_wanted`, through

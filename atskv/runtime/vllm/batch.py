@@ -5,7 +5,8 @@ a batch is `decodes` one-token queries, then the prefill (or chunked-prefill) re
 decodes go through atskv's selection; the rest through FlashAttention with this share of the
 metadata: its query offsets moved down by the decode tokens, its rows of lengths and block
 table, and no ahead-of-time schedule (that one was planned for the whole batch). A selector that
-scores the prompt gets each prefill request's rows of the batch (`prompt_rows`)."""
+scores the prompt gets each prefill request's prompt tokens of the batch (`prompt_rows`); tokens
+past a request's prompt (a recompute's outputs) are read as decodes are (`past_prompt_rows`)."""
 
 from __future__ import annotations
 
@@ -33,22 +34,62 @@ def prefill_share(metadata, decodes: int):
 
 def prompt_rows(query_start_loc_cpu, seq_lens_cpu, decodes: int, prefills: int,
                 prompt_lens_cpu=None) -> list[tuple[int, int, int, int, bool]]:  # fmt: skip
-    """(row, first token, end token, tokens so far, last) of each prefill request after the
-    `decodes` one-token ones, as host ints (vLLM's host copies of the batch's offsets and
-    lengths). `last`: the chunk ends the request's prompt, by `prompt_lens_cpu` (each row's prompt
-    length, where the worker hands them over: `AtskvWorker`); without them every chunk may be."""
+    """(row, first token, end token, tokens so far, last) of each prefill request's prompt tokens
+    after the `decodes` one-token ones, as host ints (vLLM's host copies of the batch's offsets and
+    lengths). `last`: they end the request's prompt, by `prompt_lens_cpu` (each row's prompt length,
+    where the worker hands them over: `AtskvWorker`); without them every chunk may. Tokens past the
+    prompt (a recompute's outputs: `past_prompt_rows`) are left out."""
     starts, lengths = query_start_loc_cpu.tolist(), seq_lens_cpu.tolist()
     prompts = None if prompt_lens_cpu is None else prompt_lens_cpu.tolist()
-    return [(r, starts[r], starts[r + 1], lengths[r], prompts is None or lengths[r] >= prompts[r])
-            for r in range(decodes, decodes + prefills)]  # fmt: skip
+    rows = []
+    for r in range(decodes, decodes + prefills):
+        start, end, length = starts[r], starts[r + 1], lengths[r]
+        stop = length if prompts is None else min(length, prompts[r])  # the chunk's prompt part ends there
+        first = length - (end - start)  # the chunk's first position
+        if stop > first:
+            rows.append((r, start, start + stop - first, stop, prompts is None or stop >= prompts[r]))
+    return rows
 
 
-def batch_prompt_lengths(runner) -> Callable[[], torch.Tensor]:
-    """A callable giving, at a metadata build, each batch row's prompt length (the tokens vLLM's
-    model runner prefills for it), from `runner`. vLLM's second model runner (`v1/worker/gpu`,
+def past_prompt_rows(query_start_loc_cpu, seq_lens_cpu, decodes: int, prefills: int,
+                     prompt_lens_cpu) -> list[tuple[int, int, int, int]]:  # fmt: skip
+    """(row, first token, end token, first position) of the tokens past each prefill request's
+    prompt: a preempted request's outputs, which vLLM recomputes in one prefill with its prompt.
+    They were decoded sparsely and are read so again (the selector's read set, in order): the
+    recompute then attends as the first run did, and never over blocks freed since (`free_blocks`
+    frees by the prompt's length, as vLLM's own R-SWA layers do)."""
+    starts, lengths, prompts = query_start_loc_cpu.tolist(), seq_lens_cpu.tolist(), prompt_lens_cpu.tolist()
+    rows = []
+    for r in range(decodes, decodes + prefills):
+        start, end, length = starts[r], starts[r + 1], lengths[r]
+        first = max(length - (end - start), prompts[r])  # the first position past the prompt
+        if length > first:
+            rows.append((r, end - (length - first), end, first))
+    return rows
+
+
+def past_prompt_waves(rows: list[tuple[int, int, int, int]], in_order: bool,
+                      wave: int) -> list[tuple[list[int], list[int], list[int]]]:  # fmt: skip
+    """`past_prompt_rows`'s tokens as the reads that take them: (batch rows, tokens, positions) a
+    read. `in_order` (a selector whose pick moves its state a token on): each request's k-th token
+    in the k-th read, so that every request's tokens go in order; otherwise up to `wave` at a time."""
+    if in_order:
+        longest = max((end - start for _, start, end, _ in rows), default=0)
+        groups = [[(row, start + k, first + k) for row, start, end, first in rows if start + k < end]
+                  for k in range(longest)]  # fmt: skip
+    else:
+        past = [(row, start + k, first + k) for row, start, end, first in rows for k in range(end - start)]
+        groups = [past[i : i + wave] for i in range(0, len(past), wave)]
+    return [tuple(list(column) for column in zip(*group)) for group in groups]
+
+
+def batch_prompt_lengths(runner) -> Callable[[], torch.Tensor | None]:
+    """A callable giving, at a metadata build, each batch row's prompt length (the request's own
+    prompt: a recompute after preemption prefills its outputs too), from `runner`, or None where
+    they are not known (a warm-up's dummy batch). vLLM's second model runner (`v1/worker/gpu`,
     0.26's default) makes a batch each step and keeps it nowhere; its model state's `prepare_attn`,
-    which runs the builders, is handed it, so the batch is remembered there (in warm-ups a dummy
-    one: lengths 0). Its first runner keeps one `input_batch` it updates in place."""
+    which runs the builders, is handed it, so the batch is remembered there. Its first runner keeps
+    one `input_batch` it updates in place."""
     state = getattr(runner, "model_state", None)
     if state is None:
         return lambda: runner.input_batch.num_prompt_tokens_cpu_tensor
@@ -58,8 +99,14 @@ def batch_prompt_lengths(runner) -> Callable[[], torch.Tensor]:
         latest["batch"] = input_batch
         return prepare(input_batch, *args, **kwargs)
 
+    def lengths() -> torch.Tensor | None:
+        batch = latest["batch"]
+        if not batch.prefill_len_np.any():  # a dummy batch: no request behind its rows
+            return None
+        return torch.from_numpy(runner.req_states.prompt_len.np[batch.idx_mapping_np])
+
     state.prepare_attn = remembering
-    return lambda: torch.from_numpy(latest["batch"].prefill_len_np)
+    return lengths
 
 
 @dataclasses.dataclass(frozen=True)

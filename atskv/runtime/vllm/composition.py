@@ -49,7 +49,7 @@ class PagedComposition(PagedSelector):
             check_plugin_budget(self.residency_budget, "residency_budget")
         self.name = f"{self.residency.name}+{self.attention.name}"
         self.keeps_state, self.scores_prompt = self.residency.keeps_state, self.residency.scores_prompt
-        self.takes_prompt_lse = self.residency.takes_prompt_lse
+        self.takes_prompt_lse, self.picks_in_order = self.residency.takes_prompt_lse, self.residency.picks_in_order
         self.reads_mass, self.reads_keys, self.query_aware = self.residency.reads_mass, True, True
         self._chosen = None  # the last pick's entries of the residents' list, for `observe_read`
 

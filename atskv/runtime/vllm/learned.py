@@ -90,6 +90,7 @@ class PagedLearned(PagedSelector):
     keeps_state: ClassVar[bool] = True
     scores_prompt: ClassVar[bool] = True
     takes_prompt_lse: ClassVar[bool] = True
+    picks_in_order: ClassVar[bool] = True
     predictor: str | None = None
     # as atskv's `learned`: the share of the budget pinned for the prompt tokens its last `window`
     # queries attend most (SnapKV's vote, max-pooled over `kernel`; the window itself first)

@@ -38,6 +38,7 @@ class PagedSelector:
     reads_keys: ClassVar[bool] = False  # `pick` gets `keys` (the cache's `[Hkv, num_slots, D]`) and `scaling`
     query_aware: ClassVar[bool] = False  # chooses per query (else: a kept set, a composition's residency part)
     picks_among: ClassVar[bool] = False  # `pick_among` given positions: a composition's attention part
+    picks_in_order: ClassVar[bool] = False  # `pick` moves the state a token on (a kept list's step)
     layer: int | None = None  # the model's layer index, set by the backend (each layer builds its own selector)
 
     def after_write(self, state, key, slot_mapping, block_size: int) -> None:

@@ -200,6 +200,7 @@ class PagedH2O(PagedSelector):
     scores_prompt: ClassVar[bool] = True
     takes_prompt_lse: ClassVar[bool] = True
     reads_mass: ClassVar[bool] = True
+    picks_in_order: ClassVar[bool] = True
     recent_fraction: float = 0.5
     prompt_sample: int = 1  # score the prompt with every s-th query (`chunk_mass`)
 
