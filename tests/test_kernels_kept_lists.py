@@ -62,6 +62,27 @@ def test_the_step_kernel_matches_its_reference(budget, recent_fraction, new_valu
 
 
 @pytest.mark.parametrize("block", [8, 1024])
+def test_a_list_no_prompt_ranked_reads_only_the_requests_own_positions(block):
+    """Slots that no ranking wrote hold an earlier tenant's entries, here positions past the request
+    and negative ones: kernel and reference read the newest token for them, never a position the
+    request does not hold (its block table there may name another request's blocks)."""
+    lengths, width_blocks, budget = [37, 100], 32, 40
+    g = torch.Generator().manual_seed(4)
+    table = torch.randperm(80, generator=g)[: 2 * width_blocks].view(2, width_blocks).int()
+    kept = torch.randint(-50, 5000, (80 * BLOCK + 1, HKV), generator=g, dtype=torch.int32)
+    values = torch.rand(80 * BLOCK + 1, HKV, generator=g)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    width = kept_count(budget, width_blocks * BLOCK) + 1
+    want = kept_list_step_reference(kept.clone(), values.clone(), table, seq_lens, BLOCK, budget, 0.5, 0.0, width)
+    got = kept_list_step_triton(kept.clone().to(DEVICE), values.clone().to(DEVICE), table.to(DEVICE),
+                                seq_lens.to(DEVICE), BLOCK, budget, 0.5, 0.0, width, block=block)  # fmt: skip
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+    for r, n in enumerate(lengths):
+        read = want[0][r][:, : int(want[1][r, 0])]
+        assert bool(((read >= 0) & (read < n)).all()) and bool((read == n - 1).any())
+
+
+@pytest.mark.parametrize("block", [8, 1024])
 def test_read_mass_is_added_to_the_listed_values(block):
     lengths = [37, 0, 100, 6]
     kept, values, table = lists(lengths, 32, 40, seed=2)

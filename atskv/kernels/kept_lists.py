@@ -14,6 +14,11 @@ its tiles' candidates and writes the new token's entry. A list is thus read in o
 dependent loads (block table, position, value) however long it is, where one program walking it
 tile by tile waited on each tile in turn.
 `add_list_values` adds what a read returned to the listed values.
+
+STALE: an entry outside the request's positions (a list no prompt chunk ranked, whose slots hold
+an earlier tenant's entries: vLLM may hand a prompt's last tokens over as one-token rows, which
+run as decodes) is read as the newest token, so a request never reads past its own length, where
+its block table may name another request's blocks.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ def kept_list_step_reference(kept, values, block_table, seq_lens, block_size: in
     held, count = kept_tokens(budget, (context - 1).clamp(min=0)), kept_tokens(budget, context)
     positions, value = kept[at].transpose(1, 2), values[at].transpose(1, 2)  # [B, Hkv, width]
     newest = context - 1
+    positions = torch.where((positions >= 0) & (positions <= newest), positions, newest)  # `STALE`
     positions = torch.where(j == held, newest, positions)  # the new token's entry, after the held ones
     value = torch.where(j == held, new_value, value)
     listed = j <= held
@@ -133,6 +139,7 @@ def _step_tile_kernel(
     listed = (j <= held) & inside
     at = list_slot(table_row, j, tl.minimum(held + 1, seq_len), spare, PAGE)
     pos = tl.load(kept_ptr + at * n_heads + h, mask=listed, other=0).to(tl.int64)
+    pos = tl.where((pos >= 0) & (pos <= newest), pos, newest)  # `STALE`
     val = tl.load(val_ptr + at * n_heads + h, mask=listed, other=0.0)
     pos = tl.where(j == held, newest, pos)
     val = tl.where(j == held, new_value, val)
