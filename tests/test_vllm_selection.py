@@ -367,36 +367,41 @@ def test_the_prefill_share_of_a_batch_starts_after_its_decodes():
     # what a selector that scores the prompt sees of the same batch: (row, tokens [start, end), length,
     # last): without the prompts' lengths any chunk may end its prompt; with them, the second does not
     assert prompt_rows(batch.query_start_loc, batch.seq_lens, 3, 2) == [(3, 3, 8, 5, True), (4, 8, 15, 30, True)]
-    prompts = torch.tensor([7, 3, 9, 5, 64])
+    prompts = torch.tensor([7, 3, 9, 5, 200])
     assert prompt_rows(batch.query_start_loc, batch.seq_lens, 3, 2, prompts) == [(3, 3, 8, 5, True),
                                                                                  (4, 8, 15, 30, False)]  # fmt: skip
     assert past_prompt_rows(batch.query_start_loc, batch.seq_lens, 3, 2, prompts) == []
 
 
-def test_a_recomputes_outputs_are_read_as_decodes_and_its_prompt_ranked_at_its_end():
-    """A preempted request's recompute prefills its prompt and its outputs: the chunk that crosses
-    the prompt's end gives the prompt part to the selectors that rank it (last, at the prompt's
-    length) and its outputs to the sparse read (with their positions), as does a chunk wholly past
-    the prompt, in reads that keep each request's order; a fresh request's chunks are all prompt."""
-    from atskv.runtime.vllm.batch import past_prompt_rows, past_prompt_waves, prompt_rows
+def test_a_prompts_end_and_a_recomputes_outputs_are_read_as_decodes():
+    """With the prompts' lengths: the chunk that reaches into a prompt's last `PROMPT_TAIL` tokens
+    ends it for the selectors that rank it (at its own end, or the prompt's where it goes further);
+    the tokens after that chunk, and a recompute's outputs, are read as decodes, in reads that keep
+    each request's order; a chunk before the tail is all prompt and not the last."""
+    from atskv.runtime.vllm.batch import PROMPT_TAIL, past_prompt_rows, past_prompt_waves, prompt_rows
 
-    # rows: 2 decodes; a fresh chunk (positions 0-9 of a 40-token prompt); a recompute's chunk across
-    # its prompt's end (positions 20-31, prompt 25); a recompute's chunk past it (positions 40-44, prompt 30)
-    starts = torch.tensor([0, 1, 2, 12, 24, 29])
-    lengths = torch.tensor([50, 60, 10, 32, 45])
-    prompts = torch.tensor([49, 59, 40, 25, 30])
-    assert prompt_rows(starts, lengths, 2, 3, prompts) == [(2, 2, 12, 10, False), (3, 12, 17, 25, True)]
-    assert past_prompt_rows(starts, lengths, 2, 3, prompts) == [(3, 17, 24, 25), (4, 24, 29, 40)]
-    # the reads they go in: a kept list's pick moves it on, so one token of each request a read, in order
-    rows = past_prompt_rows(starts, lengths, 2, 3, prompts)
-    assert past_prompt_waves(rows, True, 256)[:2] == [([3, 4], [17, 24], [25, 40]), ([3, 4], [18, 25], [26, 41])]
-    assert [len(tokens) for _, tokens, _ in past_prompt_waves(rows, True, 256)] == [2] * 5 + [1] * 2
-    assert past_prompt_waves(rows, False, 5) == [([3] * 5, [17, 18, 19, 20, 21], [25, 26, 27, 28, 29]),
-                                                 ([3, 3, 4, 4, 4], [22, 23, 24, 25, 26], [30, 31, 40, 41, 42]),
-                                                 ([4, 4], [27, 28], [43, 44])]  # fmt: skip
+    assert PROMPT_TAIL == 64
+    # rows: 2 decodes; a fresh chunk (positions 0-9 of a 400-token prompt); a recompute's chunk across
+    # its prompt's end (positions 250-349, prompt 320: the tail starts at 256); a chunk inside its
+    # prompt's tail (positions 290-299, prompt 320: an earlier chunk reached the tail); a recompute's
+    # chunk past its prompt (positions 400-404, prompt 330); a fresh last chunk (positions 100-199 of 200)
+    starts = torch.tensor([0, 1, 2, 12, 112, 122, 127, 227])
+    lengths = torch.tensor([50, 60, 10, 350, 300, 405, 200])
+    prompts = torch.tensor([49, 59, 400, 320, 320, 330, 200])
+    assert prompt_rows(starts, lengths, 2, 5, prompts) == [(2, 2, 12, 10, False), (3, 12, 82, 320, True),
+                                                           (6, 127, 227, 200, True)]  # fmt: skip
+    rows = past_prompt_rows(starts, lengths, 2, 5, prompts)
+    assert rows == [(3, 82, 112, 320), (4, 112, 122, 290), (5, 122, 127, 400)]
+    # a kept list's pick moves it on: one token of each request a read, in order
+    waves = past_prompt_waves(rows, True, 256)
+    assert waves[:2] == [([3, 4, 5], [82, 112, 122], [320, 290, 400]), ([3, 4, 5], [83, 113, 123], [321, 291, 401])]
+    assert [len(tokens) for _, tokens, _ in waves] == [3] * 5 + [2] * 5 + [1] * 20
+    waves = past_prompt_waves(rows, False, 16)  # the others: up to a wave at a time
+    assert [len(tokens) for _, tokens, _ in waves] == [16, 16, 13]
+    assert waves[1] == ([3] * 14 + [4] * 2, list(range(98, 114)), list(range(336, 350)) + [290, 291])
     assert past_prompt_waves([], True, 5) == past_prompt_waves([], False, 5) == []
     # without prompt lengths (vLLM's own worker) every chunk is all prompt and may end it
-    assert prompt_rows(starts, lengths, 2, 3) == [(2, 2, 12, 10, True), (3, 12, 24, 32, True), (4, 24, 29, 45, True)]
+    assert [row[4] for row in prompt_rows(starts, lengths, 2, 5)] == [True] * 5
 
 
 def test_the_builders_see_the_prompt_lengths_of_the_batch_each_runner_builds():

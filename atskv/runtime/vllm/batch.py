@@ -32,37 +32,55 @@ def prefill_share(metadata, decodes: int):
     )
 
 
+# A prompt's last tokens may reach the model as one-token rows (a scheduler step with one token of
+# budget left for it), which vLLM runs as decodes, in CUDA graphs where no Python runs: the chunk
+# that reaches into the prompt's last PROMPT_TAIL tokens ends it for the selectors that rank it,
+# and the tokens after that chunk are read as decodes are (`past_prompt_rows`), whichever way
+# they come.
+PROMPT_TAIL = 64
+
+
+def prompt_end(prompt: int) -> int:
+    """The position from which a chunk that reaches it ends its prompt (`PROMPT_TAIL`)."""
+    return max(1, prompt - PROMPT_TAIL)
+
+
 def prompt_rows(query_start_loc_cpu, seq_lens_cpu, decodes: int, prefills: int,
                 prompt_lens_cpu=None) -> list[tuple[int, int, int, int, bool]]:  # fmt: skip
     """(row, first token, end token, tokens so far, last) of each prefill request's prompt tokens
     after the `decodes` one-token ones, as host ints (vLLM's host copies of the batch's offsets and
-    lengths). `last`: they end the request's prompt, by `prompt_lens_cpu` (each row's prompt length,
-    where the worker hands them over: `AtskvWorker`); without them every chunk may. Tokens past the
-    prompt (a recompute's outputs: `past_prompt_rows`) are left out."""
+    lengths). With `prompt_lens_cpu` (each row's prompt length, where the worker hands them over:
+    `AtskvWorker`), `last` marks the chunk that reaches the prompt's end (`prompt_end`), and the
+    tokens after that chunk (and a recompute's outputs) are left to `past_prompt_rows`; without
+    them every chunk is prompt and may be the last."""
     starts, lengths = query_start_loc_cpu.tolist(), seq_lens_cpu.tolist()
     prompts = None if prompt_lens_cpu is None else prompt_lens_cpu.tolist()
     rows = []
     for r in range(decodes, decodes + prefills):
         start, end, length = starts[r], starts[r + 1], lengths[r]
-        stop = length if prompts is None else min(length, prompts[r])  # the chunk's prompt part ends there
         first = length - (end - start)  # the chunk's first position
-        if stop > first:
-            rows.append((r, start, start + stop - first, stop, prompts is None or stop >= prompts[r]))
+        if prompts is None:
+            rows.append((r, start, end, length, True))
+        elif first < prompt_end(prompts[r]):
+            stop = min(length, prompts[r])
+            rows.append((r, start, start + stop - first, stop, stop >= prompt_end(prompts[r])))
     return rows
 
 
 def past_prompt_rows(query_start_loc_cpu, seq_lens_cpu, decodes: int, prefills: int,
                      prompt_lens_cpu) -> list[tuple[int, int, int, int]]:  # fmt: skip
-    """(row, first token, end token, first position) of the tokens past each prefill request's
-    prompt: a preempted request's outputs, which vLLM recomputes in one prefill with its prompt.
-    They were decoded sparsely and are read so again (the selector's read set, in order): the
-    recompute then attends as the first run did, and never over blocks freed since (`free_blocks`
-    frees by the prompt's length, as vLLM's own R-SWA layers do)."""
+    """(row, first token, end token, first position) of each prefill request's tokens read as
+    decodes are: those after the chunk that ended its prompt (`PROMPT_TAIL`), and a preempted
+    request's outputs, which vLLM recomputes in one prefill with its prompt. The outputs were
+    decoded sparsely and are read so again (the selector's read set, in order): the recompute then
+    attends as the first run did, and never over blocks freed since (`free_blocks` frees by the
+    prompt's length, as vLLM's own R-SWA layers mask past the prompt in prefill too)."""
     starts, lengths, prompts = query_start_loc_cpu.tolist(), seq_lens_cpu.tolist(), prompt_lens_cpu.tolist()
     rows = []
     for r in range(decodes, decodes + prefills):
         start, end, length = starts[r], starts[r + 1], lengths[r]
-        first = max(length - (end - start), prompts[r])  # the first position past the prompt
+        first = length - (end - start)
+        first = first if first >= prompt_end(prompts[r]) else max(first, prompts[r])  # the first one read so
         if length > first:
             rows.append((r, end - (length - first), end, first))
     return rows
