@@ -288,8 +288,34 @@ def test_streaming_llm_frees_only_blocks_no_later_query_reads(budget, sinks, pro
     assert len(freed) >= len(wholly_unread) - 1
 
 
+@pytest.mark.parametrize("recent_fraction", [0.5, 0.0, 0.3])
+@pytest.mark.parametrize("budget, prompt", [(0.05, 3000), (0.3, 200), (100, 700), (40, 90), (20, 20), (1, 5000)])
+def test_compacted_lists_free_only_blocks_no_later_query_reads(budget, prompt, recent_fraction):
+    """H2O's and the learned selector's rule (`compacted_unread_blocks`): wherever the prompt's list
+    was ranked and compacted (at its end, or at a chunk that ended up to `PROMPT_TAIL` short of it,
+    the rest read as decodes), its moved tokens' slots, its recent window and every later token lie
+    outside the blocks freed once the prompt is in; nothing before it is freed, and a long prompt
+    frees most of its blocks."""
+    from atskv.kernels.budget import kept_count
+    from atskv.runtime.vllm.batch import prompt_end
+    from atskv.runtime.vllm.heavy_hitters import compacted_unread_blocks, recent_window
+
+    assert not compacted_unread_blocks(prompt - 1, prompt, budget, BLOCK, recent_fraction)
+    freed = set(compacted_unread_blocks(prompt, prompt, budget, BLOCK, recent_fraction))
+    assert freed == set(compacted_unread_blocks(prompt + 500, prompt, budget, BLOCK, recent_fraction))
+    for ranked_at in range(prompt_end(prompt), prompt + 1):
+        count = kept_count(budget, ranked_at)
+        window = recent_window(count, recent_fraction)
+        held = set(range(count - window)) | set(range(ranked_at - window, prompt + 300))
+        assert not freed & {p // BLOCK for p in held}, ranked_at
+    if prompt >= 3000:
+        assert len(freed) > 0.8 * prompt / BLOCK
+
+
 def test_quest_frees_nothing():
-    assert not PagedQuest.frees_blocks and PagedStreamingLLM.frees_blocks
+    from atskv.runtime.vllm.selection import PagedH2O
+
+    assert not PagedQuest.frees_blocks and PagedStreamingLLM.frees_blocks and PagedH2O.frees_blocks
 
 
 @pytest.mark.parametrize("split_size, stages", [(32, 1), (10_000, 1), (16, 3), (10_000, 2)])
@@ -586,15 +612,21 @@ def test_a_chunk_known_not_to_end_its_prompt_adds_its_mass_and_ranks_nothing(cac
     assert not torch.equal(state.prompt_mass, mass) and not torch.equal(state.kept, kept)
 
 
-@pytest.mark.parametrize("flash_lse, last_known", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("flash_lse, last_known, compact", [(False, False, False), (True, False, False),
+                                                             (False, True, False), (False, True, True)])  # fmt: skip
 @pytest.mark.parametrize("budget", [0.25, 20, 3, 500])
-def test_paged_h2o_reads_and_accumulates_what_h2o_keeps(budget, flash_lse, last_known):
+def test_paged_h2o_reads_and_accumulates_what_h2o_keeps(budget, flash_lse, last_known, compact):
     """Prompts observed chunk by chunk, then 4 decode steps of the whole batch (a request shorter
     than the widest list, and a padded row of length 0 whose stale block table is another
     request's): each step reads exactly the tokens atskv's h2o keeps (its scores, its top budget,
     ties to the newer token), attends as over them, and each read's mass accumulates as h2o's.
     With `flash_lse` each chunk comes with its queries' log-sum-exps, as the backend takes them
-    from FlashAttention, and the mass uses them instead of its own pass."""
+    from FlashAttention, and the mass uses them instead of its own pass. With `compact`
+    (`free_blocks`) the kept tokens move to each request's first slots at its prompt's last chunk
+    and the blocks `unread_blocks` names are filled with NaN (as if another request had them):
+    the reads are the same tokens (slot j of head h its j-th kept position) and attend the same."""
+    from atskv.kernels.budget import kept_count
+    from atskv.runtime.vllm.heavy_hitters import recent_window
     from atskv.runtime.vllm.selection import PagedH2O, slot_view
     from atskv.selectors.base import LayerView, select_top_budget
     from atskv.selectors.h2o import H2OSelector
@@ -605,7 +637,7 @@ def test_paged_h2o_reads_and_accumulates_what_h2o_keeps(budget, flash_lse, last_
     lengths, generated, chunk = cache.lengths, GENERATED, CHUNK
     queries = [torch.randn(p, HQ, D, generator=generator) for p in prompts]
     selector, reference = PagedH2O(), H2OSelector()
-    key_slots = slot_view(cache.split()[0], 1)[0]
+    key_slots, value_slots = (slot_view(c, 1)[0] for c in cache.split())
     state = selector.new_state(key_slots.shape[1] // BLOCK, BLOCK, HKV, D, torch.float32, "cpu")
     for tensor in (state.prompt_mass, state.kept_value):
         tensor.uniform_(5, 6, generator=generator)  # stale: an earlier tenant's
@@ -616,7 +648,8 @@ def test_paged_h2o_reads_and_accumulates_what_h2o_keeps(budget, flash_lse, last_
             lse = causal_lse(queries[r][start:stop], cache.keys[r][:stop]) if flash_lse else None
             last = stop == prompt or not last_known
             selector.observe_prompt(state, PromptChunk(queries[r][start:stop], key_slots, cache.block_table[r], stop,
-                                                       BLOCK, D**-0.5, budget, lse=lse, last=last))  # fmt: skip
+                                                       BLOCK, D**-0.5, budget, lse=lse, last=last,
+                                                       value_slots=value_slots, compact=compact and last))  # fmt: skip
 
     def grouped_logits(q, keys):  # q [Tq, HQ, D], keys [n, HKV, D] -> [HKV, G, Tq, n]
         k = keys.transpose(0, 1).unsqueeze(1)
@@ -636,6 +669,18 @@ def test_paged_h2o_reads_and_accumulates_what_h2o_keeps(budget, flash_lse, last_
         return select_top_budget(reference.scores(view), kept[r].unsqueeze(2), budget, at, view.context)[:, :, 0]
 
     kept = [h2o_keep(r, p) for r, p in enumerate(prompts)]
+    position_of = [[{} for _ in range(HKV)] for _ in prompts]  # a compacted slot's position
+    if compact:
+        freed = 0
+        for r, prompt in enumerate(prompts):
+            window = recent_window(kept_count(budget, prompt), selector.recent_fraction)
+            for h in range(HKV):
+                hitters = kept[r][0, h, : prompt - window].nonzero().view(-1).tolist()
+                position_of[r][h] = dict(enumerate(hitters))
+            unread = selector.unread_blocks(prompt, prompt, budget, BLOCK)
+            cache.kv_cache[cache.block_table[r, list(unread)].long()] = torch.nan  # another request's now
+            freed += len(unread)
+        assert freed or budget == 500, "the longer prompts free blocks"
     rows = len(lengths)
     table = torch.cat([cache.block_table, cache.block_table[1:2]])  # a padded row: a stale table, length 0
     for g in range(generated):
@@ -656,11 +701,10 @@ def test_paged_h2o_reads_and_accumulates_what_h2o_keeps(budget, flash_lse, last_
             want = (probs @ cache.values[r][:n].transpose(0, 1).unsqueeze(1)).reshape(HQ, D)
             torch.testing.assert_close(out[r], want, rtol=1e-4, atol=1e-5)
             for h in range(HKV):
-                read = positions[r, h, : counts[r, h]].tolist()
+                read = [position_of[r][h].get(at, at) for at in positions[r, h, : counts[r, h]].tolist()]
                 assert sorted(read) == kept[r][0, h].nonzero().view(-1).tolist(), (g, r, h)
                 listed = state.kept_value[cache.slot(r, torch.arange(counts[r, h])).long(), h]
-                by_position = masses[r][0, h, positions[r, h, : counts[r, h]].long()]
-                torch.testing.assert_close(listed, by_position, rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(listed, masses[r][0, h, read], rtol=1e-4, atol=1e-5)
 
 
 def engine_ready_predictor(folder, layers: tuple[int, ...]) -> str:

@@ -233,15 +233,16 @@ class AtskvAttentionImpl(FlashAttentionImpl):
         rows = metadata.__dict__.get("atskv_prompt_rows")
         if not rows or self.state is None:  # none, or vLLM's profiling run before the cache exists
             return
-        key_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)[0]  # [blocks, block_size, Hkv, D]
-        key_slots = slot_view(key_cache, 1)[0]
+        key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)  # [blocks, size, Hkv, D]
+        key_slots, value_slots = slot_view(key_cache, 1)[0], slot_view(value_cache, 1)[0]
+        known = metadata.__dict__.get("atskv_past_rows") is not None  # the prompts' lengths, from the worker
         queries = query.view(query.shape[0], -1, self.head_size)
         step = metadata.__dict__.setdefault("atskv_step", {})
         for row, start, stop, length, last in rows:  # a sparse layer's: `sparse_layer` named the selector's layer
             rows_lse = None if lse is None else lse[:, start - lse_offset : stop - lse_offset].float()
             chunk = PromptChunk(queries[start:stop], key_slots, metadata.block_table[row], length, key_cache.shape[1],
-                                self.scale, self.config.budget, self.selector.layer, row, step, rows_lse,
-                                last)  # fmt: skip
+                                self.scale, self.config.budget, self.selector.layer, row, step, rows_lse, last,
+                                value_slots, self.config.free_blocks and known and last)  # fmt: skip
             self.selector.observe_prompt(self.state, chunk)
 
 

@@ -137,7 +137,9 @@ class PromptChunk:
     backend has them, the queries' log-sum-exps over the request's tokens so far from the chunk's
     own FlashAttention, which spares a selector's mass its own pass over the keys for them; `last`
     False when the chunk is known not to end the prompt: a selector that ranks the whole prompt
-    then only adds what the chunk gives (its rank at an earlier chunk is never read)."""
+    then only adds what the chunk gives (its rank at an earlier chunk is never read); `compact`
+    (`free_blocks`, at the chunk known to end the prompt) the kept tokens move to the request's
+    first slots, their KV in `key_slots` and `value_slots` (`KeptLists.compact`)."""
 
     queries: torch.Tensor
     key_slots: torch.Tensor
@@ -151,11 +153,17 @@ class PromptChunk:
     step: dict = dataclasses.field(default_factory=dict)
     lse: torch.Tensor | None = None
     last: bool = True
+    value_slots: torch.Tensor | None = None
+    compact: bool = False
 
     def slots(self, start: int, stop: int) -> torch.Tensor:
         """Physical slots (long) of the request's positions `start .. stop - 1`."""
-        at = torch.arange(start, stop, device=self.table_row.device).view(1, 1, -1)
-        return physical_slots(at, self.table_row.view(1, -1), self.block_size).view(-1).long()
+        return self.slots_of(torch.arange(start, stop, device=self.table_row.device)).view(-1)
+
+    def slots_of(self, positions: torch.Tensor) -> torch.Tensor:
+        """Physical slots (long) of the request's `positions` (any shape)."""
+        at = physical_slots(positions.reshape(1, 1, -1), self.table_row.view(1, -1), self.block_size)
+        return at.view(positions.shape).long()
 
     def keys(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """The request's keys `[Hkv, stop - start, D]` (to `length` by default)."""

@@ -21,8 +21,9 @@ class PluginConfig:
     layers attend in full, as in `atskv.sparse` (sliding-window layers always do). `options`: the
     selector's own (e.g. `{"sinks": 4}` for streaming_llm; a composition's by part name, and
     `residency_budget`). `free_blocks`: the blocks a selector that `frees_blocks` will not read go
-    back to vLLM's pool, so more requests fit (needs `worker_cls=WORKER` and prefix caching off:
-    `atskv.runtime.vllm.freeing`)."""
+    back to vLLM's pool, so more requests fit: StreamingLLM's outside its sinks and window, H2O's
+    and the learned selector's once their kept tokens are compacted at the prompt's end (needs
+    `worker_cls=WORKER` and prefix caching off: `atskv.runtime.vllm.freeing`)."""
 
     selector: str = "quest"
     budget: int | float = 0.05
@@ -47,8 +48,8 @@ class PluginConfig:
             raise InputError(f"atskv: free_blocks must be true or false, got {self.free_blocks!r}")
         if self.free_blocks and (self.dense or not selector.frees_blocks):
             freeing = [name for name, cls in PAGED_SELECTORS.items() if cls.frees_blocks]
-            raise InputError(f"atskv: free_blocks needs a budget below 1.0 and a selector whose reads follow "
-                             f"from a request's length: {', '.join(freeing)}")  # fmt: skip
+            raise InputError(f"atskv: free_blocks needs a budget below 1.0 and a selector that frees blocks: "
+                             f"{', '.join(freeing)} (learned without refresh_every)")  # fmt: skip
 
     @property
     def dense(self) -> bool:

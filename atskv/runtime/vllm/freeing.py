@@ -1,7 +1,9 @@
 """Memory turned into concurrency: the blocks a selector never reads again go back to vLLM's pool.
 
-A layer whose selector reads by a rule of the request's length alone (`frees_blocks`:
-StreamingLLM's sinks and recent window) declares itself to vLLM with `UnreadBlocksSpec`, a
+A layer whose selector leaves blocks unread by a rule of the request's lengths alone
+(`frees_blocks`: StreamingLLM's sinks and recent window; H2O's and the learned selector's kept
+tokens, compacted into the request's first slots at the prompt's end) declares itself to vLLM
+with `UnreadBlocksSpec`, a
 full-attention KV spec that names the selector and its budget. vLLM's scheduler then manages that
 layer's blocks with `UnreadBlocksManager`: each step, before it allocates, the blocks the selector
 will not read (`unread_blocks`) leave the request's block table (vLLM's null block takes their
@@ -83,15 +85,14 @@ class UnreadBlocksManager(FullAttentionManager):
 
     def __init__(self, kv_cache_spec: UnreadBlocksSpec, **kwargs):
         super().__init__(kv_cache_spec, **kwargs)
-        self.selector = PAGED_SELECTORS[kv_cache_spec.selector](**dict(kv_cache_spec.options))
+        self.unread_blocks = PAGED_SELECTORS[kv_cache_spec.selector].freeing_rule(dict(kv_cache_spec.options))
         self.budget = kv_cache_spec.budget
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:  # fmt: skip
         if num_prompt_tokens is None:  # a caller that does not say where the prompt ends: keep all
             return
-        unread = self.selector.unread_blocks(processed_computed_tokens, num_prompt_tokens, self.budget,
-                                             self.block_size)  # fmt: skip
+        unread = self.unread_blocks(processed_computed_tokens, num_prompt_tokens, self.budget, self.block_size)
         self._remove_blocks_in_range(request_id, unread.start, unread.stop)
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:

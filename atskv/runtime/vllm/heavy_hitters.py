@@ -13,7 +13,10 @@ than its budget at most: the new one enters the list, and when the budget did no
 (value, position) leaves, its entry taking the new token; H2O then adds the mass the read gave
 each kept token. Blocks a request gets are its own until it finishes (prefix caching is refused
 with a selector that scores the prompt); every write of a row past its list (a short request in a
-wide batch, vLLM's padded rows of length 0) goes to a spare last row.
+wide batch, vLLM's padded rows of length 0) goes to a spare last row. With `free_blocks` the list
+is compacted where the prompt ends (`KeptLists.compact`): the kept tokens move into the request's
+first slots, and the blocks between them and the recent window go back to vLLM's pool
+(`compacted_unread_blocks`, a rule of the prompt's length that vLLM's scheduler applies).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from atskv.errors import InputError
 from atskv.kernels.budget import kept_count
 from atskv.kernels.kept_lists import add_list_values, kept_list_step
 from atskv.kernels.received_mass import prefix_lse, prefix_received_mass
-from atskv.runtime.vllm.batch import PromptChunk
+from atskv.runtime.vllm.batch import PromptChunk, prompt_end
 from atskv.runtime.vllm.prompt_ranks import rank_newest_first
 
 
@@ -67,12 +70,37 @@ class KeptLists:
         highest values (ties to the newer token)."""
         length = values.shape[-1]
         count = kept_count(chunk.budget, length)
-        window = int((torch.tensor(count) * recent_fraction).long())  # the decode step's float32 rounding
+        window = recent_window(count, recent_fraction)
         recent = torch.arange(length, device=values.device) > length - 1 - window
         order = rank_newest_first(torch.where(recent, torch.inf, values))[:, :count]  # [Hkv, count]
         at = chunk.slots(0, count)
         self.kept[at] = order.t().int()
         self.kept_value[at] = values.gather(1, order).t()
+        if chunk.compact:
+            self.compact(chunk, order, window)
+
+    def compact(self, chunk: PromptChunk, order: torch.Tensor, window: int) -> None:
+        """`free_blocks` for an evicting selector: the request's kept tokens outside the recent
+        window (`order[:, window:]`, `[Hkv, n]` positions), in position order per KV head, move
+        into its first `n` slots (KV head h's j-th into slot j of head h: heads attend apart, keys
+        carry their rotary positions) and their list entries name those slots. Every kept token
+        then lies in the request's first blocks, its recent window or after it, so the blocks
+        between hold nothing a later query reads (`compacted_unread_blocks`). Ties and recency
+        compare slots as they compared positions: the moved tokens keep their order, all below
+        the window's. Only at the prompt's end (a chunk after it would read the moved slots as
+        positions); the prompt's per-slot mass is not moved (nothing reads it after the prompt)."""
+        hitters, rank = order[:, window:].sort(dim=-1)
+        n = hitters.shape[-1]
+        if n == 0:
+            return
+        heads = torch.arange(hitters.shape[0], device=hitters.device).view(-1, 1)
+        source, target = chunk.slots_of(hitters), chunk.slots(0, n).view(1, -1)
+        for cache in (chunk.key_slots, chunk.value_slots):
+            cache[heads, target] = cache[heads, source]  # gathered first: a moved token may land on another's slot
+        entries = chunk.slots(window, window + n)
+        moved_values = self.kept_value[entries].t().gather(1, rank)
+        self.kept[entries] = torch.arange(n, device=hitters.device, dtype=torch.int32).view(-1, 1).expand(n, len(heads))
+        self.kept_value[entries] = moved_values.t()
 
     def step(self, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, budget: int | float,
              recent_fraction: float, new_value: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -93,6 +121,26 @@ class KeptLists:
         (entries past a list get what the read gave them, nothing that counts: an entry joins a
         list only as a new token, its value reset)."""
         add_list_values(self.kept_value, mass, block_table, seq_lens, block_size)
+
+
+def recent_window(count: int, recent_fraction: float) -> int:
+    """The newest `recent_fraction` of a list of `count` (float32, as the decode step rounds it)."""
+    return int((torch.tensor(count) * recent_fraction).long())
+
+
+def compacted_unread_blocks(processed: int, prompt: int, budget: int | float, block_size: int,
+                            recent_fraction: float) -> range:  # fmt: skip
+    """The logical blocks of a request no later query reads once its kept lists are compacted
+    (`KeptLists.compact`): those after its first `count - window` slots (where the moved tokens
+    lie) and before its recent window, once the prompt is in. The list is ranked and compacted
+    at the chunk that reaches the prompt's last `PROMPT_TAIL` tokens, at a length up to that much
+    short of the prompt, so the window may start that much earlier; the moved tokens are fewer
+    there, never more."""
+    if processed < prompt:
+        return range(0)
+    count = kept_count(budget, prompt)
+    window = recent_window(count, recent_fraction)
+    return range(-(-(count - window) // block_size), max(0, prompt_end(prompt) - window) // block_size)
 
 
 def chunk_mass(chunk: PromptChunk, keys: torch.Tensor, sample: int = 1) -> torch.Tensor:

@@ -37,7 +37,7 @@ from atskv.kernels.kept_lists import by_head
 from atskv.kernels.listed_refresh import fold_mlp, refresh_listed_scores
 from atskv.kernels.paged import physical_slots
 from atskv.runtime.vllm.batch import PromptChunk
-from atskv.runtime.vllm.heavy_hitters import KeptLists, check_prompt_sample, chunk_mass
+from atskv.runtime.vllm.heavy_hitters import KeptLists, check_prompt_sample, chunk_mass, compacted_unread_blocks
 from atskv.runtime.vllm.prompt_ranks import window_votes
 from atskv.runtime.vllm.protocol import PagedSelector
 
@@ -86,11 +86,12 @@ class PagedLearned(PagedSelector):
     """atskv's learned selector over vLLM's paged cache (see the module docstring). `predictor`: the
     exported predictor's folder or file."""
 
-    name: ClassVar[str] = "learned"  # frees no block: which hold kept tokens differs per layer and KV head
+    name: ClassVar[str] = "learned"
     keeps_state: ClassVar[bool] = True
     scores_prompt: ClassVar[bool] = True
     takes_prompt_lse: ClassVar[bool] = True
     picks_in_order: ClassVar[bool] = True
+    frees_blocks: ClassVar[bool] = True  # compacted as H2O's lists are; not with a refresh (it reads positions)
     predictor: str | None = None
     # as atskv's `learned`: the share of the budget pinned for the prompt tokens its last `window`
     # queries attend most (SnapKV's vote, max-pooled over `kernel`; the window itself first)
@@ -113,7 +114,13 @@ class PagedLearned(PagedSelector):
         self.loaded = engine_predictor(str(self.predictor))
         self.managed = {layer: i for i, layer in enumerate(self.loaded.header.managed_layers)}
         self.reads_mass = self.refresh_every > 0  # the refresh's attention feature includes the reads'
+        self.frees_blocks = not self.refresh_every  # a refresh's features read the listed tokens' positions
         self._read = None  # the last pick's positions and counts, for `observe_read`
+
+    @classmethod
+    def freeing_rule(cls, options: dict):
+        """H2O's rule with no recent window (the scheduler's process loads no predictor for it)."""
+        return functools.partial(compacted_unread_blocks, recent_fraction=0.0)
 
     def new_state(self, num_blocks: int, block_size: int, kv_heads: int, head_size: int, dtype, device):
         """The kept lists (with their scores) and the prompt's mass by physical slot."""

@@ -7,6 +7,7 @@ and the compositions both read it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 from atskv.errors import InputError
@@ -34,12 +35,18 @@ class PagedSelector:
     scores_prompt: ClassVar[bool] = False  # `observe_prompt` after each prefill chunk
     takes_prompt_lse: ClassVar[bool] = False  # that chunk with FlashAttention's log-sum-exps (`PromptChunk.lse`)
     reads_mass: ClassVar[bool] = False  # `observe_read` with the mass each decode read gives
-    frees_blocks: ClassVar[bool] = False  # `unread_blocks` go back to vLLM's pool
+    frees_blocks: ClassVar[bool] = False  # `unread_blocks` go back to vLLM's pool (`freeing_rule`)
     reads_keys: ClassVar[bool] = False  # `pick` gets `keys` (the cache's `[Hkv, num_slots, D]`) and `scaling`
     query_aware: ClassVar[bool] = False  # chooses per query (else: a kept set, a composition's residency part)
     picks_among: ClassVar[bool] = False  # `pick_among` given positions: a composition's attention part
     picks_in_order: ClassVar[bool] = False  # `pick` moves the state a token on (a kept list's step)
     layer: int | None = None  # the model's layer index, set by the backend (each layer builds its own selector)
+
+    @classmethod
+    def freeing_rule(cls, options: dict) -> Callable[[int, int, int | float, int], range]:
+        """`unread_blocks(processed, prompt, budget, block_size)` of the selector with `options`,
+        for vLLM's scheduler (`frees_blocks`), which runs in a process of its own."""
+        return cls(**options).unread_blocks
 
     def after_write(self, state, key, slot_mapping, block_size: int) -> None:
         """The keys a forward just wrote, `[N, Hkv, D]` at physical `slot_mapping` (nothing by default:

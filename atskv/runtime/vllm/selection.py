@@ -12,9 +12,11 @@ block_size, budget, step)` (`step`: a dict shared by one forward's layers, for w
 computes once per batch) returns each request's logical token positions `[B, Hkv, K]` (int32),
 which the sparse decode kernel reads through the block table, and how many count per (request,
 KV head) `[B, Hkv]`, with fixed shapes and no host sync, so a decode step runs inside vLLM's CUDA
-graphs. A selector whose read set follows from a request's length alone (`frees_blocks`) also
-says which of its blocks no later query reads (`unread_blocks`), so that vLLM's scheduler can
-hand them back to the pool (`atskv.runtime.vllm.freeing`). Pure torch plus atskv's kernels:
+graphs. A selector that `frees_blocks` also says, by a rule of a request's lengths alone, which
+of its blocks no later query reads (`unread_blocks`: StreamingLLM's outside its sinks and
+window; H2O's and the learned selector's outside the slots their kept tokens were compacted into
+at the prompt's end), so that vLLM's scheduler can hand them back to the pool
+(`atskv.runtime.vllm.freeing`). Pure torch plus atskv's kernels:
 tested on the CPU against the same selectors over an unpaged cache, without vLLM.
 """
 
@@ -37,7 +39,7 @@ from atskv.kernels.quest_decode import quest_pick
 from atskv.kernels.sparq_decode import channel_rank, sparq_decode_paged
 from atskv.kernels.sparse_decode import sparse_decode_attention
 from atskv.runtime.vllm.batch import PromptChunk
-from atskv.runtime.vllm.heavy_hitters import KeptLists, check_prompt_sample, chunk_mass
+from atskv.runtime.vllm.heavy_hitters import KeptLists, check_prompt_sample, chunk_mass, compacted_unread_blocks
 from atskv.runtime.vllm.learned import PagedLearned
 from atskv.runtime.vllm.prompt_ranks import PromptRanks, rank_newest_first, window_votes
 from atskv.runtime.vllm.protocol import PagedSelector
@@ -195,12 +197,13 @@ class PagedH2O(PagedSelector):
     dropped is never read again (here a read restriction: its KV stays in vLLM's blocks). Default
     from the paper: half the budget recent (`atskv.runtime.vllm.heavy_hitters`)."""
 
-    name: ClassVar[str] = "h2o"  # frees no block: which hold kept tokens differs per layer and KV head
+    name: ClassVar[str] = "h2o"
     keeps_state: ClassVar[bool] = True
     scores_prompt: ClassVar[bool] = True
     takes_prompt_lse: ClassVar[bool] = True
     reads_mass: ClassVar[bool] = True
     picks_in_order: ClassVar[bool] = True
+    frees_blocks: ClassVar[bool] = True  # its kept tokens compacted at the prompt's end (`KeptLists.compact`)
     recent_fraction: float = 0.5
     prompt_sample: int = 1  # score the prompt with every s-th query (`chunk_mass`)
 
@@ -224,6 +227,9 @@ class PagedH2O(PagedSelector):
 
     def observe_read(self, state: KeptLists, mass, block_table, seq_lens, block_size: int) -> None:
         state.add_read_mass(mass, block_table, seq_lens, block_size)
+
+    def unread_blocks(self, processed: int, prompt: int, budget: int | float, block_size: int) -> range:
+        return compacted_unread_blocks(processed, prompt, budget, block_size, self.recent_fraction)
 
 
 PAGED_SELECTORS = {cls.name: cls for cls in (PagedQuest, PagedSparQ, PagedStreamingLLM, PagedSnapKV, PagedH2O,
