@@ -1,6 +1,7 @@
 """`free_blocks` on vLLM's own scheduler-side objects, without a GPU (vLLM needed; skipped where it
 is not installed): the registered spec finds its manager, the manager frees exactly the blocks
-StreamingLLM will not read, once the prompt is in, and a finished request gives all back; dense
+StreamingLLM (or H2O's and the learned selector's compacted lists) will not read, once the prompt
+is in, and a finished request gives all back; dense
 layers beside freeing ones are grouped apart by vLLM's own grouping and keep their blocks."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig  # noqa:
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry  # noqa: E402
 
 from atskv.runtime.vllm.freeing import KeptBlocksSpec, UnreadBlocksManager, UnreadBlocksSpec  # noqa: E402
-from atskv.runtime.vllm.selection import PagedStreamingLLM  # noqa: E402
+from atskv.runtime.vllm.selection import PAGED_SELECTORS  # noqa: E402
 
 BLOCK = 16
 
@@ -41,22 +42,30 @@ def test_the_spec_is_registered_beside_vllms_own():
         UnreadBlocksSpec.merge([spec(64), spec(32)])
 
 
-def test_the_manager_frees_what_streaming_llm_will_not_read():
+@pytest.mark.parametrize("selector, options, most", [
+    ("streaming_llm", {"sinks": 4}, 7),
+    # 2 blocks of moved tokens, the window's and the prompt's tail's, and every generated token's (those
+    # a list evicts later stay in their blocks: at 200 generated, 22 live of the 107)
+    ("h2o", {}, 22),
+    ("learned", {"predictor": "/not/loaded/by/the/scheduler"}, 22),  # no window: 4 blocks of moved tokens
+])  # fmt: skip
+def test_the_manager_frees_what_the_selector_will_not_read(selector, options, most):
     pool = BlockPool(400, enable_caching=False, hash_block_size=BLOCK)
-    manager = UnreadBlocksManager(spec(), block_pool=pool, enable_caching=False, kv_cache_group_id=0,
-                                  scheduler_block_size=BLOCK)  # fmt: skip
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    manager = UnreadBlocksManager(UnreadBlocksSpec.of(full, selector, 64, options), block_pool=pool,
+                                  enable_caching=False, kv_cache_group_id=0, scheduler_block_size=BLOCK)  # fmt: skip
     idle = pool.get_num_free_blocks()
     prompt = 1500
     manager.allocate_new_blocks("r", prompt, prompt)
     manager.remove_skipped_blocks("r", 1000, prompt)  # mid-prefill: the prompt's blocks all stay
     assert idle - pool.get_num_free_blocks() == 94
-    selector = PagedStreamingLLM(sinks=4)
+    unread_blocks = PAGED_SELECTORS[selector].freeing_rule(options)
     for processed in range(prompt, prompt + 200):  # as the scheduler runs it: free, then one more slot
         manager.remove_skipped_blocks("r", processed, prompt)
         blocks = manager.req_to_blocks["r"]
         live = {i for i, block in enumerate(blocks) if not block.is_null}
-        assert live == set(range(len(blocks))) - set(selector.unread_blocks(processed, prompt, 64, BLOCK))
-        assert idle - pool.get_num_free_blocks() == len(live) <= 7
+        assert live == set(range(len(blocks))) - set(unread_blocks(processed, prompt, 64, BLOCK))
+        assert idle - pool.get_num_free_blocks() == len(live) <= most
         manager.allocate_new_blocks("r", processed + 1, processed + 1)
     manager.free("r")
     assert pool.get_num_free_blocks() == idle
