@@ -116,10 +116,12 @@ def test_serve_frees_blocks_only_for_selectors_that_can(tmp_path, monkeypatch):
 
     commands = []
     monkeypatch.setattr(vllm_speed.subprocess, "run", lambda command, **_: commands.append(command))
-    serve(methods=["vllm", "vllm:streaming_llm", "vllm:quest"], rates=[0.5], free_blocks=True, dense_layers=2,
-          out=tmp_path)  # fmt: skip
+    serve(methods=["vllm", "vllm:streaming_llm", "vllm:quest", "vllm:learned"], rates=[0.5], free_blocks=True,
+          dense_layers=2, out=tmp_path)  # fmt: skip
     specs = {s["label"]: s for s in (json.loads(open(c[-3]).read()) for c in commands)}
-    assert set(specs) == {"vllm", "vllm:streaming_llm (free_blocks)", "vllm:quest"}
+    assert set(specs) == {"vllm", "vllm:streaming_llm (free_blocks)", "vllm:quest", "vllm:learned (free_blocks)"}
+    learned = specs["vllm:learned (free_blocks)"]  # timed with a random predictor of the shape, made once
+    assert (Path(learned["options"]["predictor"]) / "predictor.safetensors").is_file()
     freeing = specs["vllm:streaming_llm (free_blocks)"]
     assert freeing["free_blocks"] and freeing["dense_layers"] == 2  # dense layers keep theirs beside
     assert not specs["vllm:quest"]["free_blocks"] and specs["vllm:quest"]["dense_layers"] == 2

@@ -244,8 +244,9 @@ def serve(
         new_tokens: tokens each request generates.
         budget: the plugin's KV budget per KV head: tokens (int) or a fraction of the context.
         dense_layers: first layers kept dense by the plugin.
-        free_blocks: selectors that read by length alone (streaming_llm) hand the blocks their
-            sparse layers will not read back to vLLM's pool (rows labelled "<method> (free_blocks)").
+        free_blocks: selectors that free blocks (streaming_llm; h2o and learned, their kept tokens
+            compacted) hand the blocks their sparse layers will not read back to vLLM's pool (rows
+            labelled "<method> (free_blocks)"); the learned selector is timed with a random predictor.
         limit_s: a trace stops here, finished or not.
         out: output folder.
     """
@@ -264,8 +265,9 @@ def serve(
     def spec(method: str) -> vllm_speed.EngineSpec:
         selector = PAGED_SELECTORS.get(Method.parse(method).name)
         frees = free_blocks and selector is not None and selector.frees_blocks
-        return vllm_speed.EngineSpec(method, str(shape), [], new_tokens, budget, dense_layers, free_blocks=frees,
-                                     label=f"{method} (free_blocks)" if frees else "")  # fmt: skip
+        options = vllm_speed.timing_options(method, {}, model, dense_layers, shape.parent / "predictor")
+        return vllm_speed.EngineSpec(method, str(shape), [], new_tokens, budget, dense_layers, options,
+                                     free_blocks=frees, label=f"{method} (free_blocks)" if frees else "")  # fmt: skip
 
     specs = [spec(m) for m in methods]
     traces = [vllm_trace.Trace(r, requests, shortest, longest, new_tokens, limit_s=limit_s) for r in rates]

@@ -71,7 +71,8 @@ from pathlib import Path
 from atskv.eval import vllm_speed, vllm_trace
 shape = vllm_speed.write_shape("llama3.1-8b", Path(tempfile.mkdtemp()) / "llama3.1-8b")
 free = sys.argv[3] == "free"
-spec = vllm_speed.EngineSpec(sys.argv[2], str(shape), [], free_blocks=free,
+options = vllm_speed.timing_options(sys.argv[2], {}, "llama3.1-8b", 2, shape.parent / "predictor")
+spec = vllm_speed.EngineSpec(sys.argv[2], str(shape), [], options=options, free_blocks=free,
                              label=sys.argv[2] + (" (free_blocks)" if free else ""))
 rows = Path(sys.argv[1]) / "trace.jsonl"
 traces = [vllm_trace.Trace(rate=float(r), requests=int(os.environ.get("REQUESTS", 32)), new_tokens=int(sys.argv[4]),
@@ -87,7 +88,8 @@ from pathlib import Path
 from atskv.eval import vllm_speed, vllm_trace
 shape = vllm_speed.write_shape("llama3.1-8b", Path(tempfile.mkdtemp()) / "llama3.1-8b")
 free, dense = sys.argv[3] == "free", int(sys.argv[4])
-spec = vllm_speed.EngineSpec(sys.argv[2], str(shape), [], free_blocks=free, dense_layers=dense,
+options = vllm_speed.timing_options(sys.argv[2], {}, "llama3.1-8b", dense, shape.parent / "predictor")
+spec = vllm_speed.EngineSpec(sys.argv[2], str(shape), [], options=options, free_blocks=free, dense_layers=dense,
                              label=sys.argv[2] + (f" (free_blocks, {dense} dense)" if free else ""))
 rows = Path(sys.argv[1]) / "inflight.jsonl"
 vllm_trace.measure([spec], [vllm_trace.Trace(rate=50.0, requests=12, shortest=131072, new_tokens=256, limit_s=140)], rows)
