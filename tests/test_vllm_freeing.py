@@ -48,6 +48,7 @@ def test_the_spec_is_registered_beside_vllms_own():
     # a list evicts later stay in their blocks: at 200 generated, 22 live of the 107)
     ("h2o", {}, 22),
     ("learned", {"predictor": "/not/loaded/by/the/scheduler"}, 22),  # no window: 4 blocks of moved tokens
+    ("snapkv", {}, 24),  # its 64 best (4 blocks), its window of up to 32 before the prompt's tail
 ])  # fmt: skip
 def test_the_manager_frees_what_the_selector_will_not_read(selector, options, most):
     pool = BlockPool(400, enable_caching=False, hash_block_size=BLOCK)

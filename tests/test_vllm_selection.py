@@ -312,10 +312,34 @@ def test_compacted_lists_free_only_blocks_no_later_query_reads(budget, prompt, r
         assert len(freed) > 0.8 * prompt / BLOCK
 
 
-def test_quest_frees_nothing():
-    from atskv.runtime.vllm.selection import PagedH2O
+@pytest.mark.parametrize("window", [32, 4])
+@pytest.mark.parametrize("budget, prompt", [(0.05, 3000), (0.3, 200), (100, 700), (40, 90), (20, 20), (1, 5000)])
+def test_a_compacted_ranking_frees_only_blocks_no_later_query_reads(budget, prompt, window):
+    """SnapKV's rule (`compacted_ranking_unread_blocks`): wherever the ranking was made (at the
+    prompt's end or up to `PROMPT_TAIL` short of it, with a window of up to `window` queries), the
+    slots its best tokens move into (as many as the first later query reads), its window and every
+    later token lie outside the freed blocks; a long prompt frees most of its blocks."""
+    from atskv.kernels.budget import kept_count
+    from atskv.runtime.vllm.batch import prompt_end
+    from atskv.runtime.vllm.prompt_ranks import compacted_ranking_unread_blocks
 
-    assert not PagedQuest.frees_blocks and PagedStreamingLLM.frees_blocks and PagedH2O.frees_blocks
+    assert not compacted_ranking_unread_blocks(prompt - 1, prompt, budget, BLOCK, window)
+    freed = set(compacted_ranking_unread_blocks(prompt, prompt, budget, BLOCK, window))
+    for ranked_at in range(prompt_end(prompt), prompt + 1):
+        for w in range(1, min(window, ranked_at) + 1):
+            start = ranked_at - w
+            take = min(start, max(0, kept_count(budget, ranked_at + 1) - (ranked_at + 1 - start)))
+            held = set(range(take)) | set(range(start, prompt + 300))
+            assert not freed & {p // BLOCK for p in held}, (ranked_at, w)
+    if prompt >= 3000:
+        assert len(freed) > 0.8 * prompt / BLOCK
+
+
+def test_quest_frees_nothing():
+    from atskv.runtime.vllm.selection import PagedH2O, PagedSnapKV
+
+    assert not PagedQuest.frees_blocks
+    assert PagedStreamingLLM.frees_blocks and PagedH2O.frees_blocks and PagedSnapKV.frees_blocks
 
 
 @pytest.mark.parametrize("split_size, stages", [(32, 1), (10_000, 1), (16, 3), (10_000, 2)])
@@ -466,13 +490,16 @@ def test_the_builders_see_the_prompt_lengths_of_the_batch_each_runner_builds():
     assert read().tolist() == [5]
 
 
-@pytest.mark.parametrize("last_known", [False, True])
+@pytest.mark.parametrize("last_known, compact", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("budget", [0.25, 20, 3, 500])
-def test_paged_snapkv_reads_what_snapkv_keeps(budget, last_known, monkeypatch):
+def test_paged_snapkv_reads_what_snapkv_keeps(budget, last_known, compact, monkeypatch):
     """Prompts scored chunk by chunk (the last chunk's ranking stands; `last_known`: only the last
     one ranks, as with atskv's worker), then decode queries with 3 tokens generated: each reads
     exactly the tokens atskv's snapkv keeps at that context (scores from the prompt's last queries,
-    +inf for its window and what was generated), ties included."""
+    +inf for its window and what was generated), ties included. With `compact` (`free_blocks`)
+    the best-ranked tokens move to each request's first slots where its prompt ends and the
+    blocks `unread_blocks` names are filled with NaN: each read slot holds the key of a token
+    snapkv keeps (told by content), and together they are that set."""
     from atskv.runtime.vllm import prompt_ranks
     from atskv.runtime.vllm.selection import PagedSnapKV, slot_view
     from atskv.selectors.base import LayerView, select_top_budget
@@ -485,7 +512,7 @@ def test_paged_snapkv_reads_what_snapkv_keeps(budget, last_known, monkeypatch):
     cache.fill(chunk=chunk)
     queries = [torch.randn(n, HQ, D, generator=generator) for n in lengths]
     selector = PagedSnapKV(window=4, kernel=3)
-    key_slots = slot_view(cache.split()[0], 1)[0]
+    key_slots, value_slots = (slot_view(c, 1)[0] for c in cache.split())
     state = selector.new_state(key_slots.shape[1] // BLOCK, BLOCK, HKV, D, torch.float32, "cpu")
     state.ranked.fill_(7)  # stale: an earlier tenant's
     for r, n in enumerate(lengths):
@@ -494,7 +521,11 @@ def test_paged_snapkv_reads_what_snapkv_keeps(budget, last_known, monkeypatch):
             stop = min(prompt, start + chunk)
             chunk_queries, last = queries[r][start:stop], stop == prompt or not last_known
             selector.observe_prompt(state, PromptChunk(chunk_queries, key_slots, cache.block_table[r], stop, BLOCK,
-                                                       D**-0.5, budget, last=last))  # fmt: skip
+                                                       D**-0.5, budget, last=last, value_slots=value_slots,
+                                                       compact=compact and last))  # fmt: skip
+        if compact:
+            unread = selector.unread_blocks(prompt, prompt, budget, BLOCK)
+            cache.kv_cache[cache.block_table[r, list(unread)].long()] = torch.nan  # another request's now
     seq_lens = torch.tensor(lengths, dtype=torch.int32)
     positions, counts = selector.pick(torch.randn(len(lengths), HQ, D), HKV, state, cache.block_table, seq_lens, BLOCK,
                                       budget)  # fmt: skip
@@ -511,7 +542,9 @@ def test_paged_snapkv_reads_what_snapkv_keeps(budget, last_known, monkeypatch):
         keep = select_top_budget(scores, torch.ones(1, HKV, 1, n, dtype=torch.bool), budget, everything,
                                  torch.tensor([[[n]]]))[0, :, 0]  # fmt: skip
         for h in range(HKV):
-            read = positions[r, h, : counts[r, h]].tolist()
+            read = positions[r, h, : counts[r, h]]
+            held = key_slots[h, cache.slot(r, read).long()]  # what the slots hold: told apart by content
+            read = (held.unsqueeze(1) == cache.keys[r][:, h].unsqueeze(0)).all(-1).nonzero()[:, 1].tolist()
             assert sorted(read) == keep[h].nonzero().view(-1).tolist() and len(set(read)) == len(read), (r, h)
 
 

@@ -21,8 +21,9 @@ class PluginConfig:
     layers attend in full, as in `atskv.sparse` (sliding-window layers always do). `options`: the
     selector's own (e.g. `{"sinks": 4}` for streaming_llm; a composition's by part name, and
     `residency_budget`). `free_blocks`: the blocks a selector that `frees_blocks` will not read go
-    back to vLLM's pool, so more requests fit: StreamingLLM's outside its sinks and window, H2O's
-    and the learned selector's once their kept tokens are compacted at the prompt's end (needs
+    back to vLLM's pool, so more requests fit: StreamingLLM's outside its sinks and window,
+    SnapKV's, H2O's and the learned selector's once their kept tokens are compacted at the
+    prompt's end (needs
     `worker_cls=WORKER` and prefix caching off: `atskv.runtime.vllm.freeing`)."""
 
     selector: str = "quest"

@@ -1,13 +1,13 @@
 """Memory turned into concurrency: the blocks a selector never reads again go back to vLLM's pool.
 
 A layer whose selector leaves blocks unread by a rule of the request's lengths alone
-(`frees_blocks`: StreamingLLM's sinks and recent window; H2O's and the learned selector's kept
-tokens, compacted into the request's first slots at the prompt's end) declares itself to vLLM
-with `UnreadBlocksSpec`, a
-full-attention KV spec that names the selector and its budget. vLLM's scheduler then manages that
-layer's blocks with `UnreadBlocksManager`: each step, before it allocates, the blocks the selector
-will not read (`unread_blocks`) leave the request's block table (vLLM's null block takes their
-place, so logical positions stay) and return to the pool, and the scheduler admits more requests.
+(`frees_blocks`: StreamingLLM's sinks and recent window; SnapKV's, H2O's and the learned
+selector's kept tokens, compacted into the request's first slots at the prompt's end) declares
+itself to vLLM with `UnreadBlocksSpec`, a full-attention KV spec that names the selector and its
+budget. vLLM's scheduler then manages that layer's blocks with `UnreadBlocksManager`: each step,
+before it allocates, the blocks the selector will not read (`unread_blocks`) leave the request's
+block table (vLLM's null block takes their place, so logical positions stay) and return to the
+pool, and the scheduler admits more requests.
 The same hook frees sliding-window layers' blocks in vLLM itself (`remove_skipped_blocks`).
 
 Dense layers beside freeing ones declare `KeptBlocksSpec`: vLLM's full attention under a type of

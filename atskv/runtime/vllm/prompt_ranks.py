@@ -8,6 +8,9 @@ to a physical one, as it maps its keys), and where its observation window starts
 Blocks a request gets are its own until it finishes (prefix caching, which shares them, is refused
 with a prompt-scoring selector), and a block's next tenant overwrites what it reads before it reads
 it: every prefill chunk ranks the request's tokens so far anew, the last chunk's ranking stands.
+With `free_blocks` the best-ranked tokens are compacted into the request's first slots where the
+prompt ends (`PromptRanks.compact`), and the blocks between them and the window go back to vLLM's
+pool (`compacted_ranking_unread_blocks`).
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from atskv.kernels.budget import kept_tokens
+from atskv.kernels.budget import kept_count, kept_tokens
 from atskv.kernels.paged import physical_slots
+from atskv.runtime.vllm.batch import PromptChunk, prompt_end
 
 KEYS_PER_PASS = 16384  # keys scored at once: the logits of a 32-query window stay ~64 MB at 8 KV heads
 
@@ -44,6 +48,23 @@ class PromptRanks:
         self.ranked[at] = order.t().int()
         self.window_start[table_row[0].long() * block_size] = window_start  # the request's first slot
 
+    def compact(self, chunk: PromptChunk, order: torch.Tensor, window_start: int) -> None:
+        """`free_blocks`: the best-ranked prompt tokens any later query of the request reads (the
+        first's `take`, which only shrinks as tokens are generated), KV head h's j-th best moved
+        into the request's slot j of head h, and the ranking then naming those slots (`ranked[j]
+        = j`). Every token read later then lies in the request's first blocks, the window or after
+        it (`compacted_ranking_unread_blocks`). Only where the prompt ends."""
+        length = chunk.length
+        take = min(window_start, max(0, kept_count(chunk.budget, length + 1) - (length + 1 - window_start)))
+        if take == 0:
+            return
+        heads = torch.arange(order.shape[0], device=order.device).view(-1, 1)
+        source, target = chunk.slots_of(order[:, :take]), chunk.slots(0, take).view(1, -1)
+        for cache in (chunk.key_slots, chunk.value_slots):
+            cache[heads, target] = cache[heads, source]  # gathered first: a moved token may land on another's slot
+        self.ranked[target.view(-1)] = torch.arange(take, device=order.device, dtype=torch.int32).view(-1, 1).expand(
+            take, len(heads))
+
     def read(self, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, budget: int | float,
              width: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Positions `[B, Hkv, width]` and counts `[B, Hkv]` each decode query reads: its budget's
@@ -62,6 +83,17 @@ class PromptRanks:
         positions = torch.where((j < take).unsqueeze(1), ranked, newest.unsqueeze(1))
         positions = torch.where((j < count).unsqueeze(1), positions, 0).int()
         return positions, count.expand(b, heads).int()
+
+
+def compacted_ranking_unread_blocks(processed: int, prompt: int, budget: int | float, block_size: int,
+                                    window: int) -> range:  # fmt: skip
+    """The logical blocks of a request no later query reads once its ranking is compacted
+    (`PromptRanks.compact`): those after the moved tokens' (at most the budget at the first
+    query after the prompt) and before its observation window (at most `window` before where the
+    prompt was ranked, at most `PROMPT_TAIL` before its end), once the prompt is in."""
+    if processed < prompt:
+        return range(0)
+    return range(-(-kept_count(budget, prompt + 1) // block_size), max(0, prompt_end(prompt) - window) // block_size)
 
 
 def window_votes(queries: torch.Tensor, keys_at, length: int, scaling: float, kernel: int) -> torch.Tensor:

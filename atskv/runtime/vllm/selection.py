@@ -14,8 +14,8 @@ which the sparse decode kernel reads through the block table, and how many count
 KV head) `[B, Hkv]`, with fixed shapes and no host sync, so a decode step runs inside vLLM's CUDA
 graphs. A selector that `frees_blocks` also says, by a rule of a request's lengths alone, which
 of its blocks no later query reads (`unread_blocks`: StreamingLLM's outside its sinks and
-window; H2O's and the learned selector's outside the slots their kept tokens were compacted into
-at the prompt's end), so that vLLM's scheduler can hand them back to the pool
+window; SnapKV's, H2O's and the learned selector's outside the slots their kept tokens were
+compacted into at the prompt's end), so that vLLM's scheduler can hand them back to the pool
 (`atskv.runtime.vllm.freeing`). Pure torch plus atskv's kernels:
 tested on the CPU against the same selectors over an unpaged cache, without vLLM.
 """
@@ -41,7 +41,12 @@ from atskv.kernels.sparse_decode import sparse_decode_attention
 from atskv.runtime.vllm.batch import PromptChunk
 from atskv.runtime.vllm.heavy_hitters import KeptLists, check_prompt_sample, chunk_mass, compacted_unread_blocks
 from atskv.runtime.vllm.learned import PagedLearned
-from atskv.runtime.vllm.prompt_ranks import PromptRanks, rank_newest_first, window_votes
+from atskv.runtime.vllm.prompt_ranks import (
+    PromptRanks,
+    compacted_ranking_unread_blocks,
+    rank_newest_first,
+    window_votes,
+)
 from atskv.runtime.vllm.protocol import PagedSelector
 
 
@@ -158,13 +163,15 @@ class PagedSnapKV(PagedSelector):
     `window` queries, summed over them and the group's heads and max-pooled over `kernel` tokens,
     ranks the tokens before them; a decode query reads the window, every generated token and the
     best-ranked prompt tokens, up to its budget (here a read restriction: the rest stays in vLLM's
-    blocks). Each prefill chunk ranks the request's tokens so far from its own last queries, so the
-    prompt's last chunk decides; a last chunk shorter than `window` votes with its own queries only.
+    blocks, or with `free_blocks` goes back to its pool once the best are compacted). Each prefill
+    chunk ranks the request's tokens so far from its own last queries, so the prompt's last chunk
+    decides; a last chunk shorter than `window` votes with its own queries only.
     Defaults from the paper's code: window 32, kernel 7."""
 
-    name: ClassVar[str] = "snapkv"  # frees no block: which hold kept tokens differs per layer and KV head
+    name: ClassVar[str] = "snapkv"
     keeps_state: ClassVar[bool] = True
     scores_prompt: ClassVar[bool] = True
+    frees_blocks: ClassVar[bool] = True  # its best-ranked tokens compacted at the prompt's end (`PromptRanks.compact`)
     window: int = 32
     kernel: int = 7
 
@@ -180,12 +187,18 @@ class PagedSnapKV(PagedSelector):
         length = chunk.length
         w = min(self.window, chunk.queries.shape[0], length)
         votes = window_votes(chunk.queries[-w:], chunk.keys, length, chunk.scaling, self.kernel)
-        state.store(chunk.table_row, chunk.block_size, rank_newest_first(votes[:, : length - w]), length - w)
+        order = rank_newest_first(votes[:, : length - w])
+        state.store(chunk.table_row, chunk.block_size, order, length - w)
+        if chunk.compact:
+            state.compact(chunk, order, length - w)
 
     def pick(self, query, kv_heads: int, state: PromptRanks, block_table, seq_lens, block_size: int,
              budget: int | float, step: dict | None = None):  # fmt: skip
         width = kept_count(budget, block_table.shape[1] * block_size)  # what the widest request reads
         return state.read(block_table, seq_lens, block_size, budget, width)
+
+    def unread_blocks(self, processed: int, prompt: int, budget: int | float, block_size: int) -> range:
+        return compacted_ranking_unread_blocks(processed, prompt, budget, block_size, self.window)
 
 
 @dataclass
