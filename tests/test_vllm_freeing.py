@@ -21,8 +21,8 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager  # no
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig  # noqa: E402
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry  # noqa: E402
 
+from atskv.runtime.vllm.composition import freeing_rule  # noqa: E402
 from atskv.runtime.vllm.freeing import KeptBlocksSpec, UnreadBlocksManager, UnreadBlocksSpec  # noqa: E402
-from atskv.runtime.vllm.selection import PAGED_SELECTORS  # noqa: E402
 
 BLOCK = 16
 
@@ -49,6 +49,8 @@ def test_the_spec_is_registered_beside_vllms_own():
     ("h2o", {}, 22),
     ("learned", {"predictor": "/not/loaded/by/the/scheduler"}, 22),  # no window: 4 blocks of moved tokens
     ("snapkv", {}, 24),  # its 64 best (4 blocks), its window of up to 32 before the prompt's tail
+    ("h2o+sparq", {"residency_budget": 128}, 26),  # the residents' rule at their budget: 4 blocks moved
+    ("learned+sparq", {"learned": {"predictor": "/not/loaded"}}, 34),  # 4 x 64 residents, no window
 ])  # fmt: skip
 def test_the_manager_frees_what_the_selector_will_not_read(selector, options, most):
     pool = BlockPool(400, enable_caching=False, hash_block_size=BLOCK)
@@ -60,7 +62,7 @@ def test_the_manager_frees_what_the_selector_will_not_read(selector, options, mo
     manager.allocate_new_blocks("r", prompt, prompt)
     manager.remove_skipped_blocks("r", 1000, prompt)  # mid-prefill: the prompt's blocks all stay
     assert idle - pool.get_num_free_blocks() == 94
-    unread_blocks = PAGED_SELECTORS[selector].freeing_rule(options)
+    unread_blocks = freeing_rule(selector, options)
     for processed in range(prompt, prompt + 200):  # as the scheduler runs it: free, then one more slot
         manager.remove_skipped_blocks("r", processed, prompt)
         blocks = manager.req_to_blocks["r"]

@@ -335,11 +335,14 @@ def test_a_compacted_ranking_frees_only_blocks_no_later_query_reads(budget, prom
         assert len(freed) > 0.8 * prompt / BLOCK
 
 
-def test_quest_frees_nothing():
-    from atskv.runtime.vllm.selection import PagedH2O, PagedSnapKV
+def test_which_selectors_free_blocks():
+    from atskv.runtime.vllm.composition import build_paged_selector
+    from atskv.runtime.vllm.selection import PagedH2O, PagedSnapKV, PagedSparQ
 
-    assert not PagedQuest.frees_blocks
+    assert not PagedQuest.frees_blocks and not PagedSparQ.frees_blocks
     assert PagedStreamingLLM.frees_blocks and PagedH2O.frees_blocks and PagedSnapKV.frees_blocks
+    assert build_paged_selector("h2o+sparq", {}).frees_blocks  # its residents' rule
+    assert PluginConfig(selector="h2o+sparq", free_blocks=True).free_blocks
 
 
 @pytest.mark.parametrize("split_size, stages", [(32, 1), (10_000, 1), (16, 3), (10_000, 2)])

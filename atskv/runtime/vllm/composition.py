@@ -2,8 +2,9 @@
 `h2o+sparq`, `snapkv+sparq`, `streaming_llm+sparq`): the residency part keeps its tokens at the
 residency budget (`residency_budget`; default `RESIDENCY_FACTOR` times the budget, atskv's rule),
 the attention part chooses among them for each query at the budget. Both are read restrictions
-here (every token stays in vLLM's blocks): what the residency saves is the attention part's
-work, SparQ scoring the residents' keys rather than the whole context's.
+here: what the residency saves is the attention part's work, SparQ scoring the residents' keys
+rather than the whole context's, and with `free_blocks` the blocks the residents do not hold
+(`freeing_rule`: the residency part's rule at the residency budget).
 
 `build_paged_selector` builds a plugin selector by name, one or a composition, checking its
 options (a composition's: each part's under the part's name, and `residency_budget`)."""
@@ -51,6 +52,7 @@ class PagedComposition(PagedSelector):
         self.keeps_state, self.scores_prompt = self.residency.keeps_state, self.residency.scores_prompt
         self.takes_prompt_lse, self.picks_in_order = self.residency.takes_prompt_lse, self.residency.picks_in_order
         self.reads_mass, self.reads_keys, self.query_aware = self.residency.reads_mass, True, True
+        self.frees_blocks = self.residency.frees_blocks  # the residents' rule, at the residency budget
         self._chosen = None  # the last pick's entries of the residents' list, for `observe_read`
 
     def new_state(self, num_blocks: int, block_size: int, kv_heads: int, head_size: int, dtype, device):
@@ -91,6 +93,20 @@ def paged_selector_parts(name: str) -> list[str]:
         raise InputError(f"atskv's vLLM plugin has no selector {name!r}; it has: {', '.join(sorted(PAGED_SELECTORS))} "
                          "and compositions <residency>+sparq (e.g. learned+sparq)")  # fmt: skip
     return parts
+
+
+def freeing_rule(name: str, options: dict):
+    """`unread_blocks(processed, prompt, budget, block_size)` of the plugin's selector `name` with
+    `options` (`frees_blocks`), for vLLM's scheduler: a composition's is its residency part's at
+    the residency budget (what the residents' lists hold; the attention part reads among them)."""
+    from atskv.runtime.vllm.selection import PAGED_SELECTORS
+
+    parts = paged_selector_parts(name)
+    if len(parts) == 1:
+        return PAGED_SELECTORS[name].freeing_rule(options)
+    rule, given = PAGED_SELECTORS[parts[0]].freeing_rule(options.get(parts[0]) or {}), options.get("residency_budget")
+    return lambda processed, prompt, budget, block_size: rule(processed, prompt, residency_budget(budget, given),
+                                                              block_size)  # fmt: skip
 
 
 def build_paged_selector(name: str, options: dict | None) -> PagedSelector:

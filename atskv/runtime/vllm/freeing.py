@@ -22,6 +22,7 @@ unpickles them. Prefix caching is refused with freeing (a freed block's hash cou
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -29,7 +30,7 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-from atskv.runtime.vllm.selection import PAGED_SELECTORS
+from atskv.runtime.vllm.composition import freeing_rule
 
 
 def full_attention_fields(spec: FullAttentionSpec) -> dict[str, Any]:
@@ -58,11 +59,12 @@ class KeptBlocksSpec(FullAttentionSpec):
 @dataclass(frozen=True, kw_only=True)
 class UnreadBlocksSpec(FullAttentionSpec):
     """A full-attention layer whose blocks past its selector's reach are freed: which selector
-    (a `PAGED_SELECTORS` name with `frees_blocks`), its options and its budget."""
+    (a plugin selector's name, one or a composition, that `frees_blocks`), its options and its
+    budget."""
 
     selector: str
     budget: int | float
-    options: tuple[tuple[str, Any], ...] = ()
+    options: str = "{}"  # the selector's options as canonical JSON (a composition's nest dicts: hashable so)
 
     @classmethod
     def merge(cls, specs: list[UnreadBlocksSpec]) -> UnreadBlocksSpec:
@@ -72,12 +74,12 @@ class UnreadBlocksSpec(FullAttentionSpec):
         if len(rules) != 1:
             raise ValueError(f"the layers of one KV cache group read by different rules: {rules}")
         selector, budget, options = rules.pop()
-        return cls.of(FullAttentionSpec.merge(specs), selector, budget, dict(options))
+        return cls.of(FullAttentionSpec.merge(specs), selector, budget, json.loads(options))
 
     @classmethod
     def of(cls, spec: FullAttentionSpec, selector: str, budget: int | float, options: dict | None) -> UnreadBlocksSpec:
         return cls(**full_attention_fields(spec), selector=selector, budget=budget,
-                   options=tuple(sorted((options or {}).items())))  # fmt: skip
+                   options=json.dumps(options or {}, sort_keys=True))  # fmt: skip
 
 
 class UnreadBlocksManager(FullAttentionManager):
@@ -85,7 +87,7 @@ class UnreadBlocksManager(FullAttentionManager):
 
     def __init__(self, kv_cache_spec: UnreadBlocksSpec, **kwargs):
         super().__init__(kv_cache_spec, **kwargs)
-        self.unread_blocks = PAGED_SELECTORS[kv_cache_spec.selector].freeing_rule(dict(kv_cache_spec.options))
+        self.unread_blocks = freeing_rule(kv_cache_spec.selector, json.loads(kv_cache_spec.options))
         self.budget = kv_cache_spec.budget
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
