@@ -62,7 +62,7 @@ case "$1" in
   tests)
     python3 -m pip install -q --no-index --no-deps --target /tmp/pt .device/pt/*.whl 2>/dev/null
     PYTHONPATH=/tmp/pt:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider tests/test_vllm_engine.py tests/test_vllm_freeing.py \
-      tests/test_vllm_selection.py tests/test_kernels_kept_lists.py tests/test_kernels_listed_refresh.py \
+      tests/test_vllm_selection.py tests/test_vllm_backend_host.py tests/test_kernels_kept_lists.py tests/test_kernels_listed_refresh.py \
       ${2:+-k "$2"} 2>&1 | tee "$OUT/tests.log" | grep -v "^\[\|^INFO\|^WARNING" | tail -25 ;;
   trace)
     python3 - "$OUT" "$2" "${3:-}" "${4:-256}" <<'PY' 2>&1 | grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" | tail -12
