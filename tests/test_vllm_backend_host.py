@@ -5,6 +5,7 @@ driven through its own methods over a paged cache laid out as vLLM lays it out."
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +24,7 @@ from atskv.runtime.vllm.batch import PromptChunk  # noqa: E402
 from atskv.runtime.vllm.config import PluginConfig  # noqa: E402
 from atskv.runtime.vllm.heavy_hitters import recent_window  # noqa: E402
 from atskv.runtime.vllm.selection import PagedH2O, PagedStreamingLLM, paged_sparse_decode, slot_view  # noqa: E402
-from tests.test_vllm_selection import BLOCK, CHUNK, GENERATED, HKV, HQ, D, decoding_requests  # noqa: E402
+from tests.test_vllm_selection import BLOCK, CHUNK, GENERATED, HKV, HQ, D, PagedCache, decoding_requests  # noqa: E402
 
 
 def backend(selector, state, **settings) -> AtskvAttentionImpl:
@@ -116,3 +117,80 @@ def test_a_prompts_last_chunk_is_compacted_where_free_blocks_asks_and_the_prompt
         held = [int((before[h] == after[h, j]).all(-1).nonzero()[0]) for j in range(20 - window)]
         assert held == sorted(held) and held[-1] < length - window, "the kept tokens, in position order"
         assert torch.equal(after[h, length - window :], before[h, length - window :]), "the window stays"
+
+
+@dataclasses.dataclass
+class Metadata:
+    """The fields of vLLM's FlashAttention metadata that the backend reads or replaces."""
+
+    num_actual_tokens: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    num_decode_reqs: int
+    use_cascade: bool = False
+    scheduler_metadata: object = None
+    max_num_splits: int = 0
+
+
+def test_a_mixed_batch_goes_through_forward_in_its_parts(monkeypatch):
+    """One forward of a mixed batch: two decodes first, then a recompute's chunk that ends its
+    request's 200-token prompt and goes two outputs past it. FlashAttention (stubbed, its rows
+    marked) runs over the prefill share only; the chunk's prompt part is scored and ranked there;
+    its outputs, then the decodes, are read sparsely: what H2O's selection run by hand in that
+    order gives, outputs and lists."""
+    from atskv.runtime.vllm.batch import past_prompt_rows, prompt_rows
+
+    selector, budget = PagedH2O(), 20
+    generator = torch.Generator().manual_seed(10)
+    lengths, prompts = [101, 61, 202], [100, 60, 200]
+    cache = PagedCache(lengths, width=13, generator=generator)
+    cache.fill(chunk=CHUNK)
+    key_slots = slot_view(cache.split()[0], 1)[0]
+    state = selector.new_state(key_slots.shape[1] // BLOCK, BLOCK, HKV, D, torch.float32, "cpu")
+    queries = [torch.randn(n, HQ, D, generator=generator) for n in lengths]
+
+    def chunk(lists, r: int, start: int, stop: int, last: bool) -> None:
+        selector.observe_prompt(lists, PromptChunk(queries[r][start:stop], key_slots, cache.block_table[r], stop,
+                                                   BLOCK, D**-0.5, budget, last=last))  # fmt: skip
+
+    for r, start, stop, last in [(0, 0, 100, True), (1, 0, 60, True), (2, 0, 100, False)]:  # earlier steps
+        chunk(state, r, start, stop, last)
+    by_hand = type(state)(*(t.clone() for t in vars(state).values()))
+
+    def read(q, table, seq_lens):
+        positions, counts = selector.pick(q, HKV, by_hand, table, seq_lens, BLOCK, budget)
+        out, mass = paged_sparse_decode(q, *cache.split(), positions, counts, table, D**-0.5, want_mass=True)
+        selector.observe_read(by_hand, mass, table, seq_lens, BLOCK)
+        return out
+
+    chunk(by_hand, 2, 100, 200, True)
+    past = [read(queries[2][p : p + 1], cache.block_table[2:3], torch.tensor([p + 1], dtype=torch.int32))
+            for p in (200, 201)]  # fmt: skip
+    decodes = read(torch.cat([queries[0][100:], queries[1][60:]]), cache.block_table[:2],
+                   torch.tensor([101, 61], dtype=torch.int32))  # fmt: skip
+
+    query = torch.cat([queries[0][100:], queries[1][60:], queries[2][100:]])  # 104 tokens
+    starts, seq_lens = torch.tensor([0, 1, 2, 104]), torch.tensor(lengths, dtype=torch.int32)
+    metadata = Metadata(104, starts, seq_lens, cache.block_table, num_decode_reqs=2)
+    metadata.atskv_prompt_rows = prompt_rows(starts, seq_lens, 2, 1, torch.tensor(prompts))
+    metadata.atskv_past_rows = past_prompt_rows(starts, seq_lens, 2, 1, torch.tensor(prompts))
+    impl = backend(selector, state, budget=budget)
+    attended = []
+
+    def flash(layer, q, key, value, kv_cache, share, out, lse_wanted, *scales):
+        attended.append((share.num_actual_tokens, share.query_start_loc.tolist(), lse_wanted))
+        out.fill_(7.0)
+        return None  # no log-sum-exps kept: the selector computes them itself
+
+    monkeypatch.setattr(impl, "attend", flash)
+    monkeypatch.setattr(impl, "sparse_layer", lambda layer: True)
+    output = torch.zeros(104, HQ * D)
+    kv = torch.zeros(104, HKV, D)
+    assert impl.forward(None, query, kv, kv, cache.kv_cache, metadata, output) is output
+    assert attended == [(102, [0, 102], True)], "FlashAttention over the prefill share, after the decodes"
+    got = output.view(104, HQ, D)
+    assert bool((got[2:102] == 7.0).all()), "the prompt part keeps FlashAttention's output"
+    torch.testing.assert_close(got[102:], torch.cat(past), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[:2], decodes, rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(vars(state).values(), vars(by_hand).values()))
