@@ -839,6 +839,15 @@ def test_paged_learned_reads_what_the_learned_selector_keeps(budget, window_shar
                     torch.testing.assert_close(listed, scores[layer, r][0, h, read.long()], rtol=1e-4, atol=1e-5)
 
 
+def test_the_learned_selector_frees_blocks_only_without_a_refresh(tmp_path):
+    """A refresh rescores the listed tokens from features of their positions, which compaction
+    gives up for slots: `free_blocks` with `refresh_every` is a one-line error, without it fine."""
+    predictor = engine_ready_predictor(tmp_path / "predictor", (2,))
+    assert PluginConfig(selector="learned", options={"predictor": predictor}, free_blocks=True).free_blocks
+    with pytest.raises(InputError, match="learned without refresh_every"):
+        PluginConfig(selector="learned", options={"predictor": predictor, "refresh_every": 16}, free_blocks=True)
+
+
 def test_a_predictor_that_reads_the_hidden_state_is_refused_in_vllm(tmp_path):
     from atskv.features import SCALAR_FEATURES
     from atskv.models.geometry import ModelGeometry
