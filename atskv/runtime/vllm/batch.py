@@ -165,6 +165,15 @@ class PromptChunk:
         at = physical_slots(positions.reshape(1, 1, -1), self.table_row.view(1, -1), self.block_size)
         return at.view(positions.shape).long()
 
+    def move_to_front(self, positions: torch.Tensor) -> None:
+        """KV head h's j-th token of `positions` `[Hkv, n]` moved into the request's slot j of head
+        h (`compact`: heads attend apart, keys carry their rotary positions); all are gathered
+        before any is written, as a moved token may land on another's slot."""
+        heads = torch.arange(positions.shape[0], device=positions.device).view(-1, 1)
+        source, target = self.slots_of(positions), self.slots(0, positions.shape[-1]).view(1, -1)
+        for cache in (self.key_slots, self.value_slots):
+            cache[heads, target] = cache[heads, source]
+
     def keys(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """The request's keys `[Hkv, stop - start, D]` (to `length` by default)."""
         return self.key_slots[:, self.slots(start, self.length if stop is None else stop)]

@@ -90,16 +90,13 @@ class KeptLists:
         the window's. Only at the prompt's end (a chunk after it would read the moved slots as
         positions); the prompt's per-slot mass is not moved (nothing reads it after the prompt)."""
         hitters, rank = order[:, window:].sort(dim=-1)
-        n = hitters.shape[-1]
+        heads, n = hitters.shape
         if n == 0:
             return
-        heads = torch.arange(hitters.shape[0], device=hitters.device).view(-1, 1)
-        source, target = chunk.slots_of(hitters), chunk.slots(0, n).view(1, -1)
-        for cache in (chunk.key_slots, chunk.value_slots):
-            cache[heads, target] = cache[heads, source]  # gathered first: a moved token may land on another's slot
+        chunk.move_to_front(hitters)
         entries = chunk.slots(window, window + n)
         moved_values = self.kept_value[entries].t().gather(1, rank)
-        self.kept[entries] = torch.arange(n, device=hitters.device, dtype=torch.int32).view(-1, 1).expand(n, len(heads))
+        self.kept[entries] = torch.arange(n, device=hitters.device, dtype=torch.int32).view(-1, 1).expand(n, heads)
         self.kept_value[entries] = moved_values.t()
 
     def step(self, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, budget: int | float,

@@ -58,12 +58,9 @@ class PromptRanks:
         take = min(window_start, max(0, kept_count(chunk.budget, length + 1) - (length + 1 - window_start)))
         if take == 0:
             return
-        heads = torch.arange(order.shape[0], device=order.device).view(-1, 1)
-        source, target = chunk.slots_of(order[:, :take]), chunk.slots(0, take).view(1, -1)
-        for cache in (chunk.key_slots, chunk.value_slots):
-            cache[heads, target] = cache[heads, source]  # gathered first: a moved token may land on another's slot
-        self.ranked[target.view(-1)] = torch.arange(take, device=order.device, dtype=torch.int32).view(-1, 1).expand(
-            take, len(heads))
+        chunk.move_to_front(order[:, :take])
+        ranks = torch.arange(take, device=order.device, dtype=torch.int32)
+        self.ranked[chunk.slots(0, take)] = ranks.view(-1, 1).expand(take, order.shape[0])
 
     def read(self, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, budget: int | float,
              width: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
