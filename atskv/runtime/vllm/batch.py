@@ -139,7 +139,8 @@ class PromptChunk:
     False when the chunk is known not to end the prompt: a selector that ranks the whole prompt
     then only adds what the chunk gives (its rank at an earlier chunk is never read); `compact`
     (`free_blocks`, at the chunk known to end the prompt) the kept tokens move to the request's
-    first slots, their KV in `key_slots` and `value_slots` (`KeptLists.compact`)."""
+    first slots, their KV in `key_slots` and `value_slots` (`move_to_front`; `KeptLists.compact`,
+    `PromptRanks.compact`)."""
 
     queries: torch.Tensor
     key_slots: torch.Tensor
