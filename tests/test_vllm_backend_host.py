@@ -139,7 +139,7 @@ def test_a_mixed_batch_goes_through_forward_in_its_parts(monkeypatch):
     marked) runs over the prefill share only; the chunk's prompt part is scored and ranked there;
     its outputs, then the decodes, are read sparsely: what H2O's selection run by hand in that
     order gives, outputs and lists."""
-    from atskv.runtime.vllm.batch import past_prompt_rows, prompt_rows
+    from atskv.runtime.vllm.batch import prefill_rows
 
     selector, budget = PagedH2O(), 20
     generator = torch.Generator().manual_seed(10)
@@ -173,8 +173,7 @@ def test_a_mixed_batch_goes_through_forward_in_its_parts(monkeypatch):
     query = torch.cat([queries[0][100:], queries[1][60:], queries[2][100:]])  # 104 tokens
     starts, seq_lens = torch.tensor([0, 1, 2, 104]), torch.tensor(lengths, dtype=torch.int32)
     metadata = Metadata(104, starts, seq_lens, cache.block_table, num_decode_reqs=2)
-    metadata.atskv_prompt_rows = prompt_rows(starts, seq_lens, 2, 1, torch.tensor(prompts))
-    metadata.atskv_past_rows = past_prompt_rows(starts, seq_lens, 2, 1, torch.tensor(prompts))
+    metadata.atskv_prompt_rows, metadata.atskv_past_rows = prefill_rows(starts, seq_lens, 2, 1, torch.tensor(prompts))
     impl = backend(selector, state, budget=budget)
     attended = []
 

@@ -303,7 +303,7 @@ def test_preempted_requests_are_recomputed_and_give_the_pool_back(shape, selecto
     pool is whole again, and the tokens are those of a pool large enough for all, up to near-ties
     (the recompute's prefill computes the generated tokens' KV in one GEMM rather than one a step):
     with atskv's worker the recompute ranks the prompt at its own end and reads the outputs as
-    their decode steps did (H2O's list moved on by each in order; `past_prompt_rows`)."""
+    their decode steps did (H2O's list moved on by each in order; `prefill_rows`)."""
     batch = prompts(1000, 4, 49152, seed=21)
     roomy = engine(shape, f"vllm:{selector}", 64)
     want = greedy_with_runner_up(roomy, batch, 64)

@@ -398,7 +398,7 @@ def test_one_forwards_layers_share_the_batchs_usable_positions(cache):
 def test_the_prefill_share_of_a_batch_starts_after_its_decodes():
     from dataclasses import dataclass
 
-    from atskv.runtime.vllm.batch import past_prompt_rows, prefill_share, prompt_rows
+    from atskv.runtime.vllm.batch import prefill_rows, prefill_share
 
     @dataclass
     class Metadata:  # the fields of vLLM's FlashAttentionMetadata that the split touches
@@ -419,11 +419,10 @@ def test_the_prefill_share_of_a_batch_starts_after_its_decodes():
     assert batch.num_actual_tokens == 15  # the batch's own metadata is left as it was
     # what a selector that scores the prompt sees of the same batch: (row, tokens [start, end), length,
     # last): without the prompts' lengths any chunk may end its prompt; with them, the second does not
-    assert prompt_rows(batch.query_start_loc, batch.seq_lens, 3, 2) == [(3, 3, 8, 5, True), (4, 8, 15, 30, True)]
+    rows = (batch.query_start_loc, batch.seq_lens, 3, 2)
+    assert prefill_rows(*rows) == ([(3, 3, 8, 5, True), (4, 8, 15, 30, True)], [])
     prompts = torch.tensor([7, 3, 9, 5, 200])
-    assert prompt_rows(batch.query_start_loc, batch.seq_lens, 3, 2, prompts) == [(3, 3, 8, 5, True),
-                                                                                 (4, 8, 15, 30, False)]  # fmt: skip
-    assert past_prompt_rows(batch.query_start_loc, batch.seq_lens, 3, 2, prompts) == []
+    assert prefill_rows(*rows, prompts) == ([(3, 3, 8, 5, True), (4, 8, 15, 30, False)], [])
 
 
 def test_a_prompts_end_and_a_recomputes_outputs_are_read_as_decodes():
@@ -431,7 +430,7 @@ def test_a_prompts_end_and_a_recomputes_outputs_are_read_as_decodes():
     ends it for the selectors that rank it (at its own end, or the prompt's where it goes further);
     the tokens after that chunk, and a recompute's outputs, are read as decodes, in reads that keep
     each request's order; a chunk before the tail is all prompt and not the last."""
-    from atskv.runtime.vllm.batch import PROMPT_TAIL, past_prompt_rows, past_prompt_waves, prompt_rows
+    from atskv.runtime.vllm.batch import PROMPT_TAIL, past_prompt_waves, prefill_rows
 
     assert PROMPT_TAIL == 64
     # rows: 2 decodes; a fresh chunk (positions 0-9 of a 400-token prompt); a recompute's chunk across
@@ -441,9 +440,8 @@ def test_a_prompts_end_and_a_recomputes_outputs_are_read_as_decodes():
     starts = torch.tensor([0, 1, 2, 12, 112, 122, 127, 227])
     lengths = torch.tensor([50, 60, 10, 350, 300, 405, 200])
     prompts = torch.tensor([49, 59, 400, 320, 320, 330, 200])
-    assert prompt_rows(starts, lengths, 2, 5, prompts) == [(2, 2, 12, 10, False), (3, 12, 82, 320, True),
-                                                           (6, 127, 227, 200, True)]  # fmt: skip
-    rows = past_prompt_rows(starts, lengths, 2, 5, prompts)
+    prompt, rows = prefill_rows(starts, lengths, 2, 5, prompts)
+    assert prompt == [(2, 2, 12, 10, False), (3, 12, 82, 320, True), (6, 127, 227, 200, True)]
     assert rows == [(3, 82, 112, 320), (4, 112, 122, 290), (5, 122, 127, 400)]
     # a kept list's pick moves it on: one token of each request a read, in order
     waves = past_prompt_waves(rows, True, 256)
@@ -454,7 +452,8 @@ def test_a_prompts_end_and_a_recomputes_outputs_are_read_as_decodes():
     assert waves[1] == ([3] * 14 + [4] * 2, list(range(98, 114)), list(range(336, 350)) + [290, 291])
     assert past_prompt_waves([], True, 5) == past_prompt_waves([], False, 5) == []
     # without prompt lengths (vLLM's own worker) every chunk is all prompt and may end it
-    assert [row[4] for row in prompt_rows(starts, lengths, 2, 5)] == [True] * 5
+    prompt, past = prefill_rows(starts, lengths, 2, 5)
+    assert [row[4] for row in prompt] == [True] * 5 and past == []
 
 
 def test_the_builders_see_the_prompt_lengths_of_the_batch_each_runner_builds():

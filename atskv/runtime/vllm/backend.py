@@ -36,7 +36,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from atskv.errors import InputError
-from atskv.runtime.vllm.batch import PromptChunk, past_prompt_rows, past_prompt_waves, prefill_share, prompt_rows
+from atskv.runtime.vllm.batch import PromptChunk, past_prompt_waves, prefill_rows, prefill_share
 from atskv.runtime.vllm.composition import build_paged_selector
 from atskv.runtime.vllm.config import WORKER, PluginConfig
 from atskv.runtime.vllm.selection import paged_sparse_decode, slot_view
@@ -50,8 +50,9 @@ class AtskvMetadataBuilder(FlashAttentionMetadataBuilder):
 
     _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     reorder_batch_threshold = 1
-    # each batch row's prompt length (host), where `AtskvWorker` hands over its runner's
-    prompt_lengths: Callable[[], torch.Tensor] | None = None
+    # each batch row's prompt length (host; None for a warm-up's dummy batch), where `AtskvWorker`
+    # hands over its runner's
+    prompt_lengths: Callable[[], torch.Tensor | None] | None = None
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -73,11 +74,12 @@ class AtskvMetadataBuilder(FlashAttentionMetadataBuilder):
         if self.sparse and prefills:  # eager batches only (prefill is never a full graph)
             prompts = None if self.prompt_lengths is None else self.prompt_lengths()
             prompts = None if prompts is None else prompts[: common_attn_metadata.num_reqs]
-            rows = (common_attn_metadata.query_start_loc_cpu, common_attn_metadata.seq_lens_cpu, decodes, prefills)
+            prompt, past = prefill_rows(common_attn_metadata.query_start_loc_cpu, common_attn_metadata.seq_lens_cpu,
+                                        decodes, prefills, prompts)  # fmt: skip
             if self.scores_prompt:
-                metadata.atskv_prompt_rows = prompt_rows(*rows, prompts)
+                metadata.atskv_prompt_rows = prompt
             if prompts is not None:
-                metadata.atskv_past_rows = past_prompt_rows(*rows, prompts)
+                metadata.atskv_past_rows = past
         return metadata
 
 
@@ -165,7 +167,7 @@ class AtskvAttentionImpl(FlashAttentionImpl):
             self.selector.observe_read(self.state, read[1], table, seq_lens, block_size)
 
     def read_past_prompts(self, query, kv_cache, metadata, output) -> None:
-        """A recompute's tokens past their request's prompt (`past_prompt_rows`), FlashAttention's
+        """A recompute's tokens past their request's prompt (`prefill_rows`), FlashAttention's
         dense output for them replaced by the sparse read each had as a decode (their KV is in the
         cache: the forward wrote the chunk first), in the reads `past_prompt_waves` makes. Only
         after a preemption."""

@@ -5,8 +5,8 @@ a batch is `decodes` one-token queries, then the prefill (or chunked-prefill) re
 decodes go through atskv's selection; the rest through FlashAttention with this share of the
 metadata: its query offsets moved down by the decode tokens, its rows of lengths and block
 table, and no ahead-of-time schedule (that one was planned for the whole batch). A selector that
-scores the prompt gets each prefill request's prompt tokens of the batch (`prompt_rows`); tokens
-past a request's prompt (a recompute's outputs) are read as decodes are (`past_prompt_rows`)."""
+scores the prompt gets each prefill request's prompt tokens of the batch; tokens past a
+request's prompt (a recompute's outputs) are read as decodes are (`prefill_rows`)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def prefill_share(metadata, decodes: int):
 # A prompt's last tokens may reach the model as one-token rows (a scheduler step with one token of
 # budget left for it), which vLLM runs as decodes, in CUDA graphs where no Python runs: the chunk
 # that reaches into the prompt's last PROMPT_TAIL tokens ends it for the selectors that rank it,
-# and the tokens after that chunk are read as decodes are (`past_prompt_rows`), whichever way
+# and the tokens after that chunk are read as decodes are (`prefill_rows`), whichever way
 # they come.
 PROMPT_TAIL = 64
 
@@ -45,50 +45,42 @@ def prompt_end(prompt: int) -> int:
     return max(1, prompt - PROMPT_TAIL)
 
 
-def prompt_rows(query_start_loc_cpu, seq_lens_cpu, decodes: int, prefills: int,
-                prompt_lens_cpu=None) -> list[tuple[int, int, int, int, bool]]:  # fmt: skip
-    """(row, first token, end token, tokens so far, last) of each prefill request's prompt tokens
-    after the `decodes` one-token ones, as host ints (vLLM's host copies of the batch's offsets and
-    lengths). With `prompt_lens_cpu` (each row's prompt length, where the worker hands them over:
-    `AtskvWorker`), `last` marks the chunk that reaches the prompt's end (`prompt_end`), and the
-    tokens after that chunk (and a recompute's outputs) are left to `past_prompt_rows`; without
-    them every chunk is prompt and may be the last."""
+def prefill_rows(query_start_loc_cpu, seq_lens_cpu, decodes: int, prefills: int,
+                 prompt_lens_cpu=None) -> tuple[list[tuple[int, int, int, int, bool]], list[tuple[int, int, int, int]]]:
+    """Each prefill request's chunk after the `decodes` one-token ones, split where its prompt
+    ends, as host ints (vLLM's host copies of the batch's offsets and lengths):
+    - prompt rows, (row, first token, end token, tokens so far, last): its prompt tokens, for a
+      selector that scores the prompt. With `prompt_lens_cpu` (each row's prompt length, where the
+      worker hands them over: `AtskvWorker`), `last` marks the chunk that reaches the prompt's end
+      (`prompt_end`); without them every chunk is all prompt and may be the last.
+    - past rows, (row, first token, end token, first position): the tokens read as decodes are
+      (known prompt lengths only): those after the chunk that ended its prompt (`PROMPT_TAIL`), and
+      a preempted request's outputs, which vLLM recomputes in one prefill with its prompt. The
+      outputs were decoded sparsely and are read so again (the selector's read set, in order): the
+      recompute then attends as the first run did, and never over blocks freed since (`free_blocks`
+      frees by the prompt's length, as vLLM's own R-SWA layers mask past the prompt in prefill
+      too)."""
     starts, lengths = query_start_loc_cpu.tolist(), seq_lens_cpu.tolist()
     prompts = None if prompt_lens_cpu is None else prompt_lens_cpu.tolist()
-    rows = []
+    prompt, past = [], []
     for r in range(decodes, decodes + prefills):
         start, end, length = starts[r], starts[r + 1], lengths[r]
         first = length - (end - start)  # the chunk's first position
         if prompts is None:
-            rows.append((r, start, end, length, True))
-        elif first < prompt_end(prompts[r]):
+            prompt.append((r, start, end, length, True))
+            continue
+        if first < prompt_end(prompts[r]):  # the chunk holds prompt tokens still to score
             stop = min(length, prompts[r])
-            rows.append((r, start, start + stop - first, stop, stop >= prompt_end(prompts[r])))
-    return rows
-
-
-def past_prompt_rows(query_start_loc_cpu, seq_lens_cpu, decodes: int, prefills: int,
-                     prompt_lens_cpu) -> list[tuple[int, int, int, int]]:  # fmt: skip
-    """(row, first token, end token, first position) of each prefill request's tokens read as
-    decodes are: those after the chunk that ended its prompt (`PROMPT_TAIL`), and a preempted
-    request's outputs, which vLLM recomputes in one prefill with its prompt. The outputs were
-    decoded sparsely and are read so again (the selector's read set, in order): the recompute then
-    attends as the first run did, and never over blocks freed since (`free_blocks` frees by the
-    prompt's length, as vLLM's own R-SWA layers mask past the prompt in prefill too)."""
-    starts, lengths, prompts = query_start_loc_cpu.tolist(), seq_lens_cpu.tolist(), prompt_lens_cpu.tolist()
-    rows = []
-    for r in range(decodes, decodes + prefills):
-        start, end, length = starts[r], starts[r + 1], lengths[r]
-        first = length - (end - start)
-        first = first if first >= prompt_end(prompts[r]) else max(first, prompts[r])  # the first one read so
+            prompt.append((r, start, start + stop - first, stop, stop >= prompt_end(prompts[r])))
+            first = stop
         if length > first:
-            rows.append((r, end - (length - first), end, first))
-    return rows
+            past.append((r, end - (length - first), end, first))
+    return prompt, past
 
 
 def past_prompt_waves(rows: list[tuple[int, int, int, int]], in_order: bool,
                       wave: int) -> list[tuple[list[int], list[int], list[int]]]:  # fmt: skip
-    """`past_prompt_rows`'s tokens as the reads that take them: (batch rows, tokens, positions) a
+    """`prefill_rows`' past rows' tokens as the reads that take them: (batch rows, tokens, positions) a
     read. `in_order` (a selector whose pick moves its state a token on): each request's k-th token
     in the k-th read, so that every request's tokens go in order; otherwise up to `wave` at a time."""
     if in_order:
