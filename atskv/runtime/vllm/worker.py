@@ -8,8 +8,10 @@ beside `attention_backend="CUSTOM"`. Two things change from vLLM's worker:
   in groups of their own.
 - The backend's metadata builders get each batch row's prompt length from the model runner (an
   attention backend is not shown them), so the selectors that rank a whole prompt (SnapKV, H2O,
-  the learned selector) rank it once, at its last chunk, instead of at every chunk: their
-  ranking costs O(L) a chunk, O(L^2 / chunk) a prompt without it."""
+  the learned selector) rank it once, at the chunk that reaches its end, instead of at every
+  chunk (their ranking costs O(L) a chunk, O(L^2 / chunk) a prompt without it), a recompute
+  after preemption reads its outputs as their decode steps did, and `free_blocks` can compact
+  the evicting selectors' lists where the prompt ends (`atskv.runtime.vllm.batch.prefill_rows`)."""
 
 from __future__ import annotations
 
