@@ -114,3 +114,23 @@ def test_with_dense_layers_a_request_holds_their_blocks_and_few_of_the_rest():
     assert idle - pool.get_num_free_blocks() == sum(held)
     coordinator.free("r")
     assert pool.get_num_free_blocks() == idle
+
+
+def test_the_traces_request_shares_count_a_requests_blocks_before_and_after_they_are_freed():
+    from atskv.eval.vllm_trace import request_shares
+
+    groups = grouped(model_specs(dense=2))
+    coordinator = KVCacheCoordinatorNoPrefixCache(
+        KVCacheConfig(num_blocks=3001, kv_cache_tensors=[], kv_cache_groups=groups), max_model_len=4096,
+        max_in_flight_tokens=4096, use_eagle=False, enable_kv_cache_events=False, dcp_world_size=1,
+        pcp_world_size=1, scheduler_block_size=BLOCK, hash_block_size=BLOCK)  # fmt: skip
+    prompt = 1500
+    request = SimpleNamespace(request_id="r", num_prompt_tokens=prompt, num_computed_tokens=prompt)
+    scheduler = SimpleNamespace(running=[request], kv_cache_manager=SimpleNamespace(
+        coordinator=coordinator, block_pool=coordinator.block_pool))  # fmt: skip
+    coordinator.allocate_new_blocks("r", prompt, prompt)
+    assert request_shares(scheduler) == (16 * 94 / 3000, 0.0)  # its last chunk in: every block still held
+    coordinator.remove_skipped_blocks("r", prompt, prompt)
+    request.num_computed_tokens = prompt + 1
+    held = sum(sum(not b.is_null for b in blocks) for blocks in coordinator.get_blocks("r"))
+    assert held < 94 + 15 * 7 and request_shares(scheduler) == (0.0, held / 3000)

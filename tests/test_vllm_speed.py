@@ -101,6 +101,12 @@ def test_trace_figures_from_arrivals_and_token_times():
     # (running, pool share in use) after each step: the peak, and its first step's share per request
     loaded = summarise(arrived, stamps, {"a"}, wall=5.0, load=[(1, 0.5), (3, 0.3), (3, 0.6), (2, 0.2)])
     assert loaded["peak_in_flight"] == 3 and abs(loaded["pool_share_per_request"] - 0.1) < 1e-9
+    assert "pool_holds" not in loaded  # no request's blocks counted
+    # (largest share in a prompt, past one) every few steps: one prompt whole, the rest resident
+    held = summarise(arrived, stamps, {"a"}, wall=5.0, shares=[(0.2, 0.0), (0.3, 0.01), (0.1, 0.03)])
+    assert (held["prompt_share"], held["resident_share"], held["pool_holds"]) == (0.3, 0.03, 1 + 23)
+    vanilla = summarise(arrived, stamps, {"a"}, wall=5.0, shares=[(0.3, 0.0), (0.0, 0.31)])
+    assert vanilla["pool_holds"] == 3
 
 
 def test_a_row_cut_short_by_a_kill_is_measured_again(tmp_path, started):

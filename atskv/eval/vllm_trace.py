@@ -3,8 +3,9 @@
 `new_tokens` tokens. Per method and rate: output tokens/s over the run, mean and P99 time to first
 token, mean and P99 time between tokens, requests finished, the KV tokens the engine holds, the most
 requests in flight at once (scheduled, decoding or in prefill) and the share of the KV pool each
-held then (so `1 / share` requests of that length fit the pool; read from the engine's scheduler,
-which runs in this process). Each method's engine runs in its own process (as in
+held then, and the largest share one request held in its prompt and past it (so how many requests of
+the longest prompt the pool holds when prompts go in one at a time; read from the engine's
+scheduler, which runs in this process). Each method's engine runs in its own process (as in
 `atskv.eval.vllm_speed`), built once for all its rates; rows are appended as they finish and a
 rerun skips the (method, trace) pairs already there (every setting of a trace, not its rate alone).
 
@@ -63,9 +64,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def summarise(arrived: dict[str, float], stamps: dict[str, list[float]], finished: set[str], wall: float,
-              load: list[tuple[int, float]] = ()) -> dict:  # fmt: skip
-    """The trace's figures from each request's arrival and token times, and from (requests in
-    flight, share of the KV pool in use) after each step."""
+              load: list[tuple[int, float]] = (), shares: list[tuple[float, float]] = ()) -> dict:  # fmt: skip
+    """The trace's figures from each request's arrival and token times, from (requests in flight,
+    share of the KV pool in use) after each step and from `request_shares` every few steps."""
     firsts = [stamps[r][0] - arrived[r] for r in stamps if stamps[r]]
     gaps = [b - a for times in stamps.values() for a, b in zip(times, times[1:])]
     tokens = sum(len(times) for times in stamps.values())
@@ -78,6 +79,7 @@ def summarise(arrived: dict[str, float], stamps: dict[str, list[float]], finishe
         "finished": len(finished),
         "wall_s": wall,
         **in_flight(load),
+        **residency(shares),
     }
 
 
@@ -90,13 +92,34 @@ def in_flight(load: list[tuple[int, float]]) -> dict:
     return {"peak_in_flight": running, "pool_share_per_request": used / running if running else float("nan")}
 
 
-def scheduler_load(engine) -> tuple[int, float] | None:
-    """(requests running, share of the KV pool in use) of an engine whose scheduler is in this
-    process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), else None."""
-    scheduler = in_process_scheduler(engine)
-    if scheduler is None:
-        return None
-    return len(scheduler.running), scheduler.kv_cache_manager.usage
+def residency(shares: list[tuple[float, float]]) -> dict:
+    """The largest pool share one request held in its prompt and past it, and the requests the
+    pool holds at those shares when prompts go in one at a time (as vLLM's chunked prefill admits
+    them: one prompt whole, the rest at their residency; `free_blocks` shrinks the second)."""
+    prompt, resident = max((s[0] for s in shares), default=0.0), max((s[1] for s in shares), default=0.0)
+    if not prompt or not resident:
+        return {}
+    return {"prompt_share": prompt, "resident_share": resident, "pool_holds": 1 + int((1 - prompt) / resident)}
+
+
+def request_shares(scheduler) -> tuple[float, float]:
+    """The largest share of the KV pool one running request holds, among those in their prompt
+    (the last chunk included: its blocks go back at the next step) and those past it. A block
+    `free_blocks` handed back is vLLM's null block in the request's list."""
+    manager = scheduler.kv_cache_manager
+    groups = manager.coordinator.single_type_managers
+    total = manager.block_pool.num_gpu_blocks - 1  # the null block is not the pool's
+    prompt = resident = 0.0
+    for request in scheduler.running:
+        held = sum(sum(not b.is_null for b in g.req_to_blocks.get(request.request_id, ())) for g in groups)
+        if request.num_computed_tokens <= request.num_prompt_tokens:
+            prompt = max(prompt, held / total)
+        else:
+            resident = max(resident, held / total)
+    return prompt, resident
+
+
+SHARES_EVERY = 16  # steps between two `request_shares` (a Python pass over every request's blocks)
 
 
 def run_traces(spec: EngineSpec, traces: list[Trace], rows: Path) -> None:
@@ -126,6 +149,8 @@ def run_trace(engine, trace: Trace, vocab: int, room: int) -> dict:
     stamps: dict[str, list[float]] = {}
     finished: set[str] = set()
     load: list[tuple[int, float]] = []
+    shares: list[tuple[float, float]] = []
+    scheduler = in_process_scheduler(engine)
     start = time.perf_counter()
     while (pending or engine.has_unfinished_requests()) and time.perf_counter() - start < trace.limit_s:
         now = time.perf_counter() - start
@@ -139,8 +164,10 @@ def run_trace(engine, trace: Trace, vocab: int, room: int) -> dict:
             continue
         outputs = engine.step()
         now = time.perf_counter() - start
-        if (state := scheduler_load(engine)) is not None:
-            load.append(state)
+        if scheduler is not None:  # in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`)
+            load.append((len(scheduler.running), scheduler.kv_cache_manager.usage))
+            if len(load) % SHARES_EVERY == 0:
+                shares.append(request_shares(scheduler))
         for out in outputs:
             produced = len(out.outputs[0].token_ids)
             stamps[out.request_id] += [now] * (produced - len(stamps[out.request_id]))
@@ -151,7 +178,7 @@ def run_trace(engine, trace: Trace, vocab: int, room: int) -> dict:
     while engine.has_unfinished_requests():
         engine.step()
     return {"kv_tokens": pool_tokens(engine), "trace": asdict(trace),
-            **summarise(arrived, stamps, finished, wall, load)}  # fmt: skip
+            **summarise(arrived, stamps, finished, wall, load, shares)}  # fmt: skip
 
 
 def measure(specs: list[EngineSpec], traces: list[Trace], rows: Path) -> None:
@@ -176,14 +203,17 @@ def table(rows: Path) -> str:
     found = [r for r in json_lines(rows) if r["kind"] == "trace"]
     base = {r["rate"]: r["output_tokens_per_s"] for r in found if r["method"] == "vllm"}
     lines = ["| method | rate (req/s) | output tok/s | x vLLM | TTFT mean / P99 s | TBT mean / P99 ms | finished "
-             "| most in flight | pool share each |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| most in flight | pool share each | largest share in prompt / past it "
+             "| longest prompts the pool holds |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in found:
         ratio = f"{r['output_tokens_per_s'] / base[r['rate']]:.2f}" if base.get(r["rate"]) else ""
         ttft = f"{r['ttft_mean_s']:.2f} / {r['ttft_p99_s']:.2f}"
         tbt = f"{r['tbt_mean_ms']:.1f} / {r['tbt_p99_ms']:.1f}"
         share = f"{r['pool_share_per_request']:.3f}" if "pool_share_per_request" in r else ""
+        held = f"{r['prompt_share']:.3f} / {r['resident_share']:.4f}" if "resident_share" in r else ""
         cells = [r["method"], r["rate"], f"{r['output_tokens_per_s']:.0f}", ratio, ttft, tbt,
-                 f"{r['finished']}/{r['trace']['requests']}", r.get("peak_in_flight", ""), share]  # fmt: skip
+                 f"{r['finished']}/{r['trace']['requests']}", r.get("peak_in_flight", ""), share, held,
+                 r.get("pool_holds", "")]  # fmt: skip
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
