@@ -63,6 +63,9 @@ VARIANTS = {
     "mlp-mass-no-f": Variant("mass", "mlp", "h; a", {"without": TOKEN}),
     # what the vLLM plugin can feed it: no hidden state, its norm or the token type (`runtime.vllm.learned`)
     "mlp-mass-engine": Variant("mass", "mlp", "a; position, age, key norm", {"reduced_width": 0, "without": WITHOUT}),
+    # and without the attention received: the plugin then needs no second QK pass over the prompt
+    "mlp-mass-engine-no-a": Variant("mass", "mlp", "position, age, key norm",
+                                    {"reduced_width": 0, "without": [*WITHOUT, *ATTENTION]}),
 }
 
 

@@ -742,8 +742,9 @@ def test_paged_h2o_reads_and_accumulates_what_h2o_keeps(budget, flash_lse, last_
                 torch.testing.assert_close(listed, masses[r][0, h, read], rtol=1e-4, atol=1e-5)
 
 
-def engine_ready_predictor(folder, layers: tuple[int, ...]) -> str:
-    """A random predictor that reads what an attention backend sees: no hidden state, no token type."""
+def engine_ready_predictor(folder, layers: tuple[int, ...], without=("hidden_norm", "token_type")) -> str:
+    """A random predictor that reads what an attention backend sees: no hidden state, no token type
+    (nor what else `without` names)."""
     from atskv.features import SCALAR_FEATURES
     from atskv.models.geometry import ModelGeometry
     from atskv.predictor.export import export_predictor
@@ -751,21 +752,23 @@ def engine_ready_predictor(folder, layers: tuple[int, ...]) -> str:
 
     torch.manual_seed(11)
     spec = FeatureSpec(64, SCALAR_FEATURES, len(layers), HKV)
-    mlp = RelevanceMLP(spec, reduced_width=0, hidden=16, without=["hidden_norm", "token_type"]).eval()
+    mlp = RelevanceMLP(spec, reduced_width=0, hidden=16, without=list(without)).eval()
     geometry = ModelGeometry("llama", max(layers) + 1, HQ, HKV, D, 64, ("full_attention",) * (max(layers) + 1), None)
     export_predictor(mlp, torch.zeros(96, dtype=torch.int8), folder, base_model="tiny", geometry=geometry,
                      managed_layers=list(layers))  # fmt: skip
     return str(folder)
 
 
-@pytest.mark.parametrize("last_known", [False, True])
+@pytest.mark.parametrize("last_known, received", [(False, True), (True, True), (True, False)])
 @pytest.mark.parametrize("budget, window_share", [(0.25, 0.0), (20, 0.0), (3, 0.0), (0.25, 0.5), (20, 0.5)])
-def test_paged_learned_reads_what_the_learned_selector_keeps(budget, window_share, last_known, tmp_path, monkeypatch):
+def test_paged_learned_reads_what_the_learned_selector_keeps(budget, window_share, last_known, received, tmp_path,
+                                                             monkeypatch):  # fmt: skip
     """Two managed layers (the second reads the first's attention) score prompts chunk by chunk,
     then 4 decode steps: each reads exactly what atskv's learned selector keeps without a refresh
     (the collection's features at the prompt's end, scored as the selector scores slots, the
     `window_share` of the budget pinned by SnapKV's vote of the last 2 queries, its top budget;
-    generated tokens at +inf), and the kept scores are those scores."""
+    generated tokens at +inf), and the kept scores are those scores. A predictor fit without the
+    attention received (`received` False) gets the same and the prompt's mass is never computed."""
     from atskv.kernels.budget import kept_count
     from atskv.kernels.learned_features import score_slots
     from atskv.predictor.features import attention_so_far, scalar_features
@@ -776,8 +779,12 @@ def test_paged_learned_reads_what_the_learned_selector_keeps(budget, window_shar
 
     monkeypatch.setattr(learned, "ROWS_PER_PASS", 50)  # the longer prompts scored in several passes
     layers = (2, 3)
-    selector = PagedLearned(predictor=engine_ready_predictor(tmp_path / "predictor", layers),
+    without = ("hidden_norm", "token_type") + (() if received else learned.RECEIVED)
+    selector = PagedLearned(predictor=engine_ready_predictor(tmp_path / "predictor", layers, without),
                             window_share=window_share, window=2)  # fmt: skip
+    assert selector.takes_prompt_lse == received
+    if not received:
+        monkeypatch.setattr(learned, "chunk_mass", None)  # called, it would fail
     generator, cache, prompts = decoding_requests(seed=7)
     lengths, generated, chunk = cache.lengths, GENERATED, CHUNK
     queries = {layer: [torch.randn(p, HQ, D, generator=generator) for p in prompts] for layer in layers}

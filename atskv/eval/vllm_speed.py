@@ -100,10 +100,11 @@ def write_shape(name: str, folder: Path) -> Path:
     return folder
 
 
-def random_engine_predictor(name: str, dense_layers: int, folder: Path) -> Path:
+def random_engine_predictor(name: str, dense_layers: int, folder: Path, received: bool = True) -> Path:
     """A predictor of the shape's geometry with random weights that reads only what vLLM shows an
-    attention backend (`atskv.runtime.vllm.learned`), exported to `folder`: what the learned
-    selector costs in the engine does not depend on what it learned."""
+    attention backend (`atskv.runtime.vllm.learned`; without `received`, not the attention received
+    either), exported to `folder`: what the learned selector costs in the engine does not depend on
+    what it learned."""
     import torch
     from transformers import AutoConfig
 
@@ -111,14 +112,14 @@ def random_engine_predictor(name: str, dense_layers: int, folder: Path) -> Path:
     from atskv.models.geometry import model_geometry
     from atskv.predictor.export import export_predictor
     from atskv.predictor.model import FeatureSpec, RelevanceMLP
-    from atskv.runtime.vllm.learned import WITHOUT
+    from atskv.runtime.vllm.learned import RECEIVED, WITHOUT
 
     settings = dict(SHAPES[name])
     config = AutoConfig.for_model(settings.pop("model_type"), **settings)
     geometry = model_geometry(config)
     managed = [layer for layer in geometry.global_layers if layer >= dense_layers]
     spec = FeatureSpec(geometry.hidden_size, SCALAR_FEATURES, len(managed), geometry.num_kv_heads)
-    mlp = RelevanceMLP(spec, reduced_width=0, without=list(WITHOUT)).eval()
+    mlp = RelevanceMLP(spec, reduced_width=0, without=[*WITHOUT, *(() if received else RECEIVED)]).eval()
     export_predictor(mlp, torch.zeros(config.vocab_size, dtype=torch.int8), folder, base_model=f"random {name}",
                      geometry=geometry, managed_layers=managed, overwrite=True)  # fmt: skip
     return folder

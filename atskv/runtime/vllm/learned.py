@@ -9,7 +9,9 @@ group's heads and the queries that could see it), its position and age, its key'
 previous managed layer's attention (handed from layer to layer through the forward's shared
 `step`). The hidden state (its projection and norm) and the token ids are not shown to an
 attention backend, so the predictor must be fit without them (`atskv fit --model.reduced_width 0
---model.without '[hidden_norm, token_type]'`); one that reads them is refused.
+--model.without '[hidden_norm, token_type]'`); one that reads them is refused. One fit without the
+attention received too (`[attention, prev_attention]` added) spares the prompt that mass, a
+second QK pass over it.
 
 Each prefill chunk scores the request's tokens so far and keeps its top budget (the last chunk's
 list stands, as the end of a dense prefill leaves it); a decode step keeps the tokens generated
@@ -42,6 +44,7 @@ from atskv.runtime.vllm.prompt_ranks import window_votes
 from atskv.runtime.vllm.protocol import PagedSelector
 
 UNSEEN = ("hidden", "hidden_norm", "token_type")  # inputs an attention backend cannot compute
+RECEIVED = ("attention", "prev_attention")  # the inputs the prompt's received mass is computed for
 WITHOUT = ("hidden_norm", "token_type")  # `RelevanceMLP(without=...)` for them, beside reduced_width 0
 ROWS_PER_PASS = 1 << 16
 
@@ -114,6 +117,9 @@ class PagedLearned(PagedSelector):
         self.loaded = engine_predictor(str(self.predictor))
         self.managed = {layer: i for i, layer in enumerate(self.loaded.header.managed_layers)}
         self.reads_mass = self.refresh_every > 0  # the refresh's attention feature includes the reads'
+        # a predictor fit without the attention received needs no second QK pass over the prompt
+        self.scores_mass = self.reads_mass or not self.loaded.mlp.inputs().isdisjoint(RECEIVED)
+        self.takes_prompt_lse = self.scores_mass
         self.frees_blocks = not self.refresh_every  # a refresh's features read the listed tokens' positions
         self._read = None  # the last pick's positions and counts, for `observe_read`
 
@@ -148,12 +154,16 @@ class PagedLearned(PagedSelector):
             raise InputError(f"atskv: layer {chunk.layer} reads sparsely but the predictor manages layers "
                              f"{list(self.managed)}; set dense_layers to match it")  # fmt: skip
         keys, length = chunk.keys(), chunk.length
-        mass = state.add_prompt_mass(chunk_mass(chunk, keys, self.prompt_sample), chunk.queries.shape[0], chunk)
+        if self.scores_mass:
+            mass = state.add_prompt_mass(chunk_mass(chunk, keys, self.prompt_sample), chunk.queries.shape[0], chunk)
         if not chunk.last:  # a list ranked now would be ranked again before any decode reads it
             return
         heads = keys.shape[0]
         position = torch.arange(length, device=keys.device, dtype=torch.float32)
-        attention = mass / (chunk.queries.shape[1] // heads) / (length - position)  # mean over heads and queries
+        if self.scores_mass:  # the mean over the group's heads and the queries that could see each token
+            attention = mass / (chunk.queries.shape[1] // heads) / (length - position)
+        else:  # columns the predictor does not read
+            attention = torch.zeros(heads, length, device=keys.device)
         previous = chunk.step.get((self.name, chunk.row))  # the layer before's (layer, attention by position)
         index = self.managed[chunk.layer]
         if index == 0 or previous is None or previous[0] >= chunk.layer:
