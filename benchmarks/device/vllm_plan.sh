@@ -16,7 +16,9 @@
 #        0.25 and 1 request/s through one engine, NEW tokens each (256; ~7 min; free: unread blocks back);
 #        RATES='2.0' LIMIT=240 REQUESTS=32 for other rates, cut-off (s) and request counts
 #   bash benchmarks/device/vllm_plan.sh inflight METHOD [free [DENSE]]  # 12 requests of 128K at once through
-#        one engine (~4 min): the most in flight and each one's share of the KV pool (DENSE layers, default 2)
+#        one engine (~4 min): the most in flight, each one's share of the KV pool in its prompt and past it,
+#        and the 128K requests the pool holds at those shares (DENSE layers, default 2); REQUESTS=34 NEW=2048
+#        LIMIT=480 to hold more in flight at once, OPTIONS='{"prompt_sample": 8}' for the selector's options
 #   bash benchmarks/device/vllm_plan.sh serve  # the plugin through `vllm serve` (HTTP, ~4-6 min): vanilla, CUSTOM
 #        streaming_llm at budget 1.0 (its greedy tokens must be vanilla's) and Quest, three servers one after the
 #        other (benchmarks/vllm_serve_check.py; rows in serve.jsonl, each server's log beside it)
@@ -26,7 +28,8 @@
 #        .device/corpora.tar.xz carried too, one staging call each; the parent runs atskv's transformers, each
 #        engine process vLLM's: ATSKV_VLLM_PYTHONPATH; a leaderboard whose engine failed runs once more, a resume;
 #        LEARNED_OPTIONS='{learned: {window_share: 0.5, refresh_every: 16}}' for both runtimes' learned rows;
-#        MODEL=gemma3-270m with .device/g1-g7 carried, one staging call each)
+#        MODEL=gemma3-270m with .device/g1-g7 carried, one staging call each; RECEIVED=0: a predictor fit without
+#        the attention received, which spares the prompt its mass pass)
 #   bash benchmarks/device/vllm_plan.sh quality-start [CONTEXT]  # quality in the background from a copy of this
 #        tree (/tmp/qtree, so later calls' trees do not touch it), rows in /tmp/qout, while other calls run (not
 #        engine tests: vLLM's start asserts when another process frees GPU memory while it profiles)
@@ -83,16 +86,20 @@ PY
     ;;
   inflight)
     python3 - "$OUT" "$2" "${3:-}" "${4:-2}" <<'PY' 2>&1 | grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" | tail -12
-import sys, tempfile
+import json, os, sys, tempfile
 from pathlib import Path
 from atskv.eval import vllm_speed, vllm_trace
 shape = vllm_speed.write_shape("llama3.1-8b", Path(tempfile.mkdtemp()) / "llama3.1-8b")
-free, dense = sys.argv[3] == "free", int(sys.argv[4])
-options = vllm_speed.timing_options(sys.argv[2], {}, "llama3.1-8b", dense, shape.parent / "predictor")
+free, dense, env = sys.argv[3] == "free", int(sys.argv[4]), os.environ
+options = vllm_speed.timing_options(sys.argv[2], json.loads(env.get("OPTIONS", "{}")), "llama3.1-8b", dense,
+                                    shape.parent / "predictor")
 spec = vllm_speed.EngineSpec(sys.argv[2], str(shape), [], options=options, free_blocks=free, dense_layers=dense,
-                             label=sys.argv[2] + (f" (free_blocks, {dense} dense)" if free else ""))
+                             label=sys.argv[2] + (f" (free_blocks, {dense} dense)" if free else "")
+                             + (f" {env['OPTIONS']}" if env.get("OPTIONS") else ""))
 rows = Path(sys.argv[1]) / "inflight.jsonl"
-vllm_trace.measure([spec], [vllm_trace.Trace(rate=50.0, requests=12, shortest=131072, new_tokens=256, limit_s=140)], rows)
+trace = vllm_trace.Trace(rate=50.0, requests=int(env.get("REQUESTS", 12)), shortest=131072,
+                         new_tokens=int(env.get("NEW", 256)), limit_s=float(env.get("LIMIT", 140)))
+vllm_trace.measure([spec], [trace], rows)
 print(vllm_trace.table(rows))
 PY
     ;;
@@ -102,15 +109,17 @@ PY
     export ATSKV_VLLM_PYTHONPATH=$PYTHONPATH
     model=${MODEL:-smollm2-135m}  # or gemma3-270m (its parts .device/g1-g7 carried; its local layers stay vLLM's)
     source benchmarks/device/env.sh && assemble $model.gguf
-    m=/tmp/mdl/$model.gguf q=/tmp/quality-$model
+    m=/tmp/mdl/$model.gguf q=/tmp/quality-$model${RECEIVED:+-received$RECEIVED}
+    without='[hidden_norm, token_type]'  # what vLLM does not show an attention backend; RECEIVED=0: nor the mass
+    [ "${RECEIVED:-1}" = 0 ] && without='[hidden_norm, token_type, attention, prev_attention]'
     # both runtimes get these options (window_share 0.5: as the shipped predictor scored best)
     LEARNED=${LEARNED_OPTIONS:-'{learned: {window_share: 0.5}}'}
     touch "$OUT/quality.log"
-    if [ ! -f $q/predictor/predictor.safetensors ]; then  # one predictor per machine: a second variant reuses it
+    if [ ! -f $q/predictor/predictor.safetensors ]; then  # one predictor per machine and inputs: a second variant reuses it
       python3 -m atskv.cli collect --model $m --corpus austen --windows 32 --window_tokens 4096 --device cuda \
-        --out $q/collect > "$OUT/quality.log" 2>&1
-      python3 -m atskv.cli fit --config configs/fit.yaml --data.folder $q/collect --model.reduced_width 0 \
-        --model.without '[hidden_norm, token_type]' --trainer.max_epochs 5 --trainer.default_root_dir $q/fit \
+        --out /tmp/quality-$model/collect > "$OUT/quality.log" 2>&1  # one collection (a rerun resumes it)
+      python3 -m atskv.cli fit --config configs/fit.yaml --data.folder /tmp/quality-$model/collect --model.reduced_width 0 \
+        --model.without "$without" --trainer.max_epochs 5 --trainer.default_root_dir $q/fit \
         --trainer.logger.init_args.save_dir $q/fit >> "$OUT/quality.log" 2>&1
       python3 -m atskv.cli export "$(ls -d $q/fit/*/version_*/checkpoints/last.ckpt | tail -1)" --model $m \
         --out $q/predictor >> "$OUT/quality.log" 2>&1
