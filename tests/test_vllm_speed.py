@@ -31,6 +31,8 @@ def test_vanilla_is_vllms_own_backend_and_a_selector_is_atskvs(tmp_path):
     freeing = engine_arguments(EngineSpec("vllm:streaming_llm", str(shape), [], free_blocks=True), 2048, 1)
     assert freeing["additional_config"]["atskv"]["free_blocks"] and freeing["worker_cls"] == WORKER
     assert not freeing["enable_prefix_caching"]
+    chunked = EngineSpec("vllm", str(shape), [], engine={"max_num_batched_tokens": 2048, "max_num_seqs": 48})
+    assert engine_arguments(chunked, 2048, 1) == {**vanilla, "max_num_batched_tokens": 2048, "max_num_seqs": 48}
 
 
 def rows(path, *found):

@@ -58,6 +58,7 @@ class EngineSpec:
     eager: bool = False  # no compile, no CUDA graphs: an engine up in seconds, for runs scored, not timed
     profile_dir: str = ""  # absolute: each batch's last PROFILE_STEPS decode steps under vLLM's torch profiler
     profile_prefill: bool = False  # with profile_dir: each batch's prefill again, untimed, under the profiler too
+    engine: dict = field(default_factory=dict)  # vLLM's own settings over these (`max_num_batched_tokens`: its chunk)
 
     def __post_init__(self):
         self.label = self.label or self.method
@@ -83,7 +84,7 @@ def engine_arguments(spec: EngineSpec, max_model_len: int, max_num_seqs: int) ->
         arguments.update(attention_backend="CUSTOM", additional_config={"atskv": settings}, worker_cls=WORKER)
         if spec.free_blocks:
             settings["free_blocks"] = True
-    return arguments
+    return {**arguments, **spec.engine}
 
 
 def write_shape(name: str, folder: Path) -> Path:
