@@ -138,6 +138,21 @@ def test_serve_frees_blocks_only_for_selectors_that_can(tmp_path, monkeypatch):
     assert arguments["worker_cls"] == WORKER and arguments["additional_config"]["atskv"]["free_blocks"]
 
 
+def test_serve_hands_a_selectors_options_and_vllms_settings_to_its_engines(tmp_path, monkeypatch):
+    from atskv.cli.bench import serve
+
+    commands = []
+    monkeypatch.setattr(vllm_speed.subprocess, "run", lambda command, **_: commands.append(command))
+    serve(methods=["vllm", "vllm:h2o"], rates=[50.0], selector_options={"h2o": {"prompt_sample": 8}},
+          engine={"max_num_batched_tokens": 2048}, dense_layers=0, out=tmp_path)  # fmt: skip
+    specs = {s["method"]: s for s in (json.loads(open(c[-3]).read()) for c in commands)}
+    assert specs["vllm"]["label"] == 'vllm {"max_num_batched_tokens": 2048}' and specs["vllm"]["options"] == {}
+    h2o = specs["vllm:h2o"]
+    assert h2o["label"] == 'vllm:h2o {"prompt_sample": 8} {"max_num_batched_tokens": 2048}'
+    assert h2o["options"] == {"prompt_sample": 8} and h2o["dense_layers"] == 0
+    assert engine_arguments(EngineSpec(**h2o), 4096, 8)["max_num_batched_tokens"] == 2048
+
+
 class FakeEngine:
     """vLLM's LLMEngine as a trace drives it: one token per running request per step."""
 
@@ -209,10 +224,28 @@ def test_a_trace_rerun_skips_the_traces_it_has_and_only_those(tmp_path, started)
     assert started == [[asdict(long)]]  # the same rate with other new tokens is another trace
 
 
+def test_a_trace_row_is_compared_with_vanilla_at_its_rate_and_vllm_settings(tmp_path):
+    from atskv.eval.vllm_trace import table
+
+    def row(method, rate, tokens, vanilla=None, engine=None):
+        found = {"method": method, "kind": "trace", "rate": rate, "output_tokens_per_s": tokens, "finished": 1,
+                 "ttft_mean_s": 1.0, "ttft_p99_s": 1.0, "tbt_mean_ms": 1.0, "tbt_p99_ms": 1.0, "trace": {"requests": 2}}
+        return found | ({} if vanilla is None else {"vanilla": vanilla, "engine": engine or {}})  # fmt: skip
+
+    chunk = {"max_num_batched_tokens": 2048}
+    path = rows(tmp_path / "trace.jsonl", row("vllm", 1.0, 10.0), row("vllm:quest", 1.0, 30.0),  # rows of before
+                row("vllm {chunk}", 1.0, 5.0, True, chunk), row("vllm:h2o {chunk}", 1.0, 20.0, False, chunk),
+                row("vllm:h2o", 1.0, 15.0, False), row("vllm:h2o", 0.5, 15.0, False))  # fmt: skip
+    ratios = {line.split(" | ")[0][2:] + f" @{line.split(' | ')[1]}": line.split(" | ")[3]
+              for line in table(path).splitlines()[2:]}  # fmt: skip
+    assert ratios == {"vllm @1.0": "1.00", "vllm:quest @1.0": "3.00", "vllm {chunk} @1.0": "1.00",
+                      "vllm:h2o {chunk} @1.0": "4.00", "vllm:h2o @1.0": "1.50", "vllm:h2o @0.5": ""}  # fmt: skip
+
+
 def test_the_engine_timing_predictor_reads_only_what_an_attention_backend_sees(tmp_path):
     """`vllm:learned` without a predictor times a random one of the shape, managing the layers
     past the dense ones, that the plugin accepts (no hidden state, no token type)."""
-    from atskv.eval.vllm_speed import timing_options
+    from atskv.eval.vllm_speed import random_engine_predictor, timing_options
     from atskv.runtime.vllm.learned import PagedLearned
 
     assert timing_options("vllm:quest", {}, "llama3.1-8b", 2, tmp_path / "p") == {}
@@ -225,6 +258,9 @@ def test_the_engine_timing_predictor_reads_only_what_an_attention_backend_sees(t
     selector = PagedLearned(predictor=options["predictor"])
     assert selector.loaded.header.managed_layers == tuple(range(2, 32))
     assert selector.loaded.mlp.inputs() == {"attention", "position", "log_age", "key_norm", "prev_attention"}
+    assert selector.takes_prompt_lse  # its prompt's received mass is computed
+    mass_free = PagedLearned(predictor=str(random_engine_predictor("llama3.1-8b", 0, tmp_path / "n", received=False)))
+    assert mass_free.loaded.mlp.inputs() == {"position", "log_age", "key_norm"} and not mass_free.takes_prompt_lse
 
 
 class SteppedEngine:

@@ -225,6 +225,8 @@ def serve(
     dense_layers: int = 2,
     free_blocks: bool = False,
     limit_s: float = 300.0,
+    selector_options: dict | None = None,
+    engine: dict | None = None,
     out: Path = Path("results/serve"),
 ) -> None:
     """A serving trace through vanilla vLLM and vLLM + atskv, in one run on one GPU.
@@ -248,28 +250,25 @@ def serve(
             compacted) hand the blocks their sparse layers will not read back to vLLM's pool (rows
             labelled "<method> (free_blocks)"); the learned selector is timed with a random predictor.
         limit_s: a trace stops here, finished or not.
+        selector_options: options per selector name, e.g. '{learned: {predictor: DIR}}' (rows
+            labelled with them).
+        engine: vLLM's own settings for every engine, e.g. '{max_num_batched_tokens: 2048}' (its
+            prefill chunk; rows labelled with them).
         out: output folder.
     """
     import tempfile
 
     from atskv.errors import InputError
     from atskv.eval import vllm_speed, vllm_trace
-    from atskv.eval.method import VLLM, Method, check_methods
-    from atskv.runtime.vllm.selection import PAGED_SELECTORS
+    from atskv.eval.method import VLLM, check_methods
 
     if model not in vllm_speed.SHAPES:
         raise InputError(f"serve runs a shape with dummy weights; shapes: {', '.join(vllm_speed.SHAPES)}")
     check_methods(methods, (VLLM,))
     shape = vllm_speed.write_shape(model, Path(tempfile.mkdtemp()) / model)
 
-    def spec(method: str) -> vllm_speed.EngineSpec:
-        selector = PAGED_SELECTORS.get(Method.parse(method).name)
-        frees = free_blocks and selector is not None and selector.frees_blocks
-        options = vllm_speed.timing_options(method, {}, model, dense_layers, shape.parent / "predictor")
-        return vllm_speed.EngineSpec(method, str(shape), [], new_tokens, budget, dense_layers, options,
-                                     free_blocks=frees, label=f"{method} (free_blocks)" if frees else "")  # fmt: skip
-
-    specs = [spec(m) for m in methods]
+    specs = [vllm_trace.serving_spec(m, model, shape, new_tokens, budget, dense_layers, free_blocks,
+                                     selector_options or {}, engine or {}) for m in methods]  # fmt: skip
     traces = [vllm_trace.Trace(r, requests, shortest, longest, new_tokens, limit_s=limit_s) for r in rates]
     rows = Path(out) / "trace.jsonl"
     vllm_trace.measure(specs, traces, rows)

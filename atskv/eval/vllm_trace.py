@@ -21,8 +21,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from atskv.eval.method import Method
 from atskv.eval.rows import json_lines
 from atskv.eval.vllm_speed import (
+    VANILLA,
     EngineSpec,
     engine_arguments,
     engine_process,
@@ -31,7 +33,9 @@ from atskv.eval.vllm_speed import (
     in_process_scheduler,
     pool_tokens,
     prompts,
+    timing_options,
 )
+from atskv.runtime.vllm.selection import PAGED_SELECTORS
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,22 @@ def request_shares(scheduler) -> tuple[float, float]:
 SHARES_EVERY = 16  # steps between two `request_shares` (a Python pass over every request's blocks)
 
 
+def serving_spec(method: str, model: str, shape: Path, new_tokens: int, budget: int | float, dense_layers: int,
+                 free_blocks: bool, selector_options: dict, engine: dict) -> EngineSpec:  # fmt: skip
+    """A method's engine for a trace of `model`'s shape (its config in `shape`): `free_blocks` where
+    its selector can free them, its options from `selector_options` by selector name (the learned
+    selector without a predictor timed with a random one of the shape), vLLM's own `engine`
+    settings; labelled with what differs from the method's defaults."""
+    name = Method.parse(method).name
+    selector = PAGED_SELECTORS.get(name)
+    frees = free_blocks and selector is not None and selector.frees_blocks
+    own = selector_options.get(name, {})
+    options = timing_options(method, own, model, dense_layers, shape.parent / "predictor")
+    label = method + (" (free_blocks)" if frees else "") + "".join(f" {json.dumps(x)}" for x in (own, engine) if x)
+    return EngineSpec(method, str(shape), [], new_tokens, budget, dense_layers, options, free_blocks=frees,
+                      label=label, engine=engine)  # fmt: skip
+
+
 def run_traces(spec: EngineSpec, traces: list[Trace], rows: Path) -> None:
     """In this process: each trace in turn through one engine (built once: its start is most of a
     short trace's cost); one row appended to `rows` per trace."""
@@ -133,7 +153,9 @@ def run_traces(spec: EngineSpec, traces: list[Trace], rows: Path) -> None:
     llm = LLM(**engine_arguments(spec, longest, 64))
     for trace in traces:
         row = run_trace(llm.llm_engine, trace, config["vocab_size"], room)
-        row = {"method": spec.label, "kind": "trace", "context": trace.longest, "rate": trace.rate, **row}
+        row = {"method": spec.label, "kind": "trace", "context": trace.longest, "rate": trace.rate,
+               "vanilla": spec.method == VANILLA, "engine": spec.engine, "dense_layers": spec.dense_layers,
+               **row}  # fmt: skip
         with rows.open("a") as f:
             f.write(json.dumps(row) + "\n")
 
@@ -199,14 +221,19 @@ def measure(specs: list[EngineSpec], traces: list[Trace], rows: Path) -> None:
 
 
 def table(rows: Path) -> str:
-    """Markdown of the trace rows, with each row's throughput against vanilla vLLM's at its rate."""
+    """Markdown of the trace rows, with each row's throughput against vanilla vLLM's at its rate and
+    vLLM settings."""
     found = [r for r in json_lines(rows) if r["kind"] == "trace"]
-    base = {r["rate"]: r["output_tokens_per_s"] for r in found if r["method"] == "vllm"}
+
+    def key(r: dict) -> tuple:
+        return r["rate"], json.dumps(r.get("engine", {}), sort_keys=True)
+
+    base = {key(r): r["output_tokens_per_s"] for r in found if r.get("vanilla", r["method"] == VANILLA)}
     lines = ["| method | rate (req/s) | output tok/s | x vLLM | TTFT mean / P99 s | TBT mean / P99 ms | finished "
              "| most in flight | pool share each | largest share in prompt / past it "
              "| longest prompts the pool holds |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in found:
-        ratio = f"{r['output_tokens_per_s'] / base[r['rate']]:.2f}" if base.get(r["rate"]) else ""
+        ratio = f"{r['output_tokens_per_s'] / base[key(r)]:.2f}" if base.get(key(r)) else ""
         ttft = f"{r['ttft_mean_s']:.2f} / {r['ttft_p99_s']:.2f}"
         tbt = f"{r['tbt_mean_ms']:.1f} / {r['tbt_p99_ms']:.1f}"
         share = f"{r['pool_share_per_request']:.3f}" if "pool_share_per_request" in r else ""

@@ -14,12 +14,14 @@
 #        'preempted or refresh' (~6 min) as three calls (one would pass the 10-minute limit)
 #   bash benchmarks/device/vllm_plan.sh trace METHOD [free [NEW]]  # Poisson traces of 16K-128K prompts at
 #        0.25 and 1 request/s through one engine, NEW tokens each (256; ~7 min; free: unread blocks back);
-#        RATES='2.0' LIMIT=240 REQUESTS=32 for other rates, cut-off (s) and request counts; ENGINE='{"max_num_batched_tokens":
-#        2048}' for vLLM's own settings (a smaller prefill chunk: decode steps beside it wait less)
+#        RATES='2.0' LIMIT=240 REQUESTS=32 DENSE=0 for other rates, cut-off (s), request counts and dense layers;
+#        OPTIONS as inflight's; ENGINE='{"max_num_batched_tokens": 2048}' for vLLM's own settings (a smaller prefill
+#        chunk: decode steps beside it wait less)
 #   bash benchmarks/device/vllm_plan.sh inflight METHOD [free [DENSE]]  # 12 requests of 128K at once through
 #        one engine (~4 min): the most in flight, each one's share of the KV pool in its prompt and past it,
 #        and the 128K requests the pool holds at those shares (DENSE layers, default 2); REQUESTS=34 NEW=2048
-#        LIMIT=480 to hold more in flight at once, OPTIONS='{"prompt_sample": 8}' for the selector's options, ENGINE as trace's
+#        LIMIT=480 to hold more in flight at once, OPTIONS='{"learned": {"predictor": DIR}}' (options per selector
+#        name) and ENGINE as trace's; both through benchmarks/vllm_trace_run.py (what `atskv bench serve` runs)
 #   bash benchmarks/device/vllm_plan.sh serve  # the plugin through `vllm serve` (HTTP, ~4-6 min): vanilla, CUSTOM
 #        streaming_llm at budget 1.0 (its greedy tokens must be vanilla's) and Quest, three servers one after the
 #        other (benchmarks/vllm_serve_check.py; rows in serve.jsonl, each server's log beside it)
@@ -68,45 +70,16 @@ case "$1" in
     PYTHONPATH=/tmp/pt:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider tests/test_vllm_engine.py tests/test_vllm_freeing.py \
       tests/test_vllm_selection.py tests/test_vllm_backend_host.py tests/test_kernels_kept_lists.py tests/test_kernels_listed_refresh.py \
       ${2:+-k "$2"} 2>&1 | tee "$OUT/tests.log" | grep -v "^\[\|^INFO\|^WARNING" | tail -25 ;;
-  trace)
-    python3 - "$OUT" "$2" "${3:-}" "${4:-256}" <<'PY' 2>&1 | grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" | tail -12
-import json, os, sys, tempfile
-from pathlib import Path
-from atskv.eval import vllm_speed, vllm_trace
-shape = vllm_speed.write_shape("llama3.1-8b", Path(tempfile.mkdtemp()) / "llama3.1-8b")
-free = sys.argv[3] == "free"
-options = vllm_speed.timing_options(sys.argv[2], {}, "llama3.1-8b", 2, shape.parent / "predictor")
-engine = json.loads(os.environ.get("ENGINE", "{}"))  # vLLM's own settings, e.g. its prefill chunk
-spec = vllm_speed.EngineSpec(sys.argv[2], str(shape), [], options=options, free_blocks=free, engine=engine,
-                             label=sys.argv[2] + (" (free_blocks)" if free else "")
-                             + (f" {os.environ['ENGINE']}" if engine else ""))
-rows = Path(sys.argv[1]) / "trace.jsonl"
-traces = [vllm_trace.Trace(rate=float(r), requests=int(os.environ.get("REQUESTS", 32)), new_tokens=int(sys.argv[4]),
-                           limit_s=float(os.environ.get("LIMIT", 150))) for r in os.environ.get("RATES", "0.25 1.0").split()]
-vllm_trace.measure([spec], traces, rows)
-print(vllm_trace.table(rows))
-PY
-    ;;
-  inflight)
-    python3 - "$OUT" "$2" "${3:-}" "${4:-2}" <<'PY' 2>&1 | grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" | tail -12
-import json, os, sys, tempfile
-from pathlib import Path
-from atskv.eval import vllm_speed, vllm_trace
-shape = vllm_speed.write_shape("llama3.1-8b", Path(tempfile.mkdtemp()) / "llama3.1-8b")
-free, dense, env = sys.argv[3] == "free", int(sys.argv[4]), os.environ
-options = vllm_speed.timing_options(sys.argv[2], json.loads(env.get("OPTIONS", "{}")), "llama3.1-8b", dense,
-                                    shape.parent / "predictor")
-spec = vllm_speed.EngineSpec(sys.argv[2], str(shape), [], options=options, free_blocks=free, dense_layers=dense,
-                             engine=json.loads(env.get("ENGINE", "{}")),
-                             label=sys.argv[2] + (f" (free_blocks, {dense} dense)" if free else "")
-                             + "".join(f" {env[k]}" for k in ("OPTIONS", "ENGINE") if env.get(k)))
-rows = Path(sys.argv[1]) / "inflight.jsonl"
-trace = vllm_trace.Trace(rate=50.0, requests=int(env.get("REQUESTS", 12)), shortest=131072,
-                         new_tokens=int(env.get("NEW", 256)), limit_s=float(env.get("LIMIT", 140)))
-vllm_trace.measure([spec], [trace], rows)
-print(vllm_trace.table(rows))
-PY
-    ;;
+  trace)  # free: the selectors that can free blocks do; OPTIONS per selector name, ENGINE vLLM's own settings
+    timeout "${STAGE_S:-590}" python3 benchmarks/vllm_trace_run.py "$OUT/trace.jsonl" --methods "$2" \
+      $([ "${3:-}" = free ] && echo --free_blocks) --new_tokens "${4:-256}" --rates ${RATES:-0.25 1.0} \
+      --requests "${REQUESTS:-32}" --limit_s "${LIMIT:-150}" --dense_layers "${DENSE:-2}" --options "${OPTIONS:-{\}}" \
+      --engine "${ENGINE:-{\}}" 2>&1 | grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" | tail -12 ;;
+  inflight)  # 128K requests arriving at once: the most in flight, and how many the pool holds
+    timeout "${STAGE_S:-590}" python3 benchmarks/vllm_trace_run.py "$OUT/inflight.jsonl" --methods "$2" \
+      $([ "${3:-}" = free ] && echo --free_blocks) --dense_layers "${4:-2}" --rates 50 --requests "${REQUESTS:-12}" \
+      --shortest 131072 --longest 131072 --new_tokens "${NEW:-256}" --limit_s "${LIMIT:-140}" \
+      --options "${OPTIONS:-{\}}" --engine "${ENGINE:-{\}}" 2>&1 | grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" | tail -12 ;;
   serve)
     timeout 540 python3 benchmarks/vllm_serve_check.py --out "$OUT/serve.jsonl" 2>&1 | tee "$OUT/serve.txt" | tail -30 ;;
   quality)
