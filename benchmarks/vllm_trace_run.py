@@ -1,6 +1,7 @@
 """Serving traces through vanilla vLLM and vLLM + atskv (`atskv.eval.vllm_trace`): what `atskv bench
 serve` runs, without importing the CLI (the GPU image's transformers is older than atskv's CLI
-needs; the plugin and this driver need none). Rows in ROWS.jsonl as they finish, resumable.
+needs; the plugin and this driver need none). Rows in ROWS.jsonl as they finish, resumable; the
+plot beside them (ROWS.png).
 
     python benchmarks/vllm_trace_run.py ROWS.jsonl --methods vllm vllm:streaming_llm --free_blocks \
         --rates 0.25 1.0 --new_tokens 256 [--requests 32 --shortest 16384 --longest 131072 --limit_s 150 \
@@ -15,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from atskv.eval.vllm_speed import write_shape
-from atskv.eval.vllm_trace import Trace, measure, serving_spec, table
+from atskv.eval.vllm_trace import Trace, measure, plot, serving_spec, table
 
 
 def main() -> None:
@@ -43,6 +44,8 @@ def main() -> None:
               for rate in args.rates]  # fmt: skip
     measure(specs, traces, args.rows)
     print(table(args.rows))
+    plot(args.rows, args.rows.with_suffix(".png"))
+    print(f"plot: {args.rows.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

@@ -242,6 +242,30 @@ def test_a_trace_row_is_compared_with_vanilla_at_its_rate_and_vllm_settings(tmp_
                       "vllm:h2o {chunk} @1.0": "4.00", "vllm:h2o @1.0": "1.50", "vllm:h2o @0.5": ""}  # fmt: skip
 
 
+def test_the_trace_plot_draws_each_methods_line_over_the_rates(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    from atskv.eval import vllm_trace
+
+    def row(method, rate, tokens, vanilla):
+        return {"method": method, "kind": "trace", "rate": rate, "output_tokens_per_s": tokens, "vanilla": vanilla,
+                "ttft_mean_s": 2 * rate, "ttft_p99_s": 3 * rate, "tbt_p99_ms": 100 * tokens}  # fmt: skip
+
+    path = rows(tmp_path / "trace.jsonl", row("vllm", 1.0, 60.0, True), row("vllm", 0.25, 40.0, True),
+                row("vllm:quest", 0.25, 50.0, False), row("vllm:quest", 1.0, 70.0, False))  # fmt: skip
+    figures, save = [], matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda self, *a, **k: figures.append(self) or save(self, *a, **k))  # fmt: skip
+    vllm_trace.plot(path, tmp_path / "trace.png")
+    assert (tmp_path / "trace.png").stat().st_size > 0
+    speed, first, between = figures[0].axes
+    vanilla, quest = speed.get_lines()
+    assert list(vanilla.get_xdata()) == [0.25, 1.0] and list(vanilla.get_ydata()) == [40.0, 60.0]
+    assert vanilla.get_color() == "black" and list(quest.get_ydata()) == [50.0, 70.0]
+    assert [list(line.get_ydata()) for line in first.get_lines()[:2]] == [[0.5, 2.0], [0.75, 3.0]]
+    assert list(between.get_lines()[1].get_ydata()) == [5000.0, 7000.0] and between.get_yscale() == "log"
+
+
 def test_the_engine_timing_predictor_reads_only_what_an_attention_backend_sees(tmp_path):
     """`vllm:learned` without a predictor times a random one of the shape, managing the layers
     past the dense ones, that the plugin accepts (no hidden state, no token type)."""

@@ -234,7 +234,8 @@ def serve(
     Requests of `shortest`-`longest` prompt tokens (log-uniform) arrive as a Poisson process at each
     rate; reports output tokens/s, mean and P99 time to first token and between tokens, and the
     requests finished within `limit_s`. Each engine runs in its own process on the shape's config
-    with dummy weights; rows go to OUT/trace.jsonl as they finish and a rerun skips those there.
+    with dummy weights; rows go to OUT/trace.jsonl as they finish and a rerun skips those there;
+    OUT/trace.png plots them.
 
     Args:
         model: an 8B-class shape (llama3.1-8b, qwen3-8b, mistral-7b).
@@ -273,6 +274,8 @@ def serve(
     rows = Path(out) / "trace.jsonl"
     vllm_trace.measure(specs, traces, rows)
     print(vllm_trace.table(rows))
+    vllm_trace.plot(rows, rows.with_suffix(".png"))
+    print(f"written to {out}/ (trace.jsonl, trace.png)")
 
 
 def fetch(

@@ -245,6 +245,32 @@ def table(rows: Path) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: Path, path: Path) -> None:
+    """Three panels over the arrival rate, a line per method (vanilla vLLM black): output tokens/s,
+    time to first token (mean solid, P99 dashed) and the P99 time between tokens; the table's
+    figures, for a glance. Nothing without rows."""
+    from matplotlib.figure import Figure  # renders with Agg; no pyplot, no display
+
+    found = [r for r in json_lines(rows) if r["kind"] == "trace"]
+    if not found:
+        return
+    fig = Figure(figsize=(13, 3.8), layout="constrained")
+    speed, first, between = fig.subplots(1, 3)
+    for i, method in enumerate(dict.fromkeys(r["method"] for r in found)):
+        here = sorted((r for r in found if r["method"] == method), key=lambda r: r["rate"])
+        rates = [r["rate"] for r in here]
+        style = {"color": "black" if here[0].get("vanilla", method == VANILLA) else f"C{i}", "marker": "o"}
+        speed.plot(rates, [r["output_tokens_per_s"] for r in here], label=method, **style)
+        first.plot(rates, [r["ttft_mean_s"] for r in here], **style)
+        first.plot(rates, [r["ttft_p99_s"] for r in here], linestyle="--", **style)
+        between.plot(rates, [r["tbt_p99_ms"] for r in here], **style)
+    speed.set(title="output tokens/s", xlabel="arrivals per second")
+    first.set(title="time to first token, s (mean; P99 dashed)", xlabel="arrivals per second")
+    between.set(title="P99 time between tokens, ms", xlabel="arrivals per second", yscale="log")
+    speed.legend(fontsize="small")
+    fig.savefig(path, dpi=120)
+
+
 if __name__ == "__main__":
     spec = EngineSpec(**json.loads(Path(sys.argv[1]).read_text()))
     run_traces(spec, [Trace(**t) for t in json.loads(Path(sys.argv[2]).read_text())], Path(sys.argv[3]))
