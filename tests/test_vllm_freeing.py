@@ -134,3 +134,8 @@ def test_the_traces_request_shares_count_a_requests_blocks_before_and_after_they
     request.num_computed_tokens = prompt + 1
     held = sum(sum(not b.is_null for b in blocks) for blocks in coordinator.get_blocks("r"))
     assert held < 94 + 15 * 7 and request_shares(scheduler) == (0.0, held / 3000)
+    # a shorter request past its prompt, its blocks not yet freed: the longest one's share is told
+    short = SimpleNamespace(request_id="s", num_prompt_tokens=400, num_computed_tokens=401)
+    coordinator.allocate_new_blocks("s", 401, 401)
+    scheduler.running.append(short)
+    assert 16 * 26 > held and request_shares(scheduler) == (0.0, held / 3000)

@@ -3,9 +3,9 @@
 `new_tokens` tokens. Per method and rate: output tokens/s over the run, mean and P99 time to first
 token, mean and P99 time between tokens, requests finished, the KV tokens the engine holds, the most
 requests in flight at once (scheduled, decoding or in prefill) and the share of the KV pool each
-held then, and the largest share one request held in its prompt and past it (so how many requests of
-the longest prompt the pool holds when prompts go in one at a time; read from the engine's
-scheduler, which runs in this process). Each method's engine runs in its own process (as in
+held then, and the largest share the longest request held in its prompt and past it (so how many
+requests of the longest prompt the pool holds when prompts go in one at a time; read from the
+engine's scheduler, which runs in this process). Each method's engine runs in its own process (as in
 `atskv.eval.vllm_speed`), built once for all its rates; rows are appended as they finish and a
 rerun skips the (method, trace) pairs already there (every setting of a trace, not its rate alone).
 
@@ -107,23 +107,24 @@ def residency(shares: list[tuple[float, float]]) -> dict:
 
 
 def request_shares(scheduler) -> tuple[float, float]:
-    """The largest share of the KV pool one running request holds, among those in their prompt
-    (the last chunk included: its blocks go back at the next step) and those past it. A block
-    `free_blocks` handed back is vLLM's null block in the request's list."""
+    """The share of the KV pool held by the running request with the longest prompt among those
+    in their prompt (the last chunk included: its blocks go back at the next step), and by the one
+    among those past it (0 where none). A block `free_blocks` handed back is vLLM's null block in
+    the request's list. Two requests, not all: a 128K request's lists hold ~8K blocks a group."""
     manager = scheduler.kv_cache_manager
     groups = manager.coordinator.single_type_managers
     total = manager.block_pool.num_gpu_blocks - 1  # the null block is not the pool's
-    prompt = resident = 0.0
+    longest = {}
     for request in scheduler.running:
-        held = sum(sum(not b.is_null for b in g.req_to_blocks.get(request.request_id, ())) for g in groups)
-        if request.num_computed_tokens <= request.num_prompt_tokens:
-            prompt = max(prompt, held / total)
-        else:
-            resident = max(resident, held / total)
-    return prompt, resident
+        past = request.num_computed_tokens > request.num_prompt_tokens
+        if past not in longest or request.num_prompt_tokens > longest[past].num_prompt_tokens:
+            longest[past] = request
+    held = {past: sum(sum(not b.is_null for b in g.req_to_blocks.get(r.request_id, ())) for g in groups) / total
+            for past, r in longest.items()}  # fmt: skip
+    return held.get(False, 0.0), held.get(True, 0.0)
 
 
-SHARES_EVERY = 16  # steps between two `request_shares` (a Python pass over every request's blocks)
+SHARES_EVERY_S = 5.0  # seconds between two `request_shares` (a Python pass over two requests' blocks)
 
 
 def serving_spec(method: str, model: str, shape: Path, new_tokens: int, budget: int | float, dense_layers: int,
@@ -174,6 +175,7 @@ def run_trace(engine, trace: Trace, vocab: int, room: int) -> dict:
     shares: list[tuple[float, float]] = []
     scheduler = in_process_scheduler(engine)
     start = time.perf_counter()
+    counted = -SHARES_EVERY_S
     while (pending or engine.has_unfinished_requests()) and time.perf_counter() - start < trace.limit_s:
         now = time.perf_counter() - start
         while pending and pending[0][0] <= now:
@@ -188,8 +190,9 @@ def run_trace(engine, trace: Trace, vocab: int, room: int) -> dict:
         now = time.perf_counter() - start
         if scheduler is not None:  # in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`)
             load.append((len(scheduler.running), scheduler.kv_cache_manager.usage))
-            if len(load) % SHARES_EVERY == 0:
+            if now - counted >= SHARES_EVERY_S:
                 shares.append(request_shares(scheduler))
+                counted = now
         for out in outputs:
             produced = len(out.outputs[0].token_ids)
             stamps[out.request_id] += [now] * (produced - len(stamps[out.request_id]))
@@ -221,12 +224,12 @@ def measure(specs: list[EngineSpec], traces: list[Trace], rows: Path) -> None:
 
 
 def table(rows: Path) -> str:
-    """Markdown of the trace rows, with each row's throughput against vanilla vLLM's at its rate and
-    vLLM settings."""
+    """Markdown of the trace rows, with each row's throughput against vanilla vLLM's on the same
+    trace with the same vLLM settings."""
     found = [r for r in json_lines(rows) if r["kind"] == "trace"]
 
-    def key(r: dict) -> tuple:
-        return r["rate"], json.dumps(r.get("engine", {}), sort_keys=True)
+    def key(r: dict) -> tuple:  # the same trace (its rate and every setting) through the same vLLM settings
+        return r["rate"], json.dumps(r.get("trace"), sort_keys=True), json.dumps(r.get("engine", {}), sort_keys=True)
 
     base = {key(r): r["output_tokens_per_s"] for r in found if r.get("vanilla", r["method"] == VANILLA)}
     lines = ["| method | rate (req/s) | output tok/s | x vLLM | TTFT mean / P99 s | TBT mean / P99 ms | finished "
