@@ -97,12 +97,16 @@ def test_dense_layers_beside_freeing_ones_get_groups_of_their_own():
         KeptBlocksSpec.merge(list(model_specs(dense=2).values()))
 
 
+def block_coordinator(num_blocks: int) -> KVCacheCoordinatorNoPrefixCache:
+    """vLLM's own block coordinator over `num_blocks`, for 2 dense layers beside 30 freeing ones."""
+    return KVCacheCoordinatorNoPrefixCache(
+        KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=grouped(model_specs(dense=2))),
+        max_model_len=4096, max_in_flight_tokens=4096, use_eagle=False, enable_kv_cache_events=False,
+        dcp_world_size=1, pcp_world_size=1, scheduler_block_size=BLOCK, hash_block_size=BLOCK)  # fmt: skip
+
+
 def test_with_dense_layers_a_request_holds_their_blocks_and_few_of_the_rest():
-    groups = grouped(model_specs(dense=2))
-    coordinator = KVCacheCoordinatorNoPrefixCache(
-        KVCacheConfig(num_blocks=3000, kv_cache_tensors=[], kv_cache_groups=groups), max_model_len=4096,
-        max_in_flight_tokens=4096, use_eagle=False, enable_kv_cache_events=False, dcp_world_size=1,
-        pcp_world_size=1, scheduler_block_size=BLOCK, hash_block_size=BLOCK)  # fmt: skip
+    coordinator = block_coordinator(3000)
     pool = coordinator.block_pool
     idle = pool.get_num_free_blocks()
     prompt = 1500
@@ -119,11 +123,7 @@ def test_with_dense_layers_a_request_holds_their_blocks_and_few_of_the_rest():
 def test_the_traces_request_shares_count_a_requests_blocks_before_and_after_they_are_freed():
     from atskv.eval.vllm_trace import request_shares
 
-    groups = grouped(model_specs(dense=2))
-    coordinator = KVCacheCoordinatorNoPrefixCache(
-        KVCacheConfig(num_blocks=3001, kv_cache_tensors=[], kv_cache_groups=groups), max_model_len=4096,
-        max_in_flight_tokens=4096, use_eagle=False, enable_kv_cache_events=False, dcp_world_size=1,
-        pcp_world_size=1, scheduler_block_size=BLOCK, hash_block_size=BLOCK)  # fmt: skip
+    coordinator = block_coordinator(3001)  # 3000 and vLLM's null block
     prompt = 1500
     request = SimpleNamespace(request_id="r", num_prompt_tokens=prompt, num_computed_tokens=prompt)
     scheduler = SimpleNamespace(running=[request], kv_cache_manager=SimpleNamespace(
