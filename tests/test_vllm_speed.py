@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from atskv.errors import InputError
 from atskv.eval import vllm_speed
 from atskv.eval.vllm_speed import EngineSpec, engine_arguments, identity_report, measure, table, write_shape
 from atskv.runtime.vllm.config import WORKER
@@ -151,6 +152,8 @@ def test_serve_hands_a_selectors_options_and_vllms_settings_to_its_engines(tmp_p
     assert h2o["label"] == 'vllm:h2o {"prompt_sample": 8} {"max_num_batched_tokens": 2048}'
     assert h2o["options"] == {"prompt_sample": 8} and h2o["dense_layers"] == 0
     assert engine_arguments(EngineSpec(**h2o), 4096, 8)["max_num_batched_tokens"] == 2048
+    with pytest.raises(InputError, match="options given for 'quest', which is not selected"):
+        serve(methods=["vllm", "vllm:h2o"], selector_options={"quest": {"page_size": 32}}, out=tmp_path)
 
 
 class FakeEngine:
