@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from atskv.eval.vllm_speed import write_shape
-from atskv.eval.vllm_trace import Trace, measure, plot, serving_spec, table
+from atskv.eval.vllm_trace import Trace, measure, plot, serving_specs, table
 
 
 def main() -> None:
@@ -38,8 +38,8 @@ def main() -> None:
     args = parser.parse_args()
     shape = write_shape(args.shape, Path(tempfile.mkdtemp()) / args.shape)
     budget = int(args.budget) if args.budget >= 1 else args.budget
-    specs = [serving_spec(m, args.shape, shape, args.new_tokens, budget, args.dense_layers, args.free_blocks,
-                          args.options, args.engine) for m in args.methods]  # fmt: skip
+    specs = serving_specs(args.methods, args.shape, shape, args.new_tokens, budget, args.dense_layers,
+                          args.free_blocks, args.options, args.engine)  # fmt: skip
     traces = [Trace(rate, args.requests, args.shortest, args.longest, args.new_tokens, limit_s=args.limit_s)
               for rate in args.rates]  # fmt: skip
     measure(specs, traces, args.rows)

@@ -261,17 +261,14 @@ def serve(
 
     from atskv.errors import InputError
     from atskv.eval import vllm_speed, vllm_trace
-    from atskv.eval.method import VLLM, Method, check_methods
+    from atskv.eval.method import VLLM, check_methods
 
     if model not in vllm_speed.SHAPES:
         raise InputError(f"serve runs a shape with dummy weights; shapes: {', '.join(vllm_speed.SHAPES)}")
     check_methods(methods, (VLLM,))
-    if unknown := sorted(set(selector_options or {}) - {Method.parse(m).name for m in methods}):
-        raise InputError(f"options given for {unknown[0]!r}, which is not selected")
     shape = vllm_speed.write_shape(model, Path(tempfile.mkdtemp()) / model)
-
-    specs = [vllm_trace.serving_spec(m, model, shape, new_tokens, budget, dense_layers, free_blocks,
-                                     selector_options or {}, engine or {}) for m in methods]  # fmt: skip
+    specs = vllm_trace.serving_specs(methods, model, shape, new_tokens, budget, dense_layers, free_blocks,
+                                     selector_options or {}, engine or {})  # fmt: skip
     traces = [vllm_trace.Trace(r, requests, shortest, longest, new_tokens, limit_s=limit_s) for r in rates]
     rows = Path(out) / "trace.jsonl"
     vllm_trace.measure(specs, traces, rows)

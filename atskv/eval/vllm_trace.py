@@ -21,6 +21,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from atskv.errors import InputError
 from atskv.eval.method import Method
 from atskv.eval.rows import json_lines
 from atskv.eval.vllm_speed import (
@@ -125,6 +126,16 @@ def request_shares(scheduler) -> tuple[float, float]:
 
 
 SHARES_EVERY_S = 5.0  # seconds between two `request_shares` (a Python pass over two requests' blocks)
+
+
+def serving_specs(methods: list[str], model: str, shape: Path, new_tokens: int, budget: int | float,
+                  dense_layers: int, free_blocks: bool, selector_options: dict,
+                  engine: dict) -> list[EngineSpec]:  # fmt: skip
+    """`serving_spec` of each method; options for a selector none of them names are an `InputError`."""
+    if unknown := sorted(set(selector_options) - {Method.parse(m).name for m in methods}):
+        raise InputError(f"options given for {unknown[0]!r}, which is not selected")
+    return [serving_spec(m, model, shape, new_tokens, budget, dense_layers, free_blocks, selector_options, engine)
+            for m in methods]  # fmt: skip
 
 
 def serving_spec(method: str, model: str, shape: Path, new_tokens: int, budget: int | float, dense_layers: int,
