@@ -854,6 +854,46 @@ def test_the_learned_selector_frees_blocks_only_without_a_refresh(tmp_path):
         PluginConfig(selector="learned", options={"predictor": predictor, "refresh_every": 16}, free_blocks=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, received", [("learned", False), ("learned", True), ("h2o", True), ("snapkv", True)])
+def test_ranking_a_prompt_never_waits_for_the_gpu(name, received, tmp_path):
+    """A prefill chunk's ranking runs once per request and layer inside vLLM's forward: a host sync
+    there (a host scalar copied to the GPU, `.item()`, a mask's nonzero) stalls the CPU until the
+    GPU drains, then leaves the GPU idle while the ranking's Python runs, once per request and
+    layer (~13 ms each at the 8B shape, H100). Under CUDA's sync debug mode any sync is an error."""
+    from atskv.runtime.vllm import learned
+    from atskv.runtime.vllm.composition import build_paged_selector
+
+    layers, device = (2, 3), torch.device("cuda")
+    options = {}
+    if name == "learned":
+        without = ("hidden_norm", "token_type") + (() if received else learned.RECEIVED)
+        options = {"predictor": engine_ready_predictor(tmp_path / "predictor", layers, without), "window_share": 0.5}
+    selector = build_paged_selector(name, options)
+    blocks, prompt, chunk = 24, 300, 128
+    key_slots = torch.randn(HKV, blocks * BLOCK, D, device=device)
+    table = torch.randperm(blocks, device=device)[: -(-prompt // BLOCK)].int()
+    queries = torch.randn(prompt, HQ, D, device=device)
+    states = {layer: selector.new_state(blocks, BLOCK, HKV, D, torch.float32, device) for layer in layers}
+
+    def rank(step: dict) -> None:
+        for start in range(0, prompt, chunk):
+            stop = min(prompt, start + chunk)
+            for layer in layers:
+                selector.layer = layer
+                part = PromptChunk(queries[start:stop], key_slots, table, stop, BLOCK, D**-0.5, 0.1, layer, 0, step,
+                                   last=stop == prompt, value_slots=key_slots.clone())  # fmt: skip
+                selector.observe_prompt(states[layer], part)
+
+    rank({})  # kernels compiled and weights packed before the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rank({})
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def test_a_predictor_that_reads_the_hidden_state_is_refused_in_vllm(tmp_path):
     from atskv.features import SCALAR_FEATURES
     from atskv.models.geometry import ModelGeometry

@@ -171,7 +171,7 @@ class PagedLearned(PagedSelector):
         else:
             prev = previous[1]
         chunk.step[(self.name, chunk.row)] = (chunk.layer, attention.mean(0))
-        newest = torch.tensor(length - 1.0, device=keys.device)
+        newest = torch.full((), length - 1.0, device=keys.device)  # a fill: a host tensor's copy would sync
         scalars = feature_columns(attention, position.expand(heads, -1), newest, torch.zeros_like(attention),
                                   keys.float().norm(dim=-1), prev.expand(heads, -1))  # fmt: skip
         scores = self.scores(index, scalars)

@@ -46,7 +46,8 @@ class PromptRanks:
         at = physical_slots(torch.arange(window_start, device=order.device).view(1, 1, -1), table_row.view(1, -1),
                             block_size).view(-1).long()  # fmt: skip
         self.ranked[at] = order.t().int()
-        self.window_start[table_row[0].long() * block_size] = window_start  # the request's first slot
+        # at the request's first slot; a fill (assigning a host int would copy it over: a host sync)
+        self.window_start.index_fill_(0, table_row[:1].long() * block_size, window_start)
 
     def compact(self, chunk: PromptChunk, order: torch.Tensor, window_start: int) -> None:
         """`free_blocks`: the best-ranked prompt tokens any later query of the request reads (the
