@@ -33,14 +33,17 @@
 #        LEARNED_OPTIONS='{learned: {window_share: 0.5, refresh_every: 16}}' for both runtimes' learned rows;
 #        MODEL=gemma3-270m with .device/g1-g7 carried, one staging call each; RECEIVED=0: a predictor fit without
 #        the attention received, which spares the prompt its mass pass)
-#   bash benchmarks/device/vllm_plan.sh quality-start [CONTEXT]  # quality in the background from a copy of this
-#        tree (/tmp/qtree, so later calls' trees do not touch it), rows in /tmp/qout, while other calls run (not
-#        engine tests: vLLM's start asserts when another process frees GPU memory while it profiles)
-#   bash benchmarks/device/vllm_plan.sh quality-wait SECONDS  # until it ends (at most SECONDS), its rows to $OUT
+#   bash benchmarks/device/vllm_plan.sh start STAGE [ARGS]  # any stage in the background from a copy of this tree
+#        (/tmp/bgtree: later calls' trees do not touch it), its files in /tmp/bgout, so a stage longer than a call's 10
+#        minutes runs on across calls (its own STAGE_S still applies: raise it), e.g. a trace to its end, or quality
+#        while other calls run (not engine tests: vLLM's start asserts when another process frees GPU memory while it
+#        profiles); the settings (RATES=..., MODEL=...) go before `bash` as for any stage
+#   bash benchmarks/device/vllm_plan.sh wait SECONDS  # until the background stage ends (at most SECONDS), its files to $OUT
+#   bash benchmarks/device/vllm_plan.sh stop  # the background stage and its engines ended (its process group)
 # Rows land under $OUT (JSON lines, as they finish), with the logs.
 set -uo pipefail
 source benchmarks/device/vllm_env.sh
-if [ "$1" != profile ] && [ "$1" != kernels ] && [ ! -f /tmp/vsite/.done ]; then  # a refused staging call: stop before spending the call
+if [[ ! "$1" =~ ^(profile|kernels|start|wait|stop)$ ]] && [ ! -f /tmp/vsite/.done ]; then  # a refused staging call: stop before spending the call
   echo "vLLM is not unpacked: /tmp/vst has [$(ls /tmp/vst 2>/dev/null | tr '\n' ' ')] of ${VLLM_PARTS:-4} parts; carry the rest" >&2
   exit 3
 fi
@@ -111,14 +114,16 @@ case "$1" in
     board "$@"
     grep -q "Runs that failed" "$OUT/lb/leaderboard.md" && board "$@"  # an engine that failed: once more, a resume
     grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" "$OUT/quality.log" | tail -8; cat "$OUT/lb/leaderboard.md" ;;
-  quality-start)
-    source benchmarks/device/env.sh && assemble ${MODEL:-smollm2-135m}.gguf
-    rm -rf /tmp/qtree /tmp/qout && mkdir -p /tmp/qout && mkdir /tmp/qtree && tar -c --exclude=./.device --exclude=./.whl --exclude=./.git . | tar x -C /tmp/qtree
-    ( cd /tmp/qtree && OUT=/tmp/qout setsid nohup bash -c "bash benchmarks/device/vllm_plan.sh quality ${2:-}; touch /tmp/qout/.done" \
-        > /tmp/qout/stage.log 2>&1 < /dev/null & )
-    sleep 5; ls /tmp/mdl /tmp/site | head -3; cat /tmp/qout/stage.log ;;
-  quality-wait)
-    for _ in $(seq "$2"); do [ -f /tmp/qout/.done ] && break; sleep 1; done
-    cp -r /tmp/qout "$OUT/quality"; tail -5 /tmp/qout/quality.log; cat /tmp/qout/stage.log | tail -12 ;;
-  *) echo "usage: vllm_plan.sh profile|kernels|decode [METHODS]|tests [K]|trace METHOD [free [NEW]]|inflight METHOD [free [DENSE]]|serve|quality [CONTEXT]|quality-start [CONTEXT]|quality-wait SECONDS" >&2; exit 2 ;;
+  start)  # one stage at a time: a second start ends the first
+    [ -f /tmp/bgpid ] && kill -- -"$(cat /tmp/bgpid)" 2>/dev/null
+    rm -rf /tmp/bgtree /tmp/bgout && mkdir -p /tmp/bgtree /tmp/bgout && tar -c --exclude=./.git . | tar x -C /tmp/bgtree
+    ( cd /tmp/bgtree && OUT=/tmp/bgout setsid nohup bash -c 'echo $$ > /tmp/bgpid; bash benchmarks/device/vllm_plan.sh "$@"
+        touch /tmp/bgout/.done' _ "${@:2}" > /tmp/bgout/stage.log 2>&1 < /dev/null & )  # $$: the new session's leader
+    sleep 5; cat /tmp/bgout/stage.log ;;
+  wait)
+    for _ in $(seq "$2"); do [ -f /tmp/bgout/.done ] && break; sleep 1; done
+    cp -r /tmp/bgout/. "$OUT/"; [ -f /tmp/bgout/.done ] || echo "still running"; tail -15 /tmp/bgout/stage.log ;;
+  stop)
+    [ -f /tmp/bgpid ] && kill -- -"$(cat /tmp/bgpid)" 2>/dev/null; sleep 3; nvidia-smi --query-gpu=memory.used --format=csv ;;
+  *) echo "usage: vllm_plan.sh profile|kernels|decode [METHODS]|tests [K]|trace METHOD [free [NEW]]|inflight METHOD [free [DENSE]]|serve|quality [CONTEXT]|start STAGE [ARGS]|wait SECONDS|stop" >&2; exit 2 ;;
 esac
