@@ -65,6 +65,26 @@ def test_collect_fit_export_then_the_learned_selector_by_name(tmp_path, monkeypa
     assert recalls and all(0 < r <= 1 for r in recalls)
 
 
+@pytest.mark.parametrize("received", [True, False])
+def test_the_vllm_fit_config_makes_a_predictor_the_plugin_runs(tmp_path, received):
+    """`--config configs/fit-vllm.yaml` over fit.yaml: the exported predictor reads only what an
+    attention backend sees, so the plugin's learned selector takes it (and computes the prompt's
+    received mass only if the predictor reads the attention received)."""
+    from atskv.runtime.vllm.learned import engine_predictor
+    from atskv.runtime.vllm.selection import PagedLearned
+
+    model_dir, _, collected, _ = collect_tiny(tmp_path)
+    without = [] if received else ["--model.without", "[hidden_norm, token_type, attention, prev_attention]"]
+    assert run_cli([*fit_command(collected, tmp_path), "--config", "configs/fit-vllm.yaml", *without]) == 0
+    out = tmp_path / "predictor"
+    assert run_cli(["export", str(next((tmp_path / "fit").rglob("last.ckpt"))), "--model", str(model_dir),
+                    "--out", str(out)]) == 0  # fmt: skip
+    engine_predictor.cache_clear()
+    selector = PagedLearned(predictor=str(out))
+    assert selector.loaded.mlp.projected_width == 0
+    assert selector.scores_mass == received
+
+
 def test_a_truncated_shard_is_collected_again_and_refused_by_fit_in_one_line(tmp_path, capsys):
     """A rerun of `collect` over a truncated shard makes it again (the same bytes as before); `fit`
     on a truncated shard is one line naming the file, exit code 2, and leaves no run folder."""

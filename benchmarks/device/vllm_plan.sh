@@ -99,7 +99,7 @@ case "$1" in
     if [ ! -f $q/predictor/predictor.safetensors ]; then  # one predictor per machine and inputs: a second variant reuses it
       python3 -m atskv.cli collect --model $m --corpus austen --windows 32 --window_tokens 4096 --device cuda \
         --out /tmp/quality-$model/collect > "$OUT/quality.log" 2>&1  # one collection (a rerun resumes it)
-      python3 -m atskv.cli fit --config configs/fit.yaml --data.folder /tmp/quality-$model/collect --model.reduced_width 0 \
+      python3 -m atskv.cli fit --config configs/fit.yaml --config configs/fit-vllm.yaml --data.folder /tmp/quality-$model/collect \
         --model.without "$without" --trainer.max_epochs 5 --trainer.default_root_dir $q/fit \
         --trainer.logger.init_args.save_dir $q/fit >> "$OUT/quality.log" 2>&1
       python3 -m atskv.cli export "$(ls -d $q/fit/*/version_*/checkpoints/last.ckpt | tail -1)" --model $m \
