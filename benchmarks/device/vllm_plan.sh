@@ -34,7 +34,8 @@
 #        MODEL=gemma3-270m with .device/g1-g7 carried, one staging call each; RECEIVED=0: a predictor fit without
 #        the attention received, which spares the prompt its mass pass)
 #   bash benchmarks/device/vllm_plan.sh start STAGE [ARGS]  # any stage in the background from a copy of this tree
-#        (/tmp/bgtree: later calls' trees do not touch it), its files in /tmp/bgout, so a stage longer than a call's 10
+#        (/tmp/bgtree: later calls' trees do not touch it), its files in /tmp/bgout (kept from stage to stage: two traces'
+#        rows land in one file and compare), so a stage longer than a call's 10
 #        minutes runs on across calls (its own STAGE_S still applies: raise it), e.g. a trace to its end, or quality
 #        while other calls run (not engine tests: vLLM's start asserts when another process frees GPU memory while it
 #        profiles); the settings (RATES=..., MODEL=...) go before `bash` as for any stage
@@ -116,7 +117,7 @@ case "$1" in
     grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" "$OUT/quality.log" | tail -8; cat "$OUT/lb/leaderboard.md" ;;
   start)  # one stage at a time: a second start ends the first
     [ -f /tmp/bgpid ] && kill -- -"$(cat /tmp/bgpid)" 2>/dev/null
-    rm -rf /tmp/bgtree /tmp/bgout && mkdir -p /tmp/bgtree /tmp/bgout && tar -c --exclude=./.git . | tar x -C /tmp/bgtree
+    rm -rf /tmp/bgtree /tmp/bgout/.done && mkdir -p /tmp/bgtree /tmp/bgout && tar -c --exclude=./.git . | tar x -C /tmp/bgtree
     ( cd /tmp/bgtree && OUT=/tmp/bgout setsid nohup bash -c 'echo $$ > /tmp/bgpid; bash benchmarks/device/vllm_plan.sh "$@"
         touch /tmp/bgout/.done' _ "${@:2}" > /tmp/bgout/stage.log 2>&1 < /dev/null & )  # $$: the new session's leader
     sleep 5; cat /tmp/bgout/stage.log ;;
