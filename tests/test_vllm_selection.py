@@ -882,7 +882,7 @@ def test_ranking_a_prompt_never_waits_for_the_gpu(name, received, tmp_path):
             for layer in layers:
                 selector.layer = layer
                 part = PromptChunk(queries[start:stop], key_slots, table, stop, BLOCK, D**-0.5, 0.1, layer, 0, step,
-                                   last=stop == prompt, value_slots=key_slots.clone())  # fmt: skip
+                                   last=stop == prompt)  # fmt: skip
                 selector.observe_prompt(states[layer], part)
 
     rank({})  # kernels compiled and weights packed before the check
