@@ -111,7 +111,7 @@ def test_a_prompts_last_chunk_is_compacted_where_free_blocks_asks_and_the_prompt
         return
     window = recent_window(20, selector.recent_fraction)
     for h in range(HKV):
-        kept = sorted(state.kept[cache.slot(r, torch.arange(20)).long(), h].tolist())
+        kept = sorted(state.kept[cache.slot(r, state.entry_slots(cache.block_table[r], BLOCK, 20)).long(), h].tolist())
         moved = kept[: 20 - window]  # the entries that name the first slots: slot j holds the j-th kept token
         assert moved == list(range(20 - window))
         held = [int((before[h] == after[h, j]).all(-1).nonzero()[0]) for j in range(20 - window)]

@@ -658,8 +658,9 @@ def test_paged_h2o_reads_and_accumulates_what_h2o_keeps(budget, flash_lse, last_
     With `flash_lse` each chunk comes with its queries' log-sum-exps, as the backend takes them
     from FlashAttention, and the mass uses them instead of its own pass. With `compact`
     (`free_blocks`) the kept tokens move to each request's first slots at its prompt's last chunk
-    and the blocks `unread_blocks` names are filled with NaN (as if another request had them):
-    the reads are the same tokens (slot j of head h its j-th kept position) and attend the same."""
+    and the blocks `unread_blocks` names are another request's from then on, their KV NaN and
+    their slots' list entries and values scribbled over before every step: the reads are the
+    same tokens (slot j of head h its j-th kept position) and attend the same."""
     from atskv.kernels.budget import kept_count
     from atskv.runtime.vllm.heavy_hitters import recent_window
     from atskv.runtime.vllm.selection import PagedH2O, slot_view
@@ -705,22 +706,23 @@ def test_paged_h2o_reads_and_accumulates_what_h2o_keeps(budget, flash_lse, last_
 
     kept = [h2o_keep(r, p) for r, p in enumerate(prompts)]
     position_of = [[{} for _ in range(HKV)] for _ in prompts]  # a compacted slot's position
+    others = torch.zeros(0, dtype=torch.long)  # the slots of freed blocks: another request's
     if compact:
-        freed = 0
         for r, prompt in enumerate(prompts):
             window = recent_window(kept_count(budget, prompt), selector.recent_fraction)
             for h in range(HKV):
                 hitters = kept[r][0, h, : prompt - window].nonzero().view(-1).tolist()
                 position_of[r][h] = dict(enumerate(hitters))
-            unread = selector.unread_blocks(prompt, prompt, budget, BLOCK)
-            cache.kv_cache[cache.block_table[r, list(unread)].long()] = torch.nan  # another request's now
-            freed += len(unread)
-        assert freed or budget == 500, "the longer prompts free blocks"
+            unread = cache.block_table[r, list(selector.unread_blocks(prompt, prompt, budget, BLOCK))].long()
+            cache.kv_cache[unread] = torch.nan
+            others = torch.cat([others, (unread.view(-1, 1) * BLOCK + torch.arange(BLOCK)).view(-1)])
+        assert len(others) or budget == 500, "the longer prompts free blocks"
     rows = len(lengths)
     table = torch.cat([cache.block_table, cache.block_table[1:2]])  # a padded row: a stale table, length 0
     for g in range(generated):
         seq_lens = torch.tensor([p + g + 1 for p in prompts] + [0], dtype=torch.int32)
         query = torch.randn(rows + 1, HQ, D, generator=generator)
+        state.kept[others], state.kept_value[others] = 1, torch.nan  # what the freed blocks' tenant writes
         positions, counts = selector.pick(query, HKV, state, table, seq_lens, BLOCK, budget)
         out, mass = paged_sparse_decode(query, *cache.split(), positions, counts, table, D**-0.5, want_mass=True)
         selector.observe_read(state, mass, table, seq_lens, BLOCK)
@@ -738,7 +740,8 @@ def test_paged_h2o_reads_and_accumulates_what_h2o_keeps(budget, flash_lse, last_
             for h in range(HKV):
                 read = [position_of[r][h].get(at, at) for at in positions[r, h, : counts[r, h]].tolist()]
                 assert sorted(read) == kept[r][0, h].nonzero().view(-1).tolist(), (g, r, h)
-                listed = state.kept_value[cache.slot(r, torch.arange(counts[r, h])).long(), h]
+                entries = state.entry_slots(cache.block_table[r], BLOCK, int(counts[r, h]))
+                listed = state.kept_value[cache.slot(r, entries).long(), h]
                 torch.testing.assert_close(listed, masses[r][0, h, read], rtol=1e-4, atol=1e-5)
 
 

@@ -15,6 +15,12 @@ dependent loads (block table, position, value) however long it is, where one pro
 tile by tile waited on each tile in turn.
 `add_list_values` adds what a read returned to the listed values.
 
+MOVED: a list compacted where its prompt ended (`free_blocks`) keeps its first `split` entries at
+its first logical slots and the rest `shift` slots further on (its recent window's own slots, then
+those of the tokens after it), so that its storage never lies in the blocks handed back to vLLM's
+pool; `moved` `[num_slots + 1, 2]` int32 holds (split, shift) at each request's first slot
+(`atskv.runtime.vllm.heavy_hitters.KeptLists.compact`).
+
 STALE: an entry outside the request's positions (a list no prompt chunk ranked, whose slots hold
 an earlier tenant's entries: vLLM may hand a prompt's last tokens over as one-token rows, which
 run as decodes) is read as the newest token, so a request never reads past its own length, where
@@ -33,25 +39,32 @@ _INT_MAX = 2147483647
 
 
 def kept_list_step(kept, values, block_table, seq_lens, block_size: int, budget: int | float,
-                   recent_fraction: float, new_value: float,
-                   width: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                   recent_fraction: float, new_value: float, width: int,
+                   moved: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One decode step of every request's list: the new token (position `seq_len - 1`, value
     `new_value`) enters, and when the budget did not grow the listed entry of lowest (value,
     position) outside the newest `recent_fraction` of the budget leaves (the new token's entry
     takes its slot). Returns the positions to read `[B, Hkv, width]` (int32, 0 past the count) and
-    the counts `[B, Hkv]` (int32); `kept` and `values` are updated in place."""
-    args = (kept, values, block_table, seq_lens, block_size, budget, recent_fraction, new_value, width)
+    the counts `[B, Hkv]` (int32); `kept` and `values` are updated in place; `moved`: where the
+    lists' entries are stored (`MOVED`; None: entry j at logical slot j)."""
+    args = (kept, values, block_table, seq_lens, block_size, budget, recent_fraction, new_value, width, moved)
     if use_triton(kept):
         return kept_list_step_triton(*args)
     return kept_list_step_reference(*args)
 
 
-def list_slots(block_table, seq_lens, block_size: int, width: int, spare: int) -> torch.Tensor:
-    """Physical slots `[B, width]` of each request's first `width` logical slots (`spare` past its length)."""
+def list_slots(block_table, seq_lens, block_size: int, width: int, spare: int,
+               moved: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Physical slots `[B, width]` of each request's first `width` list entries: logical slot j, or
+    as `moved` says (`MOVED`); `spare` past its length."""
     b = block_table.shape[0]
-    j = torch.arange(width, device=block_table.device)
-    at = physical_slots(j.view(1, 1, -1).expand(b, 1, -1), block_table, block_size).view(b, width).long()
-    return torch.where(j.view(1, -1) < seq_lens.long().view(b, 1), at, spare)
+    j = torch.arange(width, device=block_table.device).view(1, -1).expand(b, -1)
+    if moved is not None:
+        split, shift = moved[block_table[:, 0].long() * block_size].long().unbind(-1)  # at each first slot
+        j = j + torch.where(j >= split.view(-1, 1), shift.view(-1, 1), 0)
+    inside = j < seq_lens.long().view(b, 1)
+    at = physical_slots(j.clamp(max=block_table.shape[1] * block_size - 1).unsqueeze(1), block_table, block_size)
+    return torch.where(inside, at.view(b, width).long(), spare)
 
 
 def by_head(slots: torch.Tensor) -> torch.Tensor:
@@ -62,10 +75,10 @@ def by_head(slots: torch.Tensor) -> torch.Tensor:
 
 
 def kept_list_step_reference(kept, values, block_table, seq_lens, block_size: int, budget: int | float,
-                             recent_fraction: float, new_value: float,
-                             width: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                             recent_fraction: float, new_value: float, width: int,
+                             moved: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     b, heads = block_table.shape[0], kept.shape[1]
-    at = list_slots(block_table, seq_lens, block_size, width, kept.shape[0] - 1)
+    at = list_slots(block_table, seq_lens, block_size, width, kept.shape[0] - 1, moved)
     j = torch.arange(width, device=block_table.device).view(1, 1, -1)
     context = seq_lens.long().view(b, 1, 1)
     held, count = kept_tokens(budget, (context - 1).clamp(min=0)), kept_tokens(budget, context)
@@ -97,8 +110,19 @@ def list_row(len_ptr, table_ptr, n_heads, s_table):
 
 
 @jit
-def list_slot(table_row, j, seq_len, spare, PAGE: tl.constexpr):
-    """Physical slots of logical slots `j` of one request (`spare` past its length)."""
+def list_layout(moved_ptr, table_row, PAGE: tl.constexpr, MOVED: tl.constexpr):
+    """One request's (split, shift) (`MOVED`), at its first slot; (a never-reached split, 0) without."""
+    if MOVED:
+        first = tl.load(table_row).to(tl.int64) * PAGE
+        return tl.load(moved_ptr + first * 2).to(tl.int64), tl.load(moved_ptr + first * 2 + 1).to(tl.int64)
+    return tl.full([], 2147483647, tl.int64), tl.zeros([], tl.int64)
+
+
+@jit
+def list_slot(table_row, j, seq_len, spare, PAGE: tl.constexpr, split=2147483647, shift=0):
+    """Physical slots of list entries `j` of one request: logical slot j, or `shift` on from entry
+    `split` (`MOVED`); `spare` past its length."""
+    j = j + tl.where(j >= split, shift, 0)
     inside = j < seq_len
     page = tl.load(table_row + j // PAGE, mask=inside, other=0).to(tl.int64)
     return tl.where(inside, page * PAGE + j % PAGE, spare)
@@ -121,9 +145,9 @@ def _lowest(score, pos, j, valid, INT_MAX: tl.constexpr):
 
 @jit
 def _step_tile_kernel(
-    kept_ptr, val_ptr, table_ptr, len_ptr, pos_ptr, low_ptr, low_pos_ptr, low_j_ptr, n_heads, width, spare, budget,
-    recent_fraction, new_value, s_table,
-    PAGE: tl.constexpr, FRACTION: tl.constexpr, BLOCK: tl.constexpr, INT_MAX: tl.constexpr,
+    kept_ptr, val_ptr, table_ptr, len_ptr, pos_ptr, low_ptr, low_pos_ptr, low_j_ptr, moved_ptr, n_heads, width, spare,
+    budget, recent_fraction, new_value, s_table,
+    PAGE: tl.constexpr, FRACTION: tl.constexpr, BLOCK: tl.constexpr, INT_MAX: tl.constexpr, MOVED: tl.constexpr,
 ):  # fmt: skip
     """One tile of one (request, KV head)'s list: the positions to read (the new token's entry
     after the held ones, zeros past the count, no loads there) and the tile's candidate to
@@ -137,7 +161,8 @@ def _step_tile_kernel(
     j = tile * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     inside = j < width
     listed = (j <= held) & inside
-    at = list_slot(table_row, j, tl.minimum(held + 1, seq_len), spare, PAGE)
+    split, shift = list_layout(moved_ptr, table_row, PAGE, MOVED)
+    at = list_slot(table_row, j, seq_len, spare, PAGE, split, shift)
     pos = tl.load(kept_ptr + at * n_heads + h, mask=listed, other=0).to(tl.int64)
     pos = tl.where((pos >= 0) & (pos <= newest), pos, newest)  # `STALE`
     val = tl.load(val_ptr + at * n_heads + h, mask=listed, other=0.0)
@@ -154,9 +179,9 @@ def _step_tile_kernel(
 
 @jit
 def _step_entry_kernel(
-    kept_ptr, val_ptr, table_ptr, len_ptr, pos_ptr, count_ptr, low_ptr, low_pos_ptr, low_j_ptr, n_heads, width,
-    tiles, spare, budget, new_value, s_table,
-    PAGE: tl.constexpr, FRACTION: tl.constexpr, BLOCK_T: tl.constexpr, INT_MAX: tl.constexpr,
+    kept_ptr, val_ptr, table_ptr, len_ptr, pos_ptr, count_ptr, low_ptr, low_pos_ptr, low_j_ptr, moved_ptr, n_heads,
+    width, tiles, spare, budget, new_value, s_table,
+    PAGE: tl.constexpr, FRACTION: tl.constexpr, BLOCK_T: tl.constexpr, INT_MAX: tl.constexpr, MOVED: tl.constexpr,
 ):  # fmt: skip
     """One (request, KV head): the entry to replace from its tiles' candidates (when the budget did
     not grow; else the entry after the held ones), the new token written there, and the count."""
@@ -171,14 +196,15 @@ def _step_entry_kernel(
     target = tl.where(count > held, held, best_j)
     newest = seq_len - 1
     tl.store(pos_ptr + row.to(tl.int64) * width + target, newest.to(tl.int32), mask=target < count)
-    at_target = list_slot(table_row, target, seq_len, spare, PAGE)
+    split, shift = list_layout(moved_ptr, table_row, PAGE, MOVED)
+    at_target = list_slot(table_row, target, seq_len, spare, PAGE, split, shift)
     tl.store(kept_ptr + at_target * n_heads + h, newest.to(tl.int32))
     tl.store(val_ptr + at_target * n_heads + h, new_value)
     tl.store(count_ptr + row, count.to(tl.int32))
 
 
 def kept_list_step_triton(kept, values, block_table, seq_lens, block_size: int, budget: int | float,
-                          recent_fraction: float, new_value: float, width: int,
+                          recent_fraction: float, new_value: float, width: int, moved: torch.Tensor | None = None,
                           block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Two kernels: every tile of every list at once (`block` entries a program: a list's walk
     is one round of dependent loads, not one per tile), then one program a list for the entry
@@ -191,45 +217,49 @@ def kept_list_step_triton(kept, values, block_table, seq_lens, block_size: int, 
     low = torch.empty(b * heads, tiles, dtype=torch.float32, device=kept.device)
     low_pos = torch.empty(b * heads, tiles, dtype=torch.int64, device=kept.device)
     low_j = torch.empty_like(low_pos)
-    common = dict(PAGE=block_size, FRACTION=isinstance(budget, float), INT_MAX=_INT_MAX)
+    common = dict(PAGE=block_size, FRACTION=isinstance(budget, float), INT_MAX=_INT_MAX, MOVED=moved is not None)
+    moved = counts if moved is None else moved  # (never read without MOVED)
     _step_tile_kernel[(b * heads, tiles)](
-        kept, values, block_table, seq_lens, positions, low, low_pos, low_j, heads, width, kept.shape[0] - 1, budget,
-        recent_fraction, new_value, block_table.stride(0), BLOCK=block, num_warps=4, **common,
+        kept, values, block_table, seq_lens, positions, low, low_pos, low_j, moved, heads, width, kept.shape[0] - 1,
+        budget, recent_fraction, new_value, block_table.stride(0), BLOCK=block, num_warps=4, **common,
     )  # fmt: skip
     _step_entry_kernel[(b * heads,)](
-        kept, values, block_table, seq_lens, positions, counts, low, low_pos, low_j, heads, width, tiles,
+        kept, values, block_table, seq_lens, positions, counts, low, low_pos, low_j, moved, heads, width, tiles,
         kept.shape[0] - 1, budget, new_value, block_table.stride(0), BLOCK_T=triton.next_power_of_2(tiles),
         num_warps=1, **common,
     )  # fmt: skip
     return positions, counts
 
 
-def add_list_values(values, mass, block_table, seq_lens, block_size: int, block: int = 1024) -> None:
+def add_list_values(values, mass, block_table, seq_lens, block_size: int, moved: torch.Tensor | None = None,
+                    block: int = 1024) -> None:  # fmt: skip
     """After a read: the mass `[B, Hkv, width]` each listed entry received, added to its value in
     `values` `[num_slots + 1, Hkv]` (entries past a request's length add to the spare row);
-    `block`: the kernel's entries a program."""
+    `moved` as `kept_list_step`'s; `block`: the kernel's entries a program."""
     if use_triton(values):
         b, heads, width = mass.shape
         block = min(block, triton.next_power_of_2(width))
         _add_kernel[(b * heads, triton.cdiv(width, block))](
-            values, mass.contiguous(), block_table, seq_lens, heads, width, values.shape[0] - 1, block_table.stride(0),
-            PAGE=block_size, BLOCK=block, num_warps=4,
+            values, mass.contiguous(), block_table, seq_lens, values if moved is None else moved, heads, width,
+            values.shape[0] - 1, block_table.stride(0), PAGE=block_size, BLOCK=block, MOVED=moved is not None,
+            num_warps=4,
         )  # fmt: skip
         return
-    at = list_slots(block_table, seq_lens, block_size, mass.shape[-1], values.shape[0] - 1)
+    at = list_slots(block_table, seq_lens, block_size, mass.shape[-1], values.shape[0] - 1, moved)
     flat = by_head(at.unsqueeze(1).expand(-1, mass.shape[1], -1))
     values.view(-1).index_put_((flat,), mass.reshape(-1), accumulate=True)
 
 
 @jit
-def _add_kernel(val_ptr, mass_ptr, table_ptr, len_ptr, n_heads, width, spare, s_table, PAGE: tl.constexpr,
-                BLOCK: tl.constexpr):  # fmt: skip
+def _add_kernel(val_ptr, mass_ptr, table_ptr, len_ptr, moved_ptr, n_heads, width, spare, s_table, PAGE: tl.constexpr,
+                BLOCK: tl.constexpr, MOVED: tl.constexpr):  # fmt: skip
     """One tile of one (request, KV head)'s entries: their values plus the mass; the spare row, which
     every row past its length shares, is left alone (what it holds counts for nothing)."""
     row, h, seq_len, table_row = list_row(len_ptr, table_ptr, n_heads, s_table)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    mine = (j < width) & (j < seq_len)
-    at = list_slot(table_row, j, seq_len, spare, PAGE)
+    split, shift = list_layout(moved_ptr, table_row, PAGE, MOVED)
+    at = list_slot(table_row, j, seq_len, spare, PAGE, split, shift)
+    mine = (j < width) & (at != spare)
     mass = tl.load(mass_ptr + row.to(tl.int64) * width + j, mask=mine, other=0.0)
     old = tl.load(val_ptr + at * n_heads + h, mask=mine, other=0.0)
     tl.store(val_ptr + at * n_heads + h, old + mass, mask=mine)

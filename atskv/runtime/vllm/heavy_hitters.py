@@ -16,7 +16,8 @@ with a selector that scores the prompt); every write of a row past its list (a s
 wide batch, vLLM's padded rows of length 0) goes to a spare last row. With `free_blocks` the list
 is compacted where the prompt ends (`KeptLists.compact`): the kept tokens move into the request's
 first slots, and the blocks between them and the recent window go back to vLLM's pool
-(`compacted_unread_blocks`, a rule of the prompt's length that vLLM's scheduler applies).
+(`compacted_unread_blocks`, a rule of the prompt's length that vLLM's scheduler applies); the
+list's own entries then leave those blocks too (`moved`: another request may get them).
 """
 
 from __future__ import annotations
@@ -38,16 +39,19 @@ class KeptLists:
     """`[num_slots + 1, Hkv]` each (the last row a sink for masked writes): `prompt_mass` (float32)
     the mass of the prompt token at each slot, `kept` (int32) and `kept_value` (float32) at a
     request's j-th logical slot its j-th kept position and what eviction ranks it by (H2O: its
-    accumulated mass; the learned selector: its score)."""
+    accumulated mass; the learned selector: its score); `moved` `[num_slots + 1, 2]` (int32) at a
+    request's first slot, where a compacted list stores its entries (`compact`)."""
 
     prompt_mass: torch.Tensor
     kept: torch.Tensor
     kept_value: torch.Tensor
+    moved: torch.Tensor
 
     @classmethod
     def empty(cls, num_slots: int, kv_heads: int, device) -> KeptLists:
         mass = torch.zeros(num_slots + 1, kv_heads, dtype=torch.float32, device=device)
-        return cls(mass, torch.zeros(num_slots + 1, kv_heads, dtype=torch.int32, device=device), mass.clone())
+        return cls(mass, torch.zeros(num_slots + 1, kv_heads, dtype=torch.int32, device=device), mass.clone(),
+                   torch.zeros(num_slots + 1, 2, dtype=torch.int32, device=device))  # fmt: skip
 
     @property
     def spare(self) -> int:
@@ -76,28 +80,48 @@ class KeptLists:
         at = chunk.slots(0, count)
         self.kept[at] = order.t().int()
         self.kept_value[at] = values.gather(1, order).t()
+        self.store_moved(chunk, NOT_MOVED, 0)
         if chunk.compact:
             self.compact(chunk, order, window)
+
+    def store_moved(self, chunk: PromptChunk, split: int, shift: int) -> None:
+        """The request's list layout (`moved`) at its first slot, by fills (a host int copied over
+        would sync)."""
+        first = chunk.table_row[:1].long() * chunk.block_size
+        self.moved[:, 0].index_fill_(0, first, split)
+        self.moved[:, 1].index_fill_(0, first, shift)
 
     def compact(self, chunk: PromptChunk, order: torch.Tensor, window: int) -> None:
         """`free_blocks` for an evicting selector: the request's kept tokens outside the recent
         window (`order[:, window:]`, `[Hkv, n]` positions), in position order per KV head, move
         into its first `n` slots (KV head h's j-th into slot j of head h: heads attend apart, keys
-        carry their rotary positions) and their list entries name those slots. Every kept token
-        then lies in the request's first blocks, its recent window or after it, so the blocks
-        between hold nothing a later query reads (`compacted_unread_blocks`). Ties and recency
-        compare slots as they compared positions: the moved tokens keep their order, all below
-        the window's. Only at the prompt's end (a chunk after it would read the moved slots as
-        positions); the prompt's per-slot mass is not moved (nothing reads it after the prompt)."""
+        carry their rotary positions), and the list's first `n` entries name those slots. Its
+        other entries (the window's, then the tokens that join it later) are stored from the
+        window's first slot on (`moved`: split `n`, shift `L - count`). Every kept token and every
+        entry then lies in the request's first blocks, its recent window or after it, so the
+        blocks between hold nothing a later query reads or a list step writes
+        (`compacted_unread_blocks`). Ties and recency compare slots as they compared positions:
+        the moved tokens keep their order, all below the window's. Only at the prompt's end (a
+        chunk after it would read the moved slots as positions); the prompt's per-slot mass is not
+        moved (nothing reads it after the prompt)."""
         hitters, rank = order[:, window:].sort(dim=-1)
         heads, n = hitters.shape
-        if n == 0:
-            return
-        chunk.move_to_front(hitters)
-        entries = chunk.slots(window, window + n)
-        moved_values = self.kept_value[entries].t().gather(1, rank)
-        self.kept[entries] = torch.arange(n, device=hitters.device, dtype=torch.int32).view(-1, 1).expand(n, heads)
-        self.kept_value[entries] = moved_values.t()
+        length, count = chunk.length, order.shape[1]
+        listed = self.kept_value[chunk.slots(0, count)].t()  # [Hkv, count], in `order`'s order
+        if n:
+            chunk.move_to_front(hitters)
+        front, recent = chunk.slots(0, n), chunk.slots(length - window, length)  # disjoint: count <= length
+        self.kept[front] = torch.arange(n, device=hitters.device, dtype=torch.int32).view(-1, 1).expand(n, heads)
+        self.kept_value[front] = listed[:, window:].gather(1, rank).t()
+        self.kept[recent] = order[:, :window].t().int()
+        self.kept_value[recent] = listed[:, :window].t()
+        self.store_moved(chunk, n, length - count)
+
+    def entry_slots(self, table_row: torch.Tensor, block_size: int, n: int) -> torch.Tensor:
+        """The logical slots of a request's first `n` list entries (`moved`)."""
+        split, shift = self.moved[table_row[0].long() * block_size].tolist()
+        j = torch.arange(n, device=table_row.device)
+        return j + torch.where(j >= split, shift, 0)
 
     def step(self, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, budget: int | float,
              recent_fraction: float, new_value: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -110,14 +134,17 @@ class KeptLists:
         slots = block_table.shape[1] * block_size
         width = min(slots, kept_count(budget, slots) + 1)
         return kept_list_step(self.kept, self.kept_value, block_table, seq_lens, block_size, budget, recent_fraction,
-                              new_value, width)  # fmt: skip
+                              new_value, width, self.moved)  # fmt: skip
 
     def add_read_mass(self, mass: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                       block_size: int) -> None:  # fmt: skip
         """After a step's read: the mass `[B, Hkv, width]` each listed token received, added to its value
         (entries past a list get what the read gave them, nothing that counts: an entry joins a
         list only as a new token, its value reset)."""
-        add_list_values(self.kept_value, mass, block_table, seq_lens, block_size)
+        add_list_values(self.kept_value, mass, block_table, seq_lens, block_size, self.moved)
+
+
+NOT_MOVED = 2**31 - 1  # a list's split where none of its entries moved
 
 
 def recent_window(count: int, recent_fraction: float) -> int:

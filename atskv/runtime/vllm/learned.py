@@ -79,7 +79,7 @@ class LearnedLists(KeptLists):
     @classmethod
     def empty(cls, num_slots: int, kv_heads: int, device) -> LearnedLists:
         lists = KeptLists.empty(num_slots, kv_heads, device)
-        return cls(lists.prompt_mass, lists.kept, lists.kept_value, torch.zeros_like(lists.prompt_mass),
+        return cls(lists.prompt_mass, lists.kept, lists.kept_value, lists.moved, torch.zeros_like(lists.prompt_mass),
                    torch.zeros(num_slots + 1, kv_heads, dtype=torch.bool, device=device),
                    torch.zeros(num_slots + 1, dtype=torch.int32, device=device))  # fmt: skip
 
