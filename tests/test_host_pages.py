@@ -215,3 +215,20 @@ def test_the_page_copy_kernel_matches_its_reference(monkeypatch, dtype):
     n, r = need.nonzero(as_tuple=True)
     assert torch.equal(targets[0][n, slots[n, r]], source[n, pages[n, r]])
     assert bool((targets[0].view(6, -1) == 100).sum(-1).eq((5 - need.sum(-1)) * 40).all())  # nothing else written
+
+
+def test_a_missing_page_never_takes_the_slot_of_a_page_read_beside_it():
+    """A read of pages [0, 10] after [0, 8] in two slots: page 0 hits in slot 0, page 10 misses and
+    must take slot 1 (page 8's, the only one this read does not hold), whatever order the
+    bookkeeping's scatters write in."""
+    from atskv.runtime.fast.host_pages import assign_slots
+
+    pages, slots = 22, 2
+    slot_of = torch.full((1, 1, pages + 1), -1)
+    page_in = torch.full((1, 1, slots + 1), pages)
+    used, clock = torch.zeros(1, 1, slots, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    for read, want_slots, want_hits in (([0, 8], [0, 1], [False, False]), ([0, 10], [0, 1], [True, False])):
+        clock += 1
+        slot, hit = assign_slots(slot_of, page_in, used, clock, torch.tensor([[read]]))
+        assert slot.view(-1).tolist() == want_slots and hit.view(-1).tolist() == want_hits
+    assert (slot_of[0, 0] >= 0).nonzero().view(-1).tolist() == [0, 10], "page 8 left, nothing else"
