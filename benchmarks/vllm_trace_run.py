@@ -35,11 +35,13 @@ def main() -> None:
     parser.add_argument("--free_blocks", action="store_true", help="where the selector can free them")
     parser.add_argument("--options", type=json.loads, default={}, help="JSON: options per selector name")
     parser.add_argument("--engine", type=json.loads, default={}, help="JSON: vLLM's own settings")
+    parser.add_argument("--host_tier", type=json.loads, default=None,
+                        help="JSON: with --free_blocks, what a compacting selector frees parked on the host")
     args = parser.parse_args()
     shape = write_shape(args.shape, Path(tempfile.mkdtemp()) / args.shape)
     budget = int(args.budget) if args.budget >= 1 else args.budget
     specs = serving_specs(args.methods, args.shape, shape, args.new_tokens, budget, args.dense_layers,
-                          args.free_blocks, args.options, args.engine)  # fmt: skip
+                          args.free_blocks, args.options, args.engine, args.host_tier)  # fmt: skip
     traces = [Trace(rate, args.requests, args.shortest, args.longest, args.new_tokens, limit_s=args.limit_s)
               for rate in args.rates]  # fmt: skip
     measure(specs, traces, args.rows)

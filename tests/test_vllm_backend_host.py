@@ -34,6 +34,7 @@ def backend(selector, state, **settings) -> AtskvAttentionImpl:
     impl.head_size, impl.num_kv_heads, impl.scale = D, HKV, D**-0.5
     impl.selector, impl.state = selector, state
     impl.config = PluginConfig(selector=selector.name, **settings)
+    impl.tier, impl.parked = impl.config.tier, None
     return impl
 
 
@@ -193,3 +194,57 @@ def test_a_mixed_batch_goes_through_forward_in_its_parts(monkeypatch):
     torch.testing.assert_close(got[102:], torch.cat(past), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got[:2], decodes, rtol=1e-5, atol=1e-6)
     assert all(torch.equal(a, b) for a, b in zip(vars(state).values(), vars(by_hand).values()))
+
+
+def test_a_host_tier_parks_a_ranked_prompt_before_its_kept_tokens_move_and_reads_it_back():
+    """The builder gives a prompt ranked in its batch a region (its request id, the runner's live
+    requests) and tells its first block; the layer parks the prompt's freed part before H2O moves
+    its kept tokens to the front (those then count as not parked), and a decode step reads the
+    kept tokens and the best parked pages, fetched into the request's cache blocks."""
+    from atskv.runtime.vllm.backend import AtskvMetadataBuilder
+    from atskv.runtime.vllm.host_tier import ParkedPrompts, split_unread
+
+    selector, budget = PagedH2O(), 20
+    settings = dict(budget=budget, free_blocks=True, host_tier={"regions": 1, "pages": 2, "cache_pages": 3})
+    generator = torch.Generator().manual_seed(12)
+    cache = PagedCache([300, 280], width=22, generator=generator)
+    cache.fill(chunk=CHUNK)
+    key_slots = slot_view(cache.split()[0], 1)[0]
+    state = selector.new_state(key_slots.shape[1] // BLOCK, BLOCK, HKV, D, torch.float32, "cpu")
+    builder = object.__new__(AtskvMetadataBuilder)
+    builder.config, builder.tier, builder.regions, builder.device = PluginConfig("h2o", **settings), None, None, "cpu"
+    builder.tier = builder.config.tier
+    builder.kv_cache_spec = SimpleNamespace(block_size=BLOCK)
+    builder.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=cache.kv_cache.shape[0]))
+    builder.batch = SimpleNamespace(requests=lambda: (["a", "b"], {"a", "b"}))
+    rows = [(0, 0, 300, 300, True), (1, 300, 580, 280, True)]  # both prompts' last chunks, one batch
+    parking = builder.parking(rows, torch.tensor([300, 280]), cache.block_table)
+    assert list(parking) == [0], "one region: the first request's"
+    unread = selector.unread_blocks(300, 300, budget, BLOCK)
+    held, freed = split_unread(unread, 3)
+    assert parking[0].stop == freed.stop * BLOCK and parking[0].cache_start == held.start * BLOCK
+    regions = builder.host_regions()
+    assert regions.rows(cache.block_table).tolist() == [0, 1], "the second: the spare, none"
+
+    impl = backend(selector, state, **settings)
+    impl.parked = ParkedPrompts(impl.tier, 22 * BLOCK, HKV, D, BLOCK, torch.float32, torch.device("cpu"))
+    before = [k.clone() for k in cache.keys]
+    queries = torch.randn(580, HQ * D, generator=generator)
+    metadata = SimpleNamespace(atskv_prompt_rows=rows, atskv_past_rows=[], atskv_parking=parking,
+                               block_table=cache.block_table)  # fmt: skip
+    impl.observe_prompts(queries, cache.kv_cache, metadata)
+    stop = parking[0].stop
+    assert torch.equal(impl.parked.host_keys[0, :, :stop], before[0][:stop].transpose(0, 1)), "parked unmoved"
+    moved = impl.parked.parked[0, :, :stop].logical_not().sum(-1)
+    window = recent_window(20, selector.recent_fraction)
+    assert moved.tolist() == [20 - window] * HKV, "its moved tokens (all below the cut here) are kept, not parked"
+    cache.kv_cache[cache.block_table[0, list(freed)].long()] = torch.nan  # another request's now
+    query = torch.randn(2, HQ, D, generator=generator)
+    seq_lens = torch.tensor([301, 281], dtype=torch.int32)
+    for r, n in enumerate((300, 280)):  # the step's own token
+        cache.keys[r] = torch.cat([cache.keys[r], torch.zeros(1, HKV, D)])
+        cache.values[r] = torch.cat([cache.values[r], torch.zeros(1, HKV, D)])
+        cache.write(r, n, n + 1)
+    out = torch.zeros(2, HQ, D)
+    impl.read_sparsely(query, cache.kv_cache, cache.block_table, seq_lens, {}, out, regions)
+    assert not out.isnan().any() and int(impl.parked.fetched) == 2 * HKV, "two pages a KV head, fetched once"

@@ -150,6 +150,26 @@ def test_compacted_lists_free_blocks_and_read_the_same_tokens(shape, selector, t
     assert 3 * 94 < held <= 3 * (94 + 14 * kept_blocks), held
 
 
+@pytest.mark.parametrize("selector", ["h2o", "snapkv"])
+def test_a_host_tier_reads_back_pages_of_what_compaction_frees(shape, selector):
+    """With `free_blocks` and a host tier of 2 regions, 3 requests (one finds no region): each
+    finishes its tokens, holds at most its dense group's blocks and, per freeing group, what the
+    rule leaves it plus its cache blocks while decoding, the layers read pages back from the host,
+    and the pool is whole again after them."""
+    from atskv.runtime.vllm.composition import freeing_rule
+    from atskv.runtime.vllm.host_tier import host_tier_bytes
+
+    tier = {"regions": 2, "pages": 4, "cache_pages": 8}
+    llm = engine(shape, f"vllm:{selector}", 64, free_blocks=True, dense_layers=2, host_tier=tier)
+    batch = prompts(1500, 3, 49152, seed=11)
+    idle = free_blocks(llm)
+    assert [len(t) for t in greedy_tokens(llm, batch, 24)] == [24] * 3 and free_blocks(llm) == idle
+    assert sum(llm.apply_model(host_tier_bytes)) > 0, "pages came back from the host"
+    held = held_while_decoding(llm, batch, 30)
+    kept_blocks = 96 - len(freeing_rule(selector, {})(1510, 1500, 64, 16)) + tier["cache_pages"]
+    assert 3 * 94 < held <= 3 * (94 + 14 * kept_blocks), held
+
+
 def test_freed_blocks_go_back_to_the_pool_while_requests_decode(shape):
     llm = engine(shape, "vllm:streaming_llm", 64, free_blocks=True, dense_layers=0)
     # each request holds its sink block and the blocks of its 60 recent tokens (+ the margin and

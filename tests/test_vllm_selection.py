@@ -456,40 +456,44 @@ def test_a_prompts_end_and_a_recomputes_outputs_are_read_as_decodes():
     assert [row[4] for row in prompt] == [True] * 5 and past == []
 
 
-def test_the_builders_see_the_prompt_lengths_of_the_batch_each_runner_builds():
+def test_the_builders_see_the_prompt_lengths_and_requests_of_the_batch_each_runner_builds():
     """vLLM's second model runner hands each step's batch to its model state's `prepare_attn`
-    (which runs the builders) and keeps it nowhere: the lengths read during that call are that
-    batch's requests' prompts (a recompute prefills more), none for a warm-up's dummy batch, and
-    `prepare_attn` still gets its arguments and returns its result. Its first runner keeps one
-    batch, read as it stands."""
+    (which runs the builders) and keeps it nowhere: the lengths and request ids read during that
+    call are that batch's (a recompute prefills more than its prompt), none for a warm-up's dummy
+    batch, the live requests the runner's, and `prepare_attn` still gets its arguments and returns
+    its result. Its first runner keeps one batch, read as it stands."""
     from types import SimpleNamespace
 
     import numpy as np
 
-    from atskv.runtime.vllm.batch import batch_prompt_lengths
+    from atskv.runtime.vllm.batch import RunnerBatch
 
     seen = []
 
     def prepare_attn(input_batch, mode, *, for_capture=False):
-        read = lengths()  # what a builder reads while the runner builds
-        seen.append(None if read is None else read.tolist())
+        lengths, requests = view.prompt_lengths(), view.requests()  # what a builder reads while the runner builds
+        seen.append(None if lengths is None else (lengths.tolist(), requests[0], sorted(requests[1])))
         return {"mode": mode, "for_capture": for_capture}
 
     prompt_len = SimpleNamespace(np=np.array([0, 1500, 900, 40], dtype=np.int32))  # by the runner's request index
+    live = {"a": 1, "b": 2, "c": 3}
     runner = SimpleNamespace(model_state=SimpleNamespace(prepare_attn=prepare_attn),
-                             req_states=SimpleNamespace(prompt_len=prompt_len))  # fmt: skip
-    lengths = batch_prompt_lengths(runner)
+                             req_states=SimpleNamespace(prompt_len=prompt_len, req_id_to_index=live))  # fmt: skip
+    view = RunnerBatch(runner)
+    assert view.prompt_lengths() is None and view.requests() is None, "before any batch"
     # a batch (its second request a recompute: more to prefill than its prompt), a warm-up's dummy, another
-    for prefill, index in (([1500, 1000], [1, 2]), ([0, 0, 0], [0, 0, 0]), ([40], [3])):
+    for prefill, index, ids in (([1500, 1000], [1, 2], ["a", "b"]), ([0, 0, 0], [0, 0, 0], ["x", "y", "z"]),
+                                ([40], [3], ["c"])):  # fmt: skip
         batch = SimpleNamespace(prefill_len_np=np.array(prefill, dtype=np.int32),
-                                idx_mapping_np=np.array(index, dtype=np.int32))  # fmt: skip
+                                idx_mapping_np=np.array(index, dtype=np.int32), req_ids=ids)  # fmt: skip
         assert runner.model_state.prepare_attn(batch, "FULL", for_capture=True) == {"mode": "FULL",
                                                                                    "for_capture": True}
-    assert seen == [[1500, 900], None, [40]]
-    first = SimpleNamespace(input_batch=SimpleNamespace(num_prompt_tokens_cpu_tensor=torch.tensor([9, 3])))
-    read = batch_prompt_lengths(first)
-    first.input_batch.num_prompt_tokens_cpu_tensor = torch.tensor([5])  # the runner updates its batch
-    assert read().tolist() == [5]
+    assert seen == [([1500, 900], ["a", "b"], ["a", "b", "c"]), None, ([40], ["c"], ["a", "b", "c"])]
+    batch = SimpleNamespace(num_prompt_tokens_cpu_tensor=torch.tensor([9, 3]), req_ids=["p", "q"],
+                            req_id_to_index={"p": 0, "q": 1})  # fmt: skip
+    first = RunnerBatch(SimpleNamespace(input_batch=batch))
+    batch.num_prompt_tokens_cpu_tensor, batch.req_ids = torch.tensor([5]), ["q"]  # the runner updates its batch
+    assert first.prompt_lengths().tolist() == [5] and first.requests()[0] == ["q"]
 
 
 @pytest.mark.parametrize("last_known, compact", [(False, False), (True, False), (True, True)])

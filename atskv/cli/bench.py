@@ -224,6 +224,7 @@ def serve(
     budget: int | float = 0.05,
     dense_layers: int = 2,
     free_blocks: bool = False,
+    host_tier: dict | None = None,
     limit_s: float = 300.0,
     selector_options: dict | None = None,
     engine: dict | None = None,
@@ -250,6 +251,9 @@ def serve(
         free_blocks: selectors that free blocks (streaming_llm; h2o and learned, their kept tokens
             compacted) hand the blocks their sparse layers will not read back to vLLM's pool (rows
             labelled "<method> (free_blocks)"); the learned selector is timed with a random predictor.
+        host_tier: with free_blocks, what snapkv, h2o and learned free is parked in pinned host
+            memory and each decode query reads back its best pages, e.g. '{regions: 4, pages: 16}'
+            (`atskv.runtime.vllm.host_tier.HostTier`; rows report the bytes read back a token).
         limit_s: a trace stops here, finished or not.
         selector_options: options per selector name, e.g. '{learned: {predictor: DIR}}' (rows
             labelled with them).
@@ -268,7 +272,7 @@ def serve(
     check_methods(methods, (VLLM,))
     shape = vllm_speed.write_shape(model, Path(tempfile.mkdtemp()) / model)
     specs = vllm_trace.serving_specs(methods, model, shape, new_tokens, budget, dense_layers, free_blocks,
-                                     selector_options or {}, engine or {})  # fmt: skip
+                                     selector_options or {}, engine or {}, host_tier)  # fmt: skip
     traces = [vllm_trace.Trace(r, requests, shortest, longest, new_tokens, limit_s=limit_s) for r in rates]
     rows = Path(out) / "trace.jsonl"
     vllm_trace.measure(specs, traces, rows)

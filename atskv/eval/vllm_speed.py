@@ -49,6 +49,7 @@ class EngineSpec:
     dense_layers: int = 2
     options: dict = field(default_factory=dict)
     free_blocks: bool = False  # blocks the selector will not read go back to vLLM's pool
+    host_tier: dict | None = None  # with free_blocks: what is freed parked on the host (`PluginConfig.host_tier`)
     gpu_memory_utilization: float = 0.85
     identity_tokens: int = 0  # > 0: greedy tokens on fixed prompts first
     identity_context: int = 2048
@@ -84,6 +85,8 @@ def engine_arguments(spec: EngineSpec, max_model_len: int, max_num_seqs: int) ->
         arguments.update(attention_backend="CUSTOM", additional_config={"atskv": settings}, worker_cls=WORKER)
         if spec.free_blocks:
             settings["free_blocks"] = True
+        if spec.host_tier is not None:
+            settings["host_tier"] = spec.host_tier
     return {**arguments, **spec.engine}
 
 

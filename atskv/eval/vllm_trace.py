@@ -129,29 +129,33 @@ SHARES_EVERY_S = 5.0  # seconds between two `request_shares` (a Python pass over
 
 
 def serving_specs(methods: list[str], model: str, shape: Path, new_tokens: int, budget: int | float,
-                  dense_layers: int, free_blocks: bool, selector_options: dict,
-                  engine: dict) -> list[EngineSpec]:  # fmt: skip
+                  dense_layers: int, free_blocks: bool, selector_options: dict, engine: dict,
+                  host_tier: dict | None = None) -> list[EngineSpec]:  # fmt: skip
     """`serving_spec` of each method; options for a selector none of them names are an `InputError`."""
     if unknown := sorted(set(selector_options) - {Method.parse(m).name for m in methods}):
         raise InputError(f"options given for {unknown[0]!r}, which is not selected")
-    return [serving_spec(m, model, shape, new_tokens, budget, dense_layers, free_blocks, selector_options, engine)
-            for m in methods]  # fmt: skip
+    return [serving_spec(m, model, shape, new_tokens, budget, dense_layers, free_blocks, selector_options, engine,
+                         host_tier) for m in methods]  # fmt: skip
 
 
 def serving_spec(method: str, model: str, shape: Path, new_tokens: int, budget: int | float, dense_layers: int,
-                 free_blocks: bool, selector_options: dict, engine: dict) -> EngineSpec:  # fmt: skip
+                 free_blocks: bool, selector_options: dict, engine: dict,
+                 host_tier: dict | None = None) -> EngineSpec:  # fmt: skip
     """A method's engine for a trace of `model`'s shape (its config in `shape`): `free_blocks` where
-    its selector can free them, its options from `selector_options` by selector name (the learned
-    selector without a predictor timed with a random one of the shape), vLLM's own `engine`
-    settings; labelled with what differs from the method's defaults."""
+    its selector can free them (and then `host_tier` where it can park what it frees), its options
+    from `selector_options` by selector name (the learned selector without a predictor timed with a
+    random one of the shape), vLLM's own `engine` settings; labelled with what differs from the
+    method's defaults."""
     name = Method.parse(method).name
     selector = PAGED_SELECTORS.get(name)
     frees = free_blocks and selector is not None and selector.frees_blocks
     own = selector_options.get(name, {})
     options = timing_options(method, own, model, dense_layers, shape.parent / "predictor")
-    label = method + (" (free_blocks)" if frees else "") + "".join(f" {json.dumps(x)}" for x in (own, engine) if x)
+    parks = frees and host_tier is not None and selector.scores_prompt
+    label = method + (" (free_blocks)" if frees else "") + (f" host_tier {json.dumps(host_tier)}" if parks else "")
+    label += "".join(f" {json.dumps(x)}" for x in (own, engine) if x)
     return EngineSpec(method, str(shape), [], new_tokens, budget, dense_layers, options, free_blocks=frees,
-                      label=label, engine=engine)  # fmt: skip
+                      host_tier=host_tier if parks else None, label=label, engine=engine)  # fmt: skip
 
 
 def run_traces(spec: EngineSpec, traces: list[Trace], rows: Path) -> None:
@@ -159,12 +163,19 @@ def run_traces(spec: EngineSpec, traces: list[Trace], rows: Path) -> None:
     short trace's cost); one row appended to `rows` per trace."""
     from vllm import LLM
 
+    from atskv.runtime.vllm.host_tier import host_tier_bytes
+
     config = json.loads((Path(spec.shape_dir) / "config.json").read_text())
     room = config["max_position_embeddings"]
     longest = min(max(t.longest + t.new_tokens for t in traces), room)
     llm = LLM(**engine_arguments(spec, longest, 64))
+    moved = 0
     for trace in traces:
         row = run_trace(llm.llm_engine, trace, config["vocab_size"], room)
+        if spec.host_tier is not None:  # what the host tier read back, a token
+            before, moved = moved, sum(llm.apply_model(host_tier_bytes))
+            tokens = round(row["output_tokens_per_s"] * row["wall_s"])
+            row["host_tier_bytes_per_token"] = (moved - before) / max(1, tokens)
         row = {"method": spec.label, "kind": "trace", "context": trace.longest, "rate": trace.rate,
                "vanilla": spec.method == VANILLA, "engine": spec.engine, "dense_layers": spec.dense_layers,
                **row}  # fmt: skip

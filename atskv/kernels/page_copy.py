@@ -1,10 +1,13 @@
-"""Masked page copy: the host tier's fetch of only the pages a GPU page cache misses.
+"""Masked page copy: a host tier's fetch of only the pages a GPU page cache misses.
 
 `source` `[N, P, W]` pages (W = page size x head dim; on CUDA a device alias of pinned host memory,
 so every byte loaded crosses PCIe), `target` `[N, C, W]` cache slots, `pages`/`slots` `[N, R]` long:
 for every (n, r) with `need[n, r]`, `target[n, slots[n, r]] = source[n, pages[n, r]]`. torch's
 gather would read every listed page, hits included; the kernel loads nothing for an unneeded one,
 so the traffic is the misses only, with static shapes (one launch inside a CUDA graph).
+
+`paged_page_copy` is the same fetch into vLLM's paged cache (the plugin's host tier,
+`atskv.runtime.vllm.host_tier`): a page lands in one KV head of one cache block.
 """
 
 from __future__ import annotations
@@ -56,4 +59,61 @@ def page_copy_triton(source, target, pages, slots, need) -> None:
     _page_copy_kernel[grid](
         source, target, pages.contiguous(), slots.contiguous(), need.to(torch.int8).contiguous(), p, target.shape[1],
         r, w, BLOCK=BLOCK,
+    )  # fmt: skip
+
+
+def paged_page_copy(source: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor,
+                    blocks: torch.Tensor, need: torch.Tensor) -> None:  # fmt: skip
+    """In place on `cache` `[num_blocks, block_size, Hkv, D]` (any strides: vLLM's keys or values
+    view): for every (b, h, k) with `need[b, h, k]`, the `block_size` tokens of page
+    `pages[b, h, k]` of head h of `source` `[R, Hkv, tokens, D]` row `rows[b]` (contiguous; on CUDA
+    a device alias of pinned host memory) go to head h of block `blocks[b, h, k]`. `rows` `[B]`,
+    the rest `[B, Hkv, K]`; rows past `source` only where nothing is needed."""
+    if use_triton(cache):
+        paged_page_copy_triton(source, cache, rows, pages, blocks, need)
+    else:
+        paged_page_copy_reference(source, cache, rows, pages, blocks, need)
+
+
+def paged_page_copy_reference(source, cache, rows, pages, blocks, need) -> None:
+    """Plain torch: every listed page gathered, the needed ones written (the others write their
+    block's own content back)."""
+    b, h, k = pages.shape
+    size = cache.shape[1]
+    heads = torch.arange(h, device=cache.device).view(1, h, 1, 1)
+    tokens = pages.long().unsqueeze(-1) * size + torch.arange(size, device=cache.device)  # [B, Hkv, K, size]
+    fetched = source[rows.long().clamp(max=source.shape[0] - 1).view(b, 1, 1, 1), heads, tokens]
+    at = (blocks.long().unsqueeze(-1), torch.arange(size, device=cache.device), heads)
+    cache[at] = torch.where(need.view(b, h, k, 1, 1), fetched.to(cache.dtype), cache[at])
+
+
+@jit
+def _paged_page_copy_kernel(src_ptr, dst_ptr, row_ptr, page_ptr, block_ptr, need_ptr, H, K, TOKENS, D,
+                            stride_n, stride_t, stride_h, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    item = tl.program_id(0)  # one (b, h, k)
+    if tl.load(need_ptr + item) == 0:  # a page the cache holds: nothing moves
+        return
+    h = (item // K) % H
+    row = tl.load(row_ptr + item // (H * K)).to(tl.int64)
+    page = tl.load(page_ptr + item).to(tl.int64)
+    block = tl.load(block_ptr + item).to(tl.int64)
+    t = tl.arange(0, BLOCK_T)
+    d = tl.arange(0, BLOCK_D)
+    inside = (t[:, None] < BLOCK_T) & (d[None, :] < D)
+    source = src_ptr + ((row * H + h) * TOKENS + page * BLOCK_T + t[:, None]) * D + d[None, :]
+    target = dst_ptr + block * stride_n + t[:, None] * stride_t + h * stride_h + d[None, :]
+    tl.store(target, tl.load(source, mask=inside), mask=inside)
+
+
+def paged_page_copy_triton(source, cache, rows, pages, blocks, need) -> None:
+    if not source.is_contiguous() or cache.stride(3) != 1:
+        raise ValueError("paged_page_copy needs a contiguous source and a cache contiguous in its last dim")
+    size = cache.shape[1]
+    if size & (size - 1):
+        raise ValueError(f"paged_page_copy needs a power-of-two block size, got {size}")
+    b, h, k = pages.shape
+    _paged_page_copy_kernel[(b * h * k,)](
+        source, cache, rows.contiguous(), pages.contiguous(), blocks.contiguous(), need.to(torch.int8).contiguous(),
+        h, k, source.shape[2], source.shape[3], cache.stride(0), cache.stride(1), cache.stride(2),
+        BLOCK_T=size, BLOCK_D=triton.next_power_of_2(source.shape[3]),
     )  # fmt: skip

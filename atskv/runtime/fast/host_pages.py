@@ -82,6 +82,18 @@ def _unregister(storage, nbytes: int) -> None:
     _PINNED["now"] -= nbytes
 
 
+def host_keys_and_values(shape: tuple[int, ...], dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A host tier's keys and values, zeros of `shape` each: pinned where `device` is CUDA (read
+    through `device_alias`), plain elsewhere; a one-line error naming the size where the host
+    cannot pin them."""
+    make = pinned_zeros if device.type == "cuda" else torch.zeros
+    try:
+        return make(shape, dtype=dtype), make(shape, dtype=dtype)
+    except RuntimeError as error:
+        gib = 2 * math.prod(shape) * dtype.itemsize / 2**30
+        raise RuntimeError(f"cannot allocate {gib:.1f} GiB of pinned host memory for the KV tier: {error}") from error
+
+
 def pinned_peak() -> int:
     """The most page-locked bytes host tiers held at once since `reset_peak_pinned`."""
     return _PINNED["peak"]
@@ -131,14 +143,7 @@ class HostPages:
         self.cache = PageCache(batch, kv_heads, self.pages, max(cache_slots, self.read_pages), page_size * head_dim,
                                dtype, device)  # fmt: skip
         shape = (batch, kv_heads, self.pages * page_size, head_dim)
-        make = pinned_zeros if device.type == "cuda" else torch.zeros
-        try:
-            self.host_keys, self.host_values = make(shape, dtype=dtype), make(shape, dtype=dtype)
-        except RuntimeError as error:
-            gib = 2 * math.prod(shape) * dtype.itemsize / 2**30
-            raise RuntimeError(
-                f"cannot allocate {gib:.1f} GiB of pinned host memory for the KV tier: {error}"
-            ) from error
+        self.host_keys, self.host_values = host_keys_and_values(shape, dtype, device)
         self.keys, self.values = device_alias(self.host_keys, device), device_alias(self.host_values, device)
         self.summary = KEY_SUMMARIES[summary](batch, kv_heads, self.pages, page_size, head_dim, dtype, device)
         self.resident = torch.zeros(batch, kv_heads, shape[2] + 1, dtype=torch.bool, device=device)  # last: a sink

@@ -9,8 +9,10 @@ Selectors that keep state beside the cache (Quest's per-block key bounds, SnapKV
 H2O's kept tokens by physical slot) keep it current from the KV write (`do_kv_cache_update`), from
 each prefill chunk's queries after its FlashAttention (those that score the prompt) or from the mass
 each decode read returns (H2O). With `free_blocks`, the blocks a
-selector no longer reads are null blocks in the table (`atskv.runtime.vllm.freeing`); the selector
-never picks them. Full CUDA graphs are captured for pure decode batches only
+selector no longer reads go back to vLLM's pool (`atskv.runtime.vllm.freeing`); the selector
+never picks them. With a host tier, what a compacting selector frees is parked on the host first
+and each decode query reads back its best pages beside its kept tokens
+(`atskv.runtime.vllm.host_tier`). Full CUDA graphs are captured for pure decode batches only
 (`UNIFORM_SINGLE_TOKEN_DECODE`); mixed batches run piecewise, their attention eager.
 
 Layers that stay vLLM's own: the first `dense_layers`, sliding-window layers, non-decoder attention,
@@ -18,7 +20,7 @@ fp8 caches, ALiBi, attention sinks and soft-capped logits."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
 
 import torch
 from vllm.config import get_current_vllm_config_or_none
@@ -36,9 +38,10 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from atskv.errors import InputError
-from atskv.runtime.vllm.batch import PromptChunk, past_prompt_waves, prefill_rows, prefill_share
-from atskv.runtime.vllm.composition import build_paged_selector
+from atskv.runtime.vllm.batch import PromptChunk, RunnerBatch, past_prompt_waves, prefill_rows, prefill_share
+from atskv.runtime.vllm.composition import build_paged_selector, freeing_rule
 from atskv.runtime.vllm.config import WORKER, PluginConfig
+from atskv.runtime.vllm.host_tier import ParkedPrompts, Parking, Regions, split_unread
 from atskv.runtime.vllm.selection import paged_sparse_decode, slot_view
 
 logger = init_logger(__name__)
@@ -50,14 +53,14 @@ class AtskvMetadataBuilder(FlashAttentionMetadataBuilder):
 
     _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     reorder_batch_threshold = 1
-    # each batch row's prompt length (host; None for a warm-up's dummy batch), where `AtskvWorker`
-    # hands over its runner's
-    prompt_lengths: Callable[[], torch.Tensor | None] | None = None
+    # the batch's prompt lengths and request ids, where `AtskvWorker` hands over its runner's
+    batch: RunnerBatch | None = None
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         config = PluginConfig.from_additional_config(vllm_config.additional_config)
-        self.sparse = not config.dense
+        self.config, self.sparse = config, not config.dense
+        self.tier, self.regions = (config.tier if self.sparse else None), None
         self.scores_prompt = self.sparse and build_paged_selector(config.selector, config.options).scores_prompt
         if self.scores_prompt and vllm_config.cache_config.enable_prefix_caching:  # a shared first block
             raise InputError(f"atskv: {config.selector} ranks each prompt in its own blocks; it needs "
@@ -72,7 +75,7 @@ class AtskvMetadataBuilder(FlashAttentionMetadataBuilder):
         metadata.num_decode_reqs, metadata.num_prefill_reqs = decodes, prefills
         metadata.num_decode_tokens, metadata.num_prefill_tokens = decode_tokens, prefill_tokens
         if self.sparse and prefills:  # eager batches only (prefill is never a full graph)
-            prompts = None if self.prompt_lengths is None else self.prompt_lengths()
+            prompts = None if self.batch is None else self.batch.prompt_lengths()
             prompts = None if prompts is None else prompts[: common_attn_metadata.num_reqs]
             prompt, past = prefill_rows(common_attn_metadata.query_start_loc_cpu, common_attn_metadata.seq_lens_cpu,
                                         decodes, prefills, prompts)  # fmt: skip
@@ -80,7 +83,37 @@ class AtskvMetadataBuilder(FlashAttentionMetadataBuilder):
                 metadata.atskv_prompt_rows = prompt
             if prompts is not None:
                 metadata.atskv_past_rows = past
+                if self.tier is not None:
+                    metadata.atskv_parking = self.parking(prompt, prompts, metadata.block_table)
+        if self.tier is not None:
+            metadata.atskv_regions = self.host_regions()
         return metadata
+
+    def host_regions(self) -> Regions:
+        if self.regions is None:  # the pool's size is known once the cache exists
+            self.regions = Regions(self.tier.regions, self.vllm_config.cache_config.num_gpu_blocks, self.device)
+        return self.regions
+
+    def parking(self, rows, prompts, block_table) -> dict[int, Parking]:
+        """The host tier's parking of each prompt ranked in this batch (the chunk known to end it):
+        a region if one is free and the prompt frees enough blocks to hold a cache. Every such
+        request's first block is told its region or none (a block's earlier tenant may have had one)."""
+        requests = self.batch.requests()
+        if requests is None:
+            return {}
+        ids, live = requests
+        size, rule = self.kv_cache_spec.block_size, freeing_rule(self.config.selector, self.config.options or {})
+        parking = {}
+        for row, _, _, _, last in rows:
+            if not last:
+                continue
+            prompt = int(prompts[row])
+            cache, freed = split_unread(rule(prompt, prompt, self.config.budget, size), self.tier.cache_pages)
+            region = self.host_regions().claim(ids[row], live) if len(cache) else None
+            self.host_regions().assign(block_table[row, :1], region)
+            if region is not None:
+                parking[row] = Parking(region, freed.stop * size, cache.start * size)
+        return parking
 
 
 class AtskvAttentionImpl(FlashAttentionImpl):
@@ -93,6 +126,9 @@ class AtskvAttentionImpl(FlashAttentionImpl):
         self.selector = None if self.config.dense else build_paged_selector(self.config.selector, self.config.options)
         self.state = None  # the selector's, beside the cache (`keeps_state`): made once the cache exists
         self._state_blocks = 0
+        self.tier = None if self.config.dense else self.config.tier
+        self.parked: ParkedPrompts | None = None  # this layer's host tier, made with the state
+        self.max_model_len = vllm_config.model_config.max_model_len if vllm_config else 0
         self._sparse: bool | None = None  # decided at the first call, which names the layer
 
     def sparse_layer(self, layer) -> bool:
@@ -125,6 +161,12 @@ class AtskvAttentionImpl(FlashAttentionImpl):
                 size = sum(t.numel() * t.element_size() for t in _tensors(self.state))
                 logger.info_once("atskv: %s's state beside %d blocks, %.2f GiB per layer", self.selector.name,
                                  blocks, size / 2**30)  # fmt: skip
+                if self.tier is not None:
+                    self.parked = ParkedPrompts(self.tier, self.max_model_len, heads, self.head_size, block_size,
+                                                key.dtype, key.device)  # fmt: skip
+                    logger.info_once("atskv: host tier of %d regions, %.2f GiB pinned and %.2f GiB on the GPU per "
+                                     "layer", self.tier.regions, self.parked.host_nbytes / 2**30,
+                                     self.parked.gpu_nbytes / 2**30)  # fmt: skip
             self.selector.after_write(self.state, key, slot_mapping, block_size)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
@@ -149,22 +191,27 @@ class AtskvAttentionImpl(FlashAttentionImpl):
         step = attn_metadata.__dict__.setdefault("atskv_step", {})  # one forward's metadata: shared by its layers
         q = query[:decodes]
         self.read_sparsely(q, kv_cache, attn_metadata.block_table[:decodes], attn_metadata.seq_lens[:decodes], step,
-                           output[:decodes].view(q.shape))  # fmt: skip
+                           output[:decodes].view(q.shape), attn_metadata.__dict__.get("atskv_regions"))  # fmt: skip
         return output
 
-    def read_sparsely(self, q, kv_cache, table, seq_lens, step: dict, out) -> None:
+    def read_sparsely(self, q, kv_cache, table, seq_lens, step: dict, out, regions: Regions | None = None) -> None:
         """Decode queries `q` `[B, Hq, D]` (request `b` at position `seq_lens[b] - 1`, its block
-        table row `table[b]`) over what the selector picks, into `out` `[B, Hq, D]`; the selector
-        then sees the mass the read gave (`reads_mass`)."""
+        table row `table[b]`) over what the selector picks (and, with a host tier's `regions`, the
+        parked tokens of their best pages), into `out` `[B, Hq, D]`; the selector then sees the
+        mass the read gave its own picks (`reads_mass`)."""
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
         block_size = kv_cache.shape[2]
         keys = {"keys": slot_view(key_cache, 1)[0], "scaling": self.scale} if self.selector.reads_keys else {}
         positions, lengths = self.selector.pick(q, self.num_kv_heads, self.state, table, seq_lens, block_size,
                                                 self.config.budget, step, **keys)  # fmt: skip
+        picked = positions.shape[-1]
+        if self.parked is not None and regions is not None:
+            positions, lengths = self.parked.extend(q, positions, lengths, regions.rows(table), table, key_cache,
+                                                    value_cache)  # fmt: skip
         read = paged_sparse_decode(q, key_cache, value_cache, positions, lengths, table, self.scale, out=out,
                                    want_mass=self.selector.reads_mass)  # fmt: skip
-        if self.selector.reads_mass:
-            self.selector.observe_read(self.state, read[1], table, seq_lens, block_size)
+        if self.selector.reads_mass:  # its own entries' (a tier's come after them)
+            self.selector.observe_read(self.state, read[1][..., :picked], table, seq_lens, block_size)
 
     def read_past_prompts(self, query, kv_cache, metadata, output) -> None:
         """A recompute's tokens past their request's prompt (`prefill_rows`), FlashAttention's
@@ -182,7 +229,8 @@ class AtskvAttentionImpl(FlashAttentionImpl):
             seq_lens = torch.tensor(positions, device=query.device, dtype=metadata.seq_lens.dtype) + 1
             read = out.new_empty(len(tokens), *out.shape[1:])
             table = metadata.block_table[torch.tensor(requests, device=query.device)]
-            self.read_sparsely(query[tokens], kv_cache, table, seq_lens, steps.setdefault(i, {}), read)
+            self.read_sparsely(query[tokens], kv_cache, table, seq_lens, steps.setdefault(i, {}), read,
+                               metadata.__dict__.get("atskv_regions"))  # fmt: skip
             out[tokens] = read
 
     def attend(self, layer, query, key, value, kv_cache, metadata, output, lse_wanted: bool, *scales):
@@ -240,11 +288,16 @@ class AtskvAttentionImpl(FlashAttentionImpl):
         known = metadata.__dict__.get("atskv_past_rows") is not None  # the prompts' lengths, from the worker
         queries = query.view(query.shape[0], -1, self.head_size)
         step = metadata.__dict__.setdefault("atskv_step", {})
+        parking = metadata.__dict__.get("atskv_parking", {}) if self.parked is not None else {}
         for row, start, stop, length, last in rows:  # a sparse layer's: `sparse_layer` named the selector's layer
             rows_lse = None if lse is None else lse[:, start - lse_offset : stop - lse_offset].float()
+            parked = parking.get(row)
+            kept = None if parked is None else functools.partial(self.parked.mark_kept, parked.region)
             chunk = PromptChunk(queries[start:stop], key_slots, metadata.block_table[row], length, key_cache.shape[1],
                                 self.scale, self.config.budget, self.selector.layer, row, step, rows_lse, last,
-                                value_slots, self.config.free_blocks and known and last)  # fmt: skip
+                                value_slots, self.config.free_blocks and known and last, kept)  # fmt: skip
+            if parked is not None:  # before the selector moves its kept tokens over the prompt's first slots
+                self.parked.park(parked, chunk)
             self.selector.observe_prompt(self.state, chunk)
 
 

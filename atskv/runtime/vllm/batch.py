@@ -11,7 +11,7 @@ request's prompt (a recompute's outputs) are read as decodes are (`prefill_rows`
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 
@@ -93,30 +93,43 @@ def past_prompt_waves(rows: list[tuple[int, int, int, int]], in_order: bool,
     return [tuple(list(column) for column in zip(*group)) for group in groups]
 
 
-def batch_prompt_lengths(runner) -> Callable[[], torch.Tensor | None]:
-    """A callable giving, at a metadata build, each batch row's prompt length (the request's own
-    prompt: a recompute after preemption prefills its outputs too), from `runner`, or None where
-    they are not known (a warm-up's dummy batch). vLLM's second model runner (`v1/worker/gpu`,
-    0.26's default) makes a batch each step and keeps it nowhere; its model state's `prepare_attn`,
-    which runs the builders, is handed it, so the batch is remembered there. Its first runner keeps
-    one `input_batch` it updates in place."""
-    state = getattr(runner, "model_state", None)
-    if state is None:
-        return lambda: runner.input_batch.num_prompt_tokens_cpu_tensor
-    prepare, latest = state.prepare_attn, {}
+class RunnerBatch:
+    """What a metadata build may ask of the batch `runner` is building (an attention backend is
+    shown neither): each row's prompt length (the request's own prompt: a recompute after
+    preemption prefills its outputs too) and request id, and which requests the runner holds;
+    None where they are not known (a warm-up's dummy batch). vLLM's second model runner
+    (`v1/worker/gpu`, 0.26's default) makes a batch each step and keeps it nowhere; its model
+    state's `prepare_attn`, which runs the builders, is handed it, so the batch is remembered
+    there. Its first runner keeps one `input_batch` it updates in place."""
 
-    def remembering(input_batch, *args, **kwargs):
-        latest["batch"] = input_batch
-        return prepare(input_batch, *args, **kwargs)
+    def __init__(self, runner):
+        self.runner = runner
+        state = getattr(runner, "model_state", None)
+        self.kept_nowhere, self.latest = state is not None, None
+        if self.kept_nowhere:
+            prepare = state.prepare_attn
 
-    def lengths() -> torch.Tensor | None:
-        batch = latest["batch"]
-        if not batch.prefill_len_np.any():  # a dummy batch: no request behind its rows
+            def remembering(input_batch, *args, **kwargs):
+                self.latest = input_batch
+                return prepare(input_batch, *args, **kwargs)
+
+            state.prepare_attn = remembering
+
+    def prompt_lengths(self) -> torch.Tensor | None:
+        if not self.kept_nowhere:
+            return self.runner.input_batch.num_prompt_tokens_cpu_tensor
+        if self.latest is None or not self.latest.prefill_len_np.any():  # a dummy batch: no request behind it
             return None
-        return torch.from_numpy(runner.req_states.prompt_len.np[batch.idx_mapping_np])
+        return torch.from_numpy(self.runner.req_states.prompt_len.np[self.latest.idx_mapping_np])
 
-    state.prepare_attn = remembering
-    return lengths
+    def requests(self) -> tuple[list[str], Collection[str]] | None:
+        """Each row's request id, and the ids of the requests the runner holds."""
+        if not self.kept_nowhere:
+            batch = self.runner.input_batch
+            return list(batch.req_ids), batch.req_id_to_index.keys()
+        if self.latest is None or not self.latest.prefill_len_np.any():
+            return None
+        return list(self.latest.req_ids), self.runner.req_states.req_id_to_index.keys()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +145,7 @@ class PromptChunk:
     then only adds what the chunk gives (its rank at an earlier chunk is never read); `compact`
     (`free_blocks`, at the chunk known to end the prompt) the kept tokens move to the request's
     first slots, their KV in `key_slots` and `value_slots` (`move_to_front`; `KeptLists.compact`,
-    `PromptRanks.compact`)."""
+    `PromptRanks.compact`), `on_move` told their positions first (a host tier marks them kept)."""
 
     queries: torch.Tensor
     key_slots: torch.Tensor
@@ -148,6 +161,7 @@ class PromptChunk:
     last: bool = True
     value_slots: torch.Tensor | None = None
     compact: bool = False
+    on_move: Callable[[torch.Tensor], None] | None = None
 
     def slots(self, start: int, stop: int) -> torch.Tensor:
         """Physical slots (long) of the request's positions `start .. stop - 1`."""
@@ -162,6 +176,8 @@ class PromptChunk:
         """KV head h's j-th token of `positions` `[Hkv, n]` moved into the request's slot j of head
         h (`compact`: heads attend apart, keys carry their rotary positions); all are gathered
         before any is written, as a moved token may land on another's slot."""
+        if self.on_move is not None:
+            self.on_move(positions)
         heads = torch.arange(positions.shape[0], device=positions.device).view(-1, 1)
         source, target = self.slots_of(positions), self.slots(0, positions.shape[-1]).view(1, -1)
         for cache in (self.key_slots, self.value_slots):

@@ -24,13 +24,17 @@ class PluginConfig:
     back to vLLM's pool, so more requests fit: StreamingLLM's outside its sinks and window,
     SnapKV's, H2O's and the learned selector's once their kept tokens are compacted at the
     prompt's end (needs
-    `worker_cls=WORKER` and prefix caching off: `atskv.runtime.vllm.freeing`)."""
+    `worker_cls=WORKER` and prefix caching off: `atskv.runtime.vllm.freeing`). `host_tier`: with
+    `free_blocks` and SnapKV, H2O or the learned selector, what they free is parked in pinned host
+    memory first and each decode query reads back the pages it rates highest
+    (`atskv.runtime.vllm.host_tier.HostTier`'s settings, e.g. `{"regions": 4, "pages": 16}`)."""
 
     selector: str = "quest"
     budget: int | float = 0.05
     dense_layers: int = 2
     options: dict | None = None
     free_blocks: bool = False
+    host_tier: dict | None = None
 
     def __post_init__(self):
         from atskv.runtime.vllm.composition import build_paged_selector
@@ -51,11 +55,29 @@ class PluginConfig:
             freeing = [name for name, cls in PAGED_SELECTORS.items() if cls.frees_blocks]
             raise InputError(f"atskv: free_blocks needs a budget below 1.0 and a selector that frees blocks: "
                              f"{', '.join(freeing)} (learned without refresh_every)")  # fmt: skip
+        if self.host_tier is not None:
+            if not isinstance(self.host_tier, dict):
+                raise InputError(f"atskv: host_tier must be a dict of HostTier's settings, got {self.host_tier!r}")
+            self.tier  # its own checks
+            if not self.free_blocks or not (selector.scores_prompt and selector.frees_blocks):
+                parking = [name for name, cls in PAGED_SELECTORS.items() if cls.scores_prompt and cls.frees_blocks]
+                raise InputError(f"atskv: host_tier parks what a compacting selector frees: it needs free_blocks "
+                                 f"and one of {', '.join(parking)}")  # fmt: skip
 
     @property
     def dense(self) -> bool:
         """No layer reads sparsely: every forward is vLLM's own."""
         return self.selector == "dense" or self.budget == 1.0
+
+    @property
+    def tier(self):
+        """The host tier's settings (`HostTier`), or None without one."""
+        from atskv.runtime.vllm.host_tier import HostTier
+
+        if self.host_tier is None:
+            return None
+        check_options("atskv's host_tier", self.host_tier, [f.name for f in fields(HostTier)])
+        return HostTier(**self.host_tier)
 
     @classmethod
     def from_additional_config(cls, additional: Any) -> PluginConfig:

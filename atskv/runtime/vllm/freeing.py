@@ -31,6 +31,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from atskv.runtime.vllm.composition import freeing_rule
+from atskv.runtime.vllm.host_tier import split_unread
 
 
 def full_attention_fields(spec: FullAttentionSpec) -> dict[str, Any]:
@@ -65,21 +66,23 @@ class UnreadBlocksSpec(FullAttentionSpec):
     selector: str
     budget: int | float
     options: str = "{}"  # the selector's options as canonical JSON (a composition's nest dicts: hashable so)
+    cache_blocks: int = 0  # of those freed, the first kept to hold a host tier's pages (`split_unread`)
 
     @classmethod
     def merge(cls, specs: list[UnreadBlocksSpec]) -> UnreadBlocksSpec:
         """One group's spec: FullAttentionSpec's merge, with the selector all its layers share."""
         check_one_type(cls, specs)
-        rules = {(s.selector, s.budget, s.options) for s in specs}
+        rules = {(s.selector, s.budget, s.options, s.cache_blocks) for s in specs}
         if len(rules) != 1:
             raise ValueError(f"the layers of one KV cache group read by different rules: {rules}")
-        selector, budget, options = rules.pop()
-        return cls.of(FullAttentionSpec.merge(specs), selector, budget, json.loads(options))
+        selector, budget, options, cache_blocks = rules.pop()
+        return cls.of(FullAttentionSpec.merge(specs), selector, budget, json.loads(options), cache_blocks)
 
     @classmethod
-    def of(cls, spec: FullAttentionSpec, selector: str, budget: int | float, options: dict | None) -> UnreadBlocksSpec:
+    def of(cls, spec: FullAttentionSpec, selector: str, budget: int | float, options: dict | None,
+           cache_blocks: int = 0) -> UnreadBlocksSpec:  # fmt: skip
         return cls(**full_attention_fields(spec), selector=selector, budget=budget,
-                   options=json.dumps(options or {}, sort_keys=True))  # fmt: skip
+                   options=json.dumps(options or {}, sort_keys=True), cache_blocks=cache_blocks)  # fmt: skip
 
 
 class UnreadBlocksManager(FullAttentionManager):
@@ -88,14 +91,15 @@ class UnreadBlocksManager(FullAttentionManager):
     def __init__(self, kv_cache_spec: UnreadBlocksSpec, **kwargs):
         super().__init__(kv_cache_spec, **kwargs)
         self.unread_blocks = freeing_rule(kv_cache_spec.selector, json.loads(kv_cache_spec.options))
-        self.budget = kv_cache_spec.budget
+        self.budget, self.cache_blocks = kv_cache_spec.budget, kv_cache_spec.cache_blocks
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:  # fmt: skip
         if num_prompt_tokens is None:  # a caller that does not say where the prompt ends: keep all
             return
         unread = self.unread_blocks(processed_computed_tokens, num_prompt_tokens, self.budget, self.block_size)
-        self._remove_blocks_in_range(request_id, unread.start, unread.stop)
+        freed = split_unread(unread, self.cache_blocks)[1]
+        self._remove_blocks_in_range(request_id, freed.start, freed.stop)
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
         """No cascade attention over a shared prefix: part of it may be null blocks."""

@@ -23,7 +23,7 @@ from vllm.v1.worker.gpu_worker import Worker
 
 from atskv.errors import InputError
 from atskv.runtime.vllm.backend import AtskvAttentionImpl, AtskvMetadataBuilder
-from atskv.runtime.vllm.batch import batch_prompt_lengths
+from atskv.runtime.vllm.batch import RunnerBatch
 from atskv.runtime.vllm.config import PluginConfig
 from atskv.runtime.vllm.freeing import KeptBlocksSpec, UnreadBlocksSpec
 
@@ -39,10 +39,10 @@ class AtskvWorker(Worker):
         runner = self.model_runner
         builders = [builder for groups in getattr(runner, "attn_groups", []) for group in groups
                     for builder in group.metadata_builders if isinstance(builder, AtskvMetadataBuilder)]  # fmt: skip
-        prompt_lengths = batch_prompt_lengths(runner)
+        batch = RunnerBatch(runner)
         for builder in builders:
-            builder.prompt_lengths = prompt_lengths
-        logger.info("atskv: prompt lengths shown to %d metadata builders", len(builders))
+            builder.batch = batch
+        logger.info("atskv: the batch's prompt lengths and requests shown to %d metadata builders", len(builders))
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         specs = super().get_kv_cache_spec()
@@ -65,7 +65,9 @@ class AtskvWorker(Worker):
     @staticmethod
     def _declared(spec: KVCacheSpec, frees: bool, config: PluginConfig) -> KVCacheSpec:
         if frees:
-            return UnreadBlocksSpec.of(spec, config.selector, config.budget, config.options)
+            tier = config.tier
+            return UnreadBlocksSpec.of(spec, config.selector, config.budget, config.options,
+                                       0 if tier is None else tier.cache_pages)  # fmt: skip
         if type(spec) is FullAttentionSpec:  # a dense layer: kept apart from the freeing ones' group
             return KeptBlocksSpec.of(spec)
         return spec  # vLLM's own kinds (sliding window, ...) group by themselves

@@ -1,0 +1,221 @@
+"""The plugin's host tier (`PluginConfig.host_tier`): what a compacting selector frees is parked in
+pinned host memory first, and each decode query reads back the pages it rates highest.
+
+With `free_blocks`, SnapKV, H2O and the learned selector move their kept prompt tokens into a
+request's first blocks where its prompt ends, and the blocks after them go back to vLLM's pool
+(`atskv.runtime.vllm.freeing`): the tokens there are gone. With a host tier the request's prompt up
+to the freed blocks' end is first copied to a region of pinned host memory, and the split of
+ShadowKV (arXiv:2410.21465) and Quest (arXiv:2406.10774) follows: the GPU keeps each parked page's
+key bounds (Quest's; a page is a vLLM block) and which of its tokens are parked (not among the
+kept ones), and a decode query scores the pages, takes its best `pages` and reads their parked
+tokens beside its kept ones, in the same sparse read (`atskv.runtime.vllm.selection`). The pages
+read back live in `cache_pages` blocks of the request's own, the first of those its selector
+would free (no kept token lies there), least recently used out; only misses cross PCIe, read
+through a device alias of the pinned memory inside the step's CUDA graph
+(`atskv.runtime.fast.host_pages`'s pieces, as on the fast path).
+
+The host holds `regions` requests' prompts at once: pinned regions x sparse layers x 2 x Hkv x
+max_model_len x head_size x dtype bytes (15 GiB a region at the Llama-3.1-8B shape and 128K).
+A request gets a region at the chunk that ranks its prompt if one is free (a region frees once
+its request has left vLLM's runner: finished, aborted or preempted), else it reads its kept
+tokens alone. A decode step finds a request's region by its first block (a kept one), so no
+request identity reaches the CUDA graph. Not parked: the few tokens between the freed blocks and
+the recent window (up to a block plus the prompt's tail, `atskv.runtime.vllm.batch.PROMPT_TAIL`),
+and decode tokens a list evicts later.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from dataclasses import dataclass, fields
+
+import torch
+
+from atskv.errors import InputError
+from atskv.kernels.page_copy import paged_page_copy
+from atskv.kernels.paged import paged_page_scores
+from atskv.kernels.quest import page_bounds
+from atskv.runtime.fast.host_pages import assign_slots, device_alias, host_keys_and_values
+from atskv.runtime.vllm.batch import PromptChunk
+
+
+@dataclass(frozen=True)
+class HostTier:
+    """`regions`: requests whose prompts the host holds at once; `pages`: pages (vLLM blocks) a
+    decode query reads back per layer and KV head; `cache_pages`: blocks a request keeps on the
+    GPU for pages read back (>= `pages`), so a page asked for again is not fetched again."""
+
+    regions: int = 2
+    pages: int = 16
+    cache_pages: int = 32
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(f"atskv: host_tier's {f.name} must be an int >= 1, got {value!r}")
+        if self.cache_pages < self.pages:
+            raise InputError(f"atskv: host_tier's cache_pages ({self.cache_pages}) must hold the pages a query "
+                             f"reads ({self.pages})")  # fmt: skip
+
+    def host_bytes(self, layers: int, kv_heads: int, tokens: int, head_size: int, itemsize: int) -> int:
+        return self.regions * layers * 2 * kv_heads * tokens * head_size * itemsize
+
+
+def split_unread(unread: range, cache_blocks: int) -> tuple[range, range]:
+    """Of the logical blocks a compacting selector frees for a request (`unread`), the first
+    `cache_blocks` stay its own to hold pages read back from the host, the rest go to vLLM's pool:
+    (cache, freed). No cache where fewer would be freed (a prompt too short to park)."""
+    if cache_blocks == 0 or len(unread) < cache_blocks:
+        return range(0), unread
+    return range(unread.start, unread.start + cache_blocks), range(unread.start + cache_blocks, unread.stop)
+
+
+class Regions:
+    """Which host region holds which request's prompt: claimed by request id at the chunk that ranks
+    it, looked up by the request's first block (`of_block`, `[num_blocks]` int32, -1: none) at
+    decode. One for the engine's sparse layers (their metadata builder claims, each layer reads)."""
+
+    def __init__(self, count: int, num_blocks: int, device):
+        self.count = count
+        self.of_block = torch.full((num_blocks,), -1, dtype=torch.int32, device=device)
+        self.owners: list[str | None] = [None] * count
+
+    def claim(self, request: str, live: Collection[str]) -> int | None:
+        """The request's region (the one it holds, or one whose request has left `live`), or None."""
+        if request in self.owners:
+            return self.owners.index(request)
+        for region, owner in enumerate(self.owners):
+            if owner is None or owner not in live:
+                self.owners[region] = request
+                return region
+        return None
+
+    def assign(self, first_block: torch.Tensor, region: int | None) -> None:
+        """The request whose first block is `first_block` (`[1]`, on the GPU: no sync) reads `region`."""
+        self.of_block.index_fill_(0, first_block.long().view(-1), -1 if region is None else region)
+
+    def rows(self, block_table: torch.Tensor) -> torch.Tensor:
+        """Each batch row's region, `[B]` long; `count` (a spare) where it has none (padded rows read
+        vLLM's null block, never a request's first)."""
+        region = self.of_block[block_table[:, 0].long()]
+        return torch.where(region < 0, self.count, region).long()
+
+
+@dataclass(frozen=True)
+class Parking:
+    """One request's parking at the chunk that ranks its prompt: its `region`, the tokens parked
+    (`0 .. stop - 1`, whole blocks) and the first logical position of its cache blocks."""
+
+    region: int
+    stop: int
+    cache_start: int
+
+
+class ParkedPrompts:
+    """One sparse layer's side of the tier: the parked prompts' KV on the host by region
+    (`[regions, Hkv, tokens, D]`), and on the GPU their page bounds (`[regions * pages + 1, Hkv, D]`,
+    as a paged Quest state whose block table is a region's pages), which tokens are parked and not
+    kept, how many are parked, where each request's cache blocks start, and the cache's
+    bookkeeping (`assign_slots`); the GPU rows have a spare last region for rows without one."""
+
+    def __init__(self, tier: HostTier, tokens: int, kv_heads: int, head_size: int, block_size: int, dtype, device):
+        regions, self.tier, self.block_size = tier.regions, tier, block_size
+        self.pages = math.ceil(tokens / block_size)
+        shape = (regions, kv_heads, self.pages * block_size, head_size)
+        self.host_keys, self.host_values = host_keys_and_values(shape, dtype, device)
+        self.keys, self.values = device_alias(self.host_keys, device), device_alias(self.host_values, device)
+        self.low = torch.zeros(regions * self.pages + 1, kv_heads, head_size, dtype=dtype, device=device)
+        self.high = torch.zeros_like(self.low)
+        spare = regions + 1
+        self.parked = torch.zeros(spare, kv_heads, self.pages * block_size, dtype=torch.bool, device=device)
+        self.held = torch.zeros(spare, dtype=torch.int32, device=device)
+        self.cache_start = torch.zeros(spare, dtype=torch.int32, device=device)
+        self.slot_of = torch.full((spare, kv_heads, self.pages + 1), -1, dtype=torch.long, device=device)
+        self.page_in = torch.full((spare, kv_heads, tier.cache_pages + 1), self.pages, dtype=torch.long, device=device)
+        self.used = torch.zeros(spare, kv_heads, tier.cache_pages, dtype=torch.long, device=device)
+        self.clock = torch.zeros(1, dtype=torch.long, device=device)
+        self.fetched = torch.zeros(1, dtype=torch.long, device=device)  # pages copied from the host, ever
+
+    @property
+    def page_nbytes(self) -> int:
+        """One page of one KV head, keys and values: what a fetch moves."""
+        return 2 * self.block_size * self.host_keys.shape[-1] * self.host_keys.element_size()
+
+    @property
+    def host_nbytes(self) -> int:
+        return self.host_keys.nbytes + self.host_values.nbytes
+
+    @property
+    def gpu_nbytes(self) -> int:
+        parts = (self.low, self.high, self.parked, self.slot_of, self.page_in, self.used)
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def park(self, parking: Parking, chunk: PromptChunk) -> None:
+        """A request's prompt `0 .. parking.stop - 1` copied to its region (before its selector
+        moves its kept tokens to the front: `mark_kept` then), with its page bounds; its cache empty."""
+        region, stop = parking.region, parking.stop
+        slots = chunk.slots(0, stop)
+        keys, values = chunk.key_slots[:, slots], chunk.value_slots[:, slots]  # [Hkv, stop, D]
+        self.keys[region, :, :stop] = keys
+        self.values[region, :, :stop] = values
+        low, high = page_bounds(keys.unsqueeze(0), self.block_size)  # [1, Hkv, stop / size, D]
+        first = region * self.pages
+        self.low[first : first + low.shape[2]] = low[0].transpose(0, 1)
+        self.high[first : first + low.shape[2]] = high[0].transpose(0, 1)
+        self.parked[region].zero_()
+        self.parked[region, :, :stop] = True
+        self.held[region : region + 1].fill_(stop)
+        self.cache_start[region : region + 1].fill_(parking.cache_start)
+        self.slot_of[region].fill_(-1)
+        self.page_in[region].fill_(self.pages)
+        self.used[region].zero_()
+
+    def mark_kept(self, region: int, positions: torch.Tensor) -> None:
+        """KV head h's kept tokens `positions[h]` (moved to the front: read there) are not parked."""
+        self.parked[region].scatter_(1, positions.long(), False)
+
+    def extend(self, query, positions, lengths, rows, block_table, key_cache, value_cache):
+        """A decode step's read list (`positions` `[B, Hkv, K]`, the first `lengths` `[B, Hkv]`
+        counting) with each request's best parked pages for `query` `[B, Hq, D]` added: the pages
+        fetched into its cache blocks (misses only) and their parked tokens listed after its own.
+        `rows`: each row's region (`Regions.rows`). Returns the list `[B, Hkv, K + pages x
+        block_size + 1]` and its counts."""
+        b, kv_heads = lengths.shape
+        size, count = self.block_size, self.tier.pages
+        region = rows.clamp(max=self.tier.regions - 1)  # the spare row reads region 0's bounds, none parked
+        region_pages = ((region * self.pages).view(-1, 1) + torch.arange(self.pages, device=rows.device)).int()
+        scores = paged_page_scores(query, self.low, self.high, region_pages, self.held[rows], size)
+        parked = self.parked[rows]  # [B, Hkv, tokens]
+        has_parked = parked.view(b, kv_heads, self.pages, size).any(-1)
+        count = min(count, self.pages)
+        best = scores.masked_fill(~has_parked, -torch.inf).topk(count, dim=-1).indices  # [B, Hkv, pages]
+        wanted = has_parked.gather(2, best)
+        self.clock += 1
+        maps = [m[rows] for m in (self.slot_of, self.page_in, self.used)]
+        slot, hit = assign_slots(*maps, self.clock, best)
+        for m, new in zip((self.slot_of, self.page_in, self.used), maps):
+            m[rows] = new
+        first = self.cache_start[rows].view(-1, 1, 1) + slot * size  # each page's first logical position
+        logical_block = (first // size).clamp(max=block_table.shape[1] - 1).view(b, -1)
+        blocks = block_table.long().gather(1, logical_block).view(first.shape)
+        missing = wanted & ~hit
+        for source, cache in ((self.keys, key_cache), (self.values, value_cache)):
+            paged_page_copy(source, cache, rows, best, blocks, missing)
+        self.fetched += missing.sum()
+        within = torch.arange(size, device=rows.device)
+        tokens = (best.unsqueeze(-1) * size + within).flatten(-2)
+        read = wanted.repeat_interleave(size, dim=-1) & parked.gather(2, tokens)
+        listed = torch.cat([positions, positions.new_zeros(b, kv_heads, tokens.shape[-1] + 1)], -1)
+        at = torch.where(read, lengths.unsqueeze(-1) + read.cumsum(-1) - 1, listed.shape[-1] - 1)
+        listed.scatter_(2, at.long(), (first.unsqueeze(-1) + within).flatten(-2).to(listed.dtype))
+        listed[..., -1] = 0  # where the unread ones went: past the count, a slot of the request's own
+        return listed, lengths + read.sum(-1).to(lengths.dtype)
+
+
+def host_tier_bytes(model: torch.nn.Module) -> int:
+    """Bytes read back from the host by every layer's tier of `model` so far (vLLM's
+    `LLM.apply_model` runs this in its workers)."""
+    tiers = [m.impl.parked for m in model.modules() if getattr(getattr(m, "impl", None), "parked", None) is not None]
+    return sum(int(t.fetched) * t.page_nbytes for t in tiers)

@@ -1,0 +1,189 @@
+"""The plugin's host tier (`atskv.runtime.vllm.host_tier`) on the CPU, without vLLM: H2O's lists
+compacted where their prompts end over a paged cache laid out as vLLM's, the prompts parked first,
+the freed blocks another request's; each decode step must read H2O's kept tokens and the parked
+tokens of the pages Quest's bounds of the original keys rate highest, attend as over them, and
+fetch only the pages its cache misses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atskv.errors import InputError
+from atskv.kernels.page_copy import paged_page_copy
+from atskv.kernels.quest import page_bounds, quest_page_scores_reference
+from atskv.runtime.vllm.batch import PromptChunk
+from atskv.runtime.vllm.config import PluginConfig
+from atskv.runtime.vllm.host_tier import HostTier, ParkedPrompts, Parking, Regions, split_unread
+from atskv.runtime.vllm.selection import PagedH2O, paged_sparse_decode, slot_view
+from tests.test_vllm_selection import BLOCK, HKV, HQ, D, PagedCache
+
+
+def test_the_first_freed_blocks_hold_the_cache_where_enough_are_freed():
+    assert split_unread(range(3, 20), 4) == (range(3, 7), range(7, 20))
+    assert split_unread(range(3, 6), 4) == (range(0), range(3, 6)), "too few freed: no tier for the request"
+    assert split_unread(range(3, 20), 0) == (range(0), range(3, 20))
+
+
+def test_regions_go_to_requests_until_they_leave_the_runner():
+    regions = Regions(2, num_blocks=10, device="cpu")
+    assert regions.claim("a", {"a"}) == 0 and regions.claim("b", {"a", "b"}) == 1
+    assert regions.claim("c", {"a", "b", "c"}) is None, "both held by requests still running"
+    assert regions.claim("a", {"a", "b", "c"}) == 0, "a request ranked again (a recompute) keeps its region"
+    assert regions.claim("c", {"b", "c"}) == 0, "a's request finished: its region is free"
+    regions.assign(torch.tensor([7]), 0)
+    regions.assign(torch.tensor([3]), None)
+    table = torch.tensor([[7, 1], [3, 2], [0, 0]], dtype=torch.int32)  # the last: a padded row (the null block)
+    assert regions.rows(table).tolist() == [0, 2, 2], "no region: the spare (2)"
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"selector": "h2o", "host_tier": {}}, "needs free_blocks"),
+        ({"selector": "streaming_llm", "free_blocks": True, "host_tier": {}}, "needs free_blocks and one of"),
+        ({"selector": "h2o", "free_blocks": True, "host_tier": {"regions": 0}}, "regions must be an int >= 1"),
+        ({"selector": "h2o", "free_blocks": True, "host_tier": {"pages": 8, "cache_pages": 4}}, "cache_pages"),
+        ({"selector": "h2o", "free_blocks": True, "host_tier": {"page": 8}}, "page"),
+        ({"selector": "h2o", "free_blocks": True, "host_tier": 4}, "must be a dict"),
+    ],
+)
+def test_bad_host_tiers_are_one_line_errors(settings, message):
+    with pytest.raises(InputError, match=message):
+        PluginConfig(**settings)
+
+
+def test_a_host_tier_beside_a_compacting_selector_is_taken():
+    config = PluginConfig(selector="snapkv", free_blocks=True, host_tier={"regions": 3, "pages": 2, "cache_pages": 4})
+    assert config.tier == HostTier(3, 2, 4)
+
+
+@pytest.mark.parametrize("choice", ["reference", "triton"])
+def test_the_paged_page_copy_writes_the_needed_pages_into_one_head_of_their_blocks(choice, monkeypatch):
+    monkeypatch.setenv("ATSKV_KERNELS", choice)
+    g = torch.Generator().manual_seed(2)
+    source = torch.randn(3, HKV, 6 * BLOCK, D, generator=g)  # 3 regions of 6 pages
+    kv = torch.full((12, BLOCK, HKV, 2 * D), 100.0)  # vLLM's layout: keys then values per head
+    keys = kv[..., :D]
+    rows = torch.tensor([2, 0, 3])  # the last: a row without a region (past the source), nothing needed
+    pages = torch.randint(0, 6, (3, HKV, 2), generator=g)
+    blocks = torch.randperm(12, generator=g)[: 3 * HKV * 2].view(3, HKV, 2)
+    need = torch.rand(3, HKV, 2, generator=g) < 0.6
+    need[2] = False
+    paged_page_copy(source, keys, rows, pages, blocks, need)
+    for b, h, k in need.nonzero().tolist():
+        page = source[rows[b], h, pages[b, h, k] * BLOCK : (pages[b, h, k] + 1) * BLOCK]
+        assert torch.equal(keys[blocks[b, h, k], :, h], page)
+    assert int((kv != 100).sum()) == int(need.sum()) * BLOCK * D, "nothing else written, values untouched"
+
+
+def parked_h2o(budget: int, tier: HostTier, lengths: list[int], regions_held: int, seed: int):
+    """Requests of `lengths` in a paged cache; H2O ranks each prompt in one chunk and compacts it,
+    the first `regions_held` requests with their prompt parked first (the rest find no region)."""
+    g = torch.Generator().manual_seed(seed)
+    cache = PagedCache(lengths, width=max(lengths) // BLOCK + 4, generator=g)
+    cache.fill(chunk=64)
+    key_slots, value_slots = (slot_view(c, 1)[0] for c in cache.split())
+    selector = PagedH2O()
+    state = selector.new_state(key_slots.shape[1] // BLOCK, BLOCK, HKV, D, torch.float32, "cpu")
+    regions = Regions(tier.regions, key_slots.shape[1] // BLOCK, "cpu")
+    parked = ParkedPrompts(tier, cache.block_table.shape[1] * BLOCK, HKV, D, BLOCK, torch.float32, torch.device("cpu"))
+    moved, parkings, freed = {}, {}, []
+    for r, prompt in enumerate(lengths):
+        unread = selector.unread_blocks(prompt, prompt, budget, BLOCK)
+        held, gone = split_unread(unread, tier.cache_pages)
+        region = regions.claim(f"r{r}", {f"r{i}" for i in range(len(lengths))}) if r < regions_held else None
+        regions.assign(cache.block_table[r, :1], region)
+        parking = None if region is None else Parking(region, gone.stop * BLOCK, held.start * BLOCK)
+
+        def on_move(positions, r=r, parking=parking):
+            moved[r] = positions.clone()
+            if parking is not None:
+                parked.mark_kept(parking.region, positions)
+
+        queries = torch.randn(prompt, HQ, D, generator=g)
+        chunk = PromptChunk(queries, key_slots, cache.block_table[r], prompt, BLOCK, D**-0.5, budget,
+                            value_slots=value_slots, compact=True, on_move=on_move)  # fmt: skip
+        if parking is not None:
+            parked.park(parking, chunk)
+            parkings[r] = parking
+        selector.observe_prompt(state, chunk)
+        freed += cache.block_table[r, list(gone if parking is not None else unread)].tolist()
+    cache.kv_cache[torch.tensor(freed).long()] = torch.nan  # another request's now
+    return g, cache, selector, state, regions, parked, moved, parkings
+
+
+@pytest.mark.parametrize("pages, cache_pages", [(2, 2), (3, 5)])
+def test_decode_reads_the_kept_tokens_and_the_best_parked_pages(pages, cache_pages):
+    budget, lengths = 24, [300, 260, 200]
+    tier = HostTier(regions=2, pages=pages, cache_pages=cache_pages)
+    g, cache, selector, state, regions, parked, moved, parkings = parked_h2o(budget, tier, lengths, 2, seed=3)
+    assert set(parkings) == {0, 1}, "two regions: the third request reads its kept tokens alone"
+    table, queries = cache.block_table, torch.randn(3, len(lengths), HQ, D, generator=g)
+    queries = torch.cat([queries, queries[-1:]])  # the last step asks again: every page it wants is cached
+    for step in range(4):
+        seq_lens = torch.tensor([n + step + 1 for n in lengths], dtype=torch.int32)
+        for r, n in enumerate(lengths):  # each step's token, written where the request writes it
+            cache.keys[r] = torch.cat([cache.keys[r], torch.randn(1, HKV, D, generator=g)])
+            cache.values[r] = torch.cat([cache.values[r], torch.randn(1, HKV, D, generator=g)])
+            cache.write(r, n + step, n + step + 1)
+        query = queries[step]
+        own, own_counts = selector.pick(query, HKV, state, table, seq_lens, BLOCK, budget)
+        fetched_before = int(parked.fetched)
+        positions, counts = parked.extend(query, own, own_counts, regions.rows(table), table, *cache.split())
+        for r, h in zip(*torch.where(own_counts > 0)):
+            assert torch.equal(positions[r, h, : own_counts[r, h]], own[r, h, : own_counts[r, h]]), "its own first"
+        out, mass = paged_sparse_decode(query, *cache.split(), positions, counts, table, D**-0.5, want_mass=True)
+        selector.observe_read(state, mass[..., : own.shape[-1]], table, seq_lens, BLOCK)
+        if step == 3:
+            assert int(parked.fetched) == fetched_before, "a page read again comes from the cache"
+        for r, n in enumerate(lengths):
+            context = n + step + 1
+            keys, values = cache.keys[r][:context], cache.values[r][:context]
+            want_out = torch.zeros(HQ, D)
+            for h in range(HKV):
+                kept = own[r, h, : own_counts[r, h]].tolist()
+                kept = {int(moved[r][h, p]) if p < moved[r].shape[1] else p for p in kept}  # slot j: j-th moved
+                read = set(kept)
+                if r in parkings:
+                    stop = parkings[r].stop
+                    parked_at = torch.zeros(stop, dtype=torch.bool)
+                    parked_at[:] = True
+                    parked_at[moved[r][h][moved[r][h] < stop]] = False
+                    low, high = page_bounds(keys[:stop, h].view(1, 1, stop, D), BLOCK)
+                    group = query[r, h * (HQ // HKV) : (h + 1) * (HQ // HKV)].view(1, HQ // HKV, D)
+                    scores = quest_page_scores_reference(group, low, high)[0, 0]
+                    scores[~parked_at.view(-1, BLOCK).any(-1)] = -torch.inf
+                    for page in scores.topk(min(pages, len(scores))).indices.tolist():
+                        read |= {p for p in range(page * BLOCK, (page + 1) * BLOCK) if parked_at[p]}
+                    assert int(counts[r, h]) == len(read), (step, r, h)
+                else:
+                    assert int(counts[r, h]) == int(own_counts[r, h]), "no region: its own reads alone"
+                at = torch.tensor(sorted(read))
+                logits = query[r, h * (HQ // HKV) : (h + 1) * (HQ // HKV)] @ keys[at, h].T * D**-0.5
+                want_out[h * (HQ // HKV) : (h + 1) * (HQ // HKV)] = logits.softmax(-1) @ values[at, h]
+            torch.testing.assert_close(out[r], want_out, rtol=1e-4, atol=1e-5, msg=f"{step} {r}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_pages_come_from_pinned_memory_as_on_the_cpu():
+    """The same parked prompts on the GPU (pinned host regions read through their device alias,
+    the Triton page copy, Quest's paged scores): the same read lists and cache contents."""
+    tier = HostTier(regions=2, pages=3, cache_pages=5)
+    g, cache, selector, state, regions, parked, moved, parkings = parked_h2o(24, tier, [300, 260, 200], 2, seed=4)
+    gpu = ParkedPrompts(tier, parked.pages * BLOCK, HKV, D, BLOCK, torch.float32, torch.device("cuda"))
+    assert gpu.host_keys.is_pinned() and gpu.keys.is_cuda
+    for name in ("host_keys", "host_values", "low", "high", "parked", "held", "cache_start", "slot_of", "page_in"):
+        getattr(gpu, name).copy_(getattr(parked, name))
+    seq_lens = torch.tensor([301, 261, 201], dtype=torch.int32)
+    query = torch.randn(3, HQ, D, generator=g)
+    own, counts = selector.pick(query, HKV, state, cache.block_table, seq_lens, BLOCK, 24)
+    rows = regions.rows(cache.block_table)
+    key_cache, value_cache = cache.split()
+    gpu_caches = [c.cuda() for c in (key_cache, value_cache)]
+    want = parked.extend(query, own, counts, rows, cache.block_table, key_cache, value_cache)
+    got = gpu.extend(query.cuda(), own.cuda(), counts.cuda(), rows.cuda(), cache.block_table.cuda(), *gpu_caches)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want))
+    assert torch.equal(gpu_caches[0].cpu(), key_cache) and torch.equal(gpu_caches[1].cpu(), value_cache)
+    assert int(gpu.fetched) == int(parked.fetched) > 0
