@@ -110,16 +110,14 @@ def list_row(len_ptr, table_ptr, n_heads, s_table):
 
 
 @jit
-def list_layout(moved_ptr, table_row, PAGE: tl.constexpr, MOVED: tl.constexpr):
-    """One request's (split, shift) (`MOVED`), at its first slot; (a never-reached split, 0) without."""
-    if MOVED:
-        first = tl.load(table_row).to(tl.int64) * PAGE
-        return tl.load(moved_ptr + first * 2).to(tl.int64), tl.load(moved_ptr + first * 2 + 1).to(tl.int64)
-    return tl.full([], 2147483647, tl.int64), tl.zeros([], tl.int64)
+def list_layout(moved_ptr, table_row, PAGE: tl.constexpr):
+    """One request's (split, shift) (`MOVED`), at its first slot."""
+    first = tl.load(table_row).to(tl.int64) * PAGE
+    return tl.load(moved_ptr + first * 2).to(tl.int64), tl.load(moved_ptr + first * 2 + 1).to(tl.int64)
 
 
 @jit
-def list_slot(table_row, j, seq_len, spare, PAGE: tl.constexpr, split=2147483647, shift=0):
+def list_slot(table_row, j, seq_len, spare, PAGE: tl.constexpr, split, shift):
     """Physical slots of list entries `j` of one request: logical slot j, or `shift` on from entry
     `split` (`MOVED`); `spare` past its length."""
     j = j + tl.where(j >= split, shift, 0)
@@ -161,7 +159,9 @@ def _step_tile_kernel(
     j = tile * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     inside = j < width
     listed = (j <= held) & inside
-    split, shift = list_layout(moved_ptr, table_row, PAGE, MOVED)
+    split, shift = INT_MAX, 0  # entry j at logical slot j
+    if MOVED:
+        split, shift = list_layout(moved_ptr, table_row, PAGE)
     at = list_slot(table_row, j, seq_len, spare, PAGE, split, shift)
     pos = tl.load(kept_ptr + at * n_heads + h, mask=listed, other=0).to(tl.int64)
     pos = tl.where((pos >= 0) & (pos <= newest), pos, newest)  # `STALE`
@@ -196,7 +196,9 @@ def _step_entry_kernel(
     target = tl.where(count > held, held, best_j)
     newest = seq_len - 1
     tl.store(pos_ptr + row.to(tl.int64) * width + target, newest.to(tl.int32), mask=target < count)
-    split, shift = list_layout(moved_ptr, table_row, PAGE, MOVED)
+    split, shift = INT_MAX, 0  # entry j at logical slot j
+    if MOVED:
+        split, shift = list_layout(moved_ptr, table_row, PAGE)
     at_target = list_slot(table_row, target, seq_len, spare, PAGE, split, shift)
     tl.store(kept_ptr + at_target * n_heads + h, newest.to(tl.int32))
     tl.store(val_ptr + at_target * n_heads + h, new_value)
@@ -242,7 +244,7 @@ def add_list_values(values, mass, block_table, seq_lens, block_size: int, moved:
         _add_kernel[(b * heads, triton.cdiv(width, block))](
             values, mass.contiguous(), block_table, seq_lens, values if moved is None else moved, heads, width,
             values.shape[0] - 1, block_table.stride(0), PAGE=block_size, BLOCK=block, MOVED=moved is not None,
-            num_warps=4,
+            INT_MAX=_INT_MAX, num_warps=4,
         )  # fmt: skip
         return
     at = list_slots(block_table, seq_lens, block_size, mass.shape[-1], values.shape[0] - 1, moved)
@@ -252,12 +254,14 @@ def add_list_values(values, mass, block_table, seq_lens, block_size: int, moved:
 
 @jit
 def _add_kernel(val_ptr, mass_ptr, table_ptr, len_ptr, moved_ptr, n_heads, width, spare, s_table, PAGE: tl.constexpr,
-                BLOCK: tl.constexpr, MOVED: tl.constexpr):  # fmt: skip
+                BLOCK: tl.constexpr, MOVED: tl.constexpr, INT_MAX: tl.constexpr):  # fmt: skip
     """One tile of one (request, KV head)'s entries: their values plus the mass; the spare row, which
     every row past its length shares, is left alone (what it holds counts for nothing)."""
     row, h, seq_len, table_row = list_row(len_ptr, table_ptr, n_heads, s_table)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    split, shift = list_layout(moved_ptr, table_row, PAGE, MOVED)
+    split, shift = INT_MAX, 0  # entry j at logical slot j
+    if MOVED:
+        split, shift = list_layout(moved_ptr, table_row, PAGE)
     at = list_slot(table_row, j, seq_len, spare, PAGE, split, shift)
     mine = (j < width) & (at != spare)
     mass = tl.load(mass_ptr + row.to(tl.int64) * width + j, mask=mine, other=0.0)

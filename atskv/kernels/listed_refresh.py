@@ -151,7 +151,7 @@ def _refresh_kernel(
         held, _unused = list_sizes(seq_len, budget, FRACTION)
         j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J).to(tl.int64)
         listed = (j < held) & (j < width) & (j < seq_len)
-        at = list_slot(table_row, j, seq_len, spare, PAGE)
+        at = list_slot(table_row, j, seq_len, spare, PAGE, 2147483647, 0)  # never compacted: entry j at slot j
         pos = tl.load(kept_ptr + at * n_heads + h, mask=listed, other=0).to(tl.int64)
         pos = tl.minimum(tl.maximum(pos, 0), tl.maximum(seq_len - 1, 0))
         where = tl.load(table_row + pos // PAGE, mask=listed, other=0).to(tl.int64) * PAGE + pos % PAGE
