@@ -406,6 +406,38 @@ def test_vllm_rows_run_one_engine_a_row_and_ratio_over_every_group(loaded, calls
     assert engines == []
 
 
+def test_the_vllm_rows_host_tier_goes_to_their_engines_and_into_the_settings(loaded, monkeypatch, tmp_path):
+    """`engine_host_tier`: the sparse rows' engines free blocks and park them (vanilla's not), the
+    folder records it (a rerun with another tier is refused as any changed setting is); one the
+    plugin refuses (Quest parks nothing) is one line before any engine starts."""
+    from atskv.eval import vllm_generate
+
+    jobs = []
+
+    def engine(module, job_file, rows, check=False):
+        job = vllm_generate.GenerationJob(**json.loads(Path(job_file).read_text()))
+        jobs.append((job.label, job.host_tier))
+        with open(rows, "a") as f:
+            for r in job.requests:
+                f.write(json.dumps({"job": job.label, "id": r["id"], "tokens": [0]}) + "\n")
+
+    monkeypatch.setattr(vllm_generate, "engine_process", engine)
+    monkeypatch.setenv("ATSKV_VLLM_PYTHONPATH", str(tmp_path))
+    tier = {"regions": 2, "pages": 4}
+    grid = check_grid(**{**PLAN, "contexts": [200], "ratios": [0.5], "methods": ["vllm:h2o"]}, seeds=[0], examples=2)
+    run_leaderboard(loaded, tmp_path / "lb", grid, engine_host_tier=tier, **RUN)
+    assert sorted(jobs) == [("vllm", None), ("vllm:h2o@0.5", tier)]
+    assert json.loads((tmp_path / "lb" / "settings.json").read_text())["engine_host_tier"] == {"regions": "2",
+                                                                                              "pages": "4"}
+    with pytest.raises(InputError, match="settings"):
+        run_leaderboard(loaded, tmp_path / "lb", grid, engine_host_tier={"regions": 3}, **RUN)
+    quest = check_grid(**{**PLAN, "contexts": [200], "methods": ["vllm:quest"]}, seeds=[0], examples=2)
+    jobs.clear()
+    with pytest.raises(InputError, match="host_tier parks what a compacting selector frees"):
+        run_leaderboard(loaded, tmp_path / "quest", quest, engine_host_tier=tier, **RUN)
+    assert jobs == []
+
+
 def test_a_vllm_row_with_an_option_the_plugin_lacks_is_one_line_before_any_engine(loaded, monkeypatch, tmp_path):
     from atskv.eval import vllm_generate
 

@@ -278,6 +278,7 @@ def leaderboard(
     selector_options: dict | None = None,
     tiering: dict | None = None,
     host_tier: dict | None = None,
+    engine_host_tier: dict | None = None,
     device: str = "auto",
     dtype: str = "auto",
 ) -> None:
@@ -319,6 +320,8 @@ def leaderboard(
             (none: its defaults).
         host_tier: the host: rows' `HostRetrieval` options, e.g. '{tokens: 0.125, cache: 2}'
             (tokens read back per step: an int, or a fraction of the prompt; none: its defaults).
+        engine_host_tier: the vllm: rows' host tier (they then free blocks and park them), the
+            plugin's `host_tier`, e.g. '{regions: 4, pages: 16}'; snapkv, h2o and learned only.
         device: cpu, cuda, or auto.
         dtype: float32, bfloat16, float16, or auto.
     """
@@ -336,7 +339,7 @@ def leaderboard(
         loaded, out, grid, examples=examples, dense_layers=dense_layers, sparse_prefill=sparse_prefill,
         filler=filler, max_new_tokens=max_new_tokens, batch_size=batch_size, kvpress_python=kvpress_python,
         device=device, dtype=str(torch_dtype).removeprefix("torch."), selector_options=options, tiering=tiering,
-        host_tier=host_tier, fast=fast,
+        host_tier=host_tier, engine_host_tier=engine_host_tier, fast=fast,
     )  # fmt: skip
     print(paths["markdown"].read_text())
     print(f"written to {out}/ (leaderboard.md, leaderboard.json, leaderboard.png; cells.jsonl for resuming)")

@@ -36,6 +36,7 @@ class GenerationJob:
     max_new_tokens: int
     requests: list[dict]
     options: dict = field(default_factory=dict)
+    host_tier: dict | None = None  # the plugin's, with free_blocks (`PluginConfig.host_tier`)
     gpu_memory_utilization: float = 0.5
     eager: bool = True  # scored, not timed: vLLM's compile and graph capture (~60 s an engine) skipped
 
@@ -96,6 +97,7 @@ def run_job(job: GenerationJob, rows: Path) -> None:
     longest = max(len(r["prompt_token_ids"]) for r in job.requests)
     spec = EngineSpec("vllm" if job.budget is None else job.method, job.model_dir, [], budget=job.budget or 1.0,
                       dense_layers=job.dense_layers, options=job.options, load_format="auto",
+                      free_blocks=job.host_tier is not None, host_tier=job.host_tier,
                       gpu_memory_utilization=job.gpu_memory_utilization, eager=job.eager)  # fmt: skip
     llm = LLM(**engine_arguments(spec, longest + job.max_new_tokens + 16, min(32, len(job.requests))))
     params = SamplingParams(max_tokens=job.max_new_tokens, temperature=0.0, detokenize=False)

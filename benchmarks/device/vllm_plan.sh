@@ -32,7 +32,9 @@
 #        engine process vLLM's: ATSKV_VLLM_PYTHONPATH; a leaderboard whose engine failed runs once more, a resume;
 #        LEARNED_OPTIONS='{learned: {window_share: 0.5, refresh_every: 16}}' for both runtimes' learned rows;
 #        MODEL=gemma3-270m with .device/g1-g7 carried, one staging call each; RECEIVED=0: a predictor fit without
-#        the attention received, which spares the prompt its mass pass)
+#        the attention received, which spares the prompt its mass pass; ENGINE_HOST_TIER='{regions: 4, pages: 16}'
+#        with QUALITY_METHODS='[vllm:h2o, vllm:snapkv]': the vllm: rows with the plugin's host tier, OUT/lb a variant
+#        folder to merge beside a run without)
 #   bash benchmarks/device/vllm_plan.sh start STAGE [ARGS]  # any stage in the background from a copy of this tree
 #        (/tmp/bgtree: later calls' trees do not touch it), its files in /tmp/bgout (kept from stage to stage: two traces'
 #        rows land in one file and compare), so a stage longer than a call's 10
@@ -110,7 +112,7 @@ case "$1" in
       python3 -m atskv.cli eval leaderboard --model $m --predictor $q/predictor --contexts "[${2:-4096}]" \
         --methods "${QUALITY_METHODS:-[learned, vllm:learned, snapkv, vllm:snapkv, h2o, vllm:h2o]}" \
         --ratios '[0.875, 0.9]' --seeds '[0, 1, 2]' --device cuda --dtype bfloat16 --selector_options "$LEARNED" \
-        --out "$OUT/lb" >> "$OUT/quality.log" 2>&1
+        ${ENGINE_HOST_TIER:+--engine_host_tier "$ENGINE_HOST_TIER"} --out "$OUT/lb" >> "$OUT/quality.log" 2>&1
     }
     board "$@"
     grep -q "Runs that failed" "$OUT/lb/leaderboard.md" && board "$@"  # an engine that failed: once more, a resume

@@ -16,7 +16,7 @@ from atskv.eval.leaderboard.report import describe, write
 from atskv.eval.leaderboard.store import CellStore
 from atskv.eval.method import DENSE, KVPRESS, Method
 
-VARIANT_SETTINGS = ("selector_options", "tiering", "host_tier")  # what a variant folder may change
+VARIANT_SETTINGS = ("selector_options", "tiering", "host_tier", "engine_host_tier")  # what a variant folder may change
 
 
 def _join_variant(label: str, known: Mapping, new: Mapping, ran: set[str]) -> dict:
@@ -55,10 +55,10 @@ def merge_folders(
     into `out` and write its report from them, computing nothing. The sources must share their
     settings; a cell in several is taken once. The grid is what the cells cover, and a row
     averages over the seeds that have all its tasks (rows may rest on different seeds: the JSON
-    lists them). `variants`: label -> a folder run with other `selector_options`, `tiering` or
-    `host_tier` (nothing else may differ): its atskv rows join as "METHOD (label)", so one table and plot show
-    a selector under two settings on the same prompts; its dense and kvpress cells are left out
-    (the sources hold those)."""
+    lists them). `variants`: label -> a folder run with other `selector_options`, `tiering`,
+    `host_tier` or `engine_host_tier` (nothing else may differ): its atskv rows join as "METHOD
+    (label)", so one table and plot show a selector under two settings on the same prompts; its
+    dense and kvpress cells are left out (the sources hold those)."""
     sources = [Path(s) for s in sources]
     variants = {label: Path(folder) for label, folder in (variants or {}).items()}
     if not sources:

@@ -188,6 +188,11 @@ def describe(settings: dict, grid: Grid, skipped: str | None) -> str:
             "budget at every decode step, the first layers dense as atskv's), on the same token ids, its dense "
             "column vanilla vLLM (`vllm`), the model's weights in bf16."
         )
+        if tier := settings.get("engine_host_tier"):
+            notes += (
+                f" With the plugin's host tier ({tier}): what the selector frees is parked in pinned host memory "
+                "and each decode query also reads the parked tokens of the pages it rates highest."
+            )
     if skipped:
         notes += f"\n\nkvpress methods skipped: {skipped}"
     return notes

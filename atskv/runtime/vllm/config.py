@@ -49,20 +49,20 @@ class PluginConfig:
             raise InputError(f"atskv: options must be a dict of the selector's own, got {self.options!r}")
         # built before any engine starts (a worker's traceback is long): its options, its own checks
         selector = None if self.selector == "dense" else build_paged_selector(self.selector, self.options)
+        if self.host_tier is not None:
+            if not isinstance(self.host_tier, dict):
+                raise InputError(f"atskv: host_tier must be a dict of HostTier's settings, got {self.host_tier!r}")
+            self.tier  # its own checks
+            if not self.free_blocks or selector is None or not (selector.scores_prompt and selector.frees_blocks):
+                parking = [name for name, cls in PAGED_SELECTORS.items() if cls.scores_prompt and cls.frees_blocks]
+                raise InputError(f"atskv: host_tier parks what a compacting selector frees: it needs free_blocks "
+                                 f"and one of {', '.join(parking)}")  # fmt: skip
         if not isinstance(self.free_blocks, bool):
             raise InputError(f"atskv: free_blocks must be true or false, got {self.free_blocks!r}")
         if self.free_blocks and (self.dense or not selector.frees_blocks):
             freeing = [name for name, cls in PAGED_SELECTORS.items() if cls.frees_blocks]
             raise InputError(f"atskv: free_blocks needs a budget below 1.0 and a selector that frees blocks: "
                              f"{', '.join(freeing)} (learned without refresh_every)")  # fmt: skip
-        if self.host_tier is not None:
-            if not isinstance(self.host_tier, dict):
-                raise InputError(f"atskv: host_tier must be a dict of HostTier's settings, got {self.host_tier!r}")
-            self.tier  # its own checks
-            if not self.free_blocks or not (selector.scores_prompt and selector.frees_blocks):
-                parking = [name for name, cls in PAGED_SELECTORS.items() if cls.scores_prompt and cls.frees_blocks]
-                raise InputError(f"atskv: host_tier parks what a compacting selector frees: it needs free_blocks "
-                                 f"and one of {', '.join(parking)}")  # fmt: skip
 
     @property
     def dense(self) -> bool:
