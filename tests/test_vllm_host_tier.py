@@ -70,7 +70,11 @@ def test_the_paged_page_copy_writes_the_needed_pages_into_one_head_of_their_bloc
     blocks = torch.randperm(12, generator=g)[: 3 * HKV * 2].view(3, HKV, 2)
     need = torch.rand(3, HKV, 2, generator=g) < 0.6
     need[2] = False
-    paged_page_copy(source, keys, rows, pages, blocks, need)
+    device = "cuda" if choice == "triton" and torch.cuda.is_available() else "cpu"  # compiled where there is a GPU
+    on = [t.to(device) for t in (source, kv, rows, pages, blocks, need)]
+    paged_page_copy(on[0], on[1][..., :D], *on[2:])
+    kv = on[1].cpu()
+    keys = kv[..., :D]
     for b, h, k in need.nonzero().tolist():
         page = source[rows[b], h, pages[b, h, k] * BLOCK : (pages[b, h, k] + 1) * BLOCK]
         assert torch.equal(keys[blocks[b, h, k], :, h], page)
@@ -169,7 +173,7 @@ def test_decode_reads_the_kept_tokens_and_the_best_parked_pages(pages, cache_pag
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_the_gpu_pages_come_from_pinned_memory_as_on_the_cpu():
     """The same parked prompts on the GPU (pinned host regions read through their device alias,
-    the Triton page copy, Quest's paged scores): the same read lists and cache contents."""
+    the Triton page copy, Quest's paged scores): as many tokens read, and the same attention."""
     tier = HostTier(regions=2, pages=3, cache_pages=5)
     g, cache, selector, state, regions, parked, moved, parkings = parked_h2o(24, tier, [300, 260, 200], 2, seed=4)
     gpu = ParkedPrompts(tier, parked.pages * BLOCK, HKV, D, BLOCK, torch.float32, torch.device("cuda"))
@@ -184,6 +188,9 @@ def test_on_the_gpu_pages_come_from_pinned_memory_as_on_the_cpu():
     gpu_caches = [c.cuda() for c in (key_cache, value_cache)]
     want = parked.extend(query, own, counts, rows, cache.block_table, key_cache, value_cache)
     got = gpu.extend(query.cuda(), own.cuda(), counts.cuda(), rows.cuda(), cache.block_table.cuda(), *gpu_caches)
-    assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want))
-    assert torch.equal(gpu_caches[0].cpu(), key_cache) and torch.equal(gpu_caches[1].cpu(), value_cache)
+    assert torch.equal(got[1].cpu(), want[1]), "as many tokens read"
+    # which free cache slot a page lands in may differ (ties of the least recently used): what is read may not
+    out = paged_sparse_decode(query, key_cache, value_cache, *want, cache.block_table, D**-0.5)
+    gpu_out = paged_sparse_decode(query.cuda(), *gpu_caches, *got, cache.block_table.cuda(), D**-0.5)
+    torch.testing.assert_close(gpu_out.cpu(), out, rtol=1e-4, atol=1e-5)
     assert int(gpu.fetched) == int(parked.fetched) > 0
