@@ -16,7 +16,8 @@
 #        0.25 and 1 request/s through one engine, NEW tokens each (256; ~7 min; free: unread blocks back);
 #        RATES='2.0' LIMIT=240 REQUESTS=32 DENSE=0 for other rates, cut-off (s), request counts and dense layers;
 #        OPTIONS as inflight's; ENGINE='{"max_num_batched_tokens": 2048}' for vLLM's own settings (a smaller prefill
-#        chunk: decode steps beside it wait less)
+#        chunk: decode steps beside it wait less); HOST_TIER='{"regions": 4, "pages": 16}' with free and snapkv, h2o
+#        or learned: the plugin's host tier (rows report the bytes read back a token)
 #   bash benchmarks/device/vllm_plan.sh inflight METHOD [free [DENSE]]  # 12 requests of 128K at once through
 #        one engine (~4 min): the most in flight, each one's share of the KV pool in its prompt and past it,
 #        and the 128K requests the pool holds at those shares (DENSE layers, default 2); REQUESTS=34 NEW=2048
@@ -81,7 +82,7 @@ case "$1" in
     timeout "${STAGE_S:-590}" python3 benchmarks/vllm_trace_run.py "$OUT/trace.jsonl" --methods "$2" \
       $([ "${3:-}" = free ] && echo --free_blocks) --new_tokens "${4:-256}" --rates ${RATES:-0.25 1.0} \
       --requests "${REQUESTS:-32}" --limit_s "${LIMIT:-150}" --dense_layers "${DENSE:-2}" --options "${OPTIONS:-{\}}" \
-      --engine "${ENGINE:-{\}}" 2>&1 | grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" | tail -12 ;;
+      --engine "${ENGINE:-{\}}" ${HOST_TIER:+--host_tier "$HOST_TIER"} 2>&1 | grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" | tail -12 ;;
   inflight)  # 128K requests arriving at once: the most in flight, and how many the pool holds
     timeout "${STAGE_S:-590}" python3 benchmarks/vllm_trace_run.py "$OUT/inflight.jsonl" --methods "$2" \
       $([ "${3:-}" = free ] && echo --free_blocks) --dense_layers "${4:-2}" --rates 50 --requests "${REQUESTS:-12}" \
