@@ -30,6 +30,10 @@ parser.add_argument("--options", type=json.loads, default={},
 parser.add_argument("--budgets", type=json.loads, default={}, help="a budget per method, overriding --budget")
 parser.add_argument("--dense_layers", type=json.loads, default={},
                     help=f"first layers kept dense per label (default {EngineSpec.dense_layers}), e.g. '{{\"s0\": 0}}'")
+parser.add_argument("--host_tier", type=json.loads, default={},
+                    help="the plugin's host tier per label (with free_blocks, which it then sets), e.g. "
+                         "'{\"ht\": {\"regions\": 8, \"pages\": 16}}'")
+parser.add_argument("--free_blocks", nargs="*", default=[], help="labels whose selector frees blocks")
 parser.add_argument("--profile", type=Path, default=None,
                     help="a folder: each batch's last decode steps under vLLM's torch profiler, its CUDA-time "
                          "table per label and shape there (untimed)")
@@ -47,6 +51,7 @@ specs = [
                                       shape.parent / f"predictor-{dense[label]}"),
                identity_tokens=args.identity_tokens,
                identity_context=args.identity_context, label=label,
+               free_blocks=label in args.free_blocks or label in args.host_tier, host_tier=args.host_tier.get(label),
                profile_dir=str(args.profile.resolve()) if args.profile else "", profile_prefill=args.profile_prefill)
     for label, m in labelled
 ]  # fmt: skip

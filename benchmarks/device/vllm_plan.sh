@@ -8,7 +8,8 @@
 #        RUNS='32768x8' for fewer; DENSE='{"LABEL": 0}' for other dense layers than 2; OPTIONS='{"LABEL":
 #        {"prompt_sample": 8}}' for a selector's options; PROFILE=1: each batch's last 8 full-batch steps
 #        profiled, vLLM's CUDA-time table per label and shape; PROFILE_PREFILL=1: each batch's prefill too, again
-#        after its row)
+#        after its row; FREE="h0 ht": labels that free blocks; HOST_TIER='{"ht": {"regions": 8}}': labels with the
+#        plugin's host tier, e.g. h0=vllm:h2o ht=vllm:h2o to time the tier beside compaction alone)
 #   bash benchmarks/device/vllm_plan.sh tests [K] # the plugin's GPU tests, small engines of ~40 s each: run
 #        'not rank_tokens and not preempted and not refresh' (~4 min), 'rank_tokens' (~7.5 min) and
 #        'preempted or refresh' (~6 min) as three calls (one would pass the 10-minute limit)
@@ -70,6 +71,7 @@ case "$1" in
       --methods ${methods:-vllm quest=vllm:quest streaming=vllm:streaming_llm} --runs ${RUNS:-32768x1 32768x8 131072x1} \
       --new_tokens 64 --identity_tokens 32 --dense_layers "${DENSE:-{\}}" --options "${OPTIONS:-{\}}" \
       ${PROFILE:+--profile /tmp/rows/profile} ${PROFILE_PREFILL:+--profile /tmp/rows/profile --profile_prefill} \
+      ${FREE:+--free_blocks $FREE} ${HOST_TIER:+--host_tier "$HOST_TIER"} \
       >> /tmp/rows/decode.log 2>&1
     cp -r /tmp/rows/decode.* "$OUT/"; [ -d /tmp/rows/profile ] && cp /tmp/rows/profile/*.txt "$OUT/" 2>/dev/null
     grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" "$OUT/decode.log" | tail -20 ;;
