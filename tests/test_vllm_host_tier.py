@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from atskv.errors import InputError
+from atskv.kernels.int4_page_scores import dequantize_int4, quantize_int4
 from atskv.kernels.page_copy import paged_page_copy
 from atskv.kernels.quest import page_bounds, quest_page_scores_reference
 from atskv.runtime.vllm.batch import PromptChunk
@@ -46,6 +47,7 @@ def test_regions_go_to_requests_until_they_leave_the_runner():
         ({"selector": "h2o", "free_blocks": True, "host_tier": {"pages": 8, "cache_pages": 4}}, "cache_pages"),
         ({"selector": "h2o", "free_blocks": True, "host_tier": {"page": 8}}, "page"),
         ({"selector": "h2o", "free_blocks": True, "host_tier": 4}, "must be a dict"),
+        ({"selector": "h2o", "free_blocks": True, "host_tier": {"summary": "pq"}}, "summary is one of bounds, int4"),
     ],
 )
 def test_bad_host_tiers_are_one_line_errors(settings, message):
@@ -117,10 +119,12 @@ def parked_h2o(budget: int, tier: HostTier, lengths: list[int], regions_held: in
     return g, cache, selector, state, regions, parked, moved, parkings
 
 
-@pytest.mark.parametrize("pages, cache_pages", [(2, 2), (3, 5)])
-def test_decode_reads_the_kept_tokens_and_the_best_parked_pages(pages, cache_pages):
+@pytest.mark.parametrize("pages, cache_pages, summary", [(2, 2, "bounds"), (3, 5, "bounds"), (3, 5, "int4")])
+def test_decode_reads_the_kept_tokens_and_the_best_parked_pages(pages, cache_pages, summary):
+    """Pages ranked by Quest's bounds of the parked keys, or by the best parked token's logit over
+    the keys in int4 (dequantised here)."""
     budget, lengths = 24, [300, 260, 200]
-    tier = HostTier(regions=2, pages=pages, cache_pages=cache_pages)
+    tier = HostTier(regions=2, pages=pages, cache_pages=cache_pages, summary=summary)
     g, cache, selector, state, regions, parked, moved, parkings = parked_h2o(budget, tier, lengths, 2, seed=3)
     assert set(parkings) == {0, 1}, "two regions: the third request reads its kept tokens alone"
     table, queries = cache.block_table, torch.randn(3, len(lengths), HQ, D, generator=g)
@@ -154,9 +158,13 @@ def test_decode_reads_the_kept_tokens_and_the_best_parked_pages(pages, cache_pag
                     parked_at = torch.zeros(stop, dtype=torch.bool)
                     parked_at[:] = True
                     parked_at[moved[r][h][moved[r][h] < stop]] = False
-                    low, high = page_bounds(keys[:stop, h].view(1, 1, stop, D), BLOCK)
                     group = query[r, h * (HQ // HKV) : (h + 1) * (HQ // HKV)].view(1, HQ // HKV, D)
-                    scores = quest_page_scores_reference(group, low, high)[0, 0]
+                    if summary == "bounds":
+                        low, high = page_bounds(keys[:stop, h].view(1, 1, stop, D), BLOCK)
+                        scores = quest_page_scores_reference(group, low, high)[0, 0]
+                    else:
+                        logits = (group[0] @ dequantize_int4(*quantize_int4(keys[:stop, h])).T).amax(0)
+                        scores = logits.masked_fill(~parked_at, -torch.inf).view(-1, BLOCK).amax(-1)
                     scores[~parked_at.view(-1, BLOCK).any(-1)] = -torch.inf
                     for page in scores.topk(min(pages, len(scores))).indices.tolist():
                         read |= {p for p in range(page * BLOCK, (page + 1) * BLOCK) if parked_at[p]}
@@ -171,15 +179,18 @@ def test_decode_reads_the_kept_tokens_and_the_best_parked_pages(pages, cache_pag
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_the_gpu_pages_come_from_pinned_memory_as_on_the_cpu():
+@pytest.mark.parametrize("summary", ["bounds", "int4"])
+def test_on_the_gpu_pages_come_from_pinned_memory_as_on_the_cpu(summary):
     """The same parked prompts on the GPU (pinned host regions read through their device alias,
     the Triton page copy, Quest's paged scores): as many tokens read, and the same attention."""
-    tier = HostTier(regions=2, pages=3, cache_pages=5)
+    tier = HostTier(regions=2, pages=3, cache_pages=5, summary=summary)
     g, cache, selector, state, regions, parked, moved, parkings = parked_h2o(24, tier, [300, 260, 200], 2, seed=4)
     gpu = ParkedPrompts(tier, parked.pages * BLOCK, HKV, D, BLOCK, torch.float32, torch.device("cuda"))
     assert gpu.host_keys.is_pinned() and gpu.keys.is_cuda
-    for name in ("host_keys", "host_values", "low", "high", "parked", "held", "cache_start", "slot_of", "page_in"):
+    for name in ("host_keys", "host_values", "parked", "held", "cache_start", "slot_of", "page_in"):
         getattr(gpu, name).copy_(getattr(parked, name))
+    for mine, theirs in zip(gpu.summary_parts, parked.summary_parts):
+        mine.copy_(theirs)
     seq_lens = torch.tensor([301, 261, 201], dtype=torch.int32)
     query = torch.randn(3, HQ, D, generator=g)
     own, counts = selector.pick(query, HKV, state, cache.block_table, seq_lens, BLOCK, 24)

@@ -5,9 +5,10 @@ With `free_blocks`, SnapKV, H2O and the learned selector move their kept prompt 
 request's first blocks where its prompt ends, and the blocks after them go back to vLLM's pool
 (`atskv.runtime.vllm.freeing`): the tokens there are gone. With a host tier the request's prompt up
 to the freed blocks' end is first copied to a region of pinned host memory, and the split of
-ShadowKV (arXiv:2410.21465) and Quest (arXiv:2406.10774) follows: the GPU keeps each parked page's
-key bounds (Quest's; a page is a vLLM block) and which of its tokens are parked (not among the
-kept ones), and a decode query scores the pages, takes its best `pages` and reads their parked
+ShadowKV (arXiv:2410.21465) and Quest (arXiv:2406.10774) follows: the GPU keeps a summary of the
+parked keys (`summary`: Quest's bounds a page, a page being a vLLM block, or every key in int4 as
+the fast path's tier keeps them) and which tokens are parked (not among the kept ones), and a
+decode query scores the pages, takes its best `pages` and reads their parked
 tokens beside its kept ones, in the same sparse read (`atskv.runtime.vllm.selection`). The pages
 read back live in `cache_pages` blocks of the request's own, the first of those its selector
 would free (no kept token lies there), least recently used out; only misses cross PCIe, read
@@ -33,25 +34,36 @@ from dataclasses import dataclass, fields
 import torch
 
 from atskv.errors import InputError
+from atskv.kernels.int4_page_scores import int4_page_scores, quantize_int4
 from atskv.kernels.page_copy import paged_page_copy
 from atskv.kernels.paged import paged_page_scores
 from atskv.kernels.quest import page_bounds
 from atskv.runtime.fast.host_pages import assign_slots, device_alias, host_keys_and_values
 from atskv.runtime.vllm.batch import PromptChunk
 
+SUMMARIES = ("bounds", "int4")
+
 
 @dataclass(frozen=True)
 class HostTier:
     """`regions`: requests whose prompts the host holds at once; `pages`: pages (vLLM blocks) a
     decode query reads back per layer and KV head; `cache_pages`: blocks a request keeps on the
-    GPU for pages read back (>= `pages`), so a page asked for again is not fetched again."""
+    GPU for pages read back (>= `pages`), so a page asked for again is not fetched again;
+    `summary`: what ranks the parked pages on the GPU, "bounds" (Quest's key min and max a page:
+    1/16 of the parked KV's bytes) or "int4" (every key in 4 bits, a page scored by its best
+    parked token: 1/8; on the fast path it found the needles 16-token bounds lose)."""
 
     regions: int = 2
     pages: int = 16
     cache_pages: int = 32
+    summary: str = "bounds"
 
     def __post_init__(self):
+        if self.summary not in SUMMARIES:
+            raise InputError(f"atskv: host_tier's summary is one of {', '.join(SUMMARIES)}, got {self.summary!r}")
         for f in fields(self):
+            if f.name == "summary":
+                continue
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"atskv: host_tier's {f.name} must be an int >= 1, got {value!r}")
@@ -115,10 +127,11 @@ class Parking:
 
 class ParkedPrompts:
     """One sparse layer's side of the tier: the parked prompts' KV on the host by region
-    (`[regions, Hkv, tokens, D]`), and on the GPU their page bounds (`[regions * pages + 1, Hkv, D]`,
-    as a paged Quest state whose block table is a region's pages), which tokens are parked and not
-    kept, how many are parked, where each request's cache blocks start, and the cache's
-    bookkeeping (`assign_slots`); the GPU rows have a spare last region for rows without one."""
+    (`[regions, Hkv, tokens, D]`), and on the GPU their summary (page bounds `[regions * pages + 1,
+    Hkv, D]`, a paged Quest state whose block table is a region's pages; or int4 keys `[regions,
+    Hkv, tokens, D / 2]` and scales), which tokens are parked and not kept, how many are parked,
+    where each request's cache blocks start, and the cache's bookkeeping (`assign_slots`); the GPU
+    rows have a spare last region for rows without one."""
 
     def __init__(self, tier: HostTier, tokens: int, kv_heads: int, head_size: int, block_size: int, dtype, device):
         regions, self.tier, self.block_size = tier.regions, tier, block_size
@@ -126,8 +139,14 @@ class ParkedPrompts:
         shape = (regions, kv_heads, self.pages * block_size, head_size)
         self.host_keys, self.host_values = host_keys_and_values(shape, dtype, device)
         self.keys, self.values = device_alias(self.host_keys, device), device_alias(self.host_values, device)
-        self.low = torch.zeros(regions * self.pages + 1, kv_heads, head_size, dtype=dtype, device=device)
-        self.high = torch.zeros_like(self.low)
+        if tier.summary == "int4":
+            self.codes = torch.zeros(*shape[:3], head_size // 2, dtype=torch.uint8, device=device)
+            self.scale = torch.zeros(shape[:3], dtype=dtype, device=device)
+            self.summary_parts = (self.codes, self.scale)
+        else:
+            self.low = torch.zeros(regions * self.pages + 1, kv_heads, head_size, dtype=dtype, device=device)
+            self.high = torch.zeros_like(self.low)
+            self.summary_parts = (self.low, self.high)
         spare = regions + 1
         self.parked = torch.zeros(spare, kv_heads, self.pages * block_size, dtype=torch.bool, device=device)
         self.held = torch.zeros(spare, dtype=torch.int32, device=device)
@@ -149,7 +168,7 @@ class ParkedPrompts:
 
     @property
     def gpu_nbytes(self) -> int:
-        parts = (self.low, self.high, self.parked, self.slot_of, self.page_in, self.used)
+        parts = (*self.summary_parts, self.parked, self.slot_of, self.page_in, self.used)
         return sum(t.numel() * t.element_size() for t in parts)
 
     def park(self, parking: Parking, chunk: PromptChunk) -> None:
@@ -160,10 +179,13 @@ class ParkedPrompts:
         keys, values = chunk.key_slots[:, slots], chunk.value_slots[:, slots]  # [Hkv, stop, D]
         self.keys[region, :, :stop] = keys
         self.values[region, :, :stop] = values
-        low, high = page_bounds(keys.unsqueeze(0), self.block_size)  # [1, Hkv, stop / size, D]
-        first = region * self.pages
-        self.low[first : first + low.shape[2]] = low[0].transpose(0, 1)
-        self.high[first : first + low.shape[2]] = high[0].transpose(0, 1)
+        if self.tier.summary == "int4":
+            self.codes[region, :, :stop], self.scale[region, :, :stop] = quantize_int4(keys)
+        else:
+            low, high = page_bounds(keys.unsqueeze(0), self.block_size)  # [1, Hkv, stop / size, D]
+            first = region * self.pages
+            self.low[first : first + low.shape[2]] = low[0].transpose(0, 1)
+            self.high[first : first + low.shape[2]] = high[0].transpose(0, 1)
         self.parked[region].zero_()
         self.parked[region, :, :stop] = True
         self.held[region : region + 1].fill_(stop)
@@ -171,6 +193,20 @@ class ParkedPrompts:
         self.slot_of[region].fill_(-1)
         self.page_in[region].fill_(self.pages)
         self.used[region].zero_()
+
+    def page_scores(self, query: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Each row's parked pages scored against its query `[B, Hq, D]`: `[B, Hkv, pages]` (only
+        pages holding a parked token count; a row without a region has none)."""
+        regions = self.tier.regions
+        region = rows.clamp(max=regions - 1)  # a row without one reads another's summary, none of it parked
+        if self.tier.summary == "bounds":
+            region_pages = ((region * self.pages).view(-1, 1) + torch.arange(self.pages, device=rows.device)).int()
+            return paged_page_scores(query, self.low, self.high, region_pages, self.held[rows], self.block_size)
+        # int4: every region scored against the query of the row that holds it (the queries gathered,
+        # not the codes), then each row takes its own region's
+        by_region = query.new_zeros(regions + 1, *query.shape[1:]).index_copy_(0, rows, query)
+        scores = int4_page_scores(by_region[:regions], self.codes, self.scale, self.block_size, self.parked[:regions])
+        return scores[region]
 
     def mark_kept(self, region: int, positions: torch.Tensor) -> None:
         """KV head h's kept tokens `positions[h]` (moved to the front: read there) are not parked."""
@@ -184,9 +220,7 @@ class ParkedPrompts:
         block_size + 1]` and its counts."""
         b, kv_heads = lengths.shape
         size, count = self.block_size, self.tier.pages
-        region = rows.clamp(max=self.tier.regions - 1)  # the spare row reads region 0's bounds, none parked
-        region_pages = ((region * self.pages).view(-1, 1) + torch.arange(self.pages, device=rows.device)).int()
-        scores = paged_page_scores(query, self.low, self.high, region_pages, self.held[rows], size)
+        scores = self.page_scores(query, rows)
         parked = self.parked[rows]  # [B, Hkv, tokens]
         has_parked = parked.view(b, kv_heads, self.pages, size).any(-1)
         count = min(count, self.pages)
