@@ -71,9 +71,6 @@ class HostTier:
             raise InputError(f"atskv: host_tier's cache_pages ({self.cache_pages}) must hold the pages a query "
                              f"reads ({self.pages})")  # fmt: skip
 
-    def host_bytes(self, layers: int, kv_heads: int, tokens: int, head_size: int, itemsize: int) -> int:
-        return self.regions * layers * 2 * kv_heads * tokens * head_size * itemsize
-
 
 def split_unread(unread: range, cache_blocks: int) -> tuple[range, range]:
     """Of the logical blocks a compacting selector frees for a request (`unread`), the first
