@@ -13,8 +13,9 @@
 #   bash benchmarks/device/vllm_plan.sh tests [K] # the plugin's GPU tests, small engines of ~40 s each: run
 #        'not rank_tokens and not preempted and not refresh' (~4 min), 'rank_tokens' (~7.5 min) and
 #        'preempted or refresh' (~6 min) as three calls (one would pass the 10-minute limit)
-#   bash benchmarks/device/vllm_plan.sh trace METHOD [free [NEW]]  # Poisson traces of 16K-128K prompts at
-#        0.25 and 1 request/s through one engine, NEW tokens each (256; ~7 min; free: unread blocks back);
+#   bash benchmarks/device/vllm_plan.sh trace METHODS [free [NEW]]  # Poisson traces of 16K-128K prompts at
+#        0.25 and 1 request/s through one engine a method ("vllm vllm:streaming_llm" quoted: both, one after the
+#        other, rows in one file), NEW tokens each (256; ~7 min; free: unread blocks back, vanilla's unaffected);
 #        RATES='2.0' LIMIT=240 REQUESTS=32 DENSE=0 for other rates, cut-off (s), request counts and dense layers;
 #        OPTIONS as inflight's; ENGINE='{"max_num_batched_tokens": 2048}' for vLLM's own settings (a smaller prefill
 #        chunk: decode steps beside it wait less); HOST_TIER='{"regions": 4, "pages": 16}' with free and snapkv, h2o
@@ -81,7 +82,7 @@ case "$1" in
       tests/test_vllm_selection.py tests/test_vllm_backend_host.py tests/test_kernels_kept_lists.py tests/test_kernels_listed_refresh.py \
       ${2:+-k "$2"} 2>&1 | tee "$OUT/tests.log" | grep -v "^\[\|^INFO\|^WARNING" | tail -25 ;;
   trace)  # free: the selectors that can free blocks do; OPTIONS per selector name, ENGINE vLLM's own settings
-    timeout "${STAGE_S:-590}" python3 benchmarks/vllm_trace_run.py "$OUT/trace.jsonl" --methods "$2" \
+    timeout "${STAGE_S:-590}" python3 benchmarks/vllm_trace_run.py "$OUT/trace.jsonl" --methods $2 \
       $([ "${3:-}" = free ] && echo --free_blocks) --new_tokens "${4:-256}" --rates ${RATES:-0.25 1.0} \
       --requests "${REQUESTS:-32}" --limit_s "${LIMIT:-150}" --dense_layers "${DENSE:-2}" --options "${OPTIONS:-{\}}" \
       --engine "${ENGINE:-{\}}" ${HOST_TIER:+--host_tier "$HOST_TIER"} 2>&1 | grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" | tail -12 ;;
