@@ -1132,3 +1132,50 @@ def test_paged_learned_with_a_refresh_rescores_its_list_every_n_steps(window_sha
                 read = cache.slot(1, positions[1, 0, : counts[1, 0]]).long()  # what the read gave request 1, head 0
                 torch.testing.assert_close(state.prompt_mass[read, 0] - received[read, 0], mass[1, 0, : counts[1, 0]])
         assert kept_count(budget, 161) > 0
+
+
+@pytest.mark.parametrize("budget", [0.25, 20])
+def test_a_compacted_learned_list_reads_what_it_read_uncompacted(budget, tmp_path):
+    """The learned selector with `free_blocks`: its prompt's kept tokens move to the request's first
+    slots where the prompt ends, the freed blocks become another request's (their KV NaN, their
+    state scribbled over before every step) and a fractional budget's list grows while decoding;
+    every step reads the same tokens (a moved slot mapped back to its position) as the same
+    selector without compaction."""
+    from atskv.runtime.vllm.selection import PagedLearned, slot_view
+
+    predictor = engine_ready_predictor(tmp_path / "predictor", (2, 3))
+    runs, steps = {}, 48  # a quarter of 48 new tokens: the list grows past its prompt's blocks
+    for compact in (False, True):
+        generator = torch.Generator().manual_seed(13)
+        cache = PagedCache([298, 198], width=20, generator=generator)
+        cache.fill(chunk=CHUNK)
+        prompts = [n - steps for n in cache.lengths]
+        selector = PagedLearned(predictor=predictor, window_share=0.5, window=2)
+        selector.layer = 2
+        key_slots, value_slots = (slot_view(c, 1)[0] for c in cache.split())
+        state = selector.new_state(key_slots.shape[1] // BLOCK, BLOCK, HKV, D, torch.float32, "cpu")
+        moved, others = {}, torch.zeros(0, dtype=torch.long)
+        for r, prompt in enumerate(prompts):
+            queries = torch.randn(prompt, HQ, D, generator=generator)
+            for start in range(0, prompt, CHUNK):
+                stop = min(prompt, start + CHUNK)
+                selector.observe_prompt(state, PromptChunk(
+                    queries[start:stop], key_slots, cache.block_table[r], stop, BLOCK, D**-0.5, budget, 2, r, {},
+                    last=stop == prompt, value_slots=value_slots, compact=compact and stop == prompt,
+                    on_move=lambda positions, r=r: moved.__setitem__(r, positions.clone())))  # fmt: skip
+            if compact:
+                unread = cache.block_table[r, list(PagedLearned.freeing_rule({})(prompt, prompt, budget, BLOCK))].long()
+                cache.kv_cache[unread] = torch.nan
+                others = torch.cat([others, (unread.view(-1, 1) * BLOCK + torch.arange(BLOCK)).view(-1)])
+        reads = []
+        for g in range(steps):
+            seq_lens = torch.tensor([p + g + 1 for p in prompts], dtype=torch.int32)
+            state.kept[others], state.kept_value[others] = 1, -5.0  # what the freed blocks' tenant writes
+            positions, counts = selector.pick(torch.randn(len(prompts), HQ, D, generator=generator), HKV, state,
+                                              cache.block_table, seq_lens, BLOCK, budget)  # fmt: skip
+            reads.append([[sorted(int(moved[r][h, p]) if r in moved and p < moved[r].shape[1] else p
+                                  for p in positions[r, h, : counts[r, h]].tolist()) for h in range(HKV)]
+                          for r in range(len(prompts))])  # fmt: skip
+        runs[compact] = (reads, len(others))
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] > 0 or budget == 20, "the longer prompts free blocks"
