@@ -19,6 +19,7 @@ import vllm.v1.attention.backends.fa_utils as fa_utils  # noqa: E402
 if not hasattr(fa_utils, "flash_attn_varlen_func"):  # no CUDA build here; nothing below calls it
     fa_utils.flash_attn_varlen_func = None
 
+from atskv.kernels.kept_lists import list_slots  # noqa: E402
 from atskv.runtime.vllm.backend import AtskvAttentionImpl  # noqa: E402
 from atskv.runtime.vllm.batch import PromptChunk  # noqa: E402
 from atskv.runtime.vllm.config import PluginConfig  # noqa: E402
@@ -112,7 +113,8 @@ def test_a_prompts_last_chunk_is_compacted_where_free_blocks_asks_and_the_prompt
         return
     window = recent_window(20, selector.recent_fraction)
     for h in range(HKV):
-        kept = sorted(state.kept[cache.slot(r, state.entry_slots(cache.block_table[r], BLOCK, 20)).long(), h].tolist())
+        entries = list_slots(cache.block_table[r : r + 1], torch.tensor([length]), BLOCK, 20, state.spare, state.moved)
+        kept = sorted(state.kept[entries[0], h].tolist())
         moved = kept[: 20 - window]  # the entries that name the first slots: slot j holds the j-th kept token
         assert moved == list(range(20 - window))
         held = [int((before[h] == after[h, j]).all(-1).nonzero()[0]) for j in range(20 - window)]
@@ -213,7 +215,7 @@ def test_a_host_tier_parks_a_ranked_prompt_before_its_kept_tokens_move_and_reads
     state = selector.new_state(key_slots.shape[1] // BLOCK, BLOCK, HKV, D, torch.float32, "cpu")
     builder = object.__new__(AtskvMetadataBuilder)
     builder.config, builder.tier, builder.regions, builder.device = PluginConfig("h2o", **settings), None, None, "cpu"
-    builder.tier = builder.config.tier
+    builder.tier, builder.unread = builder.config.tier, selector.unread_blocks
     builder.kv_cache_spec = SimpleNamespace(block_size=BLOCK)
     builder.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=cache.kv_cache.shape[0]))
     builder.batch = SimpleNamespace(requests=lambda: (["a", "b"], {"a", "b"}))

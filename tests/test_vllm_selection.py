@@ -666,6 +666,7 @@ def test_paged_h2o_reads_and_accumulates_what_h2o_keeps(budget, flash_lse, last_
     their slots' list entries and values scribbled over before every step: the reads are the
     same tokens (slot j of head h its j-th kept position) and attend the same."""
     from atskv.kernels.budget import kept_count
+    from atskv.kernels.kept_lists import list_slots
     from atskv.runtime.vllm.heavy_hitters import recent_window
     from atskv.runtime.vllm.selection import PagedH2O, slot_view
     from atskv.selectors.base import LayerView, select_top_budget
@@ -744,8 +745,9 @@ def test_paged_h2o_reads_and_accumulates_what_h2o_keeps(budget, flash_lse, last_
             for h in range(HKV):
                 read = [position_of[r][h].get(at, at) for at in positions[r, h, : counts[r, h]].tolist()]
                 assert sorted(read) == kept[r][0, h].nonzero().view(-1).tolist(), (g, r, h)
-                entries = state.entry_slots(cache.block_table[r], BLOCK, int(counts[r, h]))
-                listed = state.kept_value[cache.slot(r, entries).long(), h]
+                entries = list_slots(table[r : r + 1], seq_lens[r : r + 1], BLOCK, int(counts[r, h]), state.spare,
+                                     state.moved)[0]  # fmt: skip
+                listed = state.kept_value[entries, h]
                 torch.testing.assert_close(listed, masses[r][0, h, read], rtol=1e-4, atol=1e-5)
 
 

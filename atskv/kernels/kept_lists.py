@@ -36,6 +36,7 @@ from atskv.kernels.budget import budget_limit, kept_tokens
 from atskv.kernels.paged import physical_slots
 
 _INT_MAX = 2147483647
+NOT_MOVED = _INT_MAX  # a list's split where none of its entries moved (`MOVED`)
 
 
 def kept_list_step(kept, values, block_table, seq_lens, block_size: int, budget: int | float,
@@ -110,10 +111,14 @@ def list_row(len_ptr, table_ptr, n_heads, s_table):
 
 
 @jit
-def list_layout(moved_ptr, table_row, PAGE: tl.constexpr):
-    """One request's (split, shift) (`MOVED`), at its first slot."""
-    first = tl.load(table_row).to(tl.int64) * PAGE
-    return tl.load(moved_ptr + first * 2).to(tl.int64), tl.load(moved_ptr + first * 2 + 1).to(tl.int64)
+def list_layout(moved_ptr, table_row, PAGE: tl.constexpr, MOVED: tl.constexpr, INT_MAX: tl.constexpr):
+    """One request's (split, shift) (`MOVED`), at its first slot; without, entry j at slot j."""
+    split, shift = INT_MAX, 0
+    if MOVED:
+        first = tl.load(table_row).to(tl.int64) * PAGE
+        split = tl.load(moved_ptr + first * 2).to(tl.int64)
+        shift = tl.load(moved_ptr + first * 2 + 1).to(tl.int64)
+    return split, shift
 
 
 @jit
@@ -159,9 +164,7 @@ def _step_tile_kernel(
     j = tile * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     inside = j < width
     listed = (j <= held) & inside
-    split, shift = INT_MAX, 0  # entry j at logical slot j
-    if MOVED:
-        split, shift = list_layout(moved_ptr, table_row, PAGE)
+    split, shift = list_layout(moved_ptr, table_row, PAGE, MOVED, INT_MAX)
     at = list_slot(table_row, j, seq_len, spare, PAGE, split, shift)
     pos = tl.load(kept_ptr + at * n_heads + h, mask=listed, other=0).to(tl.int64)
     pos = tl.where((pos >= 0) & (pos <= newest), pos, newest)  # `STALE`
@@ -196,9 +199,7 @@ def _step_entry_kernel(
     target = tl.where(count > held, held, best_j)
     newest = seq_len - 1
     tl.store(pos_ptr + row.to(tl.int64) * width + target, newest.to(tl.int32), mask=target < count)
-    split, shift = INT_MAX, 0  # entry j at logical slot j
-    if MOVED:
-        split, shift = list_layout(moved_ptr, table_row, PAGE)
+    split, shift = list_layout(moved_ptr, table_row, PAGE, MOVED, INT_MAX)
     at_target = list_slot(table_row, target, seq_len, spare, PAGE, split, shift)
     tl.store(kept_ptr + at_target * n_heads + h, newest.to(tl.int32))
     tl.store(val_ptr + at_target * n_heads + h, new_value)
@@ -259,9 +260,7 @@ def _add_kernel(val_ptr, mass_ptr, table_ptr, len_ptr, moved_ptr, n_heads, width
     every row past its length shares, is left alone (what it holds counts for nothing)."""
     row, h, seq_len, table_row = list_row(len_ptr, table_ptr, n_heads, s_table)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    split, shift = INT_MAX, 0  # entry j at logical slot j
-    if MOVED:
-        split, shift = list_layout(moved_ptr, table_row, PAGE)
+    split, shift = list_layout(moved_ptr, table_row, PAGE, MOVED, INT_MAX)
     at = list_slot(table_row, j, seq_len, spare, PAGE, split, shift)
     mine = (j < width) & (at != spare)
     mass = tl.load(mass_ptr + row.to(tl.int64) * width + j, mask=mine, other=0.0)

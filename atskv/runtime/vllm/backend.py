@@ -61,6 +61,8 @@ class AtskvMetadataBuilder(FlashAttentionMetadataBuilder):
         config = PluginConfig.from_additional_config(vllm_config.additional_config)
         self.config, self.sparse = config, not config.dense
         self.tier, self.regions = (config.tier if self.sparse else None), None
+        # what the scheduler frees by (`freeing`): the tier parks up to its end and keeps its first blocks
+        self.unread = None if self.tier is None else freeing_rule(config.selector, config.options or {})
         self.scores_prompt = self.sparse and build_paged_selector(config.selector, config.options).scores_prompt
         if self.scores_prompt and vllm_config.cache_config.enable_prefix_caching:  # a shared first block
             raise InputError(f"atskv: {config.selector} ranks each prompt in its own blocks; it needs "
@@ -102,13 +104,12 @@ class AtskvMetadataBuilder(FlashAttentionMetadataBuilder):
         if requests is None:
             return {}
         ids, live = requests
-        size, rule = self.kv_cache_spec.block_size, freeing_rule(self.config.selector, self.config.options or {})
-        parking = {}
+        size, parking = self.kv_cache_spec.block_size, {}
         for row, _, _, _, last in rows:
             if not last:
                 continue
             prompt = int(prompts[row])
-            cache, freed = split_unread(rule(prompt, prompt, self.config.budget, size), self.tier.cache_pages)
+            cache, freed = split_unread(self.unread(prompt, prompt, self.config.budget, size), self.tier.cache_pages)
             region = self.host_regions().claim(ids[row], live) if len(cache) else None
             self.host_regions().assign(block_table[row, :1], region)
             if region is not None:

@@ -118,7 +118,7 @@ class RunnerBatch:
     def prompt_lengths(self) -> torch.Tensor | None:
         if not self.kept_nowhere:
             return self.runner.input_batch.num_prompt_tokens_cpu_tensor
-        if self.latest is None or not self.latest.prefill_len_np.any():  # a dummy batch: no request behind it
+        if not self.has_requests():
             return None
         return torch.from_numpy(self.runner.req_states.prompt_len.np[self.latest.idx_mapping_np])
 
@@ -127,9 +127,13 @@ class RunnerBatch:
         if not self.kept_nowhere:
             batch = self.runner.input_batch
             return list(batch.req_ids), batch.req_id_to_index.keys()
-        if self.latest is None or not self.latest.prefill_len_np.any():
+        if not self.has_requests():
             return None
         return list(self.latest.req_ids), self.runner.req_states.req_id_to_index.keys()
+
+    def has_requests(self) -> bool:
+        """The second runner has handed over a batch, not a warm-up's dummy one (no request behind it)."""
+        return self.latest is not None and bool(self.latest.prefill_len_np.any())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,7 @@ import torch
 
 from atskv.errors import InputError
 from atskv.kernels.budget import kept_count
-from atskv.kernels.kept_lists import add_list_values, kept_list_step
+from atskv.kernels.kept_lists import NOT_MOVED, add_list_values, kept_list_step
 from atskv.kernels.received_mass import prefix_lse, prefix_received_mass
 from atskv.runtime.vllm.batch import PromptChunk, prompt_end
 from atskv.runtime.vllm.prompt_ranks import rank_newest_first
@@ -117,12 +117,6 @@ class KeptLists:
         self.kept_value[recent] = listed[:, :window].t()
         self.store_moved(chunk, n, length - count)
 
-    def entry_slots(self, table_row: torch.Tensor, block_size: int, n: int) -> torch.Tensor:
-        """The logical slots of a request's first `n` list entries (`moved`)."""
-        split, shift = self.moved[table_row[0].long() * block_size].tolist()
-        j = torch.arange(n, device=table_row.device)
-        return j + torch.where(j >= split, shift, 0)
-
     def step(self, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, budget: int | float,
              recent_fraction: float, new_value: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """A decode step: the new token (position `seq_len - 1`, value `new_value`) enters each
@@ -143,8 +137,6 @@ class KeptLists:
         list only as a new token, its value reset)."""
         add_list_values(self.kept_value, mass, block_table, seq_lens, block_size, self.moved)
 
-
-NOT_MOVED = 2**31 - 1  # a list's split where none of its entries moved
 
 
 def recent_window(count: int, recent_fraction: float) -> int:

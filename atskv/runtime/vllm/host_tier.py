@@ -216,11 +216,10 @@ class ParkedPrompts:
         `rows`: each row's region (`Regions.rows`). Returns the list `[B, Hkv, K + pages x
         block_size + 1]` and its counts."""
         b, kv_heads = lengths.shape
-        size, count = self.block_size, self.tier.pages
+        size, count = self.block_size, min(self.tier.pages, self.pages)
         scores = self.page_scores(query, rows)
         parked = self.parked[rows]  # [B, Hkv, tokens]
         has_parked = parked.view(b, kv_heads, self.pages, size).any(-1)
-        count = min(count, self.pages)
         best = scores.masked_fill(~has_parked, -torch.inf).topk(count, dim=-1).indices  # [B, Hkv, pages]
         wanted = has_parked.gather(2, best)
         self.clock += 1
