@@ -269,6 +269,27 @@ def test_the_trace_plot_draws_each_methods_line_over_the_rates(tmp_path, monkeyp
     assert list(between.get_lines()[1].get_ydata()) == [5000.0, 7000.0] and between.get_yscale() == "log"
 
 
+def test_a_trace_at_one_rate_is_drawn_as_a_bar_per_method(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    from atskv.eval import vllm_trace
+
+    def row(method, tokens, vanilla):
+        return {"method": method, "kind": "trace", "rate": 1.0, "output_tokens_per_s": tokens, "vanilla": vanilla,
+                "ttft_mean_s": tokens / 10, "ttft_p99_s": tokens / 5, "tbt_p99_ms": 1000 / tokens}  # fmt: skip
+
+    path = rows(tmp_path / "trace.jsonl", row("vllm", 200.0, True), row("vllm:streaming_llm", 1000.0, False))
+    figures, save = [], matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda self, *a, **k: figures.append(self) or save(self, *a, **k))  # fmt: skip
+    vllm_trace.plot(path, tmp_path / "trace.png")
+    speed, first, between = figures[0].axes
+    assert not speed.get_lines() and [p.get_height() for p in speed.patches] == [200.0, 1000.0]
+    assert speed.patches[0].get_facecolor()[:3] == (0.0, 0.0, 0.0)
+    assert [p.get_height() for p in first.patches] == [20.0, 40.0, 100.0, 200.0]
+    assert [p.get_height() for p in between.patches] == [5.0, 1.0] and between.get_yscale() == "linear"
+
+
 def test_the_engine_timing_predictor_reads_only_what_an_attention_backend_sees(tmp_path):
     """`vllm:learned` without a predictor times a random one of the shape, managing the layers
     past the dense ones, that the plugin accepts (no hidden state, no token type)."""

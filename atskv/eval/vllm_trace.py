@@ -271,9 +271,9 @@ def table(rows: Path) -> str:
 
 
 def plot(rows: Path, path: Path) -> None:
-    """Three panels over the arrival rate, a line per method (vanilla vLLM black): output tokens/s,
-    time to first token (mean solid, P99 dashed) and the P99 time between tokens; the table's
-    figures, for a glance. Nothing without rows."""
+    """Three panels, vanilla vLLM black: output tokens/s, time to first token (mean; P99 dashed or
+    hatched) and the P99 time between tokens; a line per method over the arrival rates, or with a
+    single rate a bar per method. The table's figures, for a glance. Nothing without rows."""
     from matplotlib.figure import Figure  # renders with Agg; no pyplot, no display
 
     found = [r for r in json_lines(rows) if r["kind"] == "trace"]
@@ -281,20 +281,29 @@ def plot(rows: Path, path: Path) -> None:
         return
     fig = Figure(figsize=(13, 3.8), layout="constrained")
     speed, first, between = fig.subplots(1, 3)
-    for i, method in enumerate(dict.fromkeys(r["method"] for r in found)):
+    methods = list(dict.fromkeys(r["method"] for r in found))
+    bars = len({r["rate"] for r in found}) == 1
+    for i, method in enumerate(methods):
         here = sorted((r for r in found if r["method"] == method), key=lambda r: r["rate"])
-        rates = [r["rate"] for r in here]
-        style = {"color": "black" if here[0].get("vanilla", method == VANILLA) else f"C{i}", "marker": "o"}
+        color = "black" if here[0].get("vanilla", method == VANILLA) else f"C{i}"
+        if bars:  # one trace: a bar per method (P99 time to first token the hatched bar beside the mean)
+            speed.bar(i, here[0]["output_tokens_per_s"], color=color, label=method)
+            first.bar(i - 0.2, here[0]["ttft_mean_s"], width=0.4, color=color)
+            first.bar(i + 0.2, here[0]["ttft_p99_s"], width=0.4, color=color, alpha=0.5, hatch="//")
+            between.bar(i, here[0]["tbt_p99_ms"], color=color)
+            continue
+        rates, style = [r["rate"] for r in here], {"color": color, "marker": "o"}
         speed.plot(rates, [r["output_tokens_per_s"] for r in here], label=method, **style)
         first.plot(rates, [r["ttft_mean_s"] for r in here], **style)
         first.plot(rates, [r["ttft_p99_s"] for r in here], linestyle="--", **style)
         between.plot(rates, [r["tbt_p99_ms"] for r in here], **style)
-    speed.set(title="output tokens/s", xlabel="arrivals per second")
-    first.set(title="time to first token, s (mean; P99 dashed)", xlabel="arrivals per second")
-    between.set(title="P99 time between tokens, ms", xlabel="arrivals per second", yscale="log")
-    speed.legend(fontsize="small")
+    x = {"xlabel": f"{found[0]['rate']:g} arrivals per second" if bars else "arrivals per second"}
+    x |= {"xticks": []} if bars else {}
+    speed.set(title="output tokens/s", **x)
+    first.set(title="time to first token, s (mean; P99 " + ("hatched)" if bars else "dashed)"), **x)
+    between.set(title="P99 time between tokens, ms", **x, **({} if bars else {"yscale": "log"}))
+    speed.legend(fontsize="small", loc="upper left" if bars else "best")
     fig.savefig(path, dpi=120)
-
 
 if __name__ == "__main__":
     spec = EngineSpec(**json.loads(Path(sys.argv[1]).read_text()))

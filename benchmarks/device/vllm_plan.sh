@@ -30,7 +30,8 @@
 #        other (benchmarks/vllm_serve_check.py; rows in serve.jsonl, each server's log beside it)
 #   bash benchmarks/device/vllm_plan.sh quality [CONTEXT]  # SmolLM2 with its real weights (ran 2026-12-06): an
 #        engine-ready predictor collected and fit here, then the leaderboard's atskv rows and vllm: rows (beside
-#        vanilla vLLM) on the same prompts, 3 seeds (needs benchmarks/device/stage.sh's .whl, .device/s1-s3 and
+#        vanilla vLLM) on the same prompts, 3 seeds, then StreamingLLM and learned at budget 1.0 against vanilla
+#        vLLM's greedy tokens on 24 of those prompts (benchmarks/vllm_identity.py; identity.txt) (needs benchmarks/device/stage.sh's .whl, .device/s1-s3 and
 #        .device/corpora.tar.xz carried too, one staging call each; the parent runs atskv's transformers, each
 #        engine process vLLM's: ATSKV_VLLM_PYTHONPATH; a leaderboard whose engine failed runs once more, a resume;
 #        LEARNED_OPTIONS='{learned: {window_share: 0.5, refresh_every: 16}}' for both runtimes' learned rows;
@@ -120,6 +121,9 @@ case "$1" in
     }
     board "$@"
     grep -q "Runs that failed" "$OUT/lb/leaderboard.md" && board "$@"  # an engine that failed: once more, a resume
+    job=$OUT/lb/vllm/outputs.vllm.job.json  # the vllm: rows' prompts: the plugin at budget 1.0 must give vanilla's tokens
+    [ -f "$job" ] && python3 benchmarks/vllm_identity.py "$job" "$OUT/identity.jsonl" --methods vllm:streaming_llm \
+      vllm:learned --options "{\"learned\": {\"predictor\": \"$q/predictor\"}}" 2>> "$OUT/quality.log" | tee "$OUT/identity.txt"
     grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" "$OUT/quality.log" | tail -8; cat "$OUT/lb/leaderboard.md" ;;
   start)  # one stage at a time: a second start ends the first
     [ -f /tmp/bgpid ] && kill -- -"$(cat /tmp/bgpid)" 2>/dev/null

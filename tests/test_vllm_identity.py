@@ -1,0 +1,43 @@
+"""`benchmarks/vllm_identity.py`: the jobs it runs (vanilla, then each method at budget 1.0 on
+the same prompts) and how it counts the prompts that match vanilla's tokens (engines faked)."""
+
+import importlib.util
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from atskv.eval.vllm_generate import GenerationJob
+
+SCRIPT = Path(__file__).parent.parent / "benchmarks" / "vllm_identity.py"
+
+
+def test_each_method_runs_at_budget_one_on_vanilla_prompts_and_is_counted_against_them(tmp_path, monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("vllm_identity", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    requests = [{"id": f"r{i}", "prompt_token_ids": [1, 2, i]} for i in range(5)]
+    base = GenerationJob("vllm", "/models/m", None, 2, 64, requests, options={"x": 1})
+    (tmp_path / "job.json").write_text(json.dumps(asdict(base)))
+    seen = []
+
+    def fake_generate(jobs, rows):
+        seen.extend(jobs)
+        tokens = {job.label: {r["id"]: [7, 7] for r in job.requests} for job in jobs}
+        tokens["vllm:learned@1"]["r1"] = [7, 8]  # one prompt differs
+        return tokens, ["vllm:quest@1 (exit 1)"]
+
+    monkeypatch.setattr(script, "generate", fake_generate)
+    argv = ["vllm_identity.py", str(tmp_path / "job.json"), str(tmp_path / "rows.jsonl"), "--prompts", "3",
+            "--methods", "vllm:streaming_llm", "vllm:learned", "--options", '{"learned": {"predictor": "/p"}}']
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit, match="quest"):
+        script.main()
+    assert [(j.method, j.budget, j.options, len(j.requests), j.max_new_tokens) for j in seen] == [
+        ("vllm", None, {}, 3, 32), ("vllm:streaming_llm", 1.0, {}, 3, 32),
+        ("vllm:learned", 1.0, {"predictor": "/p"}, 3, 32)]  # fmt: skip
+    assert {j.model_dir for j in seen} == {"/models/m"}
+    out = capsys.readouterr().out
+    assert "vllm:streaming_llm@1: 3/3 prompts" in out and "vllm:learned@1: 2/3 prompts" in out
