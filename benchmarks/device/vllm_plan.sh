@@ -34,10 +34,11 @@
 #        vLLM's greedy tokens on 24 of those prompts (benchmarks/vllm_identity.py; identity.txt) (needs benchmarks/device/stage.sh's .whl, .device/s1-s3 and
 #        .device/corpora.tar.xz carried too, one staging call each; the parent runs atskv's transformers, each
 #        engine process vLLM's: ATSKV_VLLM_PYTHONPATH; a leaderboard whose engine failed runs once more, a resume;
-#        LEARNED_OPTIONS='{learned: {window_share: 0.5, refresh_every: 16}}' for both runtimes' learned rows;
+#        LEARNED_OPTIONS='{learned: {window_share: 0.5, refresh_every: 16}}' for both runtimes' learned rows (default: no refresh in either);
 #        MODEL=gemma3-270m with .device/g1-g7 carried, one staging call each; RECEIVED=0: a predictor fit without
 #        the attention received, which spares the prompt its mass pass; ENGINE_HOST_TIER='{regions: 4, pages: 16}'
-#        with QUALITY_METHODS='[vllm:h2o, vllm:snapkv]': the vllm: rows with the plugin's host tier, OUT/lb a variant
+#        with QUALITY_METHODS='[vllm:h2o, vllm:snapkv]' (learned's rows there need LEARNED_OPTIONS without
+#        refresh_every: compaction refuses a refresh): the vllm: rows with the plugin's host tier, OUT/lb a variant
 #        folder to merge beside a run without)
 #   bash benchmarks/device/vllm_plan.sh start STAGE [ARGS]  # any stage in the background from a copy of this tree
 #        (/tmp/bgtree: later calls' trees do not touch it), its files in /tmp/bgout (kept from stage to stage: two traces'
@@ -101,8 +102,10 @@ case "$1" in
     m=/tmp/mdl/$model.gguf q=/tmp/quality-$model${RECEIVED:+-received$RECEIVED}
     without='[hidden_norm, token_type]'  # what vLLM does not show an attention backend; RECEIVED=0: nor the mass
     [ "${RECEIVED:-1}" = 0 ] && without='[hidden_norm, token_type, attention, prev_attention]'
-    # both runtimes get these options (window_share 0.5: as the shipped predictor scored best)
-    LEARNED=${LEARNED_OPTIONS:-'{learned: {window_share: 0.5}}'}
+    # both runtimes get these options (window_share 0.5: as the shipped predictor scored best; no
+    # refresh in either: atskv's default rescoring every 16 steps against the plugin's never is not
+    # like for like)
+    LEARNED=${LEARNED_OPTIONS:-'{learned: {window_share: 0.5, refresh_every: 1000000}}'}
     touch "$OUT/quality.log"
     if [ ! -f $q/predictor/predictor.safetensors ]; then  # one predictor per machine and inputs: a second variant reuses it
       python3 -m atskv.cli collect --model $m --corpus austen --windows 32 --window_tokens 4096 --device cuda \
