@@ -768,11 +768,13 @@ def engine_ready_predictor(folder, layers: tuple[int, ...], without=("hidden_nor
     return str(folder)
 
 
-@pytest.mark.parametrize("last_known, received", [(False, True), (True, True), (True, False)])
+@pytest.mark.parametrize("last_known, received, layers", [(False, True, (2, 3)), (True, True, (2, 3)),
+                                                       (True, False, (2, 3)), (True, True, (1, 4))])  # fmt: skip
 @pytest.mark.parametrize("budget, window_share", [(0.25, 0.0), (20, 0.0), (3, 0.0), (0.25, 0.5), (20, 0.5)])
-def test_paged_learned_reads_what_the_learned_selector_keeps(budget, window_share, last_known, received, tmp_path,
-                                                             monkeypatch):  # fmt: skip
-    """Two managed layers (the second reads the first's attention) score prompts chunk by chunk,
+def test_paged_learned_reads_what_the_learned_selector_keeps(budget, window_share, last_known, received, layers,
+                                                             tmp_path, monkeypatch):  # fmt: skip
+    """Two managed layers (the second reads the first's attention; apart, as Gemma's global
+    layers are, or next to each other) score prompts chunk by chunk,
     then 4 decode steps: each reads exactly what atskv's learned selector keeps without a refresh
     (the collection's features at the prompt's end, scored as the selector scores slots, the
     `window_share` of the budget pinned by SnapKV's vote of the last 2 queries, its top budget;
@@ -787,7 +789,6 @@ def test_paged_learned_reads_what_the_learned_selector_keeps(budget, window_shar
     from atskv.selectors.snapkv import window_votes
 
     monkeypatch.setattr(learned, "ROWS_PER_PASS", 50)  # the longer prompts scored in several passes
-    layers = (2, 3)
     without = ("hidden_norm", "token_type") + (() if received else learned.RECEIVED)
     selector = PagedLearned(predictor=engine_ready_predictor(tmp_path / "predictor", layers, without),
                             window_share=window_share, window=2)  # fmt: skip
