@@ -29,7 +29,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--new_tokens", type=int, default=32)
     args = parser.parse_args()
-    base = GenerationJob(**json.loads(args.job.read_text()))
+    try:
+        base = GenerationJob(**json.loads(args.job.read_text()))
+    except (OSError, ValueError, TypeError) as error:
+        sys.exit(f"{args.job}: not a readable GenerationJob file ({type(error).__name__}: {error})")
     vanilla = replace(base, method="vllm", budget=None, options={}, host_tier=None,
                       requests=base.requests[: args.prompts], max_new_tokens=args.new_tokens)  # fmt: skip
     jobs = [vanilla] + [replace(vanilla, method=m, budget=1.0, options=args.options.get(Method.parse(m).name, {}))

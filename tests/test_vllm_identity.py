@@ -14,10 +14,16 @@ from atskv.eval.vllm_generate import GenerationJob
 SCRIPT = Path(__file__).parent.parent / "benchmarks" / "vllm_identity.py"
 
 
-def test_each_method_runs_at_budget_one_on_vanilla_prompts_and_is_counted_against_them(tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def script():
     spec = importlib.util.spec_from_file_location("vllm_identity", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_each_method_runs_at_budget_one_on_vanilla_prompts_and_is_counted_against_them(script, tmp_path, monkeypatch,
+                                                                                       capsys):  # fmt: skip
     requests = [{"id": f"r{i}", "prompt_token_ids": [1, 2, i]} for i in range(5)]
     base = GenerationJob("vllm", "/models/m", None, 2, 64, requests, options={"x": 1})
     (tmp_path / "job.json").write_text(json.dumps(asdict(base)))
@@ -41,3 +47,15 @@ def test_each_method_runs_at_budget_one_on_vanilla_prompts_and_is_counted_agains
     assert {j.model_dir for j in seen} == {"/models/m"}
     out = capsys.readouterr().out
     assert "vllm:streaming_llm@1: 3/3 prompts" in out and "vllm:learned@1: 2/3 prompts" in out
+
+
+@pytest.mark.parametrize("content", [None, "{not json", '{"method": "vllm"}'])
+def test_a_missing_or_wrong_job_file_is_a_one_line_error(script, tmp_path, monkeypatch, content):
+    job = tmp_path / "job.json"
+    if content is not None:
+        job.write_text(content)
+    monkeypatch.setattr(script, "generate", lambda *a: pytest.fail("no engine for a bad job file"))
+    monkeypatch.setattr(sys, "argv", ["vllm_identity.py", str(job), str(tmp_path / "o.jsonl"), "--methods", "vllm:x"])
+    with pytest.raises(SystemExit) as stop:
+        script.main()
+    assert str(stop.value).startswith(f"{job}: not a readable GenerationJob file") and "\n" not in str(stop.value)
