@@ -250,3 +250,20 @@ def test_a_host_tier_parks_a_ranked_prompt_before_its_kept_tokens_move_and_reads
     out = torch.zeros(2, HQ, D)
     impl.read_sparsely(query, cache.kv_cache, cache.block_table, seq_lens, {}, out, regions)
     assert not out.isnan().any() and int(impl.parked.fetched) == 2 * HKV, "two pages a KV head, fetched once"
+
+
+def test_the_backend_tells_its_selector_which_kv_heads_this_gpu_holds(monkeypatch):
+    """One GPU (or no parallel group yet): no shard; at tensor parallelism 2, rank 1 of a model
+    of 8 KV heads holds heads 4-7, as vLLM's QKV projection splits them."""
+    from atskv.runtime.vllm import backend as module
+
+    config = SimpleNamespace(model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 8))
+    assert module.tensor_shard(None) is None
+    monkeypatch.setattr(module, "model_parallel_is_initialized", lambda: False)
+    assert module.tensor_shard(config) is None
+    monkeypatch.setattr(module, "model_parallel_is_initialized", lambda: True)
+    monkeypatch.setattr(module, "get_tensor_model_parallel_world_size", lambda: 1)
+    assert module.tensor_shard(config) is None
+    monkeypatch.setattr(module, "get_tensor_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(module, "get_tensor_model_parallel_rank", lambda: 1)
+    assert module.tensor_shard(config) == (4, 8)

@@ -855,6 +855,46 @@ def test_paged_learned_reads_what_the_learned_selector_keeps(budget, window_shar
                     torch.testing.assert_close(listed, scores[layer, r][0, h, read.long()], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("total, tp_size, firsts", [(8, 1, [0]), (8, 2, [0, 4]), (8, 4, [0, 2, 4, 6]),
+                                                    (2, 4, [0, 0, 1, 1]), (1, 2, [0, 0])])  # fmt: skip
+def test_each_tensor_parallel_rank_holds_the_kv_heads_vllm_gives_it(total, tp_size, firsts):
+    """vLLM's QKV projection: `total / tp` contiguous heads a rank, or each head replicated over
+    `tp / total` consecutive ranks where there are fewer heads than ranks."""
+    from atskv.runtime.vllm.protocol import shard_kv_heads
+
+    assert [shard_kv_heads(total, tp_size, rank) for rank in range(tp_size)] == [(f, total) for f in firsts]
+
+
+def test_a_tensor_parallel_shard_scores_its_kv_heads_as_the_model_does(tmp_path):
+    """The learned selector on a GPU holding the model's KV head 1 of 2 (its only head there)
+    scores it as the whole model's selector scores head 1, at the prompt and in a refresh's folded
+    MLP; a shard of a model with another head count than the predictor's is a one-line error."""
+    from atskv.runtime.vllm.composition import build_paged_selector
+    from atskv.runtime.vllm.selection import PagedLearned
+
+    predictor = engine_ready_predictor(tmp_path / "predictor", (2, 3))
+    whole = PagedLearned(predictor=predictor, refresh_every=4)
+    whole.new_state(4, BLOCK, HKV, D, torch.float32, "cpu")
+    shard = PagedLearned(predictor=predictor, refresh_every=4)
+    shard.kv_shard = (1, HKV)
+    shard.new_state(4, BLOCK, 1, D, torch.float32, "cpu")
+    from atskv.features import SCALAR_FEATURES
+
+    scalars = torch.rand(HKV, 40, len(SCALAR_FEATURES))
+    torch.testing.assert_close(shard.scores(1, scalars[1:]), whole.scores(1, scalars)[1:])
+    as_head_0 = whole.scores(1, scalars[[1, 0]])[0]  # head 1's features scored as head 0: the head matters
+    assert (as_head_0 - shard.scores(1, scalars[1:])[0]).abs().max() > 1e-4
+    torch.testing.assert_close(shard.folded.bias, whole.folded.bias[:, 1:])
+    composed = build_paged_selector("learned+sparq", {"learned": {"predictor": predictor}})
+    composed.kv_shard = (1, HKV)  # what the backend sets: the learned part must see it
+    composed.new_state(4, BLOCK, 1, D, torch.float32, "cpu")
+    torch.testing.assert_close(composed.residency.scores(1, scalars[1:]), whole.scores(1, scalars)[1:])
+    other = PagedLearned(predictor=predictor)
+    other.kv_shard = (0, 2 * HKV)
+    with pytest.raises(InputError, match=f"scores {HKV} KV heads, this model's layers have {2 * HKV}"):
+        other.new_state(4, BLOCK, HKV, D, torch.float32, "cpu")
+
+
 def test_the_learned_selector_frees_blocks_only_without_a_refresh(tmp_path):
     """A refresh rescores the listed tokens from features of their positions, which compaction
     gives up for slots: `free_blocks` with `refresh_every` is a one-line error, without it fine."""

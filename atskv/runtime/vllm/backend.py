@@ -24,6 +24,11 @@ import functools
 
 import torch
 from vllm.config import get_current_vllm_config_or_none
+from vllm.distributed.parallel_state import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    model_parallel_is_initialized,
+)
 from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
@@ -42,6 +47,7 @@ from atskv.runtime.vllm.batch import PromptChunk, RunnerBatch, past_prompt_waves
 from atskv.runtime.vllm.composition import build_paged_selector, freeing_rule
 from atskv.runtime.vllm.config import WORKER, PluginConfig
 from atskv.runtime.vllm.host_tier import ParkedPrompts, Parking, Regions, split_unread
+from atskv.runtime.vllm.protocol import shard_kv_heads
 from atskv.runtime.vllm.selection import paged_sparse_decode, slot_view
 
 logger = init_logger(__name__)
@@ -117,6 +123,14 @@ class AtskvMetadataBuilder(FlashAttentionMetadataBuilder):
         return parking
 
 
+def tensor_shard(vllm_config) -> tuple[int, int] | None:
+    """This GPU's share of the model's KV heads under tensor parallelism (`shard_kv_heads`), None on one GPU."""
+    if vllm_config is None or not model_parallel_is_initialized() or get_tensor_model_parallel_world_size() == 1:
+        return None
+    total = vllm_config.model_config.get_total_num_kv_heads()
+    return shard_kv_heads(total, get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank())
+
+
 class AtskvAttentionImpl(FlashAttentionImpl):
     """FlashAttention for prefill tokens; atskv's selection and sparse decode kernel for decodes."""
 
@@ -130,6 +144,7 @@ class AtskvAttentionImpl(FlashAttentionImpl):
         self.tier = None if self.config.dense else self.config.tier
         self.parked: ParkedPrompts | None = None  # this layer's host tier, made with the state
         self.max_model_len = vllm_config.model_config.max_model_len if vllm_config else 0
+        self.kv_shard = tensor_shard(vllm_config)
         self._sparse: bool | None = None  # decided at the first call, which names the layer
 
     def sparse_layer(self, layer) -> bool:
@@ -147,7 +162,7 @@ class AtskvAttentionImpl(FlashAttentionImpl):
             index = extract_layer_index(layer.layer_name)
             self._sparse = not own_rule and index >= self.config.dense_layers
             if self._sparse:
-                self.selector.layer = index
+                self.selector.layer, self.selector.kv_shard = index, self.kv_shard
         return self._sparse
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:

@@ -56,6 +56,7 @@ class PagedComposition(PagedSelector):
         self._chosen = None  # the last pick's entries of the residents' list, for `observe_read`
 
     def new_state(self, num_blocks: int, block_size: int, kv_heads: int, head_size: int, dtype, device):
+        self.residency.kv_shard = self.kv_shard  # the learned part scores this GPU's heads as the model's
         return self.residency.new_state(num_blocks, block_size, kv_heads, head_size, dtype, device)
 
     def after_write(self, state, key, slot_mapping, block_size: int) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -129,13 +129,17 @@ class PagedLearned(PagedSelector):
         return functools.partial(compacted_unread_blocks, recent_fraction=0.0)
 
     def new_state(self, num_blocks: int, block_size: int, kv_heads: int, head_size: int, dtype, device):
-        """The kept lists (with their scores) and the prompt's mass by physical slot."""
-        if (heads := self.loaded.header.feature_spec.num_kv_heads) != kv_heads:
-            raise InputError(f"atskv: the predictor scores {heads} KV heads, this model's layers have {kv_heads}")
+        """The kept lists (with their scores) and the prompt's mass by physical slot; under tensor
+        parallelism the predictor scores this GPU's `kv_heads` as the model's heads they are."""
+        first, total = self.kv_shard or (0, kv_heads)
+        if (heads := self.loaded.header.feature_spec.num_kv_heads) != total:
+            raise InputError(f"atskv: the predictor scores {heads} KV heads, this model's layers have {total}")
         self.loaded.mlp.to(device)
+        self.predictor_heads = torch.arange(first, first + kv_heads, device=device)  # the index it scores each by
         if not self.refresh_every:
             return KeptLists.empty(num_blocks * block_size, kv_heads, device)
-        self.folded = fold_mlp(self.loaded.mlp)  # here, before any CUDA graph is captured
+        folded = fold_mlp(self.loaded.mlp)  # here, before any CUDA graph is captured
+        self.folded = replace(folded, bias=folded.bias[:, first : first + kv_heads].contiguous())
         return LearnedLists.empty(num_blocks * block_size, kv_heads, device)
 
     def after_write(self, state, key, slot_mapping, block_size: int) -> None:
@@ -203,7 +207,7 @@ class PagedLearned(PagedSelector):
         mlp = self.loaded.mlp
         heads, length, _ = scalars.shape
         rows = scalars.reshape(heads * length, -1)
-        head = torch.arange(heads, device=scalars.device).repeat_interleave(length)
+        head = self.predictor_heads.repeat_interleave(length)
         logits = []
         with torch.no_grad():
             for start in range(0, rows.shape[0], ROWS_PER_PASS):

@@ -29,6 +29,14 @@ def check_plugin_budget(budget, name: str) -> None:
         raise InputError(f"atskv: bad {name} {budget!r}: {BUDGET_RULE}")
 
 
+def shard_kv_heads(total: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """(the first KV head, `total`) of the KV heads rank `tp_rank` of `tp_size` holds, as vLLM's
+    QKV projection splits them: `total / tp_size` each, or one replicated over `tp_size / total`
+    ranks where there are fewer heads than ranks."""
+    local, replicas = max(1, total // tp_size), max(1, tp_size // total)
+    return (tp_rank // replicas) * local, total
+
+
 class PagedSelector:
     name: ClassVar[str] = ""
     keeps_state: ClassVar[bool] = False  # state beside the cache (`new_state`), kept by `after_write`
@@ -41,6 +49,9 @@ class PagedSelector:
     picks_among: ClassVar[bool] = False  # `pick_among` given positions: a composition's attention part
     picks_in_order: ClassVar[bool] = False  # `pick` moves the state a token on (a kept list's step)
     layer: int | None = None  # the model's layer index, set by the backend (each layer builds its own selector)
+    # (the first of the model's KV heads this GPU holds, how many the model has): set by the backend
+    # under tensor parallelism, which shards the KV heads (`shard_kv_heads`); None on one GPU
+    kv_shard: tuple[int, int] | None = None
 
     @classmethod
     def freeing_rule(cls, options: dict) -> Callable[[int, int, int | float, int], range]:
