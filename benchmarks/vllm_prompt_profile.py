@@ -4,7 +4,8 @@ cache of the 8B shape (32/8 heads, dim 128, blocks of 16), for one chunk of `--c
 ending at each `--lengths` token (the request's length so far), with the chunk's log-sum-exps
 given as FlashAttention returns them. Beside the whole call, its parts: the keys gathered through
 the block table, the received-mass kernel (every query, or every `prompt_sample`-th), and what
-the learned selector adds (features, the predictor over every token so far, the list rebuilt).
+the learned selector adds (features, the predictor over every token so far, the list rebuilt),
+the predictor's kernel alone, and the ranking of a predictor that reads no attention received.
 The time to first token of these selectors is vLLM's prefill plus this, summed over a prompt's
 chunks and the sparse layers: a chunk at length L costs O(L), so a prompt of n chunks pays about
 (n + 1) / 2 times its last chunk's cost. Median of `triton.testing.do_bench` (eager, synchronised).
@@ -24,6 +25,7 @@ from triton.testing import do_bench
 
 from atskv.eval.kernel_times import print_kernel_times
 from atskv.eval.vllm_speed import random_engine_predictor
+from atskv.kernels.prompt_scores import prompt_scores
 from atskv.kernels.received_mass import prefix_lse
 from atskv.runtime.vllm.batch import PromptChunk
 from atskv.runtime.vllm.composition import build_paged_selector
@@ -40,6 +42,7 @@ args = parser.parse_args()
 HQ, HKV, D, BS, LAYER = 32, 8, 128, 16, 5
 dev, dt = "cuda", torch.bfloat16
 predictor = random_engine_predictor("llama3.1-8b", 0, Path(tempfile.mkdtemp()) / "predictor")
+massless = random_engine_predictor("llama3.1-8b", 0, Path(tempfile.mkdtemp()) / "massless", received=False)
 
 
 print(f"{'length':>8} {'stage (one layer, one chunk)':>62} {'us':>10}")
@@ -57,6 +60,15 @@ for length in args.lengths:
     keys = chunk(None).keys()
     lse = prefix_lse(queries.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), length - n, D**-0.5)[0]
     stages = {"keys gathered through the block table": lambda: chunk(lse).keys()}
+    unread = build_paged_selector("learned", {"predictor": str(massless)})  # no mass: the ranking alone
+    unread_state = unread.new_state(blocks, BS, HKV, D, dt, dev)
+    attention = torch.rand(HKV, length, device=dev)
+    stages |= {
+        "learned: the predictor over the prompt (prompt_scores)": (
+            lambda: prompt_scores(attention, attention[0], keys, unread.folded, 1)),
+        "learned without the attention received: observe_prompt": (
+            lambda: unread.observe_prompt(unread_state, chunk(None))),
+    }  # fmt: skip
     for s in args.samples:
         h2o = build_paged_selector("h2o", {"prompt_sample": s})
         learned = build_paged_selector("learned", {"predictor": str(predictor), "prompt_sample": s})

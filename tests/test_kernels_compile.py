@@ -23,9 +23,10 @@ POINTERS = {
     "mass_ptr": "*fp32", "rec_ptr": "*fp32", "norm_ptr": "*fp32", "prev_ptr": "*fp32", "w_ptr": "*fp32",
     "bias_ptr": "*fp32", "w2_ptr": "*fp32", "pin_ptr": "*i1", "prompt_ptr": "*i32", "src_ptr": "*bf16",
     "dst_ptr": "*bf16", "row_ptr": "*i64", "page_ptr": "*i64", "block_ptr": "*i64", "need_ptr": "*i8",
+    "out_ptr": "*fp32", "key_ptr": "*bf16", "att_ptr": "*fp32",
 }  # fmt: skip
 SCALARS = {"budget": "fp32", "recent_fraction": "fp32", "new_value": "fp32", "b2": "fp32", "stride_n": "i64",
-           "stride_t": "i64", "stride_h": "i64"}  # fmt: skip  (the rest: i32)
+           "stride_t": "i64", "stride_h": "i64", "stride_d": "i64", "newest": "fp32"}  # fmt: skip  (the rest: i32)
 
 
 def compiled(kernel, **constexprs) -> str:
@@ -57,8 +58,16 @@ def refresh_and_page_copy() -> None:
     assert compiled(page_copy._paged_page_copy_kernel, BLOCK_T=16, BLOCK_D=128)
 
 
+def prompt_scores() -> None:
+    from atskv.kernels import prompt_scores
+
+    for with_inputs in (True, False):
+        assert compiled(prompt_scores._prompt_scores_kernel, ATTENTION=with_inputs, PREVIOUS=with_inputs, D=256,
+                        BLOCK_D=256, BLOCK_J=32, BLOCK_H=32)  # fmt: skip
+
+
 CHECKS = {"kept_lists_moved": lambda: kept_lists(True), "kept_lists": lambda: kept_lists(False),
-          "refresh_and_page_copy": refresh_and_page_copy}  # fmt: skip
+          "refresh_and_page_copy": refresh_and_page_copy, "prompt_scores": prompt_scores}  # fmt: skip
 
 
 @pytest.mark.parametrize("check", sorted(CHECKS))

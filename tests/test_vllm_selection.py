@@ -788,7 +788,6 @@ def test_paged_learned_reads_what_the_learned_selector_keeps(budget, window_shar
     from atskv.selectors.base import LayerView, select_top_budget
     from atskv.selectors.snapkv import window_votes
 
-    monkeypatch.setattr(learned, "ROWS_PER_PASS", 50)  # the longer prompts scored in several passes
     without = ("hidden_norm", "token_type") + (() if received else learned.RECEIVED)
     selector = PagedLearned(predictor=engine_ready_predictor(tmp_path / "predictor", layers, without),
                             window_share=window_share, window=2)  # fmt: skip
@@ -867,28 +866,29 @@ def test_each_tensor_parallel_rank_holds_the_kv_heads_vllm_gives_it(total, tp_si
 
 def test_a_tensor_parallel_shard_scores_its_kv_heads_as_the_model_does(tmp_path):
     """The learned selector on a GPU holding the model's KV head 1 of 2 (its only head there)
-    scores it as the whole model's selector scores head 1, at the prompt and in a refresh's folded
-    MLP; a shard of a model with another head count than the predictor's is a one-line error."""
+    scores it as the whole model's selector scores head 1 (its folded predictor, which the prompt's
+    ranking and a refresh run); a shard of a model with another head count than the predictor's
+    is a one-line error."""
+    from atskv.kernels.prompt_scores import prompt_scores
     from atskv.runtime.vllm.composition import build_paged_selector
     from atskv.runtime.vllm.selection import PagedLearned
 
     predictor = engine_ready_predictor(tmp_path / "predictor", (2, 3))
-    whole = PagedLearned(predictor=predictor, refresh_every=4)
+    whole = PagedLearned(predictor=predictor)
     whole.new_state(4, BLOCK, HKV, D, torch.float32, "cpu")
     shard = PagedLearned(predictor=predictor, refresh_every=4)
     shard.kv_shard = (1, HKV)
     shard.new_state(4, BLOCK, 1, D, torch.float32, "cpu")
-    from atskv.features import SCALAR_FEATURES
-
-    scalars = torch.rand(HKV, 40, len(SCALAR_FEATURES))
-    torch.testing.assert_close(shard.scores(1, scalars[1:]), whole.scores(1, scalars)[1:])
-    as_head_0 = whole.scores(1, scalars[[1, 0]])[0]  # head 1's features scored as head 0: the head matters
-    assert (as_head_0 - shard.scores(1, scalars[1:])[0]).abs().max() > 1e-4
+    keys, attention = torch.randn(HKV, 40, D), torch.rand(HKV, 40)
+    whole_scores = prompt_scores(attention, None, keys, whole.folded, 1)
+    torch.testing.assert_close(prompt_scores(attention[1:], None, keys[1:], shard.folded, 1), whole_scores[1:])
+    as_head_0 = prompt_scores(attention[1:], None, keys[1:], whole.folded, 1)  # the head matters
+    assert (as_head_0 - whole_scores[1:]).abs().max() > 1e-4
     torch.testing.assert_close(shard.folded.bias, whole.folded.bias[:, 1:])
     composed = build_paged_selector("learned+sparq", {"learned": {"predictor": predictor}})
     composed.kv_shard = (1, HKV)  # what the backend sets: the learned part must see it
     composed.new_state(4, BLOCK, 1, D, torch.float32, "cpu")
-    torch.testing.assert_close(composed.residency.scores(1, scalars[1:]), whole.scores(1, scalars)[1:])
+    torch.testing.assert_close(composed.residency.folded.bias, whole.folded.bias[:, 1:])
     other = PagedLearned(predictor=predictor)
     other.kv_shard = (0, 2 * HKV)
     with pytest.raises(InputError, match=f"scores {HKV} KV heads, this model's layers have {2 * HKV}"):

@@ -26,7 +26,7 @@ from atskv.kernels.budget import kept_tokens
 from atskv.kernels.kept_lists import list_row, list_sizes, list_slot, list_slots
 from atskv.kernels.paged import physical_slots
 
-_KERNEL_FEATURES = ("attention", "position", "log_age", "hidden_norm", "key_norm", "prev_attention")
+KERNEL_FEATURES = ("attention", "position", "log_age", "hidden_norm", "key_norm", "prev_attention")
 
 
 @dataclass(frozen=True)
@@ -122,8 +122,8 @@ def refresh_listed_scores_triton(kept, values, received, key_norm, previous, pin
                                  mlp: FoldedMLP, layer: int, width: int, block_j: int = 32,
                                  block_h: int = 128) -> None:  # fmt: skip
     """One program per (request, KV head, `block_j` entries), `block_h` hidden units at a time."""
-    if SCALAR_FEATURES != _KERNEL_FEATURES:
-        raise RuntimeError(f"the refresh kernel computes {_KERNEL_FEATURES}, atskv's features are {SCALAR_FEATURES}")
+    if SCALAR_FEATURES != KERNEL_FEATURES:
+        raise RuntimeError(f"the refresh kernel computes {KERNEL_FEATURES}, atskv's features are {SCALAR_FEATURES}")
     b, heads = block_table.shape[0], kept.shape[1]
     hidden = mlp.w.shape[1]
     grid = (b * heads, triton.cdiv(width, block_j))
@@ -135,6 +135,30 @@ def refresh_listed_scores_triton(kept, values, received, key_norm, previous, pin
         PREVIOUS=previous is not None, FEATURES=len(SCALAR_FEATURES), BLOCK_J=block_j, BLOCK_H=block_h,
         num_warps=4,
     )  # fmt: skip
+
+
+@jit
+def folded_logit(attention, pos, newest, key_norm, prev, w_ptr, bias_ptr, w2_ptr, b2, hidden,
+                 BLOCK_J: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
+    """`FoldedMLP`'s logits `[BLOCK_J]` of tokens at positions `pos` (int64) against `newest`, from
+    their attention received, key norm and previous layer's attention (`feature_columns`'
+    definitions; the hidden-state norm 0), `bias_ptr` at the (layer, KV head)'s bias row,
+    `BLOCK_H` hidden units at a time."""
+    position = pos.to(tl.float32) / tl.maximum(newest, 1.0)
+    log_age = tl.log(1.0 + tl.maximum(newest - pos.to(tl.float32), 0.0))
+    logit = tl.zeros([BLOCK_J], tl.float32) + b2
+    for start in range(0, hidden, BLOCK_H):
+        u = start + tl.arange(0, BLOCK_H)
+        used = u < hidden
+        acc = tl.zeros([BLOCK_J, BLOCK_H], tl.float32) + tl.load(bias_ptr + u, mask=used, other=0.0)[None, :]
+        # the columns in SCALAR_FEATURES order: attention, position, log_age, hidden_norm (0), key_norm, prev
+        acc += attention[:, None] * tl.load(w_ptr + 0 * hidden + u, mask=used, other=0.0)[None, :]
+        acc += position[:, None] * tl.load(w_ptr + 1 * hidden + u, mask=used, other=0.0)[None, :]
+        acc += log_age[:, None] * tl.load(w_ptr + 2 * hidden + u, mask=used, other=0.0)[None, :]
+        acc += key_norm[:, None] * tl.load(w_ptr + 4 * hidden + u, mask=used, other=0.0)[None, :]
+        acc += prev[:, None] * tl.load(w_ptr + 5 * hidden + u, mask=used, other=0.0)[None, :]
+        logit += tl.sum(tl.maximum(acc, 0.0) * tl.load(w2_ptr + u, mask=used, other=0.0)[None, :], 1)
+    return logit
 
 
 @jit
@@ -163,21 +187,8 @@ def _refresh_kernel(
             for k in range(n_heads):
                 prev += tl.load(prev_ptr + where * n_heads + k, mask=listed, other=0.0)
             prev = prev / n_heads / group / seen
-        position = pos.to(tl.float32) / tl.maximum(newest, 1.0)
-        log_age = tl.log(1.0 + tl.maximum(newest - pos.to(tl.float32), 0.0))
         key_norm = tl.load(norm_ptr + where * n_heads + h, mask=listed, other=0.0)
-        logit = tl.zeros([BLOCK_J], tl.float32) + b2
-        for start in range(0, hidden, BLOCK_H):
-            u = start + tl.arange(0, BLOCK_H)
-            used = u < hidden
-            acc = tl.zeros([BLOCK_J, BLOCK_H], tl.float32) + tl.load(bias_ptr + h * hidden + u, mask=used,
-                                                                      other=0.0)[None, :]  # fmt: skip
-            # the columns in SCALAR_FEATURES order: attention, position, log_age, hidden_norm (0), key_norm, prev
-            acc += attention[:, None] * tl.load(w_ptr + 0 * hidden + u, mask=used, other=0.0)[None, :]
-            acc += position[:, None] * tl.load(w_ptr + 1 * hidden + u, mask=used, other=0.0)[None, :]
-            acc += log_age[:, None] * tl.load(w_ptr + 2 * hidden + u, mask=used, other=0.0)[None, :]
-            acc += key_norm[:, None] * tl.load(w_ptr + 4 * hidden + u, mask=used, other=0.0)[None, :]
-            acc += prev[:, None] * tl.load(w_ptr + 5 * hidden + u, mask=used, other=0.0)[None, :]
-            logit += tl.sum(tl.maximum(acc, 0.0) * tl.load(w2_ptr + u, mask=used, other=0.0)[None, :], 1)
+        logit = folded_logit(attention, pos, newest, key_norm, prev, w_ptr, bias_ptr + h * hidden, w2_ptr, b2, hidden,
+                             BLOCK_J, BLOCK_H)  # fmt: skip
         pinned = tl.load(pin_ptr + where * n_heads + h, mask=listed, other=0) != 0
         tl.store(val_ptr + at * n_heads + h, tl.where(pinned, float("inf"), logit), mask=listed)

@@ -14,7 +14,9 @@ attention received too (`[attention, prev_attention]` added) spares the prompt t
 second QK pass over it.
 
 Each prefill chunk scores the request's tokens so far and keeps its top budget (the last chunk's
-list stands, as the end of a dense prefill leaves it); a decode step keeps the tokens generated
+list stands, as the end of a dense prefill leaves it), the predictor folded once
+(`atskv.kernels.listed_refresh.fold_mlp`) and run over the prompt in one kernel a layer
+(`atskv.kernels.prompt_scores`); a decode step keeps the tokens generated
 since (their score waits at +inf) and drops the lowest-scored prompt token when the budget did not
 grow. That is atskv's `learned` (with its `window_share`, without a threshold) with
 `refresh_every` above the tokens generated, unless `refresh_every` is set: then every that many
@@ -33,11 +35,11 @@ from typing import ClassVar
 import torch
 
 from atskv.errors import InputError
-from atskv.features import feature_columns
 from atskv.kernels.budget import kept_count
 from atskv.kernels.kept_lists import by_head
 from atskv.kernels.listed_refresh import fold_mlp, refresh_listed_scores
 from atskv.kernels.paged import physical_slots
+from atskv.kernels.prompt_scores import prompt_scores
 from atskv.runtime.vllm.batch import PromptChunk
 from atskv.runtime.vllm.heavy_hitters import KeptLists, check_prompt_sample, chunk_mass, compacted_unread_blocks
 from atskv.runtime.vllm.prompt_ranks import window_votes
@@ -46,7 +48,6 @@ from atskv.runtime.vllm.protocol import PagedSelector
 UNSEEN = ("hidden", "hidden_norm", "token_type")  # inputs an attention backend cannot compute
 RECEIVED = ("attention", "prev_attention")  # the inputs the prompt's received mass is computed for
 WITHOUT = ("hidden_norm", "token_type")  # `RelevanceMLP(without=...)` for them, beside reduced_width 0
-ROWS_PER_PASS = 1 << 16
 
 
 @functools.lru_cache(maxsize=4)
@@ -134,13 +135,10 @@ class PagedLearned(PagedSelector):
         first, total = self.kv_shard or (0, kv_heads)
         if (heads := self.loaded.header.feature_spec.num_kv_heads) != total:
             raise InputError(f"atskv: the predictor scores {heads} KV heads, this model's layers have {total}")
-        self.loaded.mlp.to(device)
-        self.predictor_heads = torch.arange(first, first + kv_heads, device=device)  # the index it scores each by
-        if not self.refresh_every:
-            return KeptLists.empty(num_blocks * block_size, kv_heads, device)
-        folded = fold_mlp(self.loaded.mlp)  # here, before any CUDA graph is captured
+        folded = fold_mlp(self.loaded.mlp.to(device))  # here, before any CUDA graph is captured
         self.folded = replace(folded, bias=folded.bias[:, first : first + kv_heads].contiguous())
-        return LearnedLists.empty(num_blocks * block_size, kv_heads, device)
+        lists = LearnedLists if self.refresh_every else KeptLists
+        return lists.empty(num_blocks * block_size, kv_heads, device)
 
     def after_write(self, state, key, slot_mapping, block_size: int) -> None:
         """With a refresh: a written slot's key norm, its received mass and pin restarting there."""
@@ -162,23 +160,16 @@ class PagedLearned(PagedSelector):
             mass = state.add_prompt_mass(chunk_mass(chunk, keys, self.prompt_sample), chunk.queries.shape[0], chunk)
         if not chunk.last:  # a list ranked now would be ranked again before any decode reads it
             return
-        heads = keys.shape[0]
-        position = torch.arange(length, device=keys.device, dtype=torch.float32)
+        heads, index = keys.shape[0], self.managed[chunk.layer]
+        attention = prev = None  # the columns the predictor does not read (zeros)
         if self.scores_mass:  # the mean over the group's heads and the queries that could see each token
+            position = torch.arange(length, device=keys.device, dtype=torch.float32)
             attention = mass / (chunk.queries.shape[1] // heads) / (length - position)
-        else:  # columns the predictor does not read
-            attention = torch.zeros(heads, length, device=keys.device)
-        previous = chunk.step.get((self.name, chunk.row))  # the layer before's (layer, attention by position)
-        index = self.managed[chunk.layer]
-        if index == 0 or previous is None or previous[0] >= chunk.layer:
-            prev = torch.zeros(length, device=keys.device)
-        else:
-            prev = previous[1]
-        chunk.step[(self.name, chunk.row)] = (chunk.layer, attention.mean(0))
-        newest = torch.full((), length - 1.0, device=keys.device)  # a fill: a host tensor's copy would sync
-        scalars = feature_columns(attention, position.expand(heads, -1), newest, torch.zeros_like(attention),
-                                  keys.float().norm(dim=-1), prev.expand(heads, -1))  # fmt: skip
-        scores = self.scores(index, scalars)
+            previous = chunk.step.get((self.name, chunk.row))  # the layer before's (layer, attention by position)
+            if index > 0 and previous is not None and previous[0] < chunk.layer:
+                prev = previous[1]
+            chunk.step[(self.name, chunk.row)] = (chunk.layer, attention.mean(0))
+        scores = prompt_scores(attention, prev, keys, self.folded, index)
         if self.window_share > 0:
             pins = self.pinned(chunk)
             scores.scatter_(1, pins, torch.inf)
@@ -199,24 +190,6 @@ class PagedLearned(PagedSelector):
         votes = window_votes(chunk.queries[-w:], chunk.keys, length, chunk.scaling, self.kernel)
         votes[:, length - w :] = torch.inf
         return votes.topk(min(math.ceil(self.window_share * kept_count(chunk.budget, length)), length), dim=-1).indices
-
-    def scores(self, index: int, scalars: torch.Tensor) -> torch.Tensor:
-        """The predictor's logits `[Hkv, L]` of managed layer `index` from `scalars` `[Hkv, L, F]`,
-        `ROWS_PER_PASS` (token, KV head) rows at a time (its hidden units, 3 KB a row at the default
-        width, would be gigabytes for a 128K prompt at once)."""
-        mlp = self.loaded.mlp
-        heads, length, _ = scalars.shape
-        rows = scalars.reshape(heads * length, -1)
-        head = self.predictor_heads.repeat_interleave(length)
-        logits = []
-        with torch.no_grad():
-            for start in range(0, rows.shape[0], ROWS_PER_PASS):
-                part = slice(start, start + ROWS_PER_PASS)
-                n = rows[part].shape[0]
-                logits.append(mlp.score(rows.new_zeros(n, 0).to(mlp.dtype), rows[part],
-                                        torch.zeros(n, dtype=torch.long, device=rows.device),
-                                        torch.full((n,), index, device=rows.device), head[part]))  # fmt: skip
-        return torch.cat(logits).float().view(heads, length)
 
     def pick(self, query, kv_heads: int, state: KeptLists, block_table, seq_lens, block_size: int,
              budget: int | float, step: dict | None = None):  # fmt: skip

@@ -1,0 +1,85 @@
+"""The learned selector's prompt ranking inside vLLM: every token of a request's prompt scored by
+the predictor at the prompt's end, in one kernel a layer. The torch form (feature columns, then the
+MLP's batch norm, concatenated embeddings, two matmuls and a ReLU, in passes that bound its
+hidden units' memory) took ~100 kernels and ~8 ms a layer at 128K on an H100, beside the prompt
+mass it scores.
+
+A program takes one KV head and a block of positions: the features by `feature_columns`'
+definitions (attention received, position and age against the newest token, the key's norm from
+the keys themselves, the previous managed layer's attention; the hidden-state norm 0), then the
+folded MLP (`atskv.kernels.listed_refresh.FoldedMLP`, whose `folded_logit` the refresh kernel
+shares)."""
+
+from __future__ import annotations
+
+import torch
+
+from atskv.features import SCALAR_FEATURES, feature_columns
+from atskv.kernels.backend import jit, tl, triton, use_triton
+from atskv.kernels.listed_refresh import KERNEL_FEATURES, FoldedMLP, folded_logit
+
+
+def prompt_scores(attention: torch.Tensor | None, previous: torch.Tensor | None, keys: torch.Tensor,
+                  mlp: FoldedMLP, layer: int) -> torch.Tensor:  # fmt: skip
+    """Logits `[Hkv, L]` of a prompt's `L` tokens for managed layer `layer` from their `keys`
+    `[Hkv, L, D]` (any strides), the attention each received `[Hkv, L]` (None: the predictor reads
+    none) and the previous managed layer's `[L]` (None: the first, or none read)."""
+    if use_triton(keys):
+        return prompt_scores_triton(attention, previous, keys, mlp, layer)
+    return prompt_scores_reference(attention, previous, keys, mlp, layer)
+
+
+def prompt_scores_reference(attention, previous, keys, mlp: FoldedMLP, layer: int) -> torch.Tensor:
+    heads, length, _ = keys.shape
+    position = torch.arange(length, device=keys.device, dtype=torch.float32)
+    newest = torch.full((), length - 1.0, device=keys.device)  # a fill: a host scalar's copy would sync
+    zeros = torch.zeros(length, device=keys.device)
+    logits = []
+    for h in range(heads):  # a head at a time: the hidden units of every (head, token) at 128K are gigabytes
+        columns = feature_columns(zeros if attention is None else attention[h], position, newest, zeros,
+                                  keys[h].float().norm(dim=-1), zeros if previous is None else previous)  # fmt: skip
+        logits.append(torch.relu(columns @ mlp.w + mlp.bias[layer, h]) @ mlp.w2 + mlp.b2)
+    return torch.stack(logits)
+
+
+def prompt_scores_triton(attention, previous, keys, mlp: FoldedMLP, layer: int, block_j: int = 32,
+                         block_h: int = 32) -> torch.Tensor:  # fmt: skip
+    """One program per (KV head, `block_j` positions), `block_h` hidden units at a time."""
+    if SCALAR_FEATURES != KERNEL_FEATURES:
+        raise RuntimeError(f"the prompt kernel computes {KERNEL_FEATURES}, atskv's features are {SCALAR_FEATURES}")
+    heads, length, dim = keys.shape
+    out = torch.empty(heads, length, device=keys.device, dtype=torch.float32)
+    hidden = mlp.w.shape[1]
+    _prompt_scores_kernel[(heads, triton.cdiv(length, block_j))](
+        out, keys, out if attention is None else attention.float().contiguous(),
+        out if previous is None else previous.float().contiguous(), mlp.w, mlp.bias[layer], mlp.w2, mlp.b2,
+        float(length - 1), length, hidden, keys.stride(0), keys.stride(1), keys.stride(2),
+        ATTENTION=attention is not None, PREVIOUS=previous is not None, D=dim, BLOCK_D=triton.next_power_of_2(dim),
+        BLOCK_J=block_j, BLOCK_H=block_h, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+@jit
+def _prompt_scores_kernel(
+    out_ptr, key_ptr, att_ptr, prev_ptr, w_ptr, bias_ptr, w2_ptr, b2, newest, length, hidden, stride_h, stride_t,
+    stride_d,
+    ATTENTION: tl.constexpr, PREVIOUS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    h = tl.program_id(0).to(tl.int64)
+    pos = tl.program_id(1).to(tl.int64) * BLOCK_J + tl.arange(0, BLOCK_J).to(tl.int64)
+    valid = pos < length
+    d = tl.arange(0, BLOCK_D)
+    key = tl.load(key_ptr + h * stride_h + pos[:, None] * stride_t + d[None, :] * stride_d,
+                  mask=valid[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)  # fmt: skip
+    key_norm = tl.sqrt(tl.sum(key * key, 1))
+    attention = tl.zeros([BLOCK_J], tl.float32)
+    if ATTENTION:
+        attention = tl.load(att_ptr + h * length + pos, mask=valid, other=0.0)
+    prev = tl.zeros([BLOCK_J], tl.float32)
+    if PREVIOUS:
+        prev = tl.load(prev_ptr + pos, mask=valid, other=0.0)
+    logit = folded_logit(attention, pos, newest, key_norm, prev, w_ptr, bias_ptr + h * hidden, w2_ptr, b2, hidden,
+                         BLOCK_J, BLOCK_H)  # fmt: skip
+    tl.store(out_ptr + h * length + pos, logit, mask=valid)
