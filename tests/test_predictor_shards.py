@@ -1,6 +1,7 @@
 import json
 import os
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,6 +98,26 @@ def test_kill_loses_no_finished_shard_and_lists_no_partial(tmp_path, monkeypatch
     assert ds.keys == ["window-0", "window-1"]
     assert_rows_equal(ds[3], rows_of(unit(2, 1))[0])
     assert_rows_equal(ds[0], rows_of(unit(3, 0))[0])
+
+
+def test_a_kill_inside_safetensors_write_leaves_nothing_after_a_resume(tmp_path, monkeypatch):
+    """safetensors' `save_file` writes through a `.tmpXXXXXX` file of its own and renames it: a
+    process killed there (a collection's rank ended with its group) leaves that file behind."""
+    ShardWriter(tmp_path, META).write("window-0", unit(3, 0))
+    writer = ShardWriter(tmp_path, META)
+
+    def killed(tensors, path, metadata=None):
+        (Path(path).parent / ".tmpK1ll3d").write_bytes(b"partial")
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(shards, "save_file", killed)
+    with pytest.raises(KeyboardInterrupt):
+        writer.write("window-1", unit(2, 1))
+    monkeypatch.undo()
+    resumed = ShardWriter(tmp_path, META)
+    assert {p.name for p in tmp_path.iterdir()} == {MANIFEST, "shard-0.safetensors"}
+    resumed.write("window-1", unit(2, 1))
+    assert ShardDataset(tmp_path).keys == ["window-0", "window-1"]
 
 
 def test_meta_mismatch_refused_unless_empty(tmp_path):

@@ -239,11 +239,14 @@ class ShardWriter:
             )
 
     def _remove_leftovers(self) -> None:
-        """Delete temporary files and shards a killed run wrote but never listed."""
+        """Delete temporary files and shards a killed run wrote but never listed (temporary: ours,
+        `*.tmp`, and safetensors' own, `.tmpXXXXXX`, which `save_file` writes through)."""
         listed = {s["file"] for s in self._shards}
         for path in self.folder.iterdir():
-            stray = path.name.endswith(_TMP_SUFFIX) or (
-                _SHARD_NAME.fullmatch(path.name) and path.name not in listed
+            stray = (
+                path.name.endswith(_TMP_SUFFIX)
+                or path.name.startswith(_TMP_SUFFIX)
+                or (_SHARD_NAME.fullmatch(path.name) and path.name not in listed)
             )
             if stray and path.is_file():
                 path.unlink()
