@@ -335,6 +335,28 @@ def test_the_top_plot_holds_the_rows_near_their_own_dense():
 
 
 
+def test_the_plot_draws_each_environments_dense_beside_its_rows(tmp_path, monkeypatch):
+    """atskv's dense, vanilla vLLM's (the plugin's rows' baseline) and kvpress's own, each a
+    horizontal line of its own, labelled; a method's line over the ratios beside them."""
+    import matplotlib.figure
+
+    grid = Grid((4096,), (0.5, 0.9), ("learned", "vllm:learned", "kvpress:p"), ("qa",), (0,))
+
+    def at(method, ratio, mean):
+        return leaderboard.Summary(4096, method, ratio, (0,), (mean,), mean, 0.0, {"qa": mean})
+
+    summaries = [at("dense", None, 0.5), at("vllm", None, 0.55), at("kvpress:none", None, 0.3),
+                 at("learned", 0.5, 0.4), at("learned", 0.9, 0.3), at("vllm:learned", 0.5, 0.45)]  # fmt: skip
+    figures, save = [], matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda self, *a, **k: figures.append(self) or save(self, *a, **k))  # fmt: skip
+    leaderboard.plot(summaries, grid, "m", tmp_path / "plot.png")
+    ax = figures[0].axes[0]
+    flat = {line.get_label(): line.get_ydata()[0] for line in ax.get_lines() if len(set(line.get_ydata())) == 1
+            and line.get_label().endswith(("dense", "(dense)"))}  # fmt: skip
+    assert flat == pytest.approx({"dense": 50.0, "vllm (dense)": 55.0, "kvpress:none (dense)": 30.0})
+
+
 def test_the_table_marks_each_ratios_top_and_breaks_the_rows_near_dense_down_by_task():
     """Ties at the printed precision are all bold; a per-task table shows what a mean hides: two rows
     at 50 points, one from task a, the other from task b."""

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from atskv.eval.leaderboard.grid import Cell, Grid, own_dense
+from atskv.eval.leaderboard.grid import KVPRESS_DENSE, VLLM_DENSE, Cell, Grid, own_dense
 from atskv.eval.method import DENSE, KVPRESS, Method
 from atskv.eval.report import write_report
 
@@ -115,11 +115,16 @@ def _task_table(at: Mapping, grid: Grid, model: str, context: int, methods: Sequ
     return "\n".join(lines)
 
 
+DENSE_LINES = {DENSE: {"color": "black", "linestyle": "--"}, VLLM_DENSE: {"color": "dimgrey", "linestyle": "-."},
+               KVPRESS_DENSE: {"color": "dimgrey", "linestyle": ":"}}  # fmt: skip
+
+
 def plot(
     summaries: Sequence[Summary], grid: Grid, model: str, path: Path, methods: Sequence[str] | None = None
 ) -> None:
     """Score against compression ratio, one panel per context, one line per method (kvpress's
-    dotted; std over seeds as error bars), dense as a horizontal line. Ratios sit evenly spaced,
+    dotted; std over seeds as error bars), dense as a horizontal line (and vanilla vLLM's and
+    kvpress's own, where their rows ran). Ratios sit evenly spaced,
     in order: the grid's 0.875 and 0.9 would overlap on a linear axis. A context where no row has
     every task gets no panel. `methods`: only these (colours as in the full plot), on a y axis
     fitted to them rather than 0-100."""
@@ -132,8 +137,9 @@ def plot(
     contexts = [c for c in grid.contexts if any(s.context == c for s in summaries)] or list(grid.contexts)
     fig = Figure(figsize=(4.5 * len(contexts) + 2.5, 4.2), layout="constrained")
     for ax, context in zip(fig.subplots(1, len(contexts), squeeze=False)[0], contexts):
-        if (dense := at.get((context, DENSE, None))) is not None:
-            ax.axhline(100 * dense.mean, color="black", linestyle="--", label=DENSE)
+        for name, style in DENSE_LINES.items():  # each environment's full-KV run its rows are measured against
+            if (dense := at.get((context, name, None))) is not None:
+                ax.axhline(100 * dense.mean, label=name if name == DENSE else f"{name} (dense)", **style)
         for method in methods if methods is not None else grid.methods:
             points = [(r, at[context, method, r]) for r in grid.ratios if (context, method, r) in at]
             if points:
