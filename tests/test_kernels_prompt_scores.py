@@ -56,7 +56,7 @@ def test_the_reference_scores_a_prompt_as_the_predictor_does(mlp, received):
 
 
 @pytest.mark.parametrize("length", [1, 31, 32, 77])
-@pytest.mark.parametrize("dim", [64, 48])
+@pytest.mark.parametrize("dim", [64, 48, 256])  # 256: Gemma 3's head size
 @pytest.mark.parametrize("received, with_previous", [(True, True), (True, False), (False, False)])
 def test_the_kernel_scores_a_prompt_as_its_reference(mlp, length, dim, received, with_previous):
     keys, attention, previous = inputs(length, dim, seed=length + dim)
