@@ -161,3 +161,19 @@ def run_cli(args: list[str]) -> int:
     except SystemExit as stop:
         return int(stop.code or 0)
     return 0
+
+
+@pytest.fixture(scope="module")
+def engine_mlp(tmp_path_factory):
+    """A random predictor of the SmolLM2 shape (3 KV heads) that reads what the vLLM plugin shows
+    it, in eval mode, its batch-norm statistics away from 0 / 1 so that folding them matters: the
+    folded-MLP kernels' tests score with it."""
+    from atskv.eval.vllm_speed import random_engine_predictor
+    from atskv.predictor.export import load_predictor
+
+    folder = random_engine_predictor("smollm2-135m-shape", 2, tmp_path_factory.mktemp("p") / "p")
+    loaded = load_predictor(folder).mlp.eval()
+    with torch.no_grad():
+        loaded.scalar_norm.running_mean.uniform_(-1, 1)
+        loaded.scalar_norm.running_var.uniform_(0.5, 2)
+    return loaded

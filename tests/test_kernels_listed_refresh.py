@@ -24,26 +24,13 @@ BLOCK, HKV, GROUP = 4, 3, 3
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(scope="module")
-def mlp(tmp_path_factory):
-    from atskv.eval.vllm_speed import random_engine_predictor
-    from atskv.predictor.export import load_predictor
-
-    folder = random_engine_predictor("smollm2-135m-shape", 2, tmp_path_factory.mktemp("p") / "p")
-    loaded = load_predictor(folder).mlp.eval()
-    with torch.no_grad():  # batch-norm statistics away from 0 / 1, so that folding them matters
-        loaded.scalar_norm.running_mean.uniform_(-1, 1)
-        loaded.scalar_norm.running_var.uniform_(0.5, 2)
-    return loaded
-
-
-def test_the_folded_mlp_scores_as_the_predictor(mlp):
-    folded = fold_mlp(mlp)
-    n, layers = 50, mlp.spec.num_layers
+def test_the_folded_mlp_scores_as_the_predictor(engine_mlp):
+    folded = fold_mlp(engine_mlp)
+    n, layers = 50, engine_mlp.spec.num_layers
     scalars = torch.randn(n, len(SCALAR_FEATURES))
-    layer, head = torch.randint(0, layers, (n,)), torch.randint(0, mlp.spec.num_kv_heads, (n,))
+    layer, head = torch.randint(0, layers, (n,)), torch.randint(0, engine_mlp.spec.num_kv_heads, (n,))
     with torch.no_grad():
-        want = mlp.score(scalars.new_zeros(n, 0), scalars, torch.zeros(n, dtype=torch.long), layer, head)
+        want = engine_mlp.score(scalars.new_zeros(n, 0), scalars, torch.zeros(n, dtype=torch.long), layer, head)
     got = torch.relu(scalars @ folded.w + folded.bias[layer, head]) @ folded.w2 + folded.b2
     torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-4)
 
@@ -71,14 +58,14 @@ def state(lengths, prompts, width_blocks, budget, seed):
 
 @pytest.mark.parametrize("budget", [6, 0.3])
 @pytest.mark.parametrize("layer, previous", [(0, False), (5, True)])
-def test_the_refresh_kernel_matches_its_reference(mlp, budget, layer, previous):
+def test_the_refresh_kernel_matches_its_reference(engine_mlp, budget, layer, previous):
     lengths = [37, 0, 60, 20, 50]  # prompts below: 37 - 29 = 8 and 60 - 28 = 32 due at every 8 steps
     prompts = [29, 0, 28, 19, 50]  # 20 - 19 = 1: not due; 50 - 50 = 0: still in its prompt
     kept, values, received, key_norm, pinned, prompt_len, table = state(lengths, prompts, 16, budget, seed=layer)
     prev = torch.rand_like(received) if previous else None
     seq_lens = torch.tensor(lengths, dtype=torch.int32)
     width = min(16 * BLOCK, math.ceil(budget * 16 * BLOCK) + 1 if isinstance(budget, float) else budget + 1)
-    folded = fold_mlp(mlp)
+    folded = fold_mlp(engine_mlp)
     want = values.clone()
     args = (kept, received, key_norm, prev, pinned, prompt_len, table, seq_lens, BLOCK, budget, 8, GROUP, folded,
             layer, width)  # fmt: skip

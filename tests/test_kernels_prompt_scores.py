@@ -13,21 +13,8 @@ from atskv.features import feature_columns
 from atskv.kernels.listed_refresh import fold_mlp
 from atskv.kernels.prompt_scores import prompt_scores_reference, prompt_scores_triton
 
-HKV = 3
+HKV = 3  # the KV heads of `engine_mlp` (the SmolLM2 shape)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture(scope="module")
-def mlp(tmp_path_factory):
-    from atskv.eval.vllm_speed import random_engine_predictor
-    from atskv.predictor.export import load_predictor
-
-    folder = random_engine_predictor("smollm2-135m-shape", 2, tmp_path_factory.mktemp("p") / "p")
-    loaded = load_predictor(folder).mlp.eval()
-    with torch.no_grad():  # batch-norm statistics away from 0 / 1, so that folding them matters
-        loaded.scalar_norm.running_mean.uniform_(-1, 1)
-        loaded.scalar_norm.running_var.uniform_(0.5, 2)
-    return loaded
 
 
 def inputs(length: int, dim: int, seed: int):
@@ -39,18 +26,18 @@ def inputs(length: int, dim: int, seed: int):
 
 
 @pytest.mark.parametrize("received", [True, False])
-def test_the_reference_scores_a_prompt_as_the_predictor_does(mlp, received):
+def test_the_reference_scores_a_prompt_as_the_predictor_does(engine_mlp, received):
     length, layer = 50, 1
     keys, attention, previous = inputs(length, 64, seed=0)
     got = prompt_scores_reference(attention if received else None, previous if received else None, keys,
-                                  fold_mlp(mlp), layer)  # fmt: skip
+                                  fold_mlp(engine_mlp), layer)  # fmt: skip
     zeros = torch.zeros(HKV, length)
     position = torch.arange(length).float().expand(HKV, -1)
     columns = feature_columns(attention if received else zeros, position, torch.tensor(length - 1.0), zeros,
                               keys.norm(dim=-1), previous.expand(HKV, -1) if received else zeros)  # fmt: skip
     n = HKV * length
     with torch.no_grad():
-        want = mlp.score(columns.new_zeros(n, 0), columns.reshape(n, -1), torch.zeros(n, dtype=torch.long),
+        want = engine_mlp.score(columns.new_zeros(n, 0), columns.reshape(n, -1), torch.zeros(n, dtype=torch.long),
                          torch.full((n,), layer), torch.arange(HKV).repeat_interleave(length))  # fmt: skip
     torch.testing.assert_close(got, want.float().view(HKV, length), rtol=1e-4, atol=1e-4)
 
@@ -58,9 +45,9 @@ def test_the_reference_scores_a_prompt_as_the_predictor_does(mlp, received):
 @pytest.mark.parametrize("length", [1, 31, 32, 77])
 @pytest.mark.parametrize("dim", [64, 48, 256])  # 256: Gemma 3's head size
 @pytest.mark.parametrize("received, with_previous", [(True, True), (True, False), (False, False)])
-def test_the_kernel_scores_a_prompt_as_its_reference(mlp, length, dim, received, with_previous):
+def test_the_kernel_scores_a_prompt_as_its_reference(engine_mlp, length, dim, received, with_previous):
     keys, attention, previous = inputs(length, dim, seed=length + dim)
-    folded = fold_mlp(mlp.to(DEVICE))
+    folded = fold_mlp(engine_mlp.to(DEVICE))
     args = (attention.to(DEVICE) if received else None, previous.to(DEVICE) if with_previous else None,
             keys.to(DEVICE).to(torch.bfloat16))  # fmt: skip
     for layer in (0, 1):

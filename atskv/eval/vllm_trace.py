@@ -305,6 +305,7 @@ def plot(rows: Path, path: Path) -> None:
     speed.legend(fontsize="small", loc="upper left" if bars else "best")
     fig.savefig(path, dpi=120)
 
+
 if __name__ == "__main__":
     spec = EngineSpec(**json.loads(Path(sys.argv[1]).read_text()))
     run_traces(spec, [Trace(**t) for t in json.loads(Path(sys.argv[2]).read_text())], Path(sys.argv[3]))

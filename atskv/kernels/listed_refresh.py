@@ -38,6 +38,11 @@ class FoldedMLP:
     w2: torch.Tensor  # [H] float32
     b2: float
 
+    def logits(self, columns: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """In torch (the kernels' references): logits of feature `columns` `[..., F]` with `bias`
+        (rows of `self.bias`) broadcast against their hidden units `[..., H]`."""
+        return torch.relu(columns @ self.w + bias) @ self.w2 + self.b2
+
 
 def fold_mlp(mlp) -> FoldedMLP:
     """The folded form of an eval-mode `RelevanceMLP` that reads no projected hidden state and no
@@ -102,8 +107,7 @@ def refresh_listed_scores_reference(kept, values, received, key_norm, previous, 
     b, heads = block_table.shape[0], kept.shape[1]
     columns, at, where = listed_features(kept, received, key_norm, previous, block_table, seq_lens, block_size,
                                          group, width)  # fmt: skip
-    hidden = torch.relu(columns @ mlp.w + mlp.bias[layer].view(1, heads, 1, -1))
-    logits = hidden @ mlp.w2 + mlp.b2
+    logits = mlp.logits(columns, mlp.bias[layer].view(1, heads, 1, -1))
     head = torch.arange(heads, device=kept.device).view(1, -1, 1)
     logits = torch.where(pinned[where, head], torch.inf, logits)
     context = seq_lens.long().view(b, 1, 1)

@@ -38,7 +38,7 @@ def prompt_scores_reference(attention, previous, keys, mlp: FoldedMLP, layer: in
     for h in range(heads):  # a head at a time: the hidden units of every (head, token) at 128K are gigabytes
         columns = feature_columns(zeros if attention is None else attention[h], position, newest, zeros,
                                   keys[h].float().norm(dim=-1), zeros if previous is None else previous)  # fmt: skip
-        logits.append(torch.relu(columns @ mlp.w + mlp.bias[layer, h]) @ mlp.w2 + mlp.b2)
+        logits.append(mlp.logits(columns, mlp.bias[layer, h]))
     return torch.stack(logits)
 
 
