@@ -366,7 +366,8 @@ class ProfiledLLM:
     def __init__(self, **arguments):
         self.folder = arguments["profiler_config"]["torch_profiler_dir"]
         self.log, self.profiled = [], None
-        self.llm_engine = SimpleNamespace()
+        scheduler = SimpleNamespace(max_num_batched_tokens=512)  # vLLM's chunk: a step's tokens
+        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(scheduler_config=scheduler))
 
     def generate(self, batch, params, use_tqdm):
         self.log.append(f"generate {len(batch)}x{params.max_tokens}")
@@ -385,8 +386,9 @@ class ProfiledLLM:
 @pytest.mark.parametrize("prefill", [False, True])
 def test_a_prefill_profile_runs_each_batch_again_after_its_timed_row(monkeypatch, tmp_path, prefill):
     """`profile_prefill`: after a batch's row is written (its timing unprofiled), the same prompts
-    run once more with one new token each under the profiler, the table kept as
-    LABEL.CONTEXTxBATCH.prefill.txt beside the decode steps' LABEL.CONTEXTxBATCH.txt."""
+    run once more under the profiler with a new token for each of the prefill's steps (three
+    chunks of 512: the requests past their prompt decode beside the next chunk, as when timed),
+    the table kept as LABEL.CONTEXTxBATCH.prefill.txt beside the decode steps' LABEL.CONTEXTxBATCH.txt."""
     engines = []
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=lambda **a: engines.append(ProfiledLLM(**a))
                                                                or engines[-1]))  # fmt: skip
@@ -412,8 +414,8 @@ def test_a_prefill_profile_runs_each_batch_again_after_its_timed_row(monkeypatch
     assert (profile / "v.512x3.txt").read_text() == "decode steps"
     assert [json.loads(line)["kind"] for line in rows.read_text().splitlines()] == ["speed"]
     if prefill:
-        assert (profile / "v.512x3.prefill.txt").read_text() == "generate 3x1", "the same batch, one token each"
-        assert log[-2:] == ["timed 3x4", "generate 3x1"], "profiled after the timed run, not during it"
+        assert (profile / "v.512x3.prefill.txt").read_text() == "generate 3x3", "the same batch, a token a step"
+        assert log[-2:] == ["timed 3x4", "generate 3x3"], "profiled after the timed run, not during it"
     else:
         assert not (profile / "v.512x3.prefill.txt").exists() and log[-1] == "timed 3x4"
 

@@ -9,9 +9,9 @@ the context the engine's KV blocks hold. With `identity_tokens`, each method als
 greedy tokens on fixed prompts, to compare with vanilla vLLM's. With `profile_dir`, the last
 `PROFILE_STEPS` full-batch decode steps (not timed) run under vLLM's torch profiler, whose table
 of CUDA time by kernel is kept there as `LABEL.CONTEXTxBATCH.txt`: where a step's time goes,
-vanilla and plugin alike; with `profile_prefill` too, each batch's prefill, run again after its
-row, as `LABEL.CONTEXTxBATCH.prefill.txt`: where the time to first token goes. Rows are
-appended to a JSON-lines file as they finish; a rerun skips those there.
+vanilla and plugin alike; with `profile_prefill` too, each batch's prefill (its mixed steps
+too), run again after its row, as `LABEL.CONTEXTxBATCH.prefill.txt`: where the time to first
+token goes. Rows are appended to a JSON-lines file as they finish; a rerun skips those there.
 
     python -m atskv.eval.vllm_speed SPEC.json ROWS.jsonl    (one method: what `measure` starts)
 """
@@ -256,10 +256,18 @@ def run_engine(spec: EngineSpec, rows: Path) -> None:
         emit({"kind": "speed", "context": requested, "tokens_in_prompt": context, "batch": batch,
               "requests_held": kv_tokens / (context + spec.new_tokens), **timing})  # fmt: skip
         if spec.profile_dir and spec.profile_prefill:  # after the row: the timings above are the unprofiled ones
-            llm.start_profile()
-            greedy_tokens(llm, batch_prompts, 1)
+            llm.start_profile()  # as many new tokens as the prefill takes steps: its mixed steps' decodes ride along
+            greedy_tokens(llm, batch_prompts, prefill_steps(llm.llm_engine, context * batch))
             llm.stop_profile()
             keep_profile_table(spec, f"{stem}.prefill.txt")
+
+
+def prefill_steps(engine, prompt_tokens: int) -> int:
+    """The scheduler steps a batch's prompts take (vLLM's chunk, `max_num_batched_tokens`, a step): a
+    profiled prefill that generates this many tokens has the timed one's mixed steps, in which the
+    requests already past their prompt decode beside the next chunk."""
+    chunk = engine.vllm_config.scheduler_config.max_num_batched_tokens
+    return max(1, -(-prompt_tokens // chunk))
 
 
 def keep_profile_table(spec: EngineSpec, name: str) -> None:
