@@ -89,6 +89,38 @@ def test_a_recomputes_outputs_are_read_as_their_decode_steps_read(selector, budg
         assert all(torch.equal(a, b) for a, b in zip(vars(state).values(), vars(stepped).values()))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("selector", [PagedH2O(), PagedStreamingLLM()])
+def test_a_recomputes_reads_never_wait_for_the_gpu(selector):
+    """The reads of tokens past a prompt (a prompt's tail after the chunk that ranked it, a
+    recompute's outputs) run in a mixed step's eager forward, once a wave and layer: a host sync
+    there stalls the CPU until the GPU drains and leaves the GPU idle while the rest of the layer's
+    Python runs (a 50-token tail cost ~0.9 s a step at the 8B shape, H100). Under CUDA's sync debug
+    mode any sync is an error; the reads' tensors are made once a forward (the second layer's here)."""
+    budget, device = 20, torch.device("cuda")
+    _, cache, prompts, state = observed(selector, budget)
+    state = None if state is None else type(state)(*(t.to(device) for t in vars(state).values()))
+    rows = len(prompts)
+    tokens = torch.randn(rows * GENERATED, HQ, D, device=device)
+    past = [(r, r * GENERATED, (r + 1) * GENERATED, prompt) for r, prompt in enumerate(prompts)]
+    kv_cache, output = cache.kv_cache.to(device), torch.zeros(rows * GENERATED, HQ * D, device=device)
+    impl = backend(selector, state, budget=budget)
+
+    def forward(layers: int) -> None:
+        metadata = SimpleNamespace(atskv_past_rows=past, block_table=cache.block_table.to(device),
+                                   seq_lens=torch.tensor(cache.lengths, dtype=torch.int32, device=device))  # fmt: skip
+        for _ in range(layers):
+            impl.read_past_prompts(tokens, kv_cache, metadata, output)
+
+    forward(2)  # kernels compiled, pinned memory cached
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        forward(2)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.parametrize("free_blocks, known", [(True, True), (True, False), (False, True)])
 def test_a_prompts_last_chunk_is_compacted_where_free_blocks_asks_and_the_prompts_are_known(free_blocks, known):
     """The backend's prompt observation hands H2O the layer's keys and values and asks for the

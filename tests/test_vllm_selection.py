@@ -456,6 +456,20 @@ def test_a_prompts_end_and_a_recomputes_outputs_are_read_as_decodes():
     assert [row[4] for row in prompt] == [True] * 5 and past == []
 
 
+@pytest.mark.parametrize("in_order, wave", [(True, 256), (False, 16)])
+def test_past_reads_are_the_waves_as_tensors_in_one_copy(in_order, wave):
+    """The backend's reads of past-prompt tokens: `past_prompt_waves`' (rows, tokens, positions),
+    the positions as the sequence lengths a decode reads to (position + 1, the cache's dtype)."""
+    from atskv.runtime.vllm.batch import past_prompt_waves, past_reads
+
+    rows = [(3, 82, 112, 320), (4, 112, 122, 290), (5, 122, 127, 400)]
+    reads = past_reads(rows, in_order, wave, torch.device("cpu"), torch.int32)
+    got = [(r.tolist(), t.tolist(), [n - 1 for n in lengths.tolist()]) for r, t, lengths in reads]
+    assert got == past_prompt_waves(rows, in_order, wave) and len(got) == (30 if in_order else 3)
+    assert all(lengths.dtype == torch.int32 for _, _, lengths in reads)
+    assert past_reads([], in_order, wave, torch.device("cpu"), torch.int32) == []
+
+
 def test_the_builders_see_the_prompt_lengths_and_requests_of_the_batch_each_runner_builds():
     """vLLM's second model runner hands each step's batch to its model state's `prepare_attn`
     (which runs the builders) and keeps it nowhere: the lengths and request ids read during that

@@ -43,7 +43,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from atskv.errors import InputError
-from atskv.runtime.vllm.batch import PromptChunk, RunnerBatch, past_prompt_waves, prefill_rows, prefill_share
+from atskv.runtime.vllm.batch import PromptChunk, RunnerBatch, past_reads, prefill_rows, prefill_share
 from atskv.runtime.vllm.composition import build_paged_selector, freeing_rule
 from atskv.runtime.vllm.config import WORKER, PluginConfig
 from atskv.runtime.vllm.host_tier import ParkedPrompts, Parking, Regions, split_unread
@@ -239,14 +239,14 @@ class AtskvAttentionImpl(FlashAttentionImpl):
             return
         out = output.view(query.shape[0], -1, self.head_size)
         steps = metadata.__dict__.setdefault("atskv_past_steps", {})  # a read's, shared by the forward's layers
-        waves = past_prompt_waves(rows, self.selector.picks_in_order, PAST_WAVE)
-        for i, (requests, tokens, positions) in enumerate(waves):
-            tokens = torch.tensor(tokens, device=query.device)
-            seq_lens = torch.tensor(positions, device=query.device, dtype=metadata.seq_lens.dtype) + 1
-            read = out.new_empty(len(tokens), *out.shape[1:])
-            table = metadata.block_table[torch.tensor(requests, device=query.device)]
-            self.read_sparsely(query[tokens], kv_cache, table, seq_lens, steps.setdefault(i, {}), read,
-                               metadata.__dict__.get("atskv_regions"))  # fmt: skip
+        reads = metadata.__dict__.get("atskv_past_reads")
+        if reads is None:  # the forward's first sparse layer makes them for the rest
+            reads = past_reads(rows, self.selector.picks_in_order, PAST_WAVE, query.device, metadata.seq_lens.dtype)
+            metadata.__dict__["atskv_past_reads"] = reads
+        for i, (requests, tokens, seq_lens) in enumerate(reads):
+            read = out.new_empty(tokens.shape[0], *out.shape[1:])
+            self.read_sparsely(query[tokens], kv_cache, metadata.block_table[requests], seq_lens,
+                               steps.setdefault(i, {}), read, metadata.__dict__.get("atskv_regions"))  # fmt: skip
             out[tokens] = read
 
     def attend(self, layer, query, key, value, kv_cache, metadata, output, lse_wanted: bool, *scales):

@@ -93,6 +93,28 @@ def past_prompt_waves(rows: list[tuple[int, int, int, int]], in_order: bool,
     return [tuple(list(column) for column in zip(*group)) for group in groups]
 
 
+
+def past_reads(rows: list[tuple[int, int, int, int]], in_order: bool, wave: int, device: torch.device,
+               seq_dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """`past_prompt_waves`' reads as tensors on `device`: (batch rows, tokens, sequence lengths
+    to each token) a read, made once a forward for its layers in one copy from pinned memory. A
+    tensor made from host lists copies from pageable memory, which waits for the GPU to drain its
+    queue: a wave's three such copies in each layer left the GPU idle while the layer's Python
+    went on (a prompt's tail of 50 tokens, read in order, took ~0.9 s of a step at the 8B shape)."""
+    waves = past_prompt_waves(rows, in_order, wave)
+    if not waves:
+        return []
+    host = torch.tensor([v for read in waves for column in read for v in column], dtype=torch.int64)
+    flat = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+    reads, at = [], 0
+    for _, tokens, _ in waves:
+        n = len(tokens)
+        requests, tokens, positions = flat[at : at + 3 * n].view(3, n)
+        reads.append((requests, tokens, (positions + 1).to(seq_dtype)))
+        at += 3 * n
+    return reads
+
+
 class RunnerBatch:
     """What a metadata build may ask of the batch `runner` is building (an attention backend is
     shown neither): each row's prompt length (the request's own prompt: a recompute after
