@@ -426,30 +426,30 @@ def test_the_prefill_share_of_a_batch_starts_after_its_decodes():
 
 
 def test_a_prompts_end_and_a_recomputes_outputs_are_read_as_decodes():
-    """With the prompts' lengths: the chunk that reaches into a prompt's last `PROMPT_TAIL` tokens
-    ends it for the selectors that rank it (at its own end, or the prompt's where it goes further);
-    the tokens after that chunk, and a recompute's outputs, are read as decodes, in reads that keep
-    each request's order; a chunk before the tail is all prompt and not the last."""
+    """With the prompts' lengths: the chunk that reaches a prompt's last `PROMPT_TAIL` token (its
+    end, or one short of it: the last token then comes as a one-token row, a decode) ends it for
+    the selectors that rank it; a recompute's outputs are read as decodes, in reads that keep each
+    request's order; a chunk before that is all prompt and not the last."""
     from atskv.runtime.vllm.batch import PROMPT_TAIL, past_prompt_waves, prefill_rows
 
-    assert PROMPT_TAIL == 64
+    assert PROMPT_TAIL == 1
     # rows: 2 decodes; a fresh chunk (positions 0-9 of a 400-token prompt); a recompute's chunk across
-    # its prompt's end (positions 250-349, prompt 320: the tail starts at 256); a chunk inside its
-    # prompt's tail (positions 290-299, prompt 320: an earlier chunk reached the tail); a recompute's
-    # chunk past its prompt (positions 400-404, prompt 330); a fresh last chunk (positions 100-199 of 200)
-    starts = torch.tensor([0, 1, 2, 12, 112, 122, 127, 227])
-    lengths = torch.tensor([50, 60, 10, 350, 300, 405, 200])
+    # its prompt's end (positions 250-349, prompt 320); a chunk one short of its prompt's end (positions
+    # 290-318, prompt 320); a recompute's chunk past its prompt (positions 400-404, prompt 330); a
+    # fresh last chunk (positions 100-199 of 200)
+    starts = torch.tensor([0, 1, 2, 12, 112, 141, 146, 246])
+    lengths = torch.tensor([50, 60, 10, 350, 319, 405, 200])
     prompts = torch.tensor([49, 59, 400, 320, 320, 330, 200])
     prompt, rows = prefill_rows(starts, lengths, 2, 5, prompts)
-    assert prompt == [(2, 2, 12, 10, False), (3, 12, 82, 320, True), (6, 127, 227, 200, True)]
-    assert rows == [(3, 82, 112, 320), (4, 112, 122, 290), (5, 122, 127, 400)]
+    assert prompt == [(2, 2, 12, 10, False), (3, 12, 82, 320, True), (4, 112, 141, 319, True), (6, 146, 246, 200, True)]
+    assert rows == [(3, 82, 112, 320), (5, 141, 146, 400)]
     # a kept list's pick moves it on: one token of each request a read, in order
     waves = past_prompt_waves(rows, True, 256)
-    assert waves[:2] == [([3, 4, 5], [82, 112, 122], [320, 290, 400]), ([3, 4, 5], [83, 113, 123], [321, 291, 401])]
-    assert [len(tokens) for _, tokens, _ in waves] == [3] * 5 + [2] * 5 + [1] * 20
+    assert waves[:2] == [([3, 5], [82, 141], [320, 400]), ([3, 5], [83, 142], [321, 401])]
+    assert [len(tokens) for _, tokens, _ in waves] == [2] * 5 + [1] * 25
     waves = past_prompt_waves(rows, False, 16)  # the others: up to a wave at a time
-    assert [len(tokens) for _, tokens, _ in waves] == [16, 16, 13]
-    assert waves[1] == ([3] * 14 + [4] * 2, list(range(98, 114)), list(range(336, 350)) + [290, 291])
+    assert [len(tokens) for _, tokens, _ in waves] == [16, 16, 3]
+    assert waves[1] == ([3] * 14 + [5] * 2, list(range(98, 112)) + [141, 142], list(range(336, 350)) + [400, 401])
     assert past_prompt_waves([], True, 5) == past_prompt_waves([], False, 5) == []
     # without prompt lengths (vLLM's own worker) every chunk is all prompt and may end it
     prompt, past = prefill_rows(starts, lengths, 2, 5)

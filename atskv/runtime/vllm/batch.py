@@ -32,12 +32,16 @@ def prefill_share(metadata, decodes: int):
     )
 
 
-# A prompt's last tokens may reach the model as one-token rows (a scheduler step with one token of
-# budget left for it), which vLLM runs as decodes, in CUDA graphs where no Python runs: the chunk
-# that reaches into the prompt's last PROMPT_TAIL tokens ends it for the selectors that rank it,
-# and the tokens after that chunk are read as decodes are (`prefill_rows`), whichever way
-# they come.
-PROMPT_TAIL = 64
+# A prompt's last token reaches the model as a one-token row where the chunk before it ended one
+# short (vLLM runs such a row as a decode, in a CUDA graph where no Python runs): the chunk that
+# reaches the prompt's last PROMPT_TAIL tokens ends it for the selectors that rank it, and a token
+# after that chunk is read as decodes are (`prefill_rows`), whichever way it comes. Every other
+# prompt token is attended by FlashAttention, as a dense prefill has it, and seen by the ranking
+# (the question at a prompt's end included). vLLM's scheduler serves a request it cut short first
+# in the next step, so two one-token rows in a row at a prompt's end would need a step to leave
+# the same request one token of budget twice. (A tail of 64 read as decodes cost ~0.9 s of a
+# mixed step at the 8B shape, one read a token and layer, and hid the question from the ranking.)
+PROMPT_TAIL = 1
 
 
 def prompt_end(prompt: int) -> int:
