@@ -127,6 +127,8 @@ def test_decode_reads_the_kept_tokens_and_the_best_parked_pages(pages, cache_pag
     tier = HostTier(regions=2, pages=pages, cache_pages=cache_pages, summary=summary)
     g, cache, selector, state, regions, parked, moved, parkings = parked_h2o(budget, tier, lengths, 2, seed=3)
     assert set(parkings) == {0, 1}, "two regions: the third request reads its kept tokens alone"
+    per_page = parked.parked.view(*parked.parked.shape[:2], -1, BLOCK).sum(-1)
+    assert torch.equal(parked.parked_in_page, per_page.int()), "a page's count: its parked tokens, kept ones out"
     table, queries = cache.block_table, torch.randn(3, len(lengths), HQ, D, generator=g)
     queries = torch.cat([queries, queries[-1:]])  # the last step asks again: every page it wants is cached
     for step in range(4):

@@ -146,6 +146,8 @@ class ParkedPrompts:
             self.summary_parts = (self.low, self.high)
         spare = regions + 1
         self.parked = torch.zeros(spare, kv_heads, self.pages * block_size, dtype=torch.bool, device=device)
+        # parked tokens a page: a decode step asks which pages hold any, not the flags of every token
+        self.parked_in_page = torch.zeros(spare, kv_heads, self.pages, dtype=torch.int32, device=device)
         self.held = torch.zeros(spare, dtype=torch.int32, device=device)
         self.cache_start = torch.zeros(spare, dtype=torch.int32, device=device)
         self.slot_of = torch.full((spare, kv_heads, self.pages + 1), -1, dtype=torch.long, device=device)
@@ -165,7 +167,7 @@ class ParkedPrompts:
 
     @property
     def gpu_nbytes(self) -> int:
-        parts = (*self.summary_parts, self.parked, self.slot_of, self.page_in, self.used)
+        parts = (*self.summary_parts, self.parked, self.parked_in_page, self.slot_of, self.page_in, self.used)
         return sum(t.numel() * t.element_size() for t in parts)
 
     def park(self, parking: Parking, chunk: PromptChunk) -> None:
@@ -185,6 +187,8 @@ class ParkedPrompts:
             self.high[first : first + low.shape[2]] = high[0].transpose(0, 1)
         self.parked[region].zero_()
         self.parked[region, :, :stop] = True
+        self.parked_in_page[region].zero_()
+        self.parked_in_page[region, :, : stop // self.block_size] = self.block_size
         self.held[region : region + 1].fill_(stop)
         self.cache_start[region : region + 1].fill_(parking.cache_start)
         self.slot_of[region].fill_(-1)
@@ -207,7 +211,10 @@ class ParkedPrompts:
 
     def mark_kept(self, region: int, positions: torch.Tensor) -> None:
         """KV head h's kept tokens `positions[h]` (moved to the front: read there) are not parked."""
-        self.parked[region].scatter_(1, positions.long(), False)
+        positions = positions.long()
+        was_parked = self.parked[region].gather(1, positions).int()  # a kept token past the parked ones was not
+        self.parked_in_page[region].scatter_add_(1, positions // self.block_size, -was_parked)
+        self.parked[region].scatter_(1, positions, False)
 
     def extend(self, query, positions, lengths, rows, block_table, key_cache, value_cache):
         """A decode step's read list (`positions` `[B, Hkv, K]`, the first `lengths` `[B, Hkv]`
@@ -218,8 +225,7 @@ class ParkedPrompts:
         b, kv_heads = lengths.shape
         size, count = self.block_size, min(self.tier.pages, self.pages)
         scores = self.page_scores(query, rows)
-        parked = self.parked[rows]  # [B, Hkv, tokens]
-        has_parked = parked.view(b, kv_heads, self.pages, size).any(-1)
+        has_parked = self.parked_in_page[rows] > 0  # [B, Hkv, pages]
         best = scores.masked_fill(~has_parked, -torch.inf).topk(count, dim=-1).indices  # [B, Hkv, pages]
         wanted = has_parked.gather(2, best)
         self.clock += 1
@@ -236,7 +242,8 @@ class ParkedPrompts:
         self.fetched += missing.sum()
         within = torch.arange(size, device=rows.device)
         tokens = (best.unsqueeze(-1) * size + within).flatten(-2)
-        read = wanted.repeat_interleave(size, dim=-1) & parked.gather(2, tokens)
+        heads = torch.arange(kv_heads, device=rows.device).view(1, -1, 1)
+        read = wanted.repeat_interleave(size, dim=-1) & self.parked[rows.view(-1, 1, 1), heads, tokens]
         listed = torch.cat([positions, positions.new_zeros(b, kv_heads, tokens.shape[-1] + 1)], -1)
         at = torch.where(read, lengths.unsqueeze(-1) + read.cumsum(-1) - 1, listed.shape[-1] - 1)
         listed.scatter_(2, at.long(), (first.unsqueeze(-1) + within).flatten(-2).to(listed.dtype))
