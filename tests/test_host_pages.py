@@ -221,7 +221,7 @@ def test_a_missing_page_never_takes_the_slot_of_a_page_read_beside_it():
     """A read of pages [0, 10] after [0, 8] in two slots: page 0 hits in slot 0, page 10 misses and
     must take slot 1 (page 8's, the only one this read does not hold), whatever order the
     bookkeeping's scatters write in."""
-    from atskv.runtime.fast.host_pages import assign_slots
+    from atskv.kernels.page_cache import assign_slots
 
     pages, slots = 22, 2
     slot_of = torch.full((1, 1, pages + 1), -1)

@@ -23,7 +23,10 @@ POINTERS = {
     "mass_ptr": "*fp32", "rec_ptr": "*fp32", "norm_ptr": "*fp32", "prev_ptr": "*fp32", "w_ptr": "*fp32",
     "bias_ptr": "*fp32", "w2_ptr": "*fp32", "pin_ptr": "*i1", "prompt_ptr": "*i32", "src_ptr": "*bf16",
     "dst_ptr": "*bf16", "row_ptr": "*i64", "page_ptr": "*i64", "block_ptr": "*i64", "need_ptr": "*i8",
-    "out_ptr": "*fp32", "key_ptr": "*bf16", "att_ptr": "*fp32",
+    "out_ptr": "*fp32", "key_ptr": "*bf16", "att_ptr": "*fp32", "best_ptr": "*i64", "wanted_ptr": "*i8",
+    "rows_ptr": "*i64", "slot_of_ptr": "*i64", "page_in_ptr": "*i64", "used_ptr": "*i64", "clock_ptr": "*i64",
+    "fetched_ptr": "*i64", "cache_start_ptr": "*i32", "parked_ptr": "*i8", "positions_ptr": "*i32",
+    "lengths_ptr": "*i32", "listed_ptr": "*i32", "counts_ptr": "*i32", "blocks_ptr": "*i64", "missing_ptr": "*i8",
 }  # fmt: skip
 SCALARS = {"budget": "fp32", "recent_fraction": "fp32", "new_value": "fp32", "b2": "fp32", "stride_n": "i64",
            "stride_t": "i64", "stride_h": "i64", "stride_d": "i64", "newest": "fp32"}  # fmt: skip  (the rest: i32)
@@ -66,8 +69,15 @@ def prompt_scores() -> None:
                         BLOCK_D=256, BLOCK_J=32, BLOCK_H=32)  # fmt: skip
 
 
+def parked_read() -> None:
+    from atskv.kernels import page_cache
+
+    assert compiled(page_cache._parked_read_kernel, SIZE=16, BLOCK_R=16, BLOCK_C=32, BLOCK_K=1024)
+
+
 CHECKS = {"kept_lists_moved": lambda: kept_lists(True), "kept_lists": lambda: kept_lists(False),
-          "refresh_and_page_copy": refresh_and_page_copy, "prompt_scores": prompt_scores}  # fmt: skip
+          "refresh_and_page_copy": refresh_and_page_copy, "prompt_scores": prompt_scores,
+          "parked_read": parked_read}  # fmt: skip
 
 
 @pytest.mark.parametrize("check", sorted(CHECKS))

@@ -63,7 +63,7 @@ case "$1" in
     python3 -m pip install -q --no-index --no-deps --target /tmp/pt .device/pt/*.whl 2>/dev/null
     PYTHONPATH=/tmp/pt:$PYTHONPATH timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_received_mass.py \
       tests/test_kernels_kept_lists.py tests/test_kernels_listed_refresh.py tests/test_kernels_sparq_decode.py \
-      tests/test_kernels_prompt_scores.py \
+      tests/test_kernels_prompt_scores.py tests/test_kernels_page_cache.py \
       tests/test_vllm_selection.py::test_ranking_a_prompt_never_waits_for_the_gpu tests/test_vllm_host_tier.py -rf \
       -k "not fast_" 2>&1 | tail -40 | tee "$OUT/kernel_tests.txt"
     timeout 150 python3 benchmarks/vllm_step_profile.py --runs 32768x1 32768x8 --tune --stages sparq 2>&1 | tee "$OUT/sparq.txt"

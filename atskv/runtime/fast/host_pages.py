@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from atskv.budget import check_budget
+from atskv.kernels.page_cache import assign_slots
 from atskv.kernels.page_copy import page_copy
 from atskv.runtime.fast.key_summary import KEY_SUMMARIES
 
@@ -214,28 +215,6 @@ class HostPages:
 
 def _rows(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return index.unsqueeze(-1).expand(*index.shape, like.shape[-1])
-
-
-def assign_slots(slot_of, page_in, used, clock, pages) -> tuple[torch.Tensor, torch.Tensor]:
-    """A page cache's bookkeeping for one read of `pages` `[N, Hkv, R]` (distinct per row), in
-    place: `slot_of` `[N, Hkv, P + 1]` (-1: not cached; last: a sink), `page_in` `[N, Hkv, C + 1]`
-    (last: a sink), `used` `[N, Hkv, C]` each slot's last read (`clock` `[1]`, already moved on).
-    The missing pages take the least recently used slots no page of this read holds. Returns each
-    page's slot and whether it was there already (a hit: nothing to copy)."""
-    r = pages.shape[-1]
-    slot = slot_of.gather(2, pages)
-    hit = slot >= 0
-    slots = used.shape[-1]  # a hit's slot is busy; a miss marks the extra last column (the hits' must not be undone)
-    busy = torch.zeros(*used.shape[:2], slots + 1, dtype=torch.bool, device=used.device)
-    busy = busy.scatter_(2, torch.where(hit, slot, slots), True)[..., :slots]
-    free = used.masked_fill(busy, torch.iinfo(torch.long).max).topk(r, dim=-1, largest=False).indices
-    slot = torch.where(hit, slot, free.gather(2, ((~hit).cumsum(-1) - 1).clamp(min=0)))
-    sink_page = slot_of.shape[-1] - 1
-    slot_of.scatter_(2, torch.where(hit, sink_page, page_in.gather(2, slot)), -1)  # evicted pages
-    slot_of.scatter_(2, pages, slot)
-    page_in.scatter_(2, slot, pages)
-    used.scatter_(2, slot, clock.expand_as(slot))
-    return slot, hit
 
 
 class PageCache:

@@ -35,10 +35,11 @@ import torch
 
 from atskv.errors import InputError
 from atskv.kernels.int4_page_scores import int4_page_scores, quantize_int4
+from atskv.kernels.page_cache import parked_read
 from atskv.kernels.page_copy import paged_page_copy
 from atskv.kernels.paged import paged_page_scores
 from atskv.kernels.quest import page_bounds
-from atskv.runtime.fast.host_pages import assign_slots, device_alias, host_keys_and_values
+from atskv.runtime.fast.host_pages import device_alias, host_keys_and_values
 from atskv.runtime.vllm.batch import PromptChunk
 
 SUMMARIES = ("bounds", "int4")
@@ -127,7 +128,7 @@ class ParkedPrompts:
     (`[regions, Hkv, tokens, D]`), and on the GPU their summary (page bounds `[regions * pages + 1,
     Hkv, D]`, a paged Quest state whose block table is a region's pages; or int4 keys `[regions,
     Hkv, tokens, D / 2]` and scales), which tokens are parked and not kept, how many are parked,
-    where each request's cache blocks start, and the cache's bookkeeping (`assign_slots`); the GPU
+    where each request's cache blocks start, and the cache's bookkeeping (`parked_read`); the GPU
     rows have a spare last region for rows without one."""
 
     def __init__(self, tier: HostTier, tokens: int, kv_heads: int, head_size: int, block_size: int, dtype, device):
@@ -222,33 +223,18 @@ class ParkedPrompts:
         fetched into its cache blocks (misses only) and their parked tokens listed after its own.
         `rows`: each row's region (`Regions.rows`). Returns the list `[B, Hkv, K + pages x
         block_size + 1]` and its counts."""
-        b, kv_heads = lengths.shape
         size, count = self.block_size, min(self.tier.pages, self.pages)
         scores = self.page_scores(query, rows)
         has_parked = self.parked_in_page[rows] > 0  # [B, Hkv, pages]
         best = scores.masked_fill(~has_parked, -torch.inf).topk(count, dim=-1).indices  # [B, Hkv, pages]
         wanted = has_parked.gather(2, best)
         self.clock += 1
-        maps = [m[rows] for m in (self.slot_of, self.page_in, self.used)]
-        slot, hit = assign_slots(*maps, self.clock, best)
-        for m, new in zip((self.slot_of, self.page_in, self.used), maps):
-            m[rows] = new
-        first = self.cache_start[rows].view(-1, 1, 1) + slot * size  # each page's first logical position
-        logical_block = (first // size).clamp(max=block_table.shape[1] - 1).view(b, -1)
-        blocks = block_table.long().gather(1, logical_block).view(first.shape)
-        missing = wanted & ~hit
+        listed, counts, blocks, missing = parked_read(best, wanted, rows, self.slot_of, self.page_in, self.used,
+                                                      self.clock, self.fetched, self.cache_start, block_table,
+                                                      self.parked, positions, lengths, size)  # fmt: skip
         for source, cache in ((self.keys, key_cache), (self.values, value_cache)):
             paged_page_copy(source, cache, rows, best, blocks, missing)
-        self.fetched += missing.sum()
-        within = torch.arange(size, device=rows.device)
-        tokens = (best.unsqueeze(-1) * size + within).flatten(-2)
-        heads = torch.arange(kv_heads, device=rows.device).view(1, -1, 1)
-        read = wanted.repeat_interleave(size, dim=-1) & self.parked[rows.view(-1, 1, 1), heads, tokens]
-        listed = torch.cat([positions, positions.new_zeros(b, kv_heads, tokens.shape[-1] + 1)], -1)
-        at = torch.where(read, lengths.unsqueeze(-1) + read.cumsum(-1) - 1, listed.shape[-1] - 1)
-        listed.scatter_(2, at.long(), (first.unsqueeze(-1) + within).flatten(-2).to(listed.dtype))
-        listed[..., -1] = 0  # where the unread ones went: past the count, a slot of the request's own
-        return listed, lengths + read.sum(-1).to(lengths.dtype)
+        return listed, counts
 
 
 def host_tier_bytes(model: torch.nn.Module) -> int:
