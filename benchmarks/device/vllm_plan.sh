@@ -47,6 +47,7 @@
 #        while other calls run (not engine tests: vLLM's start asserts when another process frees GPU memory while it
 #        profiles); the settings (RATES=..., MODEL=...) go before `bash` as for any stage
 #   bash benchmarks/device/vllm_plan.sh wait SECONDS  # until the background stage ends (at most SECONDS), its files to $OUT
+#        as bgout.tgz (`tar xzf` here; the model copy and vLLM's job files left out) and its *.jsonl rows
 #   bash benchmarks/device/vllm_plan.sh stop  # the background stage and its engines ended (its process group)
 # Rows land under $OUT (JSON lines, as they finish), with the logs.
 set -uo pipefail
@@ -137,7 +138,11 @@ case "$1" in
     sleep 5; cat /tmp/bgout/stage.log ;;
   wait)
     for _ in $(seq "$2"); do [ -f /tmp/bgout/.done ] && break; sleep 1; done
-    cp -r /tmp/bgout/. "$OUT/"; [ -f /tmp/bgout/.done ] || echo "still running"; tail -15 /tmp/bgout/stage.log ;;
+    # one archive (a call brings back a bounded number of files; a quality stage writes more), the
+    # engine's model copy and vLLM's job files left out; the rows beside it for a first look
+    tar czf "$OUT/bgout.tgz" -C /tmp/bgout --exclude=./lb/vllm-model --exclude='*.job.json' .
+    cp /tmp/bgout/*.jsonl "$OUT/" 2>/dev/null; [ -f /tmp/bgout/.done ] || echo "still running"
+    tail -15 /tmp/bgout/stage.log ;;
   stop)
     [ -f /tmp/bgpid ] && kill -- -"$(cat /tmp/bgpid)" 2>/dev/null; sleep 3; nvidia-smi --query-gpu=memory.used --format=csv ;;
   *) echo "usage: vllm_plan.sh profile|kernels|decode [METHODS]|tests [K]|trace METHOD [free [NEW]]|inflight METHOD [free [DENSE]]|serve|quality [CONTEXT]|start STAGE [ARGS]|wait SECONDS|stop" >&2; exit 2 ;;
