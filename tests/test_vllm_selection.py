@@ -456,6 +456,20 @@ def test_a_prompts_end_and_a_recomputes_outputs_are_read_as_decodes():
     assert [row[4] for row in prompt] == [True] * 5 and past == []
 
 
+
+def test_a_prompt_whose_last_two_tokens_come_alone_is_named_unranked():
+    """Decode rows: a generated token, a prompt's last token alone (the chunk before reached
+    `prompt_end`: ranked there), its second-to-last alone (no chunk will reach `prompt_end`), a
+    prompt token further back alone (a later chunk ends the prompt), a one-token prompt."""
+    from atskv.runtime.vllm.batch import unranked_prompts
+
+    seq_lens = torch.tensor([501, 300, 299, 120, 1, 40])
+    prompts = torch.tensor([500, 300, 300, 300, 1, 41])
+    assert unranked_prompts(seq_lens, prompts, 5) == [2]
+    assert unranked_prompts(seq_lens, prompts, 6) == [2, 5]
+    assert unranked_prompts(seq_lens, prompts, 0) == []
+
+
 @pytest.mark.parametrize("in_order, wave", [(True, 256), (False, 16)])
 def test_past_reads_are_the_waves_as_tensors_in_one_copy(in_order, wave):
     """The backend's reads of past-prompt tokens: `past_prompt_waves`' (rows, tokens, positions),

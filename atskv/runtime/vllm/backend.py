@@ -43,7 +43,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from atskv.errors import InputError
-from atskv.runtime.vllm.batch import PromptChunk, RunnerBatch, past_reads, prefill_rows, prefill_share
+from atskv.runtime.vllm.batch import PromptChunk, RunnerBatch, past_reads, prefill_rows, prefill_share, unranked_prompts
 from atskv.runtime.vllm.composition import build_paged_selector, freeing_rule
 from atskv.runtime.vllm.config import WORKER, PluginConfig
 from atskv.runtime.vllm.host_tier import ParkedPrompts, Parking, Regions, split_unread
@@ -91,6 +91,10 @@ class AtskvMetadataBuilder(FlashAttentionMetadataBuilder):
                 metadata.atskv_prompt_rows = prompt
             if prompts is not None:
                 metadata.atskv_past_rows = past
+                if self.scores_prompt and unranked_prompts(common_attn_metadata.seq_lens_cpu, prompts, decodes):
+                    logger.warning_once("atskv: vLLM ran a prompt's last two tokens as one-token rows, so %s "
+                                        "never ranked that prompt and its decode reads miss its tokens",
+                                        self.config.selector)  # fmt: skip
                 if self.tier is not None:
                     metadata.atskv_parking = self.parking(prompt, prompts, metadata.block_table)
         if self.tier is not None:

@@ -82,6 +82,17 @@ def prefill_rows(query_start_loc_cpu, seq_lens_cpu, decodes: int, prefills: int,
     return prompt, past
 
 
+
+def unranked_prompts(seq_lens_cpu, prompt_lens_cpu, decodes: int) -> list[int]:
+    """The one-token rows among the batch's first `decodes` that hold their prompt's second-to-last
+    token: the chunk before stopped two short of the prompt's end and the last token can only come
+    alone too, so no prefill chunk reaches `prompt_end` and a selector that ranks the prompt never
+    ranks it. `PROMPT_TAIL` rests on vLLM never doing this (its scheduler serves a request it cut
+    short first in the next step); the backend warns where it does."""
+    lengths, prompts = seq_lens_cpu[:decodes].tolist(), prompt_lens_cpu[:decodes].tolist()
+    return [r for r, (length, prompt) in enumerate(zip(lengths, prompts)) if length == prompt - 1 and prompt > 1]
+
+
 def past_prompt_waves(rows: list[tuple[int, int, int, int]], in_order: bool,
                       wave: int) -> list[tuple[list[int], list[int], list[int]]]:  # fmt: skip
     """`prefill_rows`' past rows' tokens as the reads that take them: (batch rows, tokens, positions) a
