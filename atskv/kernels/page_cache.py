@@ -127,7 +127,6 @@ def _parked_read_kernel(best_ptr, wanted_ptr, rows_ptr, slot_of_ptr, page_in_ptr
     t = tl.arange(0, SIZE)
     token = best[:, None] * SIZE + t[None, :]
     read = tl.load(parked_ptr + line * (P * SIZE) + token, mask=in_r[:, None] & wanted[:, None], other=0) != 0
-    read = read & wanted[:, None] & in_r[:, None]
     per_page = tl.sum(read.to(tl.int32), axis=1)
     before = tl.cumsum(per_page, axis=0) - per_page  # the parked tokens listed before each page's
     length = tl.load(lengths_ptr + item)

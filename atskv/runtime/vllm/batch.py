@@ -82,7 +82,6 @@ def prefill_rows(query_start_loc_cpu, seq_lens_cpu, decodes: int, prefills: int,
     return prompt, past
 
 
-
 def unranked_prompts(seq_lens_cpu, prompt_lens_cpu, decodes: int) -> list[int]:
     """The one-token rows among the batch's first `decodes` that hold their prompt's second-to-last
     token: the chunk before stopped two short of the prompt's end and the last token can only come
@@ -90,7 +89,7 @@ def unranked_prompts(seq_lens_cpu, prompt_lens_cpu, decodes: int) -> list[int]:
     ranks it. `PROMPT_TAIL` rests on vLLM never doing this (its scheduler serves a request it cut
     short first in the next step); the backend warns where it does."""
     lengths, prompts = seq_lens_cpu[:decodes].tolist(), prompt_lens_cpu[:decodes].tolist()
-    return [r for r, (length, prompt) in enumerate(zip(lengths, prompts)) if length == prompt - 1 and prompt > 1]
+    return [r for r, (length, prompt) in enumerate(zip(lengths, prompts)) if length == prompt - 1]
 
 
 def past_prompt_waves(rows: list[tuple[int, int, int, int]], in_order: bool,
@@ -106,7 +105,6 @@ def past_prompt_waves(rows: list[tuple[int, int, int, int]], in_order: bool,
         past = [(row, start + k, first + k) for row, start, end, first in rows for k in range(end - start)]
         groups = [past[i : i + wave] for i in range(0, len(past), wave)]
     return [tuple(list(column) for column in zip(*group)) for group in groups]
-
 
 
 def past_reads(rows: list[tuple[int, int, int, int]], in_order: bool, wave: int, device: torch.device,

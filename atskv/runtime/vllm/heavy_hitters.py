@@ -138,7 +138,6 @@ class KeptLists:
         add_list_values(self.kept_value, mass, block_table, seq_lens, block_size, self.moved)
 
 
-
 def recent_window(count: int, recent_fraction: float) -> int:
     """The newest `recent_fraction` of a list of `count` (float32, as the decode step rounds it)."""
     return int((torch.tensor(count) * recent_fraction).long())
