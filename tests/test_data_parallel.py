@@ -2,12 +2,13 @@
 
 import pytest
 import torch
+import torch.distributed as dist
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from atskv.predictor.batches import GroupBatchSampler
 from atskv.predictor.distributed import counter_hash
-from atskv.predictor.training import fit_main
+from atskv.predictor.training import ReleaseProcessGroup, fit_main
 from tests.test_predictor_training import SMALL, write_shards
 from tests.test_rl import tiny  # noqa: F401 (the fixture)
 
@@ -36,6 +37,17 @@ def test_counter_hash_is_a_function_of_its_keys():
     assert abs((a % 2).float().mean().item() - 0.5) < 0.05
 
 
+def test_a_fit_releases_its_process_group(tmp_path):
+    """A gloo group left to interpreter shutdown can abort a process after a fit that succeeded."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        ReleaseProcessGroup().teardown(None, None, "fit")
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def _fit(folder, root, devices: int) -> dict:
     config = {
         "seed_everything": 3,
@@ -53,7 +65,8 @@ def _fit(folder, root, devices: int) -> dict:
     root.mkdir()
     path = root / "fit.yaml"
     path.write_text(yaml.safe_dump(config))
-    fit_main(["fit", "--config", str(path)])
+    cli = fit_main(["fit", "--config", str(path)])
+    assert any(isinstance(c, ReleaseProcessGroup) for c in cli.trainer.callbacks)
     log_dir = root / "tb" / "run" / "version_0"
     events = EventAccumulator(str(log_dir)).Reload()
     curves = {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
@@ -82,7 +95,8 @@ def _finetune(tiny, root, devices: int) -> dict:  # noqa: F811 (the fixture's va
 
     strategy = "ddp_spawn" if devices > 1 else "auto"
     args = _finetune_args(tiny, root, "--data.batch_size", "3", "--trainer.devices", str(devices))
-    finetune_main([*args[1:], "--trainer.strategy", strategy, "--seed_everything", "5"])
+    cli = finetune_main([*args[1:], "--trainer.strategy", strategy, "--seed_everything", "5"])
+    assert any(isinstance(c, ReleaseProcessGroup) for c in cli.trainer.callbacks)
     checkpoint = next(root.rglob("last.ckpt"))
     events = EventAccumulator(str(checkpoint.parent.parent)).Reload()
     curves = {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}

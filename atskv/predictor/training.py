@@ -49,7 +49,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
@@ -336,6 +336,16 @@ class OneLineLightningParser(OneLineParseErrors, LightningArgumentParser):
     """`atskv fit`'s and `atskv finetune`'s parser: a parse error is one line and exit code 2."""
 
 
+class ReleaseProcessGroup(Callback):
+    """Destroys the process group when a fit ends, in each process. Lightning does so at exit for
+    NCCL only; a gloo group left to interpreter shutdown can abort its process (its worker threads
+    still hold tensors then, pytorch/pytorch#179291), which failed a 2-process CPU fit at random."""
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
 class RelevanceCLI(LightningCLI):
     """LightningCLI with the collection's meta linked from the data and a checkpoint on the window
     recall, or the mass recall when the validation split has no full groups."""
@@ -387,6 +397,7 @@ def fit_main(args: list[str] | None = None) -> RelevanceCLI:
         return RelevanceCLI(
             RelevanceModule, RelevanceData, args=args, save_config_kwargs={"overwrite": True},
             parser_kwargs={"prog": "atskv"}, parser_class=OneLineLightningParser,
+            trainer_defaults={"callbacks": [ReleaseProcessGroup()]},
         )
 
 

@@ -81,7 +81,7 @@ from atskv.predictor.distributed import all_sum, seeded
 from atskv.predictor.export import PredictorHeader, checkpoint_provenance, load_predictor, predictor_path
 from atskv.predictor.model import FeatureSpec, RelevanceMLP
 from atskv.predictor.token_types import token_type_table
-from atskv.predictor.training import OneLineLightningParser
+from atskv.predictor.training import OneLineLightningParser, ReleaseProcessGroup
 from atskv.rl.items import RolloutItem, corpus_items, task_items
 from atskv.rl.policy import Policy, Selection, make_policy, marginal_kl
 from atskv.rl.reward import check_alpha, leave_one_out, reward
@@ -443,6 +443,7 @@ def finetune_main(args: list[str] | None = None) -> FinetuneCLI:
             save_config_kwargs={"overwrite": True},
             parser_kwargs={"prog": "atskv finetune"},
             parser_class=OneLineLightningParser,
+            trainer_defaults={"callbacks": [ReleaseProcessGroup()]},
         )
     with contextlib.redirect_stdout(sys.stderr):  # Lightning's progress bar writes to stdout
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
