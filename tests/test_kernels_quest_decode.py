@@ -10,6 +10,7 @@ import torch
 
 from atskv.kernels.quest import masked_page_bounds, quest_page_scores_reference
 from atskv.kernels.quest_decode import (
+    best_pages,
     pick_best,
     quest_pick,
     quest_pick_reference,
@@ -161,6 +162,25 @@ def test_pick_kernel_matches_reference_across_programs(knobs, kind):
     want = quest_pick_reference(*case)
     got = quest_pick_triton(*case, **knobs)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("kind", ["distinct", "ties", "mostly empty"])
+def test_best_pages_are_the_same_pages_on_both_paths(monkeypatch, kind):
+    """The host tier's pick: the kernel's search and the reference's stable sort give the same ids
+    in page order, ties to the lower id, held pages before any that hold nothing."""
+    g = torch.Generator().manual_seed(5)
+    scores = torch.randn(3, 2, 300, generator=g)
+    if kind == "ties":
+        scores = scores.round()
+    elif kind == "mostly empty":
+        scores[:, :, 9:] = -math.inf
+    (ref, _), (tri, _) = both_paths(monkeypatch, best_pages, scores, 16)
+    assert torch.equal(ref, tri) and ref.dtype == torch.long
+    assert (ref.diff(dim=-1) > 0).all()  # page order, no page twice
+    if kind == "mostly empty":
+        assert torch.equal(ref[..., :9], torch.arange(9).expand(3, 2, 9)) and (ref[..., 9:] >= 9).all()
+    else:
+        assert (scores.gather(-1, ref).amin(-1) >= scores.sort(-1, descending=True).values[..., 15]).all()
 
 
 @pytest.mark.gpu

@@ -179,31 +179,36 @@ def test_decode_reads_the_kept_tokens_and_the_best_parked_pages(pages, cache_pag
             torch.testing.assert_close(out[r], want_out, rtol=1e-4, atol=1e-5, msg=f"{step} {r}")
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("summary", ["bounds", "int4"])
-def test_on_the_gpu_pages_come_from_pinned_memory_as_on_the_cpu(summary):
-    """The same parked prompts on the GPU (pinned host regions read through their device alias,
-    the Triton page copy, Quest's paged scores): as many tokens read, and the same attention."""
+def test_the_kernels_read_what_the_reference_reads(summary, monkeypatch):
+    """The same parked prompts through the Triton kernels (the page scores and pick, the cache's
+    bookkeeping, the page copy; Triton's interpreter on the CPU; on a GPU compiled, from pinned
+    host regions read through their device alias) and through the torch references on the CPU,
+    two steps (the second hits what the first fetched): as many tokens read, the same attention,
+    the same fetches."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     tier = HostTier(regions=2, pages=3, cache_pages=5, summary=summary)
     g, cache, selector, state, regions, parked, moved, parkings = parked_h2o(24, tier, [300, 260, 200], 2, seed=4)
-    gpu = ParkedPrompts(tier, parked.pages * BLOCK, HKV, D, BLOCK, torch.float32, torch.device("cuda"))
-    assert gpu.host_keys.is_pinned() and gpu.keys.is_cuda
-    for name in ("host_keys", "host_values", "parked", "held", "cache_start", "slot_of", "page_in"):
-        getattr(gpu, name).copy_(getattr(parked, name))
-    for mine, theirs in zip(gpu.summary_parts, parked.summary_parts):
+    other = ParkedPrompts(tier, parked.pages * BLOCK, HKV, D, BLOCK, torch.float32, torch.device(device))
+    assert other.host_keys.is_pinned() == (device == "cuda") and other.keys.device.type == device
+    for name in ("host_keys", "host_values", "parked", "parked_in_page", "held", "cache_start", "slot_of", "page_in",
+                 "used", "clock", "fetched"):  # fmt: skip
+        getattr(other, name).copy_(getattr(parked, name))
+    for mine, theirs in zip(other.summary_parts, parked.summary_parts):
         mine.copy_(theirs)
-    seq_lens = torch.tensor([301, 261, 201], dtype=torch.int32)
-    query = torch.randn(3, HQ, D, generator=g)
-    own, counts = selector.pick(query, HKV, state, cache.block_table, seq_lens, BLOCK, 24)
-    rows = regions.rows(cache.block_table)
-    key_cache, value_cache = cache.split()
-    gpu_caches = [c.cuda() for c in (key_cache, value_cache)]
-    want = parked.extend(query, own, counts, rows, cache.block_table, key_cache, value_cache)
-    got = gpu.extend(query.cuda(), own.cuda(), counts.cuda(), rows.cuda(), cache.block_table.cuda(), *gpu_caches)
-    assert torch.equal(got[1].cpu(), want[1]), "as many tokens read"
-    # which free cache slot a page lands in may differ (ties of the least recently used): what is read may not
-    out = paged_sparse_decode(query, key_cache, value_cache, *want, cache.block_table, D**-0.5)
-    gpu_out = paged_sparse_decode(query.cuda(), *gpu_caches, *got, cache.block_table.cuda(), D**-0.5)
-    torch.testing.assert_close(gpu_out.cpu(), out, rtol=1e-4, atol=1e-5)
-    assert int(gpu.fetched) == int(parked.fetched) > 0
+    rows, table = regions.rows(cache.block_table), cache.block_table
+    caches, other_caches = cache.split(), [c.clone().to(device) for c in cache.split()]
+    seq_lens, query = torch.tensor([301, 261, 201], dtype=torch.int32), torch.randn(3, HQ, D, generator=g)
+    for _ in range(2):
+        own, counts = selector.pick(query, HKV, state, table, seq_lens, BLOCK, 24)
+        monkeypatch.setenv("ATSKV_KERNELS", "reference")
+        want = parked.extend(query, own, counts, rows, table, *caches)
+        out = paged_sparse_decode(query, *caches, *want, table, D**-0.5)
+        monkeypatch.setenv("ATSKV_KERNELS", "triton")
+        moved_in = [t.to(device) for t in (query, own, counts, rows, table)]
+        got = other.extend(*moved_in, *other_caches)
+        assert torch.equal(got[1].cpu(), want[1]), "as many tokens read"
+        # the GPU's page scores round otherwise, so near ties may pick other pages: compare what is read
+        other_out = paged_sparse_decode(moved_in[0], *other_caches, *got, moved_in[4], D**-0.5)
+        torch.testing.assert_close(other_out.cpu(), out, rtol=1e-4, atol=1e-5)
+        assert int(other.fetched) == int(parked.fetched) > 0

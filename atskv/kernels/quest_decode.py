@@ -32,6 +32,8 @@ from atskv.kernels.backend import dependent_launch, jit, tl, triton, use_triton,
 from atskv.kernels.budget import budget_limit, kept_tokens
 from atskv.kernels.quest import masked_page_bounds, quest_page_scores_reference
 
+PICK_WARPS, PICK_RADIX = 8, 2  # the search's defaults (tuned on an H200: docs/results/kernel-notes.md)
+
 
 def quest_step_scores(query, low, high, held, keys, slot_pos, write_slot, page_size: int) -> torch.Tensor:
     """Page scores `[B, Hkv, P]` (float32, -inf for pages holding nothing) after updating, in place,
@@ -155,6 +157,18 @@ def quest_pick(page_scores, valid, budget: int | float, context, n_pages: int, p
     if use_triton(page_scores):
         return quest_pick_triton(page_scores, valid, budget, context, n_pages, page_size)
     return quest_pick_reference(page_scores, valid, budget, context, n_pages, page_size)
+
+
+def best_pages(page_scores, n_pages: int) -> torch.Tensor:
+    """The `n_pages` best pages of each row of `page_scores` `[B, Hkv, P]` (float32) as ids
+    `[B, Hkv, n_pages]` (long) in page order, equal scores to the lower id (-inf: pages that hold
+    nothing, taken last): `quest_pick`'s search, for a caller that lays out its own reads (the
+    plugin's host tier). One kernel on CUDA."""
+    if use_triton(page_scores):
+        b, hkv, _ = page_scores.shape
+        return pick_best(page_scores.float(), n_pages, PICK_WARPS, PICK_RADIX)[1].view(b, hkv, n_pages).long()
+    best = page_scores.sort(dim=-1, descending=True, stable=True).indices[..., :n_pages]
+    return best.sort(dim=-1).values
 
 
 def quest_pick_reference(page_scores, valid, budget: int | float, context, n_pages: int, page_size: int):
@@ -310,7 +324,7 @@ def _pick_layout_kernel(
 
 def quest_pick_triton(
     page_scores, valid, budget: int | float, context, n_pages: int, page_size: int,
-    *, num_warps: int = 8, radix: int = 2, chunk: int = 16, block_j: int = 64,
+    *, num_warps: int = PICK_WARPS, radix: int = PICK_RADIX, chunk: int = 16, block_j: int = 64,
 ):  # fmt: skip
     """Two kernels: per row, the search for the chosen pages (one program each, `num_warps` of
     them, `radix` bits per pass); then their ranks and slots, `chunk` pages per program reading

@@ -39,6 +39,7 @@ from atskv.kernels.page_cache import parked_read
 from atskv.kernels.page_copy import paged_page_copy
 from atskv.kernels.paged import paged_page_scores
 from atskv.kernels.quest import page_bounds
+from atskv.kernels.quest_decode import best_pages
 from atskv.runtime.fast.host_pages import device_alias, host_keys_and_values
 from atskv.runtime.vllm.batch import PromptChunk
 
@@ -226,7 +227,7 @@ class ParkedPrompts:
         size, count = self.block_size, min(self.tier.pages, self.pages)
         scores = self.page_scores(query, rows)
         has_parked = self.parked_in_page[rows] > 0  # [B, Hkv, pages]
-        best = scores.masked_fill(~has_parked, -torch.inf).topk(count, dim=-1).indices  # [B, Hkv, pages]
+        best = best_pages(scores.masked_fill(~has_parked, -torch.inf), count)  # [B, Hkv, pages]
         wanted = has_parked.gather(2, best)
         self.clock += 1
         listed, counts, blocks, missing = parked_read(best, wanted, rows, self.slot_of, self.page_in, self.used,
