@@ -1,0 +1,60 @@
+"""Where vLLM's own scheduler cuts prompts (replayed on the CPU, `atskv.eval.vllm_chunks`; vLLM
+needed, skipped where it is not installed), and that the plugin's builder then ranks every prompt
+once, at the chunk that holds its last token (`PROMPT_TAIL`), reading none of its tokens as
+decodes."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+from atskv.eval.vllm_chunks import prompt_chunks, ranked_short, replay_steps  # noqa: E402
+from atskv.runtime.vllm.batch import prefill_rows, unranked_prompts  # noqa: E402
+
+# the Gemma 3 quality run's first 28 prompts (4,096 tokens but a few of 4,095), at an H100's chunk
+RUN = [4096, 4096, 4095, 4096, 4095, 4095, 4095, 4096, 4096, 4096, 4096, 4096, 4096, 4096, 4096, 4096, 4096, 4095,
+       4096, 4096, 4096, 4096, 4095, 4095, 4095, 4095, 4096, 4095]  # fmt: skip
+
+
+def builder_inputs(step):
+    """A step's rows as the plugin's builder gets them: one-token rows first (vLLM reorders the batch
+    for `reorder_batch_threshold` 1), vLLM's host copies of the offsets and lengths, the prompts'."""
+    rows = sorted(step, key=lambda r: r.tokens > 1)
+    decodes = sum(r.tokens == 1 for r in rows)
+    starts = torch.tensor([0, *itertools.accumulate(r.tokens for r in rows)], dtype=torch.int32)
+    seq_lens = torch.tensor([r.first + r.tokens for r in rows], dtype=torch.int32)
+    prompts = torch.tensor([r.prompt for r in rows], dtype=torch.int32)
+    return rows, starts, seq_lens, decodes, len(rows) - decodes, prompts
+
+
+@pytest.mark.parametrize("lengths, chunk", [
+    (RUN, 16384),  # a prompt a step cut a few tokens short of its end
+    ([4096] * 6 + [3000, 5000, 1, 2, 17], 2048),  # prompts over several chunks, and shorter than a chunk
+    ([100 + 37 * i for i in range(40)], 512),
+])  # fmt: skip
+def test_every_prompt_is_ranked_once_at_the_chunk_holding_its_last_token(lengths, chunk):
+    ranked = Counter()
+    for step in replay_steps(lengths, 20, chunk, 32):
+        rows, starts, seq_lens, decodes, prefills, prompts = builder_inputs(step)
+        prompt_rows, past = prefill_rows(starts, seq_lens, decodes, prefills, prompts)
+        assert not past, "no preemption: no token read as a decode is"
+        assert not unranked_prompts(seq_lens, prompts, decodes)
+        for row, _, _, so_far, last in prompt_rows:
+            if last:
+                ranked[rows[row].request] += 1
+                assert so_far >= rows[row].prompt - 1, "its end (the last token may come alone, as a decode)"
+    assert ranked == {i: 1 for i, n in enumerate(lengths) if n > 1}, "a one-token prompt: a decode row, nothing to rank"
+
+
+def test_the_run_cut_prompts_within_their_last_64_tokens():
+    """What the 64-token tail got wrong: the chunk reaching a prompt's last 64 tokens, a few short
+    of its end (by the tokens the decoding requests took from the step), ranked it."""
+    short = ranked_short(prompt_chunks(replay_steps(RUN, 20, 16384, 32)), RUN, 64)
+    assert len(short) >= 3 and max(short.values()) < 64
+    assert not ranked_short(prompt_chunks(replay_steps(RUN, 20, 16384, 32)), RUN, 1)
