@@ -37,6 +37,7 @@ def builder_inputs(step):
     (RUN, 16384),  # a prompt a step cut a few tokens short of its end
     ([4096] * 6 + [3000, 5000, 1, 2, 17], 2048),  # prompts over several chunks, and shorter than a chunk
     ([100 + 37 * i for i in range(40)], 512),
+    ([32768] * 8, 16384),  # the speed benchmark's 32K x 8, whose tails were read as decodes (~0.9 s a mixed step)
 ])  # fmt: skip
 def test_every_prompt_is_ranked_once_at_the_chunk_holding_its_last_token(lengths, chunk):
     ranked = Counter()

@@ -42,7 +42,8 @@ def replay_steps(prompt_lengths: list[int], new_tokens: int, max_num_batched_tok
     blocks, block_size = 1 << 20, 16
     max_len = max(prompt_lengths) + new_tokens + 1
     with tempfile.TemporaryDirectory() as shape:  # any decoder's config: the scheduler reads its lengths only
-        config = {**SHAPES["smollm2-135m-shape"], "architectures": ["LlamaForCausalLM"]}
+        config = {**SHAPES["smollm2-135m-shape"], "architectures": ["LlamaForCausalLM"],
+                  "max_position_embeddings": max_len}  # fmt: skip
         (Path(shape) / "config.json").write_text(json.dumps(config))
         model = ModelConfig(model=shape, skip_tokenizer_init=True, max_model_len=max_len, dtype="bfloat16")
         scheduling = SchedulerConfig(
