@@ -1,7 +1,7 @@
 """Where vLLM's own scheduler cuts prompts (replayed on the CPU, `atskv.eval.vllm_chunks`; vLLM
 needed, skipped where it is not installed), and that the plugin's builder then ranks every prompt
 once, at the chunk that holds its last token (`PROMPT_TAIL`), reading none of its tokens as
-decodes."""
+decodes; after a preemption, only the recomputed outputs are read as decodes."""
 
 from __future__ import annotations
 
@@ -59,3 +59,27 @@ def test_the_run_cut_prompts_within_their_last_64_tokens():
     short = ranked_short(prompt_chunks(replay_steps(RUN, 20, 16384, 32)), RUN, 64)
     assert len(short) >= 3 and max(short.values()) < 64
     assert not ranked_short(prompt_chunks(replay_steps(RUN, 20, 16384, 32)), RUN, 1)
+
+
+def test_a_recompute_after_preemption_ranks_its_prompt_again_and_reads_only_its_outputs_as_decodes():
+    """A pool too small for four requests: vLLM preempts and recomputes (prompt and outputs in one
+    prefill). The recompute ranks the prompt again at the chunk holding its end; the tokens read as
+    decodes are its outputs alone, all of them, each once."""
+    lengths = [1000, 900, 1100, 950]
+    steps = replay_steps(lengths, 200, 512, 8, blocks=200)
+    passes, outputs_read, recomputed = Counter(), Counter(), Counter()
+    for step in steps:
+        rows, starts, seq_lens, decodes, prefills, prompts = builder_inputs(step)
+        prompt_rows, past = prefill_rows(starts, seq_lens, decodes, prefills, prompts)
+        assert not unranked_prompts(seq_lens, prompts, decodes)
+        for row, _, _, so_far, last in prompt_rows:
+            request = rows[row].request
+            recomputed[request] += rows[row].first == 0 and passes[request] > 0  # its prompt ranked before
+            passes[request] += last
+        for row, start, end, first in past:
+            assert first >= rows[row].prompt, "a prompt token is never read as a decode"
+            assert first + (end - start) == seq_lens[row], "the outputs so far, all of them"
+            outputs_read[rows[row].request] += end - start
+    assert recomputed, "the pool preempted a request"
+    assert all(passes[r] == 1 + recomputed[r] for r in range(len(lengths)))
+    assert set(outputs_read) == {r for r in recomputed if recomputed[r]}

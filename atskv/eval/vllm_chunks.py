@@ -26,11 +26,12 @@ class Row:
 
 
 def replay_steps(prompt_lengths: list[int], new_tokens: int, max_num_batched_tokens: int,
-                 max_num_seqs: int | None = None) -> list[list[Row]]:  # fmt: skip
+                 max_num_seqs: int | None = None, blocks: int = 1 << 20) -> list[list[Row]]:  # fmt: skip
     """Each step's rows, in the order vLLM's scheduler lists them, for requests of `prompt_lengths`
     added at once, each generating `new_tokens` (no end of sequence), with chunked prefill, prefix
-    caching off and a block pool that never runs out; `max_num_seqs` defaults to vLLM's offline
-    `LLM`'s on an H100 (1,024)."""
+    caching off and a pool of `blocks` 16-token blocks (a pool too small for them all preempts
+    requests, which vLLM then recomputes, their outputs with their prompt); `max_num_seqs`
+    defaults to vLLM's offline `LLM`'s on an H100 (1,024)."""
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -39,7 +40,7 @@ def replay_steps(prompt_lengths: list[int], new_tokens: int, max_num_batched_tok
     from vllm.v1.request import Request
     from vllm.v1.structured_output import StructuredOutputManager
 
-    blocks, block_size = 1 << 20, 16
+    block_size = 16
     max_len = max(prompt_lengths) + new_tokens + 1
     with tempfile.TemporaryDirectory() as shape:  # any decoder's config: the scheduler reads its lengths only
         config = {**SHAPES["smollm2-135m-shape"], "architectures": ["LlamaForCausalLM"],
