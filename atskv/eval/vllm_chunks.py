@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from atskv.eval.shapes import SHAPES
+from atskv.runtime.vllm.batch import prompt_end
 
 
 @dataclass(frozen=True)
@@ -89,11 +90,11 @@ def prompt_chunks(steps: list[list[Row]]) -> dict[int, list[tuple[int, int]]]:
 
 
 def ranked_short(chunks: dict[int, list[tuple[int, int]]], prompts: list[int], tail: int) -> dict[int, int]:
-    """Requests whose prompt a rule "the chunk reaching its last `tail` tokens ranks it" ranks before
-    its end, and by how many tokens short."""
+    """Requests whose prompt the plugin's rule with `tail` for `PROMPT_TAIL` (`prompt_end`) ranks
+    before its end, and by how many tokens short."""
     short = {}
     for request, spans in chunks.items():
-        end = next(end for _, end in spans if end >= max(1, prompts[request] - tail))
+        end = next(end for _, end in spans if end >= prompt_end(prompts[request], tail))
         if end < prompts[request]:
             short[request] = prompts[request] - end
     return short

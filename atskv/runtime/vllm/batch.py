@@ -44,9 +44,9 @@ def prefill_share(metadata, decodes: int):
 PROMPT_TAIL = 1
 
 
-def prompt_end(prompt: int) -> int:
+def prompt_end(prompt: int, tail: int = PROMPT_TAIL) -> int:
     """The position from which a chunk that reaches it ends its prompt (`PROMPT_TAIL`)."""
-    return max(1, prompt - PROMPT_TAIL)
+    return max(1, prompt - tail)
 
 
 def prefill_rows(query_start_loc_cpu, seq_lens_cpu, decodes: int, prefills: int,
