@@ -12,6 +12,9 @@ any task needs (`atskv.eval.leaderboard.runs`); the replay assumes no output end
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import sys
+from pathlib import Path
 
 from atskv.eval.rows import json_lines
 from atskv.eval.vllm_chunks import prompt_chunks, ranked_short, replay_steps
@@ -25,9 +28,15 @@ parser.add_argument("--chunk", type=int, default=16384, help="vLLM's max_num_bat
 parser.add_argument("--tail", type=int, default=64, help="the chunk reaching a prompt's last TAIL tokens ranks it")
 args = parser.parse_args()
 
-cells = [c for c in json_lines(args.cells) if c["ratio"] == args.ratio]
+if importlib.util.find_spec("vllm") is None:
+    sys.exit("the replay runs vLLM's scheduler: install atskv[vllm] (no GPU needed)")
+if not Path(args.cells).is_file():
+    sys.exit(f"{args.cells}: no such file")
+cells = [c for c in json_lines(args.cells) if c.get("ratio") == args.ratio]
 row = [c for c in cells if c["method"] == args.row]
 against = {(c["task"], c["seed"]): c["scores"] for c in cells if c["method"] == args.against}
+if not row or not against:
+    sys.exit(f"{args.cells}: no cells of {args.row!r} and {args.against!r} at ratio {args.ratio}")
 prompts = [(c["task"], c["seed"], i, n, score) for c in row
            for i, (n, score) in enumerate(zip(c["prompt_tokens"], c["scores"]))]  # fmt: skip
 lengths = [p[3] for p in prompts]
