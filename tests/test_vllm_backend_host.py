@@ -248,7 +248,7 @@ def test_a_host_tier_parks_a_ranked_prompt_before_its_kept_tokens_move_and_reads
     builder = object.__new__(AtskvMetadataBuilder)
     builder.config, builder.tier, builder.regions, builder.device = PluginConfig("h2o", **settings), None, None, "cpu"
     builder.tier, builder.unread = builder.config.tier, selector.unread_blocks
-    builder.kv_cache_spec = SimpleNamespace(block_size=BLOCK)
+    builder.kv_cache_spec = SimpleNamespace(block_size=BLOCK, num_kv_heads=HKV, head_size=D, dtype=torch.float32)
     builder.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=cache.kv_cache.shape[0]))
     builder.batch = SimpleNamespace(requests=lambda: (["a", "b"], {"a", "b"}))
     rows = [(0, 0, 300, 300, True), (1, 300, 580, 280, True)]  # both prompts' last chunks, one batch
@@ -261,7 +261,7 @@ def test_a_host_tier_parks_a_ranked_prompt_before_its_kept_tokens_move_and_reads
     assert regions.rows(cache.block_table).tolist() == [0, 1], "the second: the spare, none"
 
     impl = backend(selector, state, **settings)
-    impl.parked = ParkedPrompts(impl.tier, 22 * BLOCK, HKV, D, BLOCK, torch.float32, torch.device("cpu"))
+    impl.parked = ParkedPrompts(impl.tier, 1, 22 * BLOCK, HKV, D, BLOCK, torch.float32, torch.device("cpu"))
     before = [k.clone() for k in cache.keys]
     queries = torch.randn(580, HQ * D, generator=generator)
     metadata = SimpleNamespace(atskv_prompt_rows=rows, atskv_past_rows=[], atskv_parking=parking,
@@ -299,3 +299,23 @@ def test_the_backend_tells_its_selector_which_kv_heads_this_gpu_holds(monkeypatc
     monkeypatch.setattr(module, "get_tensor_model_parallel_world_size", lambda: 2)
     monkeypatch.setattr(module, "get_tensor_model_parallel_rank", lambda: 1)
     assert module.tensor_shard(config) == (4, 8)
+
+
+def test_a_host_tier_in_gib_buys_regions_over_this_gpus_sparse_layers(monkeypatch):
+    """`gib` is shared by the layers that read sparsely (not the dense ones, nor another
+    backend's): the builder and every layer get the same count from it."""
+    import atskv.runtime.vllm.backend as module
+    from atskv.runtime.vllm.host_tier import HostTier, region_nbytes
+
+    def layer(index: int, sparse: bool):
+        impl = object.__new__(AtskvAttentionImpl)
+        impl._sparse = sparse
+        return SimpleNamespace(impl=impl, layer_name=f"model.layers.{index}.self_attn.attn")
+
+    layers = {f"layer{i}": layer(i, sparse=i >= 2) for i in range(6)} | {"other": SimpleNamespace(impl=object())}
+    monkeypatch.setattr(module, "get_layers_from_vllm_config", lambda config, kind: layers)
+    config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=1000))
+    one = region_nbytes(1000, HKV, D, BLOCK, torch.bfloat16)
+    tier = HostTier(gib=4 * 3.5 * one / 2**30)  # 4 sparse layers, 3.5 regions' bytes each
+    assert module.tier_regions(tier, config, HKV, D, BLOCK, torch.bfloat16) == 3
+    assert module.tier_regions(HostTier(regions=5), None, HKV, D, BLOCK, torch.bfloat16) == 5

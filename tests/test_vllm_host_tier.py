@@ -15,7 +15,7 @@ from atskv.kernels.page_copy import paged_page_copy
 from atskv.kernels.quest import page_bounds, quest_page_scores_reference
 from atskv.runtime.vllm.batch import PromptChunk
 from atskv.runtime.vllm.config import PluginConfig
-from atskv.runtime.vllm.host_tier import HostTier, ParkedPrompts, Parking, Regions, split_unread
+from atskv.runtime.vllm.host_tier import HostTier, ParkedPrompts, Parking, Regions, region_nbytes, split_unread
 from atskv.runtime.vllm.selection import PagedH2O, paged_sparse_decode, slot_view
 from tests.test_vllm_selection import BLOCK, HKV, HQ, D, PagedCache
 
@@ -48,6 +48,9 @@ def test_regions_go_to_requests_until_they_leave_the_runner():
         ({"selector": "h2o", "free_blocks": True, "host_tier": {"page": 8}}, "page"),
         ({"selector": "h2o", "free_blocks": True, "host_tier": 4}, "must be a dict"),
         ({"selector": "h2o", "free_blocks": True, "host_tier": {"summary": "pq"}}, "summary is one of bounds, int4"),
+        ({"selector": "h2o", "free_blocks": True, "host_tier": {"regions": 2, "gib": 8}}, "regions or gib, not both"),
+        ({"selector": "h2o", "free_blocks": True, "host_tier": {"gib": 0}}, "gib must be a number > 0"),
+        ({"selector": "h2o", "free_blocks": True, "host_tier": {"gib": "8G"}}, "gib must be a number > 0"),
     ],
 )
 def test_bad_host_tiers_are_one_line_errors(settings, message):
@@ -57,7 +60,22 @@ def test_bad_host_tiers_are_one_line_errors(settings, message):
 
 def test_a_host_tier_beside_a_compacting_selector_is_taken():
     config = PluginConfig(selector="snapkv", free_blocks=True, host_tier={"regions": 3, "pages": 2, "cache_pages": 4})
-    assert config.tier == HostTier(3, 2, 4)
+    assert config.tier == HostTier(regions=3, pages=2, cache_pages=4)
+    assert config.tier.region_count() == 3 and HostTier().region_count() == 2
+
+
+def test_a_host_tier_in_gib_makes_as_many_regions_as_its_pinned_bytes_hold():
+    """`region_nbytes` is what `ParkedPrompts` pins for a region in a layer (whole pages), so `gib`
+    over the sparse layers' sum gives the regions that fit, and one that fits none is refused."""
+    tokens, layers = 1000, 3  # 1000 tokens: 63 pages of 16
+    one = region_nbytes(tokens, HKV, D, BLOCK, torch.bfloat16)
+    assert one == 2 * HKV * 63 * BLOCK * D * 2
+    parked = ParkedPrompts(HostTier(), 5, tokens, HKV, D, BLOCK, torch.bfloat16, torch.device("cpu"))
+    assert parked.host_nbytes == 5 * one
+    gib = 4.5 * layers * one / 2**30
+    assert HostTier(gib=gib).region_count(layers * one) == 4
+    with pytest.raises(InputError, match=r"gib \(.*\) holds no region: .* takes .* GiB"):
+        HostTier(gib=0.9 * layers * one / 2**30).region_count(layers * one)
 
 
 @pytest.mark.parametrize("choice", ["reference", "triton"])
@@ -92,8 +110,9 @@ def parked_h2o(budget: int, tier: HostTier, lengths: list[int], regions_held: in
     key_slots, value_slots = (slot_view(c, 1)[0] for c in cache.split())
     selector = PagedH2O()
     state = selector.new_state(key_slots.shape[1] // BLOCK, BLOCK, HKV, D, torch.float32, "cpu")
-    regions = Regions(tier.regions, key_slots.shape[1] // BLOCK, "cpu")
-    parked = ParkedPrompts(tier, cache.block_table.shape[1] * BLOCK, HKV, D, BLOCK, torch.float32, torch.device("cpu"))
+    regions = Regions(tier.region_count(), key_slots.shape[1] // BLOCK, "cpu")
+    parked = ParkedPrompts(tier, tier.region_count(), cache.block_table.shape[1] * BLOCK, HKV, D, BLOCK, torch.float32,
+                           torch.device("cpu"))  # fmt: skip
     moved, parkings, freed = {}, {}, []
     for r, prompt in enumerate(lengths):
         unread = selector.unread_blocks(prompt, prompt, budget, BLOCK)
@@ -189,7 +208,7 @@ def test_the_kernels_read_what_the_reference_reads(summary, monkeypatch):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tier = HostTier(regions=2, pages=3, cache_pages=5, summary=summary)
     g, cache, selector, state, regions, parked, moved, parkings = parked_h2o(24, tier, [300, 260, 200], 2, seed=4)
-    other = ParkedPrompts(tier, parked.pages * BLOCK, HKV, D, BLOCK, torch.float32, torch.device(device))
+    other = ParkedPrompts(tier, 2, parked.pages * BLOCK, HKV, D, BLOCK, torch.float32, torch.device(device))
     assert other.host_keys.is_pinned() == (device == "cuda") and other.keys.device.type == device
     for name in ("host_keys", "host_values", "parked", "parked_in_page", "held", "cache_start", "slot_of", "page_in",
                  "used", "clock", "fetched"):  # fmt: skip

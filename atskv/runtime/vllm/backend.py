@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from vllm.config import get_current_vllm_config_or_none
+from vllm.config import get_current_vllm_config_or_none, get_layers_from_vllm_config
 from vllm.distributed.parallel_state import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
@@ -46,7 +46,7 @@ from atskv.errors import InputError
 from atskv.runtime.vllm.batch import PromptChunk, RunnerBatch, past_reads, prefill_rows, prefill_share, unranked_prompts
 from atskv.runtime.vllm.composition import build_paged_selector, freeing_rule
 from atskv.runtime.vllm.config import WORKER, PluginConfig
-from atskv.runtime.vllm.host_tier import ParkedPrompts, Parking, Regions, split_unread
+from atskv.runtime.vllm.host_tier import ParkedPrompts, Parking, Regions, region_nbytes, split_unread
 from atskv.runtime.vllm.protocol import shard_kv_heads
 from atskv.runtime.vllm.selection import paged_sparse_decode, slot_view
 
@@ -103,7 +103,10 @@ class AtskvMetadataBuilder(FlashAttentionMetadataBuilder):
 
     def host_regions(self) -> Regions:
         if self.regions is None:  # the pool's size is known once the cache exists
-            self.regions = Regions(self.tier.regions, self.vllm_config.cache_config.num_gpu_blocks, self.device)
+            spec = self.kv_cache_spec
+            count = tier_regions(self.tier, self.vllm_config, spec.num_kv_heads, spec.head_size, spec.block_size,
+                                 spec.dtype)  # fmt: skip
+            self.regions = Regions(count, self.vllm_config.cache_config.num_gpu_blocks, self.device)
         return self.regions
 
     def parking(self, rows, prompts, block_table) -> dict[int, Parking]:
@@ -127,6 +130,20 @@ class AtskvMetadataBuilder(FlashAttentionMetadataBuilder):
         return parking
 
 
+def tier_regions(tier, vllm_config, kv_heads: int, head_size: int, block_size: int, dtype) -> int:
+    """The host tier's region count, the same for the metadata builder and every layer: its
+    `regions`, or as many as its `gib` holds over this GPU's sparse layers."""
+    if tier.gib is None:
+        return tier.region_count()
+    from vllm.model_executor.layers.attention import Attention  # the layer module imports backends: not at the top
+
+    layers = get_layers_from_vllm_config(vllm_config, Attention)
+    sparse = sum(isinstance(layer.impl, AtskvAttentionImpl) and layer.impl.sparse_layer(layer)
+                 for layer in layers.values())  # fmt: skip
+    tokens = vllm_config.model_config.max_model_len
+    return tier.region_count(sparse * region_nbytes(tokens, kv_heads, head_size, block_size, dtype))
+
+
 def tensor_shard(vllm_config) -> tuple[int, int] | None:
     """This GPU's share of the model's KV heads under tensor parallelism (`shard_kv_heads`), None on one GPU."""
     if vllm_config is None or not model_parallel_is_initialized() or get_tensor_model_parallel_world_size() == 1:
@@ -147,6 +164,7 @@ class AtskvAttentionImpl(FlashAttentionImpl):
         self._state_blocks = 0
         self.tier = None if self.config.dense else self.config.tier
         self.parked: ParkedPrompts | None = None  # this layer's host tier, made with the state
+        self.vllm_config = vllm_config
         self.max_model_len = vllm_config.model_config.max_model_len if vllm_config else 0
         self.kv_shard = tensor_shard(vllm_config)
         self._sparse: bool | None = None  # decided at the first call, which names the layer
@@ -182,10 +200,11 @@ class AtskvAttentionImpl(FlashAttentionImpl):
                 logger.info_once("atskv: %s's state beside %d blocks, %.2f GiB per layer", self.selector.name,
                                  blocks, size / 2**30)  # fmt: skip
                 if self.tier is not None:
-                    self.parked = ParkedPrompts(self.tier, self.max_model_len, heads, self.head_size, block_size,
-                                                key.dtype, key.device)  # fmt: skip
+                    regions = tier_regions(self.tier, self.vllm_config, heads, self.head_size, block_size, key.dtype)
+                    self.parked = ParkedPrompts(self.tier, regions, self.max_model_len, heads, self.head_size,
+                                                block_size, key.dtype, key.device)  # fmt: skip
                     logger.info_once("atskv: host tier of %d regions, %.2f GiB pinned and %.2f GiB on the GPU per "
-                                     "layer", self.tier.regions, self.parked.host_nbytes / 2**30,
+                                     "layer", regions, self.parked.host_nbytes / 2**30,
                                      self.parked.gpu_nbytes / 2**30)  # fmt: skip
             self.selector.after_write(self.state, key, slot_mapping, block_size)
 

@@ -16,7 +16,8 @@ through a device alias of the pinned memory inside the step's CUDA graph
 (`atskv.runtime.fast.host_pages`'s pieces, as on the fast path).
 
 The host holds `regions` requests' prompts at once: pinned regions x sparse layers x 2 x Hkv x
-max_model_len x head_size x dtype bytes (15 GiB a region at the Llama-3.1-8B shape and 128K).
+max_model_len x head_size x dtype bytes (15 GiB a region at the Llama-3.1-8B shape and 128K), or
+as many as `gib` holds.
 A request gets a region at the chunk that ranks its prompt if one is free (a region frees once
 its request has left vLLM's runner: finished, aborted or preempted), else it reads its kept
 tokens alone. A decode step finds a request's region by its first block (a kept one), so no
@@ -48,14 +49,17 @@ SUMMARIES = ("bounds", "int4")
 
 @dataclass(frozen=True)
 class HostTier:
-    """`regions`: requests whose prompts the host holds at once; `pages`: pages (vLLM blocks) a
-    decode query reads back per layer and KV head; `cache_pages`: blocks a request keeps on the
-    GPU for pages read back (>= `pages`), so a page asked for again is not fetched again;
+    """`regions`: requests whose prompts the host holds at once (2 unless `gib` is given);
+    `gib`: or the pinned host memory they may take, in GiB a GPU, as many regions as fit;
+    `pages`: pages (vLLM blocks) a decode query reads back per layer and KV head; `cache_pages`:
+    blocks a request keeps on the GPU for pages read back (>= `pages`), so a page asked for again
+    is not fetched again;
     `summary`: what ranks the parked pages on the GPU, "bounds" (Quest's key min and max a page:
     1/16 of the parked KV's bytes) or "int4" (every key in 4 bits, a page scored by its best
     parked token: 1/8; on the fast path it found the needles 16-token bounds lose)."""
 
-    regions: int = 2
+    regions: int | None = None
+    gib: float | None = None
     pages: int = 16
     cache_pages: int = 32
     summary: str = "bounds"
@@ -63,15 +67,37 @@ class HostTier:
     def __post_init__(self):
         if self.summary not in SUMMARIES:
             raise InputError(f"atskv: host_tier's summary is one of {', '.join(SUMMARIES)}, got {self.summary!r}")
+        if self.regions is not None and self.gib is not None:
+            raise InputError(f"atskv: host_tier takes regions or gib, not both (got {self.regions!r} and {self.gib!r})")
+        if self.gib is not None and (isinstance(self.gib, bool) or not isinstance(self.gib, int | float)
+                                     or not 0 < self.gib < math.inf):  # fmt: skip
+            raise InputError(f"atskv: host_tier's gib must be a number > 0, got {self.gib!r}")
         for f in fields(self):
-            if f.name == "summary":
-                continue
             value = getattr(self, f.name)
+            if f.name in ("summary", "gib") or (f.name == "regions" and value is None):
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"atskv: host_tier's {f.name} must be an int >= 1, got {value!r}")
         if self.cache_pages < self.pages:
             raise InputError(f"atskv: host_tier's cache_pages ({self.cache_pages}) must hold the pages a query "
                              f"reads ({self.pages})")  # fmt: skip
+
+    def region_count(self, region_nbytes: int | None = None) -> int:
+        """The regions to make; with `gib`, as many as it holds of `region_nbytes` (one region over
+        all of this GPU's sparse layers: a prompt of max_model_len parked in each), a `gib` too
+        small for one a one-line error."""
+        if self.gib is None:
+            return 2 if self.regions is None else self.regions
+        count = int(self.gib * 2**30 // region_nbytes)
+        if count < 1:
+            raise InputError(f"atskv: host_tier's gib ({self.gib}) holds no region: one request's prompt of "
+                             f"max_model_len parked in every sparse layer takes {region_nbytes / 2**30:.2f} GiB")
+        return count
+
+
+def region_nbytes(tokens: int, kv_heads: int, head_size: int, block_size: int, dtype) -> int:
+    """Pinned bytes one region takes in one layer: keys and values of a prompt of `tokens`, in whole pages."""
+    return 2 * kv_heads * math.ceil(tokens / block_size) * block_size * head_size * dtype.itemsize
 
 
 def split_unread(unread: range, cache_blocks: int) -> tuple[range, range]:
@@ -132,8 +158,9 @@ class ParkedPrompts:
     where each request's cache blocks start, and the cache's bookkeeping (`parked_read`); the GPU
     rows have a spare last region for rows without one."""
 
-    def __init__(self, tier: HostTier, tokens: int, kv_heads: int, head_size: int, block_size: int, dtype, device):
-        regions, self.tier, self.block_size = tier.regions, tier, block_size
+    def __init__(self, tier: HostTier, regions: int, tokens: int, kv_heads: int, head_size: int, block_size: int,
+                 dtype, device):  # fmt: skip
+        self.tier, self.regions, self.block_size = tier, regions, block_size
         self.pages = math.ceil(tokens / block_size)
         shape = (regions, kv_heads, self.pages * block_size, head_size)
         self.host_keys, self.host_values = host_keys_and_values(shape, dtype, device)
@@ -200,7 +227,7 @@ class ParkedPrompts:
     def page_scores(self, query: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Each row's parked pages scored against its query `[B, Hq, D]`: `[B, Hkv, pages]` (only
         pages holding a parked token count; a row without a region has none)."""
-        regions = self.tier.regions
+        regions = self.regions
         region = rows.clamp(max=regions - 1)  # a row without one reads another's summary, none of it parked
         if self.tier.summary == "bounds":
             region_pages = ((region * self.pages).view(-1, 1) + torch.arange(self.pages, device=rows.device)).int()
