@@ -150,20 +150,24 @@ def test_compacted_lists_free_blocks_and_read_the_same_tokens(shape, selector, t
     assert 3 * 94 < held <= 3 * (94 + 14 * kept_blocks), held
 
 
-@pytest.mark.parametrize("selector", ["h2o", "snapkv"])
-def test_a_host_tier_reads_back_pages_of_what_compaction_frees(shape, selector):
-    """With `free_blocks` and a host tier of 2 regions, 3 requests (one finds no region): each
-    finishes its tokens, holds at most its dense group's blocks and, per freeing group, what the
-    rule leaves it plus its cache blocks while decoding, the layers read pages back from the host,
-    and the pool is whole again after them."""
+@pytest.mark.parametrize("selector, size", [("h2o", "regions"), ("snapkv", "regions"), ("h2o", "gib")])
+def test_a_host_tier_reads_back_pages_of_what_compaction_frees(shape, selector, size):
+    """With `free_blocks` and a host tier of 2 regions (given, or bought by `gib` over the 28
+    sparse layers), 3 requests (one finds no region): each finishes its tokens, holds at most its
+    dense group's blocks and, per freeing group, what the rule leaves it plus its cache blocks
+    while decoding, the layers read pages back from the host, and the pool is whole again after them."""
     from atskv.runtime.vllm.composition import freeing_rule
-    from atskv.runtime.vllm.host_tier import host_tier_bytes
+    from atskv.runtime.vllm.host_tier import host_tier_bytes, region_nbytes
 
-    tier = {"regions": 2, "pages": 4, "cache_pages": 8}
+    one = 28 * region_nbytes(4096, 3, 64, 16, torch.bfloat16)  # max_model_len 4096, 3 KV heads of 64
+    tier = {"pages": 4, "cache_pages": 8} | ({"regions": 2} if size == "regions" else {"gib": 2.5 * one / 2**30})
     llm = engine(shape, f"vllm:{selector}", 64, free_blocks=True, dense_layers=2, host_tier=tier)
     batch = prompts(1500, 3, 49152, seed=11)
     idle = free_blocks(llm)
     assert [len(t) for t in greedy_tokens(llm, batch, 24)] == [24] * 3 and free_blocks(llm) == idle
+    counts = llm.apply_model(lambda model: [m.impl.parked.regions for m in model.modules()
+                                            if getattr(getattr(m, "impl", None), "parked", None) is not None])[0]
+    assert counts == [2] * 28, counts
     assert sum(llm.apply_model(host_tier_bytes)) > 0, "pages came back from the host"
     held = held_while_decoding(llm, batch, 30)
     kept_blocks = 96 - len(freeing_rule(selector, {})(1510, 1500, 64, 16)) + tier["cache_pages"]
