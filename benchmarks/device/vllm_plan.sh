@@ -29,7 +29,8 @@
 #        streaming_llm at budget 1.0 (its greedy tokens must be vanilla's) and Quest, three servers one after the
 #        other (benchmarks/vllm_serve_check.py; rows in serve.jsonl, each server's log beside it)
 #   bash benchmarks/device/vllm_plan.sh quality [CONTEXT]  # SmolLM2 with its real weights (ran 2026-12-06): an
-#        engine-ready predictor collected and fit here, then the leaderboard's atskv rows and vllm: rows (beside
+#        engine-ready predictor collected and fit here (benchmarks/device/engine_predictor.sh; or one made on a CPU and
+#        carried as .device/pred-MODEL), then the leaderboard's atskv rows and vllm: rows (beside
 #        vanilla vLLM) on the same prompts, 3 seeds, then StreamingLLM and learned at budget 1.0 against vanilla
 #        vLLM's greedy tokens on 24 of those prompts (benchmarks/vllm_identity.py; identity.txt) (needs benchmarks/device/stage.sh's .whl, .device/s1-s3 and
 #        .device/corpora.tar.xz carried too, one staging call each; the parent runs atskv's transformers, each
@@ -109,14 +110,11 @@ case "$1" in
     # like for like)
     LEARNED=${LEARNED_OPTIONS:-'{learned: {window_share: 0.5, refresh_every: 1000000}}'}
     touch "$OUT/quality.log"
+    if [ -d .device/pred-$model${RECEIVED:+-received$RECEIVED} ] && [ ! -f $q/predictor/predictor.safetensors ]; then
+      mkdir -p $q && cp -r .device/pred-$model${RECEIVED:+-received$RECEIVED} $q/predictor  # made on a CPU, carried
+    fi
     if [ ! -f $q/predictor/predictor.safetensors ]; then  # one predictor per machine and inputs: a second variant reuses it
-      python3 -m atskv.cli collect --model $m --corpus austen --windows 32 --window_tokens 4096 --device cuda \
-        --out /tmp/quality-$model/collect > "$OUT/quality.log" 2>&1  # one collection (a rerun resumes it)
-      python3 -m atskv.cli fit --config configs/fit.yaml --config configs/fit-vllm.yaml --data.folder /tmp/quality-$model/collect \
-        --model.without "$without" --trainer.max_epochs 5 --trainer.default_root_dir $q/fit \
-        --trainer.logger.init_args.save_dir $q/fit >> "$OUT/quality.log" 2>&1
-      python3 -m atskv.cli export "$(ls -d $q/fit/*/version_*/checkpoints/last.ckpt | tail -1)" --model $m \
-        --out $q/predictor >> "$OUT/quality.log" 2>&1
+      bash benchmarks/device/engine_predictor.sh $m /tmp/quality-$model/collect $q cuda "$without" > "$OUT/quality.log" 2>&1
     fi
     board() {
       python3 -m atskv.cli eval leaderboard --model $m --predictor $q/predictor --contexts "[${2:-4096}]" \
