@@ -55,6 +55,7 @@ def started(monkeypatch) -> list[dict]:
         specs.append(json.loads(open(command[-2]).read()))
 
     monkeypatch.setattr(vllm_speed.subprocess, "run", run)
+    monkeypatch.setattr(vllm_speed, "require_vllm", lambda: None)
     return specs
 
 
@@ -125,6 +126,7 @@ def test_serve_frees_blocks_only_for_selectors_that_can(tmp_path, monkeypatch):
 
     commands = []
     monkeypatch.setattr(vllm_speed.subprocess, "run", lambda command, **_: commands.append(command))
+    monkeypatch.setattr(vllm_speed, "require_vllm", lambda: None)
     serve(methods=["vllm", "vllm:streaming_llm", "vllm:quest", "vllm:learned"], rates=[0.5], free_blocks=True,
           dense_layers=2, out=tmp_path)  # fmt: skip
     specs = {s["label"]: s for s in (json.loads(open(c[-3]).read()) for c in commands)}
@@ -139,11 +141,28 @@ def test_serve_frees_blocks_only_for_selectors_that_can(tmp_path, monkeypatch):
     assert arguments["worker_cls"] == WORKER and arguments["additional_config"]["atskv"]["free_blocks"]
 
 
+def test_without_vllm_or_with_bad_plugin_settings_no_engine_starts_and_the_error_is_one_line(tmp_path, monkeypatch):
+    from atskv.cli.bench import serve
+
+    monkeypatch.setattr(vllm_speed.subprocess, "run", lambda command, **_: pytest.fail("an engine started"))
+    monkeypatch.delenv("ATSKV_VLLM_PYTHONPATH", raising=False)
+    monkeypatch.setattr(vllm_speed.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(InputError, match=r"vLLM is not installed here: .*pip install 'atskv\[vllm\]'"):
+        serve(methods=["vllm"], rates=[0.5], out=tmp_path)
+    monkeypatch.setenv("ATSKV_VLLM_PYTHONPATH", str(tmp_path))  # vLLM elsewhere: not looked for here
+    vllm_speed.require_vllm()
+    with pytest.raises(InputError, match="host_tier's gib must be a number > 0"):
+        serve(methods=["vllm", "vllm:h2o"], free_blocks=True, host_tier={"gib": 0}, out=tmp_path)
+    with pytest.raises(InputError, match="budget"):
+        EngineSpec("vllm:quest", "shape", [(4096, 1)], budget=1.5)
+
+
 def test_serve_hands_a_selectors_options_and_vllms_settings_to_its_engines(tmp_path, monkeypatch):
     from atskv.cli.bench import serve
 
     commands = []
     monkeypatch.setattr(vllm_speed.subprocess, "run", lambda command, **_: commands.append(command))
+    monkeypatch.setattr(vllm_speed, "require_vllm", lambda: None)
     serve(methods=["vllm", "vllm:h2o"], rates=[50.0], selector_options={"h2o": {"prompt_sample": 8}},
           engine={"max_num_batched_tokens": 2048}, dense_layers=0, out=tmp_path)  # fmt: skip
     specs = {s["method"]: s for s in (json.loads(open(c[-3]).read()) for c in commands)}

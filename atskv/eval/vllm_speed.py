@@ -18,6 +18,7 @@ token goes. Rows are appended to a JSON-lines file as they finish; a rerun skips
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -27,10 +28,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from atskv.errors import InputError
 from atskv.eval.method import Method
 from atskv.eval.rows import json_lines
 from atskv.eval.shapes import SHAPES
-from atskv.runtime.vllm.config import WORKER
+from atskv.runtime.vllm.config import WORKER, PluginConfig
 
 PROFILE_STEPS = 8
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
@@ -63,6 +65,8 @@ class EngineSpec:
 
     def __post_init__(self):
         self.label = self.label or self.method
+        if self.method != VANILLA:  # the plugin's settings checked before an engine starts (a worker's traceback)
+            PluginConfig.from_additional_config(engine_arguments(self, 1, 1).get("additional_config"))
 
 
 def engine_arguments(spec: EngineSpec, max_model_len: int, max_num_seqs: int) -> dict:
@@ -164,10 +168,18 @@ def file_stem(label: str) -> str:
     return re.sub(r"[^\w.-]+", "-", label).strip("-")
 
 
+def require_vllm() -> None:
+    """A one-line error before an engine process would fail on its import: no vLLM here, and no
+    `ATSKV_VLLM_PYTHONPATH` naming one elsewhere."""
+    if not os.environ.get("ATSKV_VLLM_PYTHONPATH") and importlib.util.find_spec("vllm") is None:
+        raise InputError("vLLM is not installed here: the vllm methods run it (pip install 'atskv[vllm]')")
+
+
 def engine_process(module: str, *files: Path, check: bool = False) -> None:
     """`python -m module files...` with vLLM's engine in that process (one engine a process);
     `ATSKV_VLLM_PYTHONPATH`, where set, is that process's `PYTHONPATH` (vLLM beside another
     transformers than the caller's, as on the GPU machine: `benchmarks/device/vllm_env.sh`)."""
+    require_vllm()
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if path := os.environ.get("ATSKV_VLLM_PYTHONPATH"):
         env["PYTHONPATH"] = path
