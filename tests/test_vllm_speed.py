@@ -127,8 +127,9 @@ def test_serve_frees_blocks_only_for_selectors_that_can(tmp_path, monkeypatch):
     commands = []
     monkeypatch.setattr(vllm_speed.subprocess, "run", lambda command, **_: commands.append(command))
     monkeypatch.setattr(vllm_speed, "require_vllm", lambda: None)
-    serve(methods=["vllm", "vllm:streaming_llm", "vllm:quest", "vllm:learned"], rates=[0.5], free_blocks=True,
-          dense_layers=2, out=tmp_path)  # fmt: skip
+    with pytest.raises(InputError, match="no vLLM engine wrote"):  # the engines only recorded
+        serve(methods=["vllm", "vllm:streaming_llm", "vllm:quest", "vllm:learned"], rates=[0.5], free_blocks=True,
+              dense_layers=2, out=tmp_path)  # fmt: skip
     specs = {s["label"]: s for s in (json.loads(open(c[-3]).read()) for c in commands)}
     assert set(specs) == {"vllm", "vllm:streaming_llm (free_blocks)", "vllm:quest", "vllm:learned (free_blocks)"}
     learned = specs["vllm:learned (free_blocks)"]  # timed with a random predictor of the shape, made once
@@ -150,7 +151,10 @@ def test_without_vllm_or_with_bad_plugin_settings_no_engine_starts_and_the_error
     with pytest.raises(InputError, match=r"vLLM is not installed here: .*pip install 'atskv\[vllm\]'"):
         serve(methods=["vllm"], rates=[0.5], out=tmp_path)
     monkeypatch.setenv("ATSKV_VLLM_PYTHONPATH", str(tmp_path))  # vLLM elsewhere: not looked for here
-    vllm_speed.require_vllm()
+    monkeypatch.setattr(vllm_speed.subprocess, "run", lambda command, **_: None)  # an engine that failed
+    with pytest.raises(InputError, match="no vLLM engine wrote a trace row"):
+        serve(methods=["vllm"], rates=[0.5], out=tmp_path)
+    monkeypatch.setattr(vllm_speed.subprocess, "run", lambda command, **_: pytest.fail("an engine started"))
     with pytest.raises(InputError, match="host_tier's gib must be a number > 0"):
         serve(methods=["vllm", "vllm:h2o"], free_blocks=True, host_tier={"gib": 0}, out=tmp_path)
     with pytest.raises(InputError, match="budget"):
@@ -163,8 +167,9 @@ def test_serve_hands_a_selectors_options_and_vllms_settings_to_its_engines(tmp_p
     commands = []
     monkeypatch.setattr(vllm_speed.subprocess, "run", lambda command, **_: commands.append(command))
     monkeypatch.setattr(vllm_speed, "require_vllm", lambda: None)
-    serve(methods=["vllm", "vllm:h2o"], rates=[50.0], selector_options={"h2o": {"prompt_sample": 8}},
-          engine={"max_num_batched_tokens": 2048}, dense_layers=0, out=tmp_path)  # fmt: skip
+    with pytest.raises(InputError, match="no vLLM engine wrote"):  # the engines only recorded
+        serve(methods=["vllm", "vllm:h2o"], rates=[50.0], selector_options={"h2o": {"prompt_sample": 8}},
+              engine={"max_num_batched_tokens": 2048}, dense_layers=0, out=tmp_path)  # fmt: skip
     specs = {s["method"]: s for s in (json.loads(open(c[-3]).read()) for c in commands)}
     assert specs["vllm"]["label"] == 'vllm {"max_num_batched_tokens": 2048}' and specs["vllm"]["options"] == {}
     h2o = specs["vllm:h2o"]

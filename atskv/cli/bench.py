@@ -210,6 +210,8 @@ def _vllm_methods(methods, model, contexts, batches, budget, new_tokens, dense_l
              for m in methods]  # fmt: skip
     rows = out / "vllm.jsonl"
     vllm_speed.measure(specs, rows)
+    if not rows.is_file():
+        raise InputError("no vLLM engine wrote a row: each one's error is above")
     return rows
 
 
@@ -276,6 +278,8 @@ def serve(
     traces = [vllm_trace.Trace(r, requests, shortest, longest, new_tokens, limit_s=limit_s) for r in rates]
     rows = Path(out) / "trace.jsonl"
     vllm_trace.measure(specs, traces, rows)
+    if not rows.is_file():
+        raise InputError("no vLLM engine wrote a trace row: each one's error is above")
     print(vllm_trace.table(rows))
     vllm_trace.plot(rows, rows.with_suffix(".png"))
     print(f"written to {out}/ (trace.jsonl, trace.png)")
