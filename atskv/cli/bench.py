@@ -254,7 +254,8 @@ def serve(
             compacted) hand the blocks their sparse layers will not read back to vLLM's pool (rows
             labelled "<method> (free_blocks)"); the learned selector is timed with a random predictor.
         host_tier: with free_blocks, what snapkv, h2o and learned free is parked in pinned host
-            memory and each decode query reads back its best pages, e.g. '{regions: 4, pages: 16}'
+            memory and each decode query reads back its best pages, e.g. '{regions: 4, pages: 16}' or
+            '{gib: 60}' (as many requests' prompts as 60 GiB a GPU hold)
             (`atskv.runtime.vllm.host_tier.HostTier`; rows report the bytes read back a token).
         limit_s: a trace stops here, finished or not.
         selector_options: options per selector name, e.g. '{learned: {predictor: DIR}}' (rows

@@ -321,7 +321,7 @@ def leaderboard(
         host_tier: the host: rows' `HostRetrieval` options, e.g. '{tokens: 0.125, cache: 2}'
             (tokens read back per step: an int, or a fraction of the prompt; none: its defaults).
         engine_host_tier: the vllm: rows' host tier (they then free blocks and park them), the
-            plugin's `host_tier`, e.g. '{regions: 4, pages: 16}'; snapkv, h2o and learned only.
+            plugin's `host_tier`, e.g. '{regions: 4, pages: 16}' or '{gib: 8}'; snapkv, h2o and learned only.
         device: cpu, cuda, or auto.
         dtype: float32, bfloat16, float16, or auto.
     """
