@@ -102,7 +102,8 @@ case "$1" in
     export ATSKV_VLLM_PYTHONPATH=$PYTHONPATH
     model=${MODEL:-smollm2-135m}  # or gemma3-270m (its parts .device/g1-g7 carried; its local layers stay vLLM's)
     source benchmarks/device/env.sh && assemble $model.gguf
-    m=/tmp/mdl/$model.gguf q=/tmp/quality-$model${RECEIVED:+-received$RECEIVED}
+    variant=$model${RECEIVED:+-received$RECEIVED}  # one predictor per model and inputs
+    m=/tmp/mdl/$model.gguf q=/tmp/quality-$variant
     without='[hidden_norm, token_type]'  # what vLLM does not show an attention backend; RECEIVED=0: nor the mass
     [ "${RECEIVED:-1}" = 0 ] && without='[hidden_norm, token_type, attention, prev_attention]'
     # both runtimes get these options (window_share 0.5: as the shipped predictor scored best; no
@@ -110,8 +111,8 @@ case "$1" in
     # like for like)
     LEARNED=${LEARNED_OPTIONS:-'{learned: {window_share: 0.5, refresh_every: 1000000}}'}
     touch "$OUT/quality.log"
-    if [ -d .device/pred-$model${RECEIVED:+-received$RECEIVED} ] && [ ! -f $q/predictor/predictor.safetensors ]; then
-      mkdir -p $q && cp -r .device/pred-$model${RECEIVED:+-received$RECEIVED} $q/predictor  # made on a CPU, carried
+    if [ -d .device/pred-$variant ] && [ ! -f $q/predictor/predictor.safetensors ]; then  # made on a CPU, carried
+      mkdir -p $q && cp -r .device/pred-$variant $q/predictor
     fi
     if [ ! -f $q/predictor/predictor.safetensors ]; then  # one predictor per machine and inputs: a second variant reuses it
       bash benchmarks/device/engine_predictor.sh $m /tmp/quality-$model/collect $q cuda "$without" > "$OUT/quality.log" 2>&1
