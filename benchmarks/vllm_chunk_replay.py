@@ -2,7 +2,7 @@
 `--tail` tokens, replayed on vLLM's own scheduler on the CPU (`atskv.eval.vllm_chunks`; vLLM
 installed, no GPU), beside where the row lost a prompt its comparator solved:
 
-    python benchmarks/vllm_chunk_replay.py docs/results/vllm-quality-gemma3-h100-2026-12-06/cells.jsonl \
+    python benchmarks/vllm_chunk_replay.py docs/results/vllm-quality-gemma3-h100-2026-12-07/cells.jsonl \
         --row vllm:learned --against learned --ratio 0.875
 
 The engine ran every prompt of the row at once, in the cells' order, generating the most new tokens

@@ -105,10 +105,11 @@ def test_a_recomputes_reads_never_wait_for_the_gpu(selector):
     past = [(r, r * GENERATED, (r + 1) * GENERATED, prompt) for r, prompt in enumerate(prompts)]
     kv_cache, output = cache.kv_cache.to(device), torch.zeros(rows * GENERATED, HQ * D, device=device)
     impl = backend(selector, state, budget=budget)
+    block_table = cache.block_table.to(device)  # the builder's tensors, on the GPU before a forward runs
+    seq_lens = torch.tensor(cache.lengths, dtype=torch.int32, device=device)
 
     def forward(layers: int) -> None:
-        metadata = SimpleNamespace(atskv_past_rows=past, block_table=cache.block_table.to(device),
-                                   seq_lens=torch.tensor(cache.lengths, dtype=torch.int32, device=device))  # fmt: skip
+        metadata = SimpleNamespace(atskv_past_rows=past, block_table=block_table, seq_lens=seq_lens)
         for _ in range(layers):
             impl.read_past_prompts(tokens, kv_cache, metadata, output)
 
