@@ -73,13 +73,15 @@ case "$1" in
   decode)
     methods=${*:2}  # rows kept in /tmp/rows between calls: a stage cut at its limit resumes in the next call
     mkdir -p /tmp/rows && touch /tmp/rows/decode.jsonl
+    # the rows so far under $OUT every 10 s: a call cut by the session's device budget keeps them
+    (while sleep 10; do cp /tmp/rows/decode.jsonl "$OUT/" 2>/dev/null; done) & copier=$!
     timeout "${STAGE_S:-560}" python3 benchmarks/vllm_decode.py /tmp/rows/decode.jsonl \
       --methods ${methods:-vllm quest=vllm:quest streaming=vllm:streaming_llm} --runs ${RUNS:-32768x1 32768x8 131072x1} \
       --new_tokens 64 --identity_tokens 32 --dense_layers "${DENSE:-{\}}" --options "${OPTIONS:-{\}}" \
       ${PROFILE:+--profile /tmp/rows/profile} ${PROFILE_PREFILL:+--profile /tmp/rows/profile --profile_prefill} \
       ${FREE:+--free_blocks $FREE} ${HOST_TIER:+--host_tier "$HOST_TIER"} \
       >> /tmp/rows/decode.log 2>&1
-    cp -r /tmp/rows/decode.* "$OUT/"; [ -d /tmp/rows/profile ] && cp /tmp/rows/profile/*.txt "$OUT/" 2>/dev/null
+    kill $copier; cp -r /tmp/rows/decode.* "$OUT/"; [ -d /tmp/rows/profile ] && cp /tmp/rows/profile/*.txt "$OUT/" 2>/dev/null
     grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" "$OUT/decode.log" | tail -20 ;;
   tests)
     python3 -m pip install -q --no-index --no-deps --target /tmp/pt .device/pt/*.whl 2>/dev/null
