@@ -219,8 +219,8 @@ def test_the_kernels_read_what_the_reference_reads(summary, monkeypatch):
     caches, other_caches = cache.split(), [c.clone().to(device) for c in cache.split()]
     seq_lens, query = torch.tensor([301, 261, 201], dtype=torch.int32), torch.randn(3, HQ, D, generator=g)
     for _ in range(2):
+        monkeypatch.setenv("ATSKV_KERNELS", "reference")  # the CPU side (compiled Triton takes no CPU tensor)
         own, counts = selector.pick(query, HKV, state, table, seq_lens, BLOCK, 24)
-        monkeypatch.setenv("ATSKV_KERNELS", "reference")
         want = parked.extend(query, own, counts, rows, table, *caches)
         out = paged_sparse_decode(query, *caches, *want, table, D**-0.5)
         monkeypatch.setenv("ATSKV_KERNELS", "triton")

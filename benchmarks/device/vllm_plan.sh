@@ -81,7 +81,8 @@ case "$1" in
       ${PROFILE:+--profile /tmp/rows/profile} ${PROFILE_PREFILL:+--profile /tmp/rows/profile --profile_prefill} \
       ${FREE:+--free_blocks $FREE} ${HOST_TIER:+--host_tier "$HOST_TIER"} \
       >> /tmp/rows/decode.log 2>&1
-    kill $copier; cp -r /tmp/rows/decode.* "$OUT/"; [ -d /tmp/rows/profile ] && cp /tmp/rows/profile/*.txt "$OUT/" 2>/dev/null
+    kill $copier; cp /tmp/rows/decode.jsonl /tmp/rows/decode.log /tmp/rows/decode.png "$OUT/" 2>/dev/null  # not the engines' spec files: a call returns 8 files, the profiles come next
+    [ -d /tmp/rows/profile ] && cp /tmp/rows/profile/*.txt "$OUT/" 2>/dev/null
     grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" "$OUT/decode.log" | tail -20 ;;
   tests)
     python3 -m pip install -q --no-index --no-deps --target /tmp/pt .device/pt/*.whl 2>/dev/null
