@@ -111,32 +111,3 @@ def test_read_mass_is_added_to_the_listed_values(block, moved):
         kl.use_triton = use
     torch.testing.assert_close(got.cpu()[:-1], want[:-1])
     assert not torch.equal(want, values)
-
-
-@pytest.mark.parametrize("budget, prompt, steps, pins", [(0.05, 600, 300, 5), (40, 300, 200, 10), (24, 200, 100, 24)])
-def test_the_learned_selectors_lists_read_a_queue(budget, prompt, steps, pins):
-    """The learned selector's step (no recent window, every new token at +inf, scores that never
-    change) evicts in an order fixed at the ranking: the listed entries by (value, position), then
-    the tokens generated since. So a step at length s reads the queue's entries from e(s) = (s - L0)
-    - (count(s) - count(L0)) on, the evictions so far: what a list step without a scan would read
-    (NOTES.md). Tied values, pinned (+inf) entries and a generation that outlasts the finite ones."""
-    g = torch.Generator().manual_seed(0)
-    table = torch.arange(prompt + steps).view(1, -1).int()  # one request, block size 1
-    n0 = int(kept_tokens(budget, torch.tensor(prompt)))
-    kept = torch.zeros(prompt + steps + 1, HKV, dtype=torch.int32)
-    values = torch.zeros(prompt + steps + 1, HKV)
-    queues = []
-    for h in range(HKV):
-        positions = torch.randperm(prompt, generator=g)[:n0]
-        scores = torch.randint(0, 5, (n0,), generator=g).float()
-        scores[:pins] = math.inf  # `window_share`'s pins
-        kept[:n0, h], values[:n0, h] = positions.int(), scores
-        queues.append(sorted(zip(scores.tolist(), positions.tolist())))
-    for s in range(prompt + 1, prompt + steps + 1):
-        read, counts = kept_list_step_reference(kept, values, table, torch.tensor([s], dtype=torch.int32), 1,
-                                                budget, 0.0, math.inf, n0 + steps)  # fmt: skip
-        count = int(kept_tokens(budget, torch.tensor(s)))
-        evicted = (s - prompt) - (count - n0)
-        for h in range(HKV):
-            queue = [p for _, p in queues[h]] + list(range(prompt, s))
-            assert sorted(read[0, h, : counts[0, h]].tolist()) == sorted(queue[evicted : evicted + count]), (s, h)

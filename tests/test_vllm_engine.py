@@ -319,22 +319,28 @@ def test_with_atskvs_worker_each_prompt_is_ranked_once_into_the_same_lists(shape
         torch.testing.assert_close(a[null:], b[null:], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("selector", ["quest", "streaming_llm", "h2o"])
-def test_preempted_requests_are_recomputed_and_give_the_pool_back(shape, selector):
+@pytest.mark.parametrize("selector", ["quest", "streaming_llm", "h2o", "learned"])
+def test_preempted_requests_are_recomputed_and_give_the_pool_back(shape, selector, tmp_path):
     """A pool of 260 blocks (vLLM wants one request of max_model_len 4096 to fit: 256) for 4
     requests of 1000-token prompts (63 blocks each) and 64 new tokens: as they grow, vLLM preempts
     one (its blocks freed, its tokens recomputed later by a prefill). Every request finishes, the
     pool is whole again, and the tokens are those of a pool large enough for all, up to near-ties
     (the recompute's prefill computes the generated tokens' KV in one GEMM rather than one a step):
     with atskv's worker the recompute ranks the prompt at its own end and reads the outputs as
-    their decode steps did (H2O's list moved on by each in order; `prefill_rows`)."""
+    their decode steps did (H2O's list moved on by each in order, the learned selector's queue read
+    at each one's length; `prefill_rows`)."""
+    from atskv.eval.vllm_speed import random_engine_predictor
+
+    options = {}
+    if selector == "learned":
+        options = {"predictor": str(random_engine_predictor("smollm2-135m-shape", 2, tmp_path / "predictor"))}
     batch = prompts(1000, 4, 49152, seed=21)
-    roomy = engine(shape, f"vllm:{selector}", 64)
+    roomy = engine(shape, f"vllm:{selector}", 64, options=options)
     want = greedy_with_runner_up(roomy, batch, 64)
     del roomy
     gc.collect()
     torch.cuda.empty_cache()
-    tight = engine(shape, f"vllm:{selector}", 64, blocks=260)
+    tight = engine(shape, f"vllm:{selector}", 64, blocks=260, options=options)
     scheduler = tight.llm_engine.engine_core.engine_core.scheduler
     preempted, preempt = [], scheduler._preempt_request
     scheduler._preempt_request = lambda request, timestamp: (preempted.append(request.request_id),

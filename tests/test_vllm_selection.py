@@ -806,7 +806,8 @@ def test_paged_learned_reads_what_the_learned_selector_keeps(budget, window_shar
     then 4 decode steps: each reads exactly what atskv's learned selector keeps without a refresh
     (the collection's features at the prompt's end, scored as the selector scores slots, the
     `window_share` of the budget pinned by SnapKV's vote of the last 2 queries, its top budget;
-    generated tokens at +inf), and the kept scores are those scores. A predictor fit without the
+    generated tokens at +inf), and its list holds the prompt's picks with those scores, lowest first
+    (the order they leave in: `QueuedLists`). A predictor fit without the
     attention received (`received` False) gets the same and the prompt's mass is never computed."""
     from atskv.kernels.budget import kept_count
     from atskv.kernels.learned_features import score_slots
@@ -878,8 +879,10 @@ def test_paged_learned_reads_what_the_learned_selector_keeps(budget, window_shar
                 for h in range(HKV):
                     read = positions[r, h, : counts[r, h]]
                     assert sorted(read.tolist()) == kept[layer, r][0, h].nonzero().view(-1).tolist(), (g, layer, r, h)
-                    listed = states[layer].kept_value[cache.slot(r, torch.arange(counts[r, h])).long(), h]
-                    torch.testing.assert_close(listed, scores[layer, r][0, h, read.long()], rtol=1e-4, atol=1e-5)
+                    entries = cache.slot(r, torch.arange(kept_count(budget, prompt))).long()
+                    stored, listed = states[layer].kept[entries, h].long(), states[layer].kept_value[entries, h]
+                    torch.testing.assert_close(listed, scores[layer, r][0, h, stored], rtol=1e-4, atol=1e-5)
+                    assert bool((listed[1:] >= listed[:-1]).all())  # lowest first: the order they leave in
 
 
 @pytest.mark.parametrize("total, tp_size, firsts", [(8, 1, [0]), (8, 2, [0, 4]), (8, 4, [0, 2, 4, 6]),

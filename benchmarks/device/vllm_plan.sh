@@ -64,7 +64,7 @@ case "$1" in
   kernels)
     python3 -m pip install -q --no-index --no-deps --target /tmp/pt .device/pt/*.whl 2>/dev/null
     PYTHONPATH=/tmp/pt:$PYTHONPATH timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_received_mass.py \
-      tests/test_kernels_kept_lists.py tests/test_kernels_listed_refresh.py tests/test_kernels_sparq_decode.py \
+      tests/test_kernels_kept_lists.py tests/test_kernels_list_queue.py tests/test_kernels_listed_refresh.py tests/test_kernels_sparq_decode.py \
       tests/test_kernels_prompt_scores.py tests/test_kernels_page_cache.py \
       tests/test_vllm_selection.py::test_ranking_a_prompt_never_waits_for_the_gpu tests/test_vllm_host_tier.py -rf \
       -k "not fast_" 2>&1 | tail -40 | tee "$OUT/kernel_tests.txt"
@@ -87,7 +87,8 @@ case "$1" in
   tests)
     python3 -m pip install -q --no-index --no-deps --target /tmp/pt .device/pt/*.whl 2>/dev/null
     PYTHONPATH=/tmp/pt:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider tests/test_vllm_engine.py tests/test_vllm_freeing.py \
-      tests/test_vllm_selection.py tests/test_vllm_backend_host.py tests/test_kernels_kept_lists.py tests/test_kernels_listed_refresh.py \
+      tests/test_vllm_selection.py tests/test_vllm_backend_host.py tests/test_kernels_kept_lists.py tests/test_kernels_list_queue.py \
+      tests/test_kernels_listed_refresh.py \
       ${2:+-k "$2"} 2>&1 | tee "$OUT/tests.log" | grep -v "^\[\|^INFO\|^WARNING" | tail -25 ;;
   trace)  # free: the selectors that can free blocks do; OPTIONS per selector name, ENGINE vLLM's own settings
     timeout "${STAGE_S:-590}" python3 benchmarks/vllm_trace_run.py "$OUT/trace.jsonl" --methods $2 \

@@ -18,8 +18,10 @@ list stands, as the end of a dense prefill leaves it), the predictor folded once
 (`atskv.kernels.listed_refresh.fold_mlp`) and run over the prompt in one kernel a layer
 (`atskv.kernels.prompt_scores`); a decode step keeps the tokens generated
 since (their score waits at +inf) and drops the lowest-scored prompt token when the budget did not
-grow. That is atskv's `learned` (with its `window_share`, without a threshold) with
-`refresh_every` above the tokens generated, unless `refresh_every` is set: then every that many
+grow. Scores that never change leave in an order fixed at the ranking, so the list is stored in
+that order and a step reads the newest of a queue, writing nothing (`QueuedLists`). That is
+atskv's `learned` (with its `window_share`, without a threshold) with `refresh_every` above the
+tokens generated, unless `refresh_every` is set: then every that many
 decode steps of a request its listed tokens are scored again from their current features
 (`atskv.kernels.listed_refresh`: the attention received now includes the decode reads', so the
 selector reads mass as H2O does), in one kernel a layer that exits at once for rows not due.
@@ -37,6 +39,7 @@ import torch
 from atskv.errors import InputError
 from atskv.kernels.budget import kept_count
 from atskv.kernels.kept_lists import by_head
+from atskv.kernels.list_queue import queue_read
 from atskv.kernels.listed_refresh import fold_mlp, refresh_listed_scores
 from atskv.kernels.paged import physical_slots
 from atskv.kernels.prompt_scores import prompt_scores
@@ -86,6 +89,41 @@ class LearnedLists(KeptLists):
 
 
 @dataclass
+class QueuedLists(KeptLists):
+    """`KeptLists` whose order of eviction is fixed at the ranking (no refresh): each request's
+    entries stored lowest (score, position) first and its ranked length and entry count (L0, n0)
+    at its first slot, `ranked` `[num_slots + 1, 2]` (int32), so that a decode step reads the newest
+    of a queue (`atskv.kernels.list_queue`) and writes nothing."""
+
+    ranked: torch.Tensor
+
+    @classmethod
+    def empty(cls, num_slots: int, kv_heads: int, device) -> QueuedLists:
+        lists = KeptLists.empty(num_slots, kv_heads, device)
+        return cls(lists.prompt_mass, lists.kept, lists.kept_value, lists.moved, torch.zeros_like(lists.moved))
+
+    def keep_queue(self, scores: torch.Tensor, chunk: PromptChunk) -> None:
+        """`keep_top` with no recent window (compacted where the chunk is), then its entries (at
+        the request's first slots either way) in the order they leave, and (L0, n0)."""
+        self.keep_top(scores, chunk, recent_fraction=0.0)
+        n0 = kept_count(chunk.budget, chunk.length)
+        at = chunk.slots(0, n0)
+        entries, values = self.kept[at], self.kept_value[at]  # [n0, Hkv]
+        order = entries.argsort(dim=0)  # by position, then stably by score: the kernels' tie rule
+        order = order.gather(0, values.gather(0, order).sort(dim=0, stable=True).indices)
+        self.kept[at], self.kept_value[at] = entries.gather(0, order), values.gather(0, order)
+        first = chunk.table_row[:1].long() * chunk.block_size
+        self.ranked[:, 0].index_fill_(0, first, chunk.length)
+        self.ranked[:, 1].index_fill_(0, first, n0)
+
+    def read(self, block_table, seq_lens, block_size: int, budget: int | float) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step's positions `[B, Hkv, width]` and counts `[B, Hkv]` (`width`: what the
+        widest request keeps, the same for every step of a batch size)."""
+        width = kept_count(budget, block_table.shape[1] * block_size)
+        return queue_read(self.kept, self.ranked, block_table, seq_lens, block_size, budget, width)
+
+
+@dataclass
 class PagedLearned(PagedSelector):
     """atskv's learned selector over vLLM's paged cache (see the module docstring). `predictor`: the
     exported predictor's folder or file."""
@@ -94,7 +132,7 @@ class PagedLearned(PagedSelector):
     keeps_state: ClassVar[bool] = True
     scores_prompt: ClassVar[bool] = True
     takes_prompt_lse: ClassVar[bool] = True
-    picks_in_order: ClassVar[bool] = True
+    picks_in_order: ClassVar[bool] = True  # with a refresh: each pick steps the lists a token on
     frees_blocks: ClassVar[bool] = True  # compacted as H2O's lists are; not with a refresh (it reads positions)
     predictor: str | None = None
     # as atskv's `learned`: the share of the budget pinned for the prompt tokens its last `window`
@@ -122,6 +160,7 @@ class PagedLearned(PagedSelector):
         self.scores_mass = self.reads_mass or not self.loaded.mlp.inputs().isdisjoint(RECEIVED)
         self.takes_prompt_lse = self.scores_mass
         self.frees_blocks = not self.refresh_every  # a refresh's features read the listed tokens' positions
+        self.picks_in_order = bool(self.refresh_every)  # a queue's read set is a function of the length
         self._read = None  # the last pick's positions and counts, for `observe_read`
 
     @classmethod
@@ -137,7 +176,7 @@ class PagedLearned(PagedSelector):
             raise InputError(f"atskv: the predictor scores {heads} KV heads, this model's layers have {total}")
         folded = fold_mlp(self.loaded.mlp.to(device))  # here, before any CUDA graph is captured
         self.folded = replace(folded, bias=folded.bias[:, first : first + kv_heads].contiguous())
-        lists = LearnedLists if self.refresh_every else KeptLists
+        lists = LearnedLists if self.refresh_every else QueuedLists
         return lists.empty(num_blocks * block_size, kv_heads, device)
 
     def after_write(self, state, key, slot_mapping, block_size: int) -> None:
@@ -173,12 +212,14 @@ class PagedLearned(PagedSelector):
         if self.window_share > 0:
             pins = self.pinned(chunk)
             scores.scatter_(1, pins, torch.inf)
-        if self.refresh_every:  # what a refresh reads of this request: its prompt's length, its pins
-            slots = chunk.slots(0, length)
-            state.prompt_len[slots[:1]] = length
-            state.pinned[slots] = False
-            if self.window_share > 0:
-                state.pinned[slots[pins], torch.arange(heads, device=keys.device).view(-1, 1)] = True
+        if not self.refresh_every:
+            state.keep_queue(scores, chunk)
+            return
+        slots = chunk.slots(0, length)  # what a refresh reads of this request: its prompt's length, its pins
+        state.prompt_len[slots[:1]] = length
+        state.pinned[slots] = False
+        if self.window_share > 0:
+            state.pinned[slots[pins], torch.arange(heads, device=keys.device).view(-1, 1)] = True
         state.keep_top(scores, chunk, recent_fraction=0.0)
 
     def pinned(self, chunk: PromptChunk) -> torch.Tensor:
@@ -193,16 +234,17 @@ class PagedLearned(PagedSelector):
 
     def pick(self, query, kv_heads: int, state: KeptLists, block_table, seq_lens, block_size: int,
              budget: int | float, step: dict | None = None):  # fmt: skip
-        if self.refresh_every:
-            step = {} if step is None else step
-            slots = block_table.shape[1] * block_size
-            index, previous = self.managed[self.layer], step.get((self.name, "received"))
-            previous = previous[1] if previous is not None and index > 0 and previous[0] < self.layer else None
-            refresh_listed_scores(state.kept, state.kept_value, state.prompt_mass, state.key_norm, previous,
-                                  state.pinned, state.prompt_len, block_table, seq_lens, block_size, budget,
-                                  self.refresh_every, query.shape[1] // kv_heads, self.folded, index,
-                                  min(slots, kept_count(budget, slots) + 1))  # fmt: skip
-            step[(self.name, "received")] = (self.layer, state.prompt_mass)
+        if not self.refresh_every:
+            return state.read(block_table, seq_lens, block_size, budget)
+        step = {} if step is None else step
+        slots = block_table.shape[1] * block_size
+        index, previous = self.managed[self.layer], step.get((self.name, "received"))
+        previous = previous[1] if previous is not None and index > 0 and previous[0] < self.layer else None
+        refresh_listed_scores(state.kept, state.kept_value, state.prompt_mass, state.key_norm, previous,
+                              state.pinned, state.prompt_len, block_table, seq_lens, block_size, budget,
+                              self.refresh_every, query.shape[1] // kv_heads, self.folded, index,
+                              min(slots, kept_count(budget, slots) + 1))  # fmt: skip
+        step[(self.name, "received")] = (self.layer, state.prompt_mass)
         positions, counts = state.step(block_table, seq_lens, block_size, budget, 0.0, new_value=math.inf)
         self._read = (positions, counts)
         return positions, counts
