@@ -121,10 +121,12 @@ case "$1" in
     if [ ! -f $q/predictor/predictor.safetensors ]; then  # one predictor per machine and inputs: a second variant reuses it
       bash benchmarks/device/engine_predictor.sh $m /tmp/quality-$model/collect $q cuda "$without" > "$OUT/quality.log" 2>&1
     fi
+    methods=${QUALITY_METHODS:-[learned, vllm:learned, snapkv, vllm:snapkv, h2o, vllm:h2o]}
+    learned=()  # the leaderboard refuses a predictor or options for a selector it does not run
+    [[ "$methods" == *learned* ]] && learned=(--predictor $q/predictor --selector_options "$LEARNED")
     board() {
-      python3 -m atskv.cli eval leaderboard --model $m --predictor $q/predictor --contexts "[${2:-4096}]" \
-        --methods "${QUALITY_METHODS:-[learned, vllm:learned, snapkv, vllm:snapkv, h2o, vllm:h2o]}" \
-        --ratios '[0.875, 0.9]' --seeds '[0, 1, 2]' --device cuda --dtype bfloat16 --selector_options "$LEARNED" \
+      python3 -m atskv.cli eval leaderboard --model $m "${learned[@]}" --contexts "[${2:-4096}]" --methods "$methods" \
+        --ratios '[0.875, 0.9]' --seeds '[0, 1, 2]' --device cuda --dtype bfloat16 \
         ${ENGINE_HOST_TIER:+--engine_host_tier "$ENGINE_HOST_TIER"} --out "$OUT/lb" >> "$OUT/quality.log" 2>&1
     }
     board "$@"
