@@ -1,9 +1,10 @@
 """Where a decode step of the vLLM plugin goes, per layer, outside vLLM: the plugin's stages on a
 synthetic paged cache of the 8B shape (32/8 heads, dim 128, blocks of 16), each graph-captured and
 timed alone (`triton.testing.do_bench_cudagraph`, median), beside SDPA over the whole context:
-Quest, StreamingLLM, the kept lists of H2O and the learned selector (random lists: what a step
-costs does not depend on what they hold), SparQ on random keys, `h2o+sparq`, and the learned
-selector's refresh with every row due (its worst step; rows not due exit at once). Where vLLM
+Quest, StreamingLLM, H2O's kept lists and the learned selector's queues (random lists, the
+queues ranked 32 tokens ago: what a step costs does not depend on what they hold), SparQ on
+random keys, `h2o+sparq`, and the learned selector's refresh with every row due (its worst step;
+rows not due exit at once). Where vLLM
 imports, also vLLM's own paged FlashAttention decode over the whole context (what vanilla vLLM's
 layer reads), with the 32 splits vLLM allows under CUDA graphs.
 `--capacity` is the engine's max_model_len: the block table's width, which sizes a fractional
@@ -34,6 +35,7 @@ from atskv.kernels.sparse_decode import choose_split_size, sparse_decode_attenti
 from atskv.predictor.model import FeatureSpec, RelevanceMLP
 from atskv.runtime.vllm.composition import build_paged_selector
 from atskv.runtime.vllm.heavy_hitters import KeptLists
+from atskv.runtime.vllm.learned import QueuedLists
 from atskv.runtime.vllm.selection import (
     PagedQuest,
     PagedSparQ,
@@ -95,12 +97,21 @@ for run in args.runs:
     lists.kept_value.uniform_()
     sparq, key_slots = PagedSparQ(), slot_view(key_cache, 1)[0]
 
-    def kept_step(new_value: float, mass: bool):
-        chosen = lists.step(table, seq_lens, BS, args.budget, 0.5 if mass else 0.0, new_value)
-        out = paged_sparse_decode(query, key_cache, value_cache, *chosen, table, D**-0.5, want_mass=mass)
-        if mass:
-            lists.add_read_mass(out[1], table, seq_lens, BS)
+    def h2o_step():
+        chosen = lists.step(table, seq_lens, BS, args.budget, 0.5, 0.0)
+        out = paged_sparse_decode(query, key_cache, value_cache, *chosen, table, D**-0.5, want_mass=True)
+        lists.add_read_mass(out[1], table, seq_lens, BS)
         return out
+
+    queues = QueuedLists.empty(blocks * BS, HKV, dev)
+    queues.kept.random_(0, context - 33)
+    ranked_at = context - 32
+    first = table[:, 0].long() * BS
+    queues.ranked[first] = torch.tensor([ranked_at, kept_count(args.budget, ranked_at)], dtype=torch.int32, device=dev)
+
+    def learned_step():
+        chosen = queues.read(table, seq_lens, BS, args.budget)
+        return paged_sparse_decode(query, key_cache, value_cache, *chosen, table, D**-0.5)
 
     composed = build_paged_selector("h2o+sparq", {})
     spec = FeatureSpec(4096, SCALAR_FEATURES, 30, HKV)
@@ -138,8 +149,9 @@ for run in args.runs:
         "streaming: pick": lambda: streaming.pick(query, HKV, None, table, seq_lens, BS, args.budget),
         "streaming: whole step": streaming_step,
         "kept lists: step": lambda: lists.step(table, seq_lens, BS, args.budget, 0.5, 0.0),
-        "h2o: whole step": lambda: kept_step(0.0, mass=True),
-        "learned: whole step": lambda: kept_step(float("inf"), mass=False),
+        "h2o: whole step": h2o_step,
+        "learned: queue read": lambda: queues.read(table, seq_lens, BS, args.budget),
+        "learned: whole step": learned_step,
         "sparq: pick": lambda: sparq.pick(query, HKV, None, table, seq_lens, BS, args.budget, {}, keys=key_slots,
                                           scaling=D**-0.5),
         "sparq: whole step": sparq_step,
