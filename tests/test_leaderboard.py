@@ -460,6 +460,39 @@ def test_the_vllm_rows_host_tier_goes_to_their_engines_and_into_the_settings(loa
     assert jobs == []
 
 
+def test_engine_options_reach_the_vllm_rows_alone_and_the_settings(loaded, monkeypatch, tmp_path):
+    """`engine_options` (what atskv's own selector lacks, `prompt_sample`) go over the shared
+    options in the plugin rows' engines only, and into the settings and the table's notes; one for a
+    selector no vllm: row runs, or that the plugin refuses, is one line before any engine."""
+    from atskv.eval import vllm_generate
+
+    jobs = []
+
+    def engine(module, job_file, rows, check=False):
+        job = vllm_generate.GenerationJob(**json.loads(Path(job_file).read_text()))
+        jobs.append((job.label, job.options))
+        with open(rows, "a") as f:
+            for r in job.requests:
+                f.write(json.dumps({"job": job.label, "id": r["id"], "tokens": [0]}) + "\n")
+
+    monkeypatch.setattr(vllm_generate, "engine_process", engine)
+    monkeypatch.setenv("ATSKV_VLLM_PYTHONPATH", str(tmp_path))
+    grid = check_grid(**{**PLAN, "contexts": [200], "ratios": [0.5], "methods": ["h2o", "vllm:h2o"]}, seeds=[0],
+                      examples=2)  # fmt: skip
+    paths = run_leaderboard(loaded, tmp_path / "lb", grid, selector_options={"h2o": {"recent_fraction": 0.25}},
+                            engine_options={"h2o": {"prompt_sample": 4}}, **RUN)  # fmt: skip
+    assert sorted(jobs) == [("vllm", {}), ("vllm:h2o@0.5", {"recent_fraction": 0.25, "prompt_sample": 4})]
+    settings = json.loads((tmp_path / "lb" / "settings.json").read_text())
+    assert settings["engine_options"] == {"h2o": {"prompt_sample": "4"}}
+    assert "prompt_sample" in paths["markdown"].read_text()
+    jobs.clear()
+    for options, message in (({"snapkv": {"prompt_sample": 4}}, "no vllm:<selector> row runs"),
+                             ({"h2o": {"sample": 4}}, "no option 'sample'")):  # fmt: skip
+        with pytest.raises(InputError, match=message):
+            run_leaderboard(loaded, tmp_path / "bad", grid, engine_options=options, **RUN)
+    assert jobs == []
+
+
 def test_a_vllm_row_with_an_option_the_plugin_lacks_is_one_line_before_any_engine(loaded, monkeypatch, tmp_path):
     from atskv.eval import vllm_generate
 

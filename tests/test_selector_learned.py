@@ -108,6 +108,37 @@ def test_scores_refresh_every_n_steps_and_new_tokens_wait_at_plus_inf(predictor_
     assert torch.isfinite(snapshots[2]).all()
 
 
+def test_refresh_every_zero_scores_the_prompt_once_and_keeps_every_generated_token(predictor_dir):
+    """`refresh_every` 0, as the vLLM plugin runs by default: the prompt's scores never change after
+    its end, every generated token waits at +inf for good, the fast path gives the reference's
+    tokens, and a negative count or a bool is refused."""
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    ids = random_prompt(16, seed=6)
+    snapshots = []
+    with atskv.sparse(model, LearnedSelector(predictor=predictor_dir, refresh_every=0), budget=EVERY_TOKEN) as s, \
+            torch.no_grad():  # fmt: skip
+        out = model(ids, use_cache=True)
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        for _ in range(20):
+            out = model(token, past_key_values=cache, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+            snapshots.append(s.cache.layers[3].slot_tensor("learned_score").clone())
+    prompt = slice(0, ids.shape[1])
+    assert all(torch.equal(snapshots[0][..., prompt], later[..., prompt]) for later in snapshots[1:])
+    assert torch.isinf(snapshots[-1][..., ids.shape[1] :]).all() and torch.isfinite(snapshots[-1][..., prompt]).all()
+    ids = random_prompt(100, seed=3)
+    with torch.no_grad(), atskv.sparse(model, LearnedSelector(predictor=predictor_dir, refresh_every=0), 0.2,
+                                       dense_layers=2):  # fmt: skip
+        expected = model.generate(ids, max_new_tokens=8, do_sample=False)
+    fast = atskv.generate(model, ids, LearnedSelector(predictor=predictor_dir, refresh_every=0), 0.2,
+                          max_new_tokens=8, dense_layers=2, prefill_chunk=64)  # fmt: skip
+    assert torch.equal(fast, expected)
+    for bad in (-1, True):
+        with pytest.raises(ValueError, match="refresh_every"):
+            LearnedSelector(predictor=predictor_dir, refresh_every=bad)
+
+
 def test_window_share_keeps_what_the_prompts_last_queries_attend_most_through_every_refresh(predictor_dir):
     """The pinned tokens are SnapKV's top votes (the window first), held at +inf after refreshes
     that rescore everything else; with no share the same predictor drops some of them, so the

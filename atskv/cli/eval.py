@@ -279,6 +279,7 @@ def leaderboard(
     tiering: dict | None = None,
     host_tier: dict | None = None,
     engine_host_tier: dict | None = None,
+    engine_options: dict | None = None,
     device: str = "auto",
     dtype: str = "auto",
 ) -> None:
@@ -322,6 +323,8 @@ def leaderboard(
             (tokens read back per step: an int, or a fraction of the prompt; none: its defaults).
         engine_host_tier: the vllm: rows' host tier (they then free blocks and park them), the
             plugin's `host_tier`, e.g. '{regions: 4, pages: 16}' or '{gib: 8}'; snapkv, h2o and learned only.
+        engine_options: the vllm: rows' plugin options that atskv's own selectors lack, by selector
+            name, over `selector_options` there, e.g. '{learned: {prompt_sample: 8}}'.
         device: cpu, cuda, or auto.
         dtype: float32, bfloat16, float16, or auto.
     """
@@ -339,7 +342,7 @@ def leaderboard(
         loaded, out, grid, examples=examples, dense_layers=dense_layers, sparse_prefill=sparse_prefill,
         filler=filler, max_new_tokens=max_new_tokens, batch_size=batch_size, kvpress_python=kvpress_python,
         device=device, dtype=str(torch_dtype).removeprefix("torch."), selector_options=options, tiering=tiering,
-        host_tier=host_tier, engine_host_tier=engine_host_tier, fast=fast,
+        host_tier=host_tier, engine_host_tier=engine_host_tier, engine_options=engine_options, fast=fast,
     )  # fmt: skip
     print(paths["markdown"].read_text())
     print(f"written to {out}/ (leaderboard.md, leaderboard.json, leaderboard.png; cells.jsonl for resuming)")

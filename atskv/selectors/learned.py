@@ -8,6 +8,8 @@ kept in a slot tensor; all scores are refreshed from the current features every 
 steps and at the end of the prompt (the fast path's decode steps do both with the kernels of
 `atskv.kernels.learned_features` for a float32 MLP). Between refreshes a newly written token scores +inf, so the
 last few tokens are always kept (a short recent window of at most `refresh_every` tokens).
+`refresh_every` 0 scores the prompt once, at its end, as the vLLM plugin does by default: every
+generated token is then kept and the prompt's tokens leave in their scores' order.
 
 The features are the collection's (`atskv.predictor.features`), computed from run-time state:
 `attention` from an H2O-style accumulator of the attention each token received (summed over the
@@ -79,7 +81,7 @@ class LearnedSelector(Selector):
     needs_attention = True
     needs_hidden = True
     predictor: str | Path | LoadedPredictor | None = None
-    refresh_every: int = 16
+    refresh_every: int = 16  # 0: never after the prompt's end
     # Keep only tokens whose logit exceeds this (0: the predictor's own decision, p > 1/2), the
     # budget then being a cap: how much each layer, KV head and context keeps follows the
     # predictor's calibration, which is what policy-gradient fine-tuning learns (docs/results.md).
@@ -112,8 +114,9 @@ class LearnedSelector(Selector):
                 f"the predictor reads features {self.predictor.header.feature_spec.scalar_features}, "
                 f"this version of atskv computes {SCALAR_FEATURES}"
             )
-        if self.refresh_every < 1:
-            raise ValueError(f"refresh_every must be >= 1, got {self.refresh_every}")
+        if isinstance(self.refresh_every, bool) or not isinstance(self.refresh_every, int) or self.refresh_every < 0:
+            raise ValueError(f"refresh_every must be a count of steps >= 0 (0: never after the prompt), "
+                             f"got {self.refresh_every!r}")  # fmt: skip
         check_window_share(self.window_share)
         check_window(self.window)
         self._layer_index = {layer: i for i, layer in enumerate(self.predictor.header.managed_layers)}
@@ -148,14 +151,15 @@ class LearnedSelector(Selector):
         if not view.fixed_shapes:  # the fast path enters new tokens in `static_write`
             self._enter(view)
         state = view.layer.state.setdefault(self.name, {"refreshed_at": view.layer.seen})
-        if view.layer.seen - state["refreshed_at"] >= self.refresh_every:
+        if self.refresh_every and view.layer.seen - state["refreshed_at"] >= self.refresh_every:
             self._refresh(view)
         return view.layer.slot_tensor(_SCORE, init=torch.inf).unsqueeze(2)
 
     def decode_variant(self, layer) -> bool:
         """Whether the next decode step refreshes the scores: every `refresh_every` tokens after
-        the prompt, the same rule as `scores`, counted from the prompt's end."""
-        return (layer.seen - layer.state[self.name]["prompt_end"]) % self.refresh_every == 0
+        the prompt, the same rule as `scores`, counted from the prompt's end (never with 0)."""
+        steps = layer.seen - layer.state[self.name]["prompt_end"]
+        return bool(self.refresh_every) and steps % self.refresh_every == 0
 
     def static_write(self, view: LayerView) -> None:
         """Fast path: a prompt chunk's tokens enter by slice (`_enter_chunk`); a decode token's

@@ -38,9 +38,9 @@
 #        LEARNED_OPTIONS='{learned: {window_share: 0.5, refresh_every: 16}}' for both runtimes' learned rows (default: no refresh in either);
 #        MODEL=gemma3-270m with .device/g1-g7 carried, one staging call each; RECEIVED=0: a predictor fit without
 #        the attention received, which spares the prompt its mass pass; ENGINE_HOST_TIER='{regions: 4, pages: 16}'
-#        with QUALITY_METHODS='[vllm:h2o, vllm:snapkv]' (learned's rows there need LEARNED_OPTIONS without
-#        refresh_every: compaction refuses a refresh): the vllm: rows with the plugin's host tier, OUT/lb a variant
-#        folder to merge beside a run without)
+#        (with QUALITY_METHODS='[vllm:h2o, vllm:snapkv]' say, or the default's learned without a refresh:
+#        compaction refuses one): the vllm: rows with the plugin's host tier, OUT/lb a variant folder to merge
+#        beside a run without); ENGINE_OPTIONS='{learned: {prompt_sample: 8}}': the vllm: rows' plugin-only options)
 #   bash benchmarks/device/vllm_plan.sh start STAGE [ARGS]  # any stage in the background from a copy of this tree
 #        (/tmp/bgtree: later calls' trees do not touch it), its files in /tmp/bgout (kept from stage to stage: two traces'
 #        rows land in one file and compare), so a stage longer than a call's 10
@@ -111,9 +111,9 @@ case "$1" in
     without='[hidden_norm, token_type]'  # what vLLM does not show an attention backend; RECEIVED=0: nor the mass
     [ "${RECEIVED:-1}" = 0 ] && without='[hidden_norm, token_type, attention, prev_attention]'
     # both runtimes get these options (window_share 0.5: as the shipped predictor scored best; no
-    # refresh in either: atskv's default rescoring every 16 steps against the plugin's never is not
-    # like for like)
-    LEARNED=${LEARNED_OPTIONS:-'{learned: {window_share: 0.5, refresh_every: 1000000}}'}
+    # refresh in either, 0: atskv's default rescoring every 16 steps against the plugin's never is
+    # not like for like)
+    LEARNED=${LEARNED_OPTIONS:-'{learned: {window_share: 0.5, refresh_every: 0}}'}
     touch "$OUT/quality.log"
     if [ -d .device/pred-$variant ] && [ ! -f $q/predictor/predictor.safetensors ]; then  # made on a CPU, carried
       mkdir -p $q && cp -r .device/pred-$variant $q/predictor
@@ -127,7 +127,8 @@ case "$1" in
     board() {
       python3 -m atskv.cli eval leaderboard --model $m "${learned[@]}" --contexts "[${2:-4096}]" --methods "$methods" \
         --ratios '[0.875, 0.9]' --seeds '[0, 1, 2]' --device cuda --dtype bfloat16 \
-        ${ENGINE_HOST_TIER:+--engine_host_tier "$ENGINE_HOST_TIER"} --out "$OUT/lb" >> "$OUT/quality.log" 2>&1
+        ${ENGINE_HOST_TIER:+--engine_host_tier "$ENGINE_HOST_TIER"} ${ENGINE_OPTIONS:+--engine_options "$ENGINE_OPTIONS"} \
+        --out "$OUT/lb" >> "$OUT/quality.log" 2>&1
     }
     board "$@"
     grep -q "Runs that failed" "$OUT/lb/leaderboard.md" && board "$@"  # an engine that failed: once more, a resume

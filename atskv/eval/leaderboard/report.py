@@ -199,6 +199,8 @@ def describe(settings: dict, grid: Grid, skipped: str | None) -> str:
                 f" With the plugin's host tier ({tier}): what the selector frees is parked in pinned host memory "
                 "and each decode query also reads the parked tokens of the pages it rates highest."
             )
+        if engine_options := settings.get("engine_options"):
+            notes += f" The plugin's own options there: {engine_options}."
     if skipped:
         notes += f"\n\nkvpress methods skipped: {skipped}"
     return notes

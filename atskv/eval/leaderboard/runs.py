@@ -97,14 +97,15 @@ def _kvpress_cells(loaded, python, folder, examples, group, press, ratios, new_t
 
 
 def _engine_cells(loaded, out: Path, wanted: dict, batches: dict, new_tokens: dict, dense_layers: int,
-                  selector_options: Mapping | None,
-                  host_tier: dict | None = None) -> tuple[list[Cell], list[str]]:  # fmt: skip
+                  selector_options: Mapping | None, host_tier: dict | None = None,
+                  engine_options: Mapping | None = None) -> tuple[list[Cell], list[str]]:  # fmt: skip
     """The vLLM rows' cells, and the engines that failed (their rows' cells stay empty): for each
     (method, ratio) of `wanted` (by group: the keys it lacks), one engine over the prompts of all
     its groups (`batches`, generating the most `new_tokens` any needs), each output cut to its
     group's new tokens and at the model's end of sequence, decoded and scored as atskv's runs
     are; with `host_tier`, every sparse row frees blocks and parks them (the plugin's
-    `host_tier`). The model is saved once as a Hugging Face directory in `out`."""
+    `host_tier`); `engine_options` by selector name go over `selector_options` there. The model
+    is saved once as a Hugging Face directory in `out`."""
     from atskv.eval.vllm_generate import GenerationJob, generate, save_for_vllm
     from atskv.runtime.vllm.config import PluginConfig
 
@@ -117,7 +118,7 @@ def _engine_cells(loaded, out: Path, wanted: dict, batches: dict, new_tokens: di
     for (method, ratio), groups in groups_of.items():
         name = Method.parse(method).name
         budget = None if ratio is None else peer.budget_fraction(ratio)
-        options = dict((selector_options or {}).get(name, {}))
+        options = {**(selector_options or {}).get(name, {}), **(engine_options or {}).get(name, {})}
         tier = host_tier if name and ratio is not None else None
         if name:  # the plugin's settings checked here, before an engine starts (a bad option: one line)
             PluginConfig.from_additional_config({"atskv": {
@@ -164,6 +165,7 @@ def run_leaderboard(
     tiering: dict | None = None,
     host_tier: dict | None = None,
     engine_host_tier: dict | None = None,
+    engine_options: dict[str, dict] | None = None,
     fast: bool = True,
     progress: bool = True,
 ) -> dict[str, Path]:
@@ -173,7 +175,8 @@ def run_leaderboard(
     arguments by selector name (`atskv.selectors.selectors_for_model`), part of the settings a
     rerun into `out` must share, as are `tiering` (the `TieringConfig` options of the `tiered:`
     rows; none: its defaults), `host_tier` (the `HostRetrieval` options of the `host:` rows) and
-    `engine_host_tier` (the vLLM plugin's `host_tier` for the `vllm:` rows, which then free blocks).
+    `engine_host_tier` (the vLLM plugin's `host_tier` for the `vllm:` rows, which then free blocks)
+    and `engine_options` (the `vllm:` rows' plugin options beyond atskv's, by selector name).
     `fast`: atskv's selectors run on `atskv.generate`'s fast path (what a user serves with), else
     on the reference path (`atskv.sparse` under `model.generate`); the `tiered:` rows run
     `atskv.tiered` under `model.generate` and the `host:` rows the fast path either way; dense is
@@ -184,6 +187,9 @@ def run_leaderboard(
     check_tiering(grid, tiering, sparse_prefill, host_tier)
     if engine_host_tier is not None and not grid.engine_rows:
         raise InputError("--engine_host_tier is the vllm: rows' host tier; no vllm:<selector> method is given")
+    engine_names = {Method.parse(m).name for m in grid.engine_rows}
+    if unknown := sorted(set(engine_options or {}) - engine_names):
+        raise InputError(f"--engine_options for {unknown[0]!r}, which no vllm:<selector> row runs")
     if grid.engine_rows:
         from atskv.eval.vllm_generate import check_vllm
 
@@ -201,6 +207,7 @@ def run_leaderboard(
         # did, from bounds to int4) must not let a rerun add cells of another tier to a folder
         **({"host_tier": _as_setting(asdict(host))} if grid.hosted else {}),
         **({"engine_host_tier": _as_setting(engine_host_tier)} if engine_host_tier is not None else {}),
+        **({"engine_options": {k: _as_setting(o) for k, o in engine_options.items()}} if engine_options else {}),
     }  # fmt: skip
     built = dict(zip(grid.selector_names, selectors_for_model(grid.selector_names, loaded.name, selector_options)))
     selectors = {m: built[Method.parse(m).name] for m in grid.selectors}  # a tiered: or host: row shares its selector
@@ -267,7 +274,8 @@ def run_leaderboard(
     if any(engine_wanted.values()):  # after atskv's and kvpress's rows: an engine that fails loses only its own
         bar.set_postfix_str("vLLM")
         made, engines_failed = _engine_cells(loaded, store.out, {g: k for g, k in engine_wanted.items() if k}, batches,
-                                             room, dense_layers, selector_options, engine_host_tier)  # fmt: skip
+                                             room, dense_layers, selector_options, engine_host_tier,
+                                             engine_options)  # fmt: skip
         for cell in made:
             store.add(cell)
             bar.update()
