@@ -428,23 +428,30 @@ def test_vllm_rows_run_one_engine_a_row_and_ratio_over_every_group(loaded, calls
     assert engines == []
 
 
-def test_the_vllm_rows_host_tier_goes_to_their_engines_and_into_the_settings(loaded, monkeypatch, tmp_path):
-    """`engine_host_tier`: the sparse rows' engines free blocks and park them (vanilla's not), the
-    folder records it (a rerun with another tier is refused as any changed setting is); one the
-    plugin refuses (Quest parks nothing) is one line before any engine starts."""
+def recorded_engines(monkeypatch, tmp_path, field: str) -> list[tuple]:
+    """An engine stand-in that answers one token a request: the list it fills, (job label, the job's
+    `field`) an engine started."""
     from atskv.eval import vllm_generate
 
     jobs = []
 
     def engine(module, job_file, rows, check=False):
         job = vllm_generate.GenerationJob(**json.loads(Path(job_file).read_text()))
-        jobs.append((job.label, job.host_tier))
+        jobs.append((job.label, getattr(job, field)))
         with open(rows, "a") as f:
             for r in job.requests:
                 f.write(json.dumps({"job": job.label, "id": r["id"], "tokens": [0]}) + "\n")
 
     monkeypatch.setattr(vllm_generate, "engine_process", engine)
     monkeypatch.setenv("ATSKV_VLLM_PYTHONPATH", str(tmp_path))
+    return jobs
+
+
+def test_the_vllm_rows_host_tier_goes_to_their_engines_and_into_the_settings(loaded, monkeypatch, tmp_path):
+    """`engine_host_tier`: the sparse rows' engines free blocks and park them (vanilla's not), the
+    folder records it (a rerun with another tier is refused as any changed setting is); one the
+    plugin refuses (Quest parks nothing) is one line before any engine starts."""
+    jobs = recorded_engines(monkeypatch, tmp_path, "host_tier")
     tier = {"regions": 2, "pages": 4}
     grid = check_grid(**{**PLAN, "contexts": [200], "ratios": [0.5], "methods": ["vllm:h2o"]}, seeds=[0], examples=2)
     run_leaderboard(loaded, tmp_path / "lb", grid, engine_host_tier=tier, **RUN)
@@ -464,19 +471,7 @@ def test_engine_options_reach_the_vllm_rows_alone_and_the_settings(loaded, monke
     """`engine_options` (what atskv's own selector lacks, `prompt_sample`) go over the shared
     options in the plugin rows' engines only, and into the settings and the table's notes; one for a
     selector no vllm: row runs, or that the plugin refuses, is one line before any engine."""
-    from atskv.eval import vllm_generate
-
-    jobs = []
-
-    def engine(module, job_file, rows, check=False):
-        job = vllm_generate.GenerationJob(**json.loads(Path(job_file).read_text()))
-        jobs.append((job.label, job.options))
-        with open(rows, "a") as f:
-            for r in job.requests:
-                f.write(json.dumps({"job": job.label, "id": r["id"], "tokens": [0]}) + "\n")
-
-    monkeypatch.setattr(vllm_generate, "engine_process", engine)
-    monkeypatch.setenv("ATSKV_VLLM_PYTHONPATH", str(tmp_path))
+    jobs = recorded_engines(monkeypatch, tmp_path, "options")
     grid = check_grid(**{**PLAN, "contexts": [200], "ratios": [0.5], "methods": ["h2o", "vllm:h2o"]}, seeds=[0],
                       examples=2)  # fmt: skip
     paths = run_leaderboard(loaded, tmp_path / "lb", grid, selector_options={"h2o": {"recent_fraction": 0.25}},
