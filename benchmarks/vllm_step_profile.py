@@ -4,9 +4,9 @@ timed alone (`triton.testing.do_bench_cudagraph`, median), beside SDPA over the 
 Quest, StreamingLLM, H2O's kept lists and the learned selector's queues (random lists, the
 queues ranked 32 tokens ago: what a step costs does not depend on what they hold), SparQ on
 random keys, `h2o+sparq`, and the learned selector's refresh with every row due (its worst step;
-rows not due exit at once). Where vLLM
-imports, also vLLM's own paged FlashAttention decode over the whole context (what vanilla vLLM's
-layer reads), with the 32 splits vLLM allows under CUDA graphs.
+rows not due exit at once). Where vLLM imports, also vLLM's own paged FlashAttention decode over
+the whole context (what vanilla vLLM's layer reads), with the 32 splits vLLM allows under CUDA
+graphs.
 `--capacity` is the engine's max_model_len: the block table's width, which sizes a fractional
 budget's index lists. `--tune` adds the sparse decode kernel of StreamingLLM's pick at other
 pipeline depths and split counts (its defaults: 1 stage, `choose_split_size`), and SparQ's pick at

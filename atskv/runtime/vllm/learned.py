@@ -20,8 +20,8 @@ list stands, as the end of a dense prefill leaves it), the predictor folded once
 since (their score waits at +inf) and drops the lowest-scored prompt token when the budget did not
 grow. Scores that never change leave in an order fixed at the ranking, so the list is stored in
 that order and a step reads the newest of a queue, writing nothing (`QueuedLists`). That is
-atskv's `learned` (with its `window_share`, without a threshold) with `refresh_every` above the
-tokens generated, unless `refresh_every` is set: then every that many
+atskv's `learned` (with its `window_share`, without a threshold) with `refresh_every` 0, unless
+`refresh_every` is set here too: then every that many
 decode steps of a request its listed tokens are scored again from their current features
 (`atskv.kernels.listed_refresh`: the attention received now includes the decode reads', so the
 selector reads mass as H2O does), in one kernel a layer that exits at once for rows not due.
