@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 import torch
 
+from atskv.errors import InputError
+
 
 def grouped_queries(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """`[B, Hq, Tq, D]` -> `[B, Hkv, G, Tq, D]` (a view: query head j belongs to KV head j // G)."""
@@ -201,6 +203,36 @@ def prefix_causal_attention(
     folded = query.reshape(b, hkv, group * c, d)
     out, lse = attention_lse(folded, keys[:, :, :prefix], values[:, :, :prefix], scaling)
     return merge_attention((out.reshape(b, hq, c, -1), lse.reshape(b, hq, c)), result)
+
+
+def sampled_queries(count: int, sample: int) -> slice:
+    """Every `sample`-th of a prompt chunk's `count` queries, counted back from its last: the
+    queries whose attention, times `sample`, estimates what the chunk's tokens receive
+    (`prompt_sample`, an option of the selectors that read the attention received). The runtimes
+    prefill in chunks whose ends lie a multiple of their size before the prompt's end, so with a
+    `sample` that divides the chunk size every runtime samples the same queries."""
+    return slice((count - 1) % sample, None, sample)
+
+
+def check_prompt_sample(sample) -> None:
+    """`prompt_sample`: an `InputError` unless an int >= 1. 1 (the default) scores the prompt with
+    every query; s > 1 with every s-th (`sampled_queries`), a prefill that much closer to one
+    without the mass pass (a learned predictor then reads a coarser "attention received" than it
+    was fit on: measure it)."""
+    if isinstance(sample, bool) or not isinstance(sample, int) or sample < 1:
+        raise InputError(f"atskv: prompt_sample is a stride over the prompt's queries, an int >= 1 (1: all); "
+                         f"got {sample!r}")  # fmt: skip
+
+
+def attention_and_mass(query, keys, values, mask, scaling: float, sample: int = 1):
+    """`grouped_attention` and the mass each slot received; from a chunk of several queries that
+    mass comes from every `sample`-th of them (`sampled_queries`) times `sample`."""
+    if sample == 1 or query.shape[2] == 1:
+        return grouped_attention(query, keys, values, mask, scaling, want_mass=True)
+    rows = sampled_queries(query.shape[2], sample)
+    out, _ = grouped_attention(query, keys, values, mask, scaling)
+    _, mass = grouped_attention(query[:, :, rows], keys, values, mask[:, :, rows], scaling, want_mass=True)
+    return out, mass * sample
 
 
 def received_mass(

@@ -426,6 +426,15 @@ def test_a_left_padded_rows_causal_part_matches_the_masked_path(pad):
     mass = causal_mass_from(q, k, got_lse, first, start, 0.25)
     torch.testing.assert_close(mass, received_mass(q, k, lse, allowed, 0.25), atol=1e-5, rtol=1e-5)
     assert not mass[..., :pad].any() and (pad >= s or bool(mass[..., pad:].sum() > 0))
+    # every 4th query, counted back from the chunk's last (queries 1 and 5 of 6), times 4
+    sampled = causal_mass_from(q, k, got_lse, first, start, 0.25, sample=4)
+    rows = torch.tensor([1, 5])
+
+    def sampled_allowed(start, stop):
+        return mask[rows[start:stop]].view(1, 1, stop - start, s)
+
+    want = received_mass(q[:, :, rows], k, lse[:, :, rows], sampled_allowed, 0.25) * 4
+    torch.testing.assert_close(sampled, want, atol=1e-5, rtol=1e-5)
 
 
 def test_a_left_padded_batch_attends_row_by_row_as_the_masked_path_does():
@@ -510,6 +519,54 @@ def _random_predictor(model, folder, managed, reduced_width: int = 8, without=()
     export_predictor(mlp, types, folder, base_model="tiny", geometry=model_geometry(model.config),
                      managed_layers=managed)  # fmt: skip
     return folder
+
+
+def _prompt_mass(monkeypatch, cls) -> list[float]:
+    """Filled as a runtime prefills: the mass each prompt chunk of several queries gave `cls`'s
+    selector, summed over the rows, KV heads and slots."""
+    totals, plain = [], cls.observe
+
+    def recording(self, view, attention_mass):
+        if view.query.shape[2] > 1:
+            totals.append(float(attention_mass.sum()))
+        return plain(self, view, attention_mass)
+
+    monkeypatch.setattr(cls, "observe", recording)
+    return totals
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("selector", ["h2o", "learned"])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_prompt_scored_from_every_8th_query_gives_the_reference_tokens(monkeypatch, tmp_path, family, selector,
+                                                                         padded):  # fmt: skip
+    """`prompt_sample` 8: each prompt chunk's mass from every 8th query counted back from its last,
+    times 8. The fast path's chunks of 64 (2, 64, 64 tokens; a padded row's from its first real
+    token) and the reference's one of 130 then sample the same 17 queries, so the two give the
+    same tokens, and the prompt's mass totals 8 x 17 per query head and managed layer where every
+    query would give 130 (a padded row's first 20 queries see nothing: 14 of its 17 count)."""
+    model = tiny_model(family)
+    model.generation_config.eos_token_id = None
+    managed = [1, 2, 3] if family == "llama" else [2, 5]
+    ids, mask = random_prompt(130, seed=6, batch=2 if padded else 1), None
+    if padded:
+        mask = torch.ones_like(ids)
+        mask[1, :20] = 0
+    if selector == "learned":
+        options, budget, cls = {"predictor": _random_predictor(model, tmp_path, managed)}, 24, LearnedSelector
+    else:
+        options, budget, cls = {}, 0.1, type(atskv.make_selector("h2o"))
+    totals = _prompt_mass(monkeypatch, cls)
+    fast = atskv.generate(model, ids, atskv.make_selector(selector, prompt_sample=8, **options), budget,
+                          attention_mask=mask, max_new_tokens=10, dense_layers=1, prefill_chunk=64)  # fmt: skip
+    fast_total, totals[:] = sum(totals), []
+    with torch.no_grad(), atskv.sparse(model, atskv.make_selector(selector, prompt_sample=8, **options), budget,
+                                       dense_layers=1):  # fmt: skip
+        reference = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    assert torch.equal(fast, reference)
+    sampled, layers = 17 + (14 if padded else 0), len(totals)  # the reference: one chunk a managed layer
+    want = 8 * sampled * model.config.num_attention_heads * layers
+    assert fast_total == pytest.approx(want, rel=1e-4) and sum(totals) == pytest.approx(want, rel=1e-4)
 
 
 @pytest.mark.parametrize(

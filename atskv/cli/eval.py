@@ -323,8 +323,9 @@ def leaderboard(
             (tokens read back per step: an int, or a fraction of the prompt; none: its defaults).
         engine_host_tier: the vllm: rows' host tier (they then free blocks and park them), the
             plugin's `host_tier`, e.g. '{regions: 4, pages: 16}' or '{gib: 8}'; snapkv, h2o and learned only.
-        engine_options: the vllm: rows' plugin options that atskv's own selectors lack, by selector
-            name, over `selector_options` there, e.g. '{learned: {prompt_sample: 8}}'.
+        engine_options: plugin options for the vllm: rows alone, by selector name, over
+            `selector_options` there, e.g. '{learned: {prompt_sample: 8}}' (the engine samples the
+            prompt's queries, atskv's own rows do not).
         device: cpu, cuda, or auto.
         dtype: float32, bfloat16, float16, or auto.
     """

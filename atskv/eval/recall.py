@@ -198,7 +198,7 @@ class RecallProbe(SparseSession):
         kept = self.keeps(view, sparse, self.budgets)
         keep = kept[0]  # the only one where it matters below: a budget's state (`budget_free`)
         if self.selector.needs_attention:  # the selector observes the attention it would have had
-            if not sparse and self.selector.attention_keys(view) is view.keys:  # the dense attention's
+            if not sparse and self.selector.attention_keys(view) is view.keys and self.selector.prompt_sample == 1:
                 self.selector.observe(view, step.received_mass)
             else:
                 self.attend_kept(view, step.values, keep)

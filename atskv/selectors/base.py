@@ -76,7 +76,9 @@ class Selector:
     - `evicts`: what it does not keep is dropped from the cache for good (real memory savings);
     - `keeps_all`: the budget is ignored (the dense reference).
     - `needs_attention` / `needs_hidden`: the hook passes the attention mass to `observe` / the
-      new tokens' hidden states and ids in `LayerView.hidden` and `LayerView.token_ids`.
+      new tokens' hidden states and ids in `LayerView.hidden` and `LayerView.token_ids`;
+      `prompt_sample` s: a prompt chunk's mass from every s-th query, times s
+      (`atskv.attention.sampled_queries`; an option of the selectors that take it).
     - `fast_path`: `atskv.generate` makes the reference's choices for it: its decode-time state
       lives in slot tensors or is written in place (`static_write`), with no Python value that
       changes per token (`tests/test_decode.py` checks the tokens against the reference);
@@ -91,6 +93,7 @@ class Selector:
     keeps_all: ClassVar[bool] = False
     needs_attention: ClassVar[bool] = False
     needs_hidden: ClassVar[bool] = False
+    prompt_sample: ClassVar[int] = 1
     fast_path: ClassVar[bool] = False
     fast_path_as_part: ClassVar[bool] = True
     per_model: ClassVar[str | None] = None

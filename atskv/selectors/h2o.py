@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from atskv.attention import check_prompt_sample
 from atskv.budget import resolve_budget
 from atskv.kernels.evict import newest_share
 from atskv.selectors.base import LayerView, Selector
@@ -22,6 +23,10 @@ class H2OSelector(Selector):
     evicts = True
     needs_attention = True
     recent_fraction: float = 0.5
+    prompt_sample: int = 1  # the prompt's mass from every s-th query of a chunk (`sampled_queries`)
+
+    def __post_init__(self):
+        check_prompt_sample(self.prompt_sample)
 
     def observe(self, view: LayerView, attention_mass: torch.Tensor) -> None:
         view.layer.slot_tensor("h2o").add_(attention_mass)

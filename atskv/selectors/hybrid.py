@@ -80,6 +80,7 @@ class HybridSelector(Selector):
             check_budget(self.residency_budget)
         self.name = f"{self.residency.name}+{self.attention.name}"
         self.needs_attention = self.residency.needs_attention
+        self.prompt_sample = self.residency.prompt_sample
         self.needs_hidden = self.residency.needs_hidden or self.attention.needs_hidden
 
     def has_fast_path(self) -> bool:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from atskv.attention import check_prompt_sample
 from atskv.errors import InputError
 from atskv.features import SCALAR_FEATURES
 from atskv.kernels.learned_features import (
@@ -94,6 +95,7 @@ class LearnedSelector(Selector):
     # score +inf at every refresh.
     window_share: float = 0.0
     window: int = 32
+    prompt_sample: int = 1  # the prompt's attention received from every s-th query of a chunk (`sampled_queries`)
     # the last managed layer refreshed and its `attention_by_position`, for the next one
     _previous: tuple[int, torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -119,6 +121,7 @@ class LearnedSelector(Selector):
                              f"got {self.refresh_every!r}")  # fmt: skip
         check_window_share(self.window_share)
         check_window(self.window)
+        check_prompt_sample(self.prompt_sample)
         self._layer_index = {layer: i for i, layer in enumerate(self.predictor.header.managed_layers)}
 
     # --- the selector protocol ---------------------------------------------------------------

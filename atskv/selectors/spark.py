@@ -57,7 +57,7 @@ class SparKSelector(Selector):
             raise ValueError(f"prune_ratio must lie in [0, 1), got {self.prune_ratio}")
         if not isinstance(self.base, Selector) or isinstance(self.base, SparKSelector):
             raise ValueError(f"spark needs another selector as its base, got {self.base!r}")
-        for flag in ("query_aware", "evicts", "keeps_all", "needs_attention", "needs_hidden"):
+        for flag in ("query_aware", "evicts", "keeps_all", "needs_attention", "needs_hidden", "prompt_sample"):
             setattr(self, flag, getattr(self.base, flag))
 
     def has_fast_path(self) -> bool:

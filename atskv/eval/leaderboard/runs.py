@@ -176,7 +176,7 @@ def run_leaderboard(
     rerun into `out` must share, as are `tiering` (the `TieringConfig` options of the `tiered:`
     rows; none: its defaults), `host_tier` (the `HostRetrieval` options of the `host:` rows) and
     `engine_host_tier` (the vLLM plugin's `host_tier` for the `vllm:` rows, which then free blocks)
-    and `engine_options` (the `vllm:` rows' plugin options beyond atskv's, by selector name).
+    and `engine_options` (plugin options for the `vllm:` rows alone, by selector name).
     `fast`: atskv's selectors run on `atskv.generate`'s fast path (what a user serves with), else
     on the reference path (`atskv.sparse` under `model.generate`); the `tiered:` rows run
     `atskv.tiered` under `model.generate` and the `host:` rows the fast path either way; dense is

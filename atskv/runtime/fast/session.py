@@ -41,6 +41,7 @@ from atskv.attention import (
     masked_attention,
     masked_attention_lse,
     received_mass,
+    sampled_queries,
 )
 from atskv.budget import resolve_budget
 from atskv.kernels.backend import aligned_slots
@@ -133,14 +134,17 @@ class StaticSession(SelectorSession):
         keys, values, slot_pos = layer.keys[:, :, :stop], layer.values[:, :, :stop], layer.slot_pos[:, :, :stop]
         q_pos = torch.arange(layer.seen - c, layer.seen, device=query.device)
 
-        def allowed(start: int, end: int) -> torch.Tensor:  # [B, 1, end - start, S]
-            qp = q_pos[start:end].view(1, 1, -1, 1)
+        def allowed_at(rows) -> torch.Tensor:  # [B, 1, len(rows), S]: the chunk's queries `rows` (a slice or indices)
+            qp = q_pos[rows].view(1, 1, -1, 1)
             ok = (slot_pos[:, :1].unsqueeze(2) <= qp) & (slot_pos[:, :1].unsqueeze(2) >= 0)
             if layer.window is not None:
                 ok = ok & (slot_pos[:, :1].unsqueeze(2) > qp - layer.window)
             if self.real is not None:
                 ok = ok & self.real.gather(1, slot_pos[:, 0].clamp(min=0)).view(-1, 1, 1, stop)
             return ok
+
+        def allowed(start: int, end: int) -> torch.Tensor:
+            return allowed_at(slice(start, end))
 
         def span(start: int, end: int) -> slice:  # prompt slots hold positions in order: query i at slot stop - c + i
             first = stop - c + start - layer.window + 1 if layer.window is not None else 0
@@ -158,11 +162,15 @@ class StaticSession(SelectorSession):
             view = self._prompt_view(layer_idx, layer, query, scaling)
             self.selector.static_write(view)
             if self.selector.needs_attention:
+                sample = self.selector.prompt_sample
                 if causal is not None:
                     mass = _per_row(causal, lambda rows, part: causal_mass_from(
-                        query[rows], keys[rows], lse[rows], *part, scaling))  # fmt: skip
+                        query[rows], keys[rows], lse[rows], *part, scaling, sample))  # fmt: skip
                 else:
-                    mass = received_mass(query, keys, lse, allowed, scaling)
+                    picked = sampled_queries(c, sample)
+                    at = q_pos.new_tensor(range(c))[picked]
+                    mass = received_mass(query[:, :, picked], keys, lse[:, :, picked],
+                                         lambda start, end: allowed_at(at[start:end]), scaling) * sample  # fmt: skip
                 self.selector.observe(view, torch.nn.functional.pad(mass, (0, layer.capacity - stop)))
             if layer.seen == self.prompt_tokens:
                 self.selector.prefill(self._last_queries_view(view, allowed))
@@ -353,15 +361,17 @@ class StaticSession(SelectorSession):
         return self._identity[key]
 
 
-def causal_mass_from(query, keys, lse, first: int, start: int, scaling: float) -> torch.Tensor:
+def causal_mass_from(query, keys, lse, first: int, start: int, scaling: float, sample: int = 1) -> torch.Tensor:
     """The mass `[B, Hkv, S]` each slot receives from `causal_attention_from`'s queries (the pad
-    slots before `start` none)."""
+    slots before `start` none); with `sample` s > 1 from every s-th, as `sampled_queries` picks
+    them, times s."""
     c = query.shape[2]
+    first += (c - 1 - first) % sample if first < c else 0
     if first >= c:
         return torch.zeros(keys.shape[:3], dtype=torch.float32, device=keys.device)
-    mass = prefix_received_mass(query[:, :, first:], keys[:, :, start:], lse[:, :, first:],
-                                keys.shape[2] - start - (c - first), scaling)  # fmt: skip
-    return torch.nn.functional.pad(mass, (start, 0))
+    mass = prefix_received_mass(query[:, :, first::sample], keys[:, :, start:], lse[:, :, first::sample],
+                                keys.shape[2] - start - (c - first), scaling, sample)  # fmt: skip
+    return torch.nn.functional.pad(mass * sample, (start, 0))
 
 
 def _per_row(parts: list[tuple[int, int]], attend: Callable):

@@ -21,7 +21,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from atskv.attention import grouped_attention, sdpa_attention
+from atskv.attention import attention_and_mass, sdpa_attention
 from atskv.budget import check_budget
 from atskv.models.cache_names import cache_argument, pop_cache
 from atskv.models.geometry import attention_modules
@@ -155,7 +155,7 @@ class SparseSession(SelectorSession):
     def attend_kept(self, view: LayerView, values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         keys = self.selector.attention_keys(view)
         if self.selector.needs_attention:
-            out, mass = grouped_attention(view.query, keys, values, keep, view.scaling, want_mass=True)
+            out, mass = attention_and_mass(view.query, keys, values, keep, view.scaling, self.selector.prompt_sample)
             self.selector.observe(view, mass)
             return out
         return sdpa_attention(view.query, keys, values, keep, view.scaling)

@@ -65,7 +65,7 @@ from pathlib import Path
 
 import torch
 
-from atskv.attention import StreamedAttention, grouped_attention, grouped_queries, sdpa_attention
+from atskv.attention import StreamedAttention, attention_and_mass, grouped_queries, sdpa_attention
 from atskv.budget import check_budget
 from atskv.errors import check_options
 from atskv.runtime.reference.host_tier import HostTier
@@ -250,7 +250,7 @@ class TieredSession(SparseSession):
             out, (mass, *fetched_masses) = stream.result()
             fetched_mass = torch.cat(fetched_masses, -1)
         elif self.selector.needs_attention:
-            out, mass = grouped_attention(query, keys, values, attended, scaling, want_mass=True)
+            out, mass = attention_and_mass(query, keys, values, attended, scaling, self.selector.prompt_sample)
         else:
             out, mass = sdpa_attention(query, keys, values, attended, scaling), None
         if self.selector.needs_attention:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from atskv.errors import InputError
+from atskv.attention import sampled_queries
 from atskv.kernels.budget import kept_count
 from atskv.kernels.kept_lists import NOT_MOVED, add_list_values, kept_list_step
 from atskv.kernels.received_mass import prefix_lse, prefix_received_mass
@@ -165,23 +165,13 @@ def chunk_mass(chunk: PromptChunk, keys: torch.Tensor, sample: int = 1) -> torch
     log-sum-exps. Those are FlashAttention's when the backend kept them (`chunk.lse`), else a
     logits-only pass of their own (`prefix_lse`). `sample` s > 1 estimates it from every s-th
     query (the chunk's last among them) times s: the kernel's pass over the keys costs 1/s, and a
-    token seen by fewer than s queries gets a coarse estimate (`check_prompt_sample`)."""
+    token seen by fewer than s queries gets a coarse estimate (`atskv.attention.check_prompt_sample`)."""
     n, length = chunk.queries.shape[0], keys.shape[1]
     q, k = chunk.queries.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0)
     lse = prefix_lse(q, k, length - n, chunk.scaling) if chunk.lse is None else chunk.lse.unsqueeze(0)
     if sample == 1:
         return prefix_received_mass(q, k, lse, length - n, chunk.scaling)[0]
-    first = (n - 1) % sample
-    picked = slice(first, None, sample)
-    mass = prefix_received_mass(q[:, :, picked], k, lse[:, :, picked], length - n + first, chunk.scaling, sample)
+    picked = sampled_queries(n, sample)
+    mass = prefix_received_mass(q[:, :, picked], k, lse[:, :, picked], length - n + picked.start, chunk.scaling,
+                                sample)  # fmt: skip
     return mass[0] * sample
-
-
-def check_prompt_sample(sample) -> None:
-    """`prompt_sample`, the H2O and learned selectors' option: an `InputError` unless an int >= 1.
-    1 (their default) scores the prompt with every query, as atskv's runtimes do; s > 1 with every
-    s-th, a prefill that much closer to vLLM's own (a learned predictor then reads a coarser
-    "attention received" than it was fit on: measure it)."""
-    if isinstance(sample, bool) or not isinstance(sample, int) or sample < 1:
-        raise InputError(f"atskv: prompt_sample is a stride over the prompt's queries, an int >= 1 (1: all); "
-                         f"got {sample!r}")  # fmt: skip

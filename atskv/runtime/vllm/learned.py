@@ -36,6 +36,7 @@ from typing import ClassVar
 
 import torch
 
+from atskv.attention import check_prompt_sample
 from atskv.errors import InputError
 from atskv.kernels.budget import kept_count
 from atskv.kernels.kept_lists import by_head
@@ -44,7 +45,7 @@ from atskv.kernels.listed_refresh import fold_mlp, refresh_listed_scores
 from atskv.kernels.paged import physical_slots
 from atskv.kernels.prompt_scores import prompt_scores
 from atskv.runtime.vllm.batch import PromptChunk
-from atskv.runtime.vllm.heavy_hitters import KeptLists, check_prompt_sample, chunk_mass, compacted_unread_blocks
+from atskv.runtime.vllm.heavy_hitters import KeptLists, chunk_mass, compacted_unread_blocks
 from atskv.runtime.vllm.prompt_ranks import window_votes
 from atskv.runtime.vllm.protocol import PagedSelector
 

@@ -28,6 +28,7 @@ from typing import ClassVar
 
 import torch
 
+from atskv.attention import check_prompt_sample
 from atskv.kernels.budget import kept_count
 from atskv.kernels.paged import (
     empty_page_bounds,
@@ -39,7 +40,7 @@ from atskv.kernels.quest_decode import quest_pick
 from atskv.kernels.sparq_decode import channel_rank, sparq_decode_paged
 from atskv.kernels.sparse_decode import sparse_decode_attention
 from atskv.runtime.vllm.batch import PromptChunk
-from atskv.runtime.vllm.heavy_hitters import KeptLists, check_prompt_sample, chunk_mass, compacted_unread_blocks
+from atskv.runtime.vllm.heavy_hitters import KeptLists, chunk_mass, compacted_unread_blocks
 from atskv.runtime.vllm.learned import PagedLearned
 from atskv.runtime.vllm.prompt_ranks import (
     PromptRanks,
