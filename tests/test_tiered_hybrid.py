@@ -71,7 +71,7 @@ class Recorder:
         self.attended: list[torch.Tensor] = []
         self.held: list[torch.Tensor] = []
         self.fetched = 0
-        recorder, grouped, sdpa, attend = self, tiered_module.grouped_attention, tiered_module.sdpa_attention, None
+        recorder, grouped, sdpa, attend = self, tiered_module.attention_and_mass, tiered_module.sdpa_attention, None
 
         def note(query, mask):
             if query.shape[2] == 1:
@@ -92,7 +92,7 @@ class Recorder:
 
         attend = TieredSession.attend
         monkeypatch.setattr(tiered_module, "StreamedAttention", Stream)
-        monkeypatch.setattr(tiered_module, "grouped_attention", lambda q, k, v, m, *a, **kw: note(q, m) or
+        monkeypatch.setattr(tiered_module, "attention_and_mass", lambda q, k, v, m, *a, **kw: note(q, m) or
                             grouped(q, k, v, m, *a, **kw))  # fmt: skip
         monkeypatch.setattr(tiered_module, "sdpa_attention", lambda q, k, v, m, *a: note(q, m) or sdpa(q, k, v, m, *a))
         monkeypatch.setattr(TieredSession, "attend", recorded_attend)
