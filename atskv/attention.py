@@ -208,9 +208,10 @@ def prefix_causal_attention(
 def sampled_queries(count: int, sample: int) -> slice:
     """Every `sample`-th of a prompt chunk's `count` queries, counted back from its last: the
     queries whose attention, times `sample`, estimates what the chunk's tokens receive
-    (`prompt_sample`, an option of the selectors that read the attention received). The runtimes
-    prefill in chunks whose ends lie a multiple of their size before the prompt's end, so with a
-    `sample` that divides the chunk size every runtime samples the same queries."""
+    (`prompt_sample`, an option of the selectors that read the attention received). atskv's
+    runtimes prefill in chunks whose ends lie a multiple of their size before the prompt's end, so
+    with a `sample` that divides the chunk size they sample the same queries; vLLM's chunks need
+    not end so, and the plugin then samples others."""
     return slice((count - 1) % sample, None, sample)
 
 
