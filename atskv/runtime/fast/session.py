@@ -134,8 +134,8 @@ class StaticSession(SelectorSession):
         keys, values, slot_pos = layer.keys[:, :, :stop], layer.values[:, :, :stop], layer.slot_pos[:, :, :stop]
         q_pos = torch.arange(layer.seen - c, layer.seen, device=query.device)
 
-        def allowed_at(rows) -> torch.Tensor:  # [B, 1, len(rows), S]: the chunk's queries `rows` (a slice or indices)
-            qp = q_pos[rows].view(1, 1, -1, 1)
+        def allowed_at(positions) -> torch.Tensor:  # [B, 1, n, S]: the chunk's queries at `positions` [n]
+            qp = positions.view(1, 1, -1, 1)
             ok = (slot_pos[:, :1].unsqueeze(2) <= qp) & (slot_pos[:, :1].unsqueeze(2) >= 0)
             if layer.window is not None:
                 ok = ok & (slot_pos[:, :1].unsqueeze(2) > qp - layer.window)
@@ -144,7 +144,7 @@ class StaticSession(SelectorSession):
             return ok
 
         def allowed(start: int, end: int) -> torch.Tensor:
-            return allowed_at(slice(start, end))
+            return allowed_at(q_pos[start:end])
 
         def span(start: int, end: int) -> slice:  # prompt slots hold positions in order: query i at slot stop - c + i
             first = stop - c + start - layer.window + 1 if layer.window is not None else 0
@@ -168,7 +168,7 @@ class StaticSession(SelectorSession):
                         query[rows], keys[rows], lse[rows], *part, scaling, sample))  # fmt: skip
                 else:
                     picked = sampled_queries(c, sample)
-                    at = q_pos.new_tensor(range(c))[picked]
+                    at = q_pos[picked]
                     mass = received_mass(query[:, :, picked], keys, lse[:, :, picked],
                                          lambda start, end: allowed_at(at[start:end]), scaling) * sample  # fmt: skip
                 self.selector.observe(view, torch.nn.functional.pad(mass, (0, layer.capacity - stop)))
