@@ -81,7 +81,6 @@ def test_the_queue_kernel_matches_its_reference(budget, block):
     _, (queued, ranked), table, _ = ranked_lists(ranked_at, width_blocks, budget, pins=2, seed=1)
     ranked[table[1, 0].long() * BLOCK] = torch.tensor([900, 70], dtype=torch.int32)  # never ranked
     seq_lens = torch.tensor([40, 0, 100, 9, 121], dtype=torch.int32)
-    seq_lens[1] = 0
     want = queue_read_reference(queued, ranked, table, seq_lens, BLOCK, budget, kept_count(budget, 128))
     unranked = (torch.tensor([57], dtype=torch.int32), table[1:2])
     stale = queue_read_reference(queued, ranked, unranked[1], unranked[0], BLOCK, budget, kept_count(budget, 128))

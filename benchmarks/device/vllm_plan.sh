@@ -136,10 +136,11 @@ case "$1" in
     [ -f "$job" ] && python3 benchmarks/vllm_identity.py "$job" "$OUT/identity.jsonl" --methods vllm:streaming_llm \
       vllm:learned --options "{\"learned\": {\"predictor\": \"$q/predictor\"}}" 2>> "$OUT/quality.log" | tee "$OUT/identity.txt"
     grep -v "^INFO\|^DEBUG\|Capturing\|WARNING" "$OUT/quality.log" | tail -8; cat "$OUT/lb/leaderboard.md" ;;
-  start)  # one stage at a time: a second start ends the first, in an empty /tmp/bgout (a leaderboard
-    # folder left there by a stage of other settings would refuse this one's rows)
+  start)  # one stage at a time: a second start ends the first; the quality stage's files go (its
+    # leaderboard folder, left by a stage of other settings, would refuse this one's rows; its identity
+    # rows would resume another model's), trace rows stay
     [ -f /tmp/bgpid ] && kill -- -"$(cat /tmp/bgpid)" 2>/dev/null
-    rm -rf /tmp/bgtree /tmp/bgout && mkdir -p /tmp/bgtree /tmp/bgout && tar -c --exclude=./.git . | tar x -C /tmp/bgtree
+    rm -rf /tmp/bgtree /tmp/bgout/{.done,lb,identity.jsonl,identity.txt,quality.log} && mkdir -p /tmp/bgtree /tmp/bgout && tar -c --exclude=./.git . | tar x -C /tmp/bgtree
     ( cd /tmp/bgtree && OUT=/tmp/bgout setsid nohup bash -c 'echo $$ > /tmp/bgpid; bash benchmarks/device/vllm_plan.sh "$@"
         touch /tmp/bgout/.done' _ "${@:2}" > /tmp/bgout/stage.log 2>&1 < /dev/null & )  # $$: the new session's leader
     sleep 5; cat /tmp/bgout/stage.log ;;
