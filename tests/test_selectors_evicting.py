@@ -3,10 +3,12 @@ attention probabilities (eager attention, `output_attentions=True`)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 import atskv
+from atskv.errors import InputError
 from tests.conftest import EVERY_TOKEN, random_prompt, tiny_model
 
 T = 24
@@ -59,3 +61,13 @@ def test_h2o_accumulates_the_attention_each_token_received():
     for layer, probs in enumerate(eager_probs(model, ids)):
         expected = per_kv_head(probs, hkv).sum(2)  # every query (prompt + decode), [B, Hkv, T + 1]
         torch.testing.assert_close(scores[layer], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_prompt_sample_that_is_not_a_stride_is_refused_in_one_line(tmp_path):
+    """`prompt_sample` (H2O's and the learned selector's) is an int >= 1, as the vLLM plugin's is;
+    anything else is an `InputError` naming it, before a model runs."""
+    for bad in (0, -2, 2.5, True, "8"):
+        with pytest.raises(InputError, match="prompt_sample is a stride"):
+            atskv.make_selector("h2o", prompt_sample=bad)
+    assert atskv.make_selector("h2o", prompt_sample=8).prompt_sample == 8
+    assert atskv.make_selector("h2o+quest", h2o={"prompt_sample": 4}).prompt_sample == 4
