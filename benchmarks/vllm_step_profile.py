@@ -2,7 +2,8 @@
 synthetic paged cache of the 8B shape (32/8 heads, dim 128, blocks of 16), each graph-captured and
 timed alone (`triton.testing.do_bench_cudagraph`, median), beside SDPA over the whole context:
 Quest, StreamingLLM, H2O's kept lists and the learned selector's queues (random lists, the
-queues ranked 32 tokens ago: what a step costs does not depend on what they hold), SparQ on
+queues ranked 32 tokens ago: what a step costs does not depend on what they hold; also the 32
+layers' queues read in one kernel, as the engine does, its time a layer), SparQ on
 random keys, `h2o+sparq`, and the learned selector's refresh with every row due (its worst step;
 rows not due exit at once). Where vLLM imports, also vLLM's own paged FlashAttention decode over
 the whole context (what vanilla vLLM's layer reads), with the 32 splits vLLM allows under CUDA
@@ -27,6 +28,7 @@ from triton.testing import do_bench_cudagraph
 from atskv.eval.kernel_times import print_kernel_times
 from atskv.features import SCALAR_FEATURES
 from atskv.kernels.budget import kept_count
+from atskv.kernels.list_queue import queue_read
 from atskv.kernels.listed_refresh import fold_mlp, refresh_listed_scores
 from atskv.kernels.paged import paged_page_scores
 from atskv.kernels.quest_decode import quest_pick
@@ -61,7 +63,7 @@ parser.add_argument("--stages", default="", help="only the stages whose name con
 parser.add_argument("--kernels", default=None,
                     help="also the CUDA time of each kernel of the stages whose name contains this (torch profiler)")
 args = parser.parse_args()
-HQ, HKV, D, BS = 32, 8, 128, 16
+HQ, HKV, D, BS, LAYERS = 32, 8, 128, 16, 32
 dev, dt = "cuda", torch.bfloat16
 print(f"{'context x batch':>16} {'stage':>28} {'us':>8}")
 for run in args.runs:
@@ -109,6 +111,9 @@ for run in args.runs:
     first = table[:, 0].long() * BS
     queues.ranked[first] = torch.tensor([ranked_at, kept_count(args.budget, ranked_at)], dtype=torch.int32, device=dev)
 
+    layer_lists = [queues.kept] + [queues.kept.clone() for _ in range(LAYERS - 1)]
+    list_width = kept_count(args.budget, width * BS)
+
     def learned_step():
         chosen = queues.read(table, seq_lens, BS, args.budget)
         return paged_sparse_decode(query, key_cache, value_cache, *chosen, table, D**-0.5)
@@ -119,12 +124,12 @@ for run in args.runs:
     slots_all = blocks * BS + 1
     key_norm, pinned = torch.rand(slots_all, HKV, device=dev), torch.zeros(slots_all, HKV, dtype=torch.bool, device=dev)
     prompt_len = torch.zeros(slots_all, dtype=torch.int32, device=dev)  # every row due (context % 16 == 0)
-    list_width = min(width * BS, int(args.budget * width * BS) + 2)
+    refresh_width = min(width * BS, int(args.budget * width * BS) + 2)
 
     def refresh():
         refresh_listed_scores(lists.kept, lists.kept_value, lists.prompt_mass, key_norm, lists.prompt_mass, pinned,
                               prompt_len, table, seq_lens, BS, args.budget, 16, HQ // HKV, folded, 1,
-                              list_width)  # fmt: skip
+                              refresh_width)  # fmt: skip
 
     def composed_step():
         chosen = composed.pick(query, HKV, lists, table, seq_lens, BS, args.budget, {}, keys=key_slots,
@@ -152,6 +157,8 @@ for run in args.runs:
         "h2o: whole step": h2o_step,
         "learned: queue read": lambda: queues.read(table, seq_lens, BS, args.budget),
         "learned: whole step": learned_step,
+        "learned: queue read, 32 layers at once": lambda: queue_read(
+            layer_lists, queues.ranked, table, seq_lens, BS, args.budget, list_width),
         "sparq: pick": lambda: sparq.pick(query, HKV, None, table, seq_lens, BS, args.budget, {}, keys=key_slots,
                                           scaling=D**-0.5),
         "sparq: whole step": sparq_step,
@@ -186,7 +193,8 @@ for run in args.runs:
     for name, fn in ((n, f) for n, f in stages.items() if args.stages in n):
         fn()
         torch.cuda.synchronize()
-        print(f"{run:>16} {name:>28} {do_bench_cudagraph(fn, rep=50) * 1e3:8.1f}", flush=True)
+        share = LAYERS if "layers at once" in name else 1  # printed a layer
+        print(f"{run:>16} {name:>28} {do_bench_cudagraph(fn, rep=50) * 1e3 / share:8.1f}", flush=True)
         if args.kernels is not None and args.kernels in name:
             print_kernel_times(fn)
 

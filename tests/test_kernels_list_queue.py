@@ -12,7 +12,7 @@ import torch
 
 from atskv.kernels.budget import kept_count
 from atskv.kernels.kept_lists import kept_list_step_reference, list_slots
-from atskv.kernels.list_queue import queue_read_reference, queue_read_triton
+from atskv.kernels.list_queue import queue_read, queue_read_reference, queue_read_triton
 
 BLOCK, HKV = 4, 3
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -91,3 +91,24 @@ def test_the_queue_kernel_matches_its_reference(budget, block):
     read = stale[0][0, :, : int(stale[1][0, 0])]
     assert bool(((read >= 0) & (read < 57)).all()) and bool((read == 56).any())
     assert not want[0][1].any() and not want[1][1].any()
+
+
+@pytest.mark.parametrize("budget", [5, 0.3])
+def test_every_layers_queue_read_at_once_is_each_layers_read(budget):
+    """A step's layers ranked alike (one `ranked`) with lists of their own: one kernel over the
+    list of them reads, layer by layer, what each layer's own read does; the reference alike."""
+    ranked_at, width_blocks = [37, 1, 100, 6, 120], 32
+    _, (queued, ranked), table, _ = ranked_lists(ranked_at, width_blocks, budget, pins=2, seed=2)
+    layers = [queued, queued.flip(1).contiguous(), torch.randint(-9, 130, queued.shape, dtype=torch.int32)]
+    seq_lens = torch.tensor([40, 0, 100, 9, 121], dtype=torch.int32)
+    width = kept_count(budget, 128)
+    each = [queue_read_reference(k, ranked, table, seq_lens, BLOCK, budget, width) for k in layers]
+    assert not torch.equal(each[0][0], each[1][0])  # the layers' reads differ
+    on = [k.to(DEVICE) for k in layers]
+    for positions, counts in (queue_read_triton(on, ranked.to(DEVICE), table.to(DEVICE), seq_lens.to(DEVICE), BLOCK,
+                                                budget, width, block=16),
+                              queue_read(layers, ranked, table, seq_lens, BLOCK, budget, width)):  # fmt: skip
+        assert positions.shape == (3, 5, HKV, width)
+        assert torch.equal(counts.cpu(), each[0][1])
+        for layer, (want, _) in enumerate(each):
+            assert torch.equal(positions[layer].cpu(), want), layer

@@ -320,3 +320,29 @@ def test_a_host_tier_in_gib_buys_regions_over_this_gpus_sparse_layers(monkeypatc
     tier = HostTier(gib=4 * 3.5 * one / 2**30)  # 4 sparse layers, 3.5 regions' bytes each
     assert module.tier_regions(tier, config, HKV, D, BLOCK, torch.bfloat16) == 3
     assert module.tier_regions(HostTier(regions=5), None, HKV, D, BLOCK, torch.bfloat16) == 5
+
+
+def test_each_sparse_layer_is_handed_its_own_and_the_later_sparse_layers_states(monkeypatch):
+    """`later_states`, for a selector that reads every layer's state at a forward's first sparse
+    layer: those of this engine's sparse layers from this one on, in layer order (not the dense
+    layers', nor another backend's), and None while any is not made yet or outside an engine."""
+    import atskv.runtime.vllm.backend as module
+
+    def layer(index: int, sparse: bool):
+        impl = object.__new__(AtskvAttentionImpl)
+        impl._sparse, impl._later, impl.vllm_config = sparse, None, object()
+        impl.selector, impl.state = SimpleNamespace(layer=index), f"state {index}"
+        return f"model.layers.{index}.self_attn.attn", SimpleNamespace(impl=impl)
+
+    layers = dict(layer(i, sparse=i >= 2) for i in (5, 0, 3, 1, 2, 4)) | {"other": SimpleNamespace(impl=object())}
+    monkeypatch.setattr(module, "get_layers_from_vllm_config", lambda config, kind: layers)
+    impl = {int(name.split(".")[2]): entry.impl for name, entry in layers.items() if name != "other"}
+    assert impl[2].later_states() == ["state 2", "state 3", "state 4", "state 5"]
+    assert impl[4].later_states() == ["state 4", "state 5"]
+    impl[5].state = None
+    assert impl[2].later_states() is None and impl[4].later_states() is None
+    impl[5].state = "state 5, made"
+    assert impl[3].later_states() == ["state 3", "state 4", "state 5, made"]
+    impl[3].vllm_config = None
+    impl[3]._later = None
+    assert impl[3].later_states() is None

@@ -352,6 +352,32 @@ def test_preempted_requests_are_recomputed_and_give_the_pool_back(shape, selecto
     assert_same_up_to_near_ties(got, want)
 
 
+def test_the_learned_selector_reads_every_layers_queue_at_once_as_layer_by_layer(shape, monkeypatch, tmp_path):
+    """Without a refresh the forward's first sparse layer reads all 28 sparse layers' queues in one
+    kernel (the rest find theirs in the forward's `step`), in captured decode graphs and eager
+    mixed batches: the tokens and log-probabilities of one read a layer, exactly."""
+    from atskv.eval.vllm_speed import random_engine_predictor
+    from atskv.runtime.vllm import learned
+
+    options = {"predictor": str(random_engine_predictor("smollm2-135m-shape", 2, tmp_path / "predictor"))}
+    batch, reads, original = prompts(1500, 4, 49152, seed=29), [], learned.queue_read
+    monkeypatch.setattr(learned, "queue_read", lambda kept, *args: reads.append(len(kept) if isinstance(kept, list)
+                                                                                else 1) or original(kept, *args))
+    at_once = engine(shape, "vllm:learned", 64, max_num_batched_tokens=512, options=options)
+    want = tokens_and_logprobs(at_once, batch, 24)
+    assert 28 in reads  # (the forwards before every layer's lists exist read layer by layer)
+    del at_once
+    gc.collect()
+    torch.cuda.empty_cache()
+    reads.clear()
+    monkeypatch.setattr(learned, "AT_ONCE_BYTES", 0)
+    each = engine(shape, "vllm:learned", 64, max_num_batched_tokens=512, options=options)
+    tokens, logprobs = tokens_and_logprobs(each, batch, 24)
+    assert set(reads) == {1}
+    assert tokens == want[0]
+    torch.testing.assert_close(logprobs, want[1], rtol=0, atol=0)
+
+
 def test_the_learned_selector_with_a_refresh_reads_in_full_at_a_budget_above_the_context(shape, read_in_full,
                                                                                         tmp_path):  # fmt: skip
     """`refresh_every: 4`: its rescoring kernel inside the CUDA-graph decode (rows due every fourth

@@ -799,8 +799,9 @@ def engine_ready_predictor(folder, layers: tuple[int, ...], without=("hidden_nor
 @pytest.mark.parametrize("last_known, received, layers", [(False, True, (2, 3)), (True, True, (2, 3)),
                                                        (True, False, (2, 3)), (True, True, (1, 4))])  # fmt: skip
 @pytest.mark.parametrize("budget, window_share", [(0.25, 0.0), (20, 0.0), (3, 0.0), (0.25, 0.5), (20, 0.5)])
+@pytest.mark.parametrize("at_once", [False, True])
 def test_paged_learned_reads_what_the_learned_selector_keeps(budget, window_share, last_known, received, layers,
-                                                             tmp_path, monkeypatch):  # fmt: skip
+                                                             at_once, tmp_path, monkeypatch):  # fmt: skip
     """Two managed layers (the second reads the first's attention; apart, as Gemma's global
     layers are, or next to each other) score prompts chunk by chunk,
     then 4 decode steps: each reads exactly what atskv's learned selector keeps without a refresh
@@ -808,7 +809,9 @@ def test_paged_learned_reads_what_the_learned_selector_keeps(budget, window_shar
     `window_share` of the budget pinned by SnapKV's vote of the last 2 queries, its top budget;
     generated tokens at +inf), and its list holds the prompt's picks with those scores, lowest first
     (the order they leave in: `QueuedLists`). A predictor fit without the
-    attention received (`received` False) gets the same and the prompt's mass is never computed."""
+    attention received (`received` False) gets the same and the prompt's mass is never computed.
+    `at_once`: the backend hands it every layer's lists, and a step's first layer reads both
+    layers' queues in one kernel call (the second finds its read in the forward's `step`)."""
     from atskv.kernels.budget import kept_count
     from atskv.kernels.learned_features import score_slots
     from atskv.predictor.features import attention_so_far, scalar_features
@@ -862,12 +865,15 @@ def test_paged_learned_reads_what_the_learned_selector_keeps(budget, window_shar
             kept[layer, r] = select_top_budget(score.unsqueeze(2), everything, budget, at,
                                                torch.tensor([[[prompt]]]))[:, :, 0]  # fmt: skip
             scores[layer, r] = score
-    rows = len(lengths)
+    rows, reads = len(lengths), []
+    if at_once:  # (the backend's `later_states` gives each layer its own and the later ones')
+        selector.later_states = lambda: reads.append(1) or [states[layer] for layer in layers]
     for g in range(generated):
         seq_lens = torch.tensor([p + g + 1 for p in prompts], dtype=torch.int32)
+        step = {}  # one forward's
         for layer in layers:
             positions, counts = selector.pick(torch.randn(rows, HQ, D), HKV, states[layer], cache.block_table,
-                                              seq_lens, BLOCK, budget)  # fmt: skip
+                                              seq_lens, BLOCK, budget, step)  # fmt: skip
             for r, prompt in enumerate(prompts):
                 n = prompt + g + 1
                 scores[layer, r] = torch.nn.functional.pad(scores[layer, r], (0, 1), value=torch.inf)
@@ -883,6 +889,7 @@ def test_paged_learned_reads_what_the_learned_selector_keeps(budget, window_shar
                     stored, listed = states[layer].kept[entries, h].long(), states[layer].kept_value[entries, h]
                     torch.testing.assert_close(listed, scores[layer, r][0, h, stored], rtol=1e-4, atol=1e-5)
                     assert bool((listed[1:] >= listed[:-1]).all())  # lowest first: the order they leave in
+    assert len(reads) == (generated if at_once else 0)  # once a forward
 
 
 @pytest.mark.parametrize("total, tp_size, firsts", [(8, 1, [0]), (8, 2, [0, 4]), (8, 4, [0, 2, 4, 6]),

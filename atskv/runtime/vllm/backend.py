@@ -168,6 +168,7 @@ class AtskvAttentionImpl(FlashAttentionImpl):
         self.max_model_len = vllm_config.model_config.max_model_len if vllm_config else 0
         self.kv_shard = tensor_shard(vllm_config)
         self._sparse: bool | None = None  # decided at the first call, which names the layer
+        self._later: list[AtskvAttentionImpl] | None = None  # this engine's sparse layers from this one on
 
     def sparse_layer(self, layer) -> bool:
         if self._sparse is None:
@@ -185,7 +186,25 @@ class AtskvAttentionImpl(FlashAttentionImpl):
             self._sparse = not own_rule and index >= self.config.dense_layers
             if self._sparse:
                 self.selector.layer, self.selector.kv_shard = index, self.kv_shard
+                self.selector.later_states = self.later_states
         return self._sparse
+
+    def later_states(self) -> list | None:
+        """The selector states of this engine's sparse layers from this one on, in layer order (a
+        selector may read them all at a forward's first sparse layer), or None outside an engine
+        and while any is not made yet (the forwards before vLLM captures its graphs)."""
+        if self.vllm_config is None:
+            return None
+        if self._later is None:
+            from vllm.model_executor.layers.attention import Attention  # imports backends: not at the top
+
+            layers = get_layers_from_vllm_config(self.vllm_config, Attention)
+            sparse = sorted(((extract_layer_index(name), layer.impl) for name, layer in layers.items()
+                             if isinstance(layer.impl, AtskvAttentionImpl) and layer.impl.sparse_layer(layer)),
+                            key=lambda pair: pair[0])  # fmt: skip
+            self._later = [impl for index, impl in sparse if index >= self.selector.layer]
+        states = [impl.state for impl in self._later]
+        return None if any(state is None for state in states) else states
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)

@@ -70,6 +70,7 @@ class PagedComposition(PagedSelector):
              step: dict | None = None, *, keys: torch.Tensor, scaling: float):  # fmt: skip
         held = residency_budget(budget, self.residency_budget)
         self.residency.layer = self.attention.layer = self.layer
+        self.residency.later_states = self.later_states
         residents, counts = self.residency.pick(query, kv_heads, state, block_table, seq_lens, block_size, held, step)
         chosen, lengths = self.attention.pick_among(query, residents, counts, block_table, seq_lens, block_size,
                                                     budget, keys=keys, scaling=scaling)  # fmt: skip

@@ -49,6 +49,7 @@ from atskv.runtime.vllm.heavy_hitters import KeptLists, chunk_mass, compacted_un
 from atskv.runtime.vllm.prompt_ranks import window_votes
 from atskv.runtime.vllm.protocol import PagedSelector
 
+AT_ONCE_BYTES = 128 << 20  # the most one forward's queue reads of every layer may hold (CUDA graph memory)
 UNSEEN = ("hidden", "hidden_norm", "token_type")  # inputs an attention backend cannot compute
 RECEIVED = ("attention", "prev_attention")  # the inputs the prompt's received mass is computed for
 WITHOUT = ("hidden_norm", "token_type")  # `RelevanceMLP(without=...)` for them, beside reduced_width 0
@@ -117,11 +118,36 @@ class QueuedLists(KeptLists):
         self.ranked[:, 0].index_fill_(0, first, chunk.length)
         self.ranked[:, 1].index_fill_(0, first, n0)
 
-    def read(self, block_table, seq_lens, block_size: int, budget: int | float) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, block_table, seq_lens, block_size: int, budget: int | float, step: dict | None = None,
+             later_states=None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """A decode step's positions `[B, Hkv, width]` and counts `[B, Hkv]` (`width`: what the
-        widest request keeps, the same for every step of a batch size)."""
+        widest request keeps, the same for every step of a batch size). Given the forward's `step`
+        and `later_states` (a callable giving this layer's and the later layers' lists), the first layer reads every
+        one's queue in one kernel and the rest find theirs in `step` (the first reads anew even
+        where it finds one: a forward's metadata may be an earlier forward's, as for CUDA graph capture)."""
         width = kept_count(budget, block_table.shape[1] * block_size)
-        return queue_read(self.kept, self.ranked, block_table, seq_lens, block_size, budget, width)
+        key = ("queues", budget)
+        read = None if step is None else step.get(key)
+        if read is None or read[0].get(id(self), 0) == 0:
+            states = None if later_states is None else later_states()
+            if not self.reads_at_once(states, block_table.shape[0] * width):
+                return queue_read(self.kept, self.ranked, block_table, seq_lens, block_size, budget, width)
+            read = ({id(s): i for i, s in enumerate(states)},
+                    *queue_read([s.kept for s in states], self.ranked, block_table, seq_lens, block_size, budget,
+                                width))  # fmt: skip
+            if step is not None:
+                step[key] = read
+        return read[1][read[0][id(self)]], read[2]
+
+    def reads_at_once(self, states: list | None, entries: int) -> bool:
+        """Whether the forward's queues are read in one kernel: `states` are lists like this one,
+        this one first, and all their positions (`entries` a layer's, per KV head) fit `AT_ONCE_BYTES`."""
+        return (
+            bool(states)
+            and states[0] is self
+            and all(type(s) is QueuedLists and s.kept.shape == self.kept.shape for s in states)
+            and len(states) * entries * self.kept.shape[1] * 4 <= AT_ONCE_BYTES
+        )
 
 
 @dataclass
@@ -236,7 +262,7 @@ class PagedLearned(PagedSelector):
     def pick(self, query, kv_heads: int, state: KeptLists, block_table, seq_lens, block_size: int,
              budget: int | float, step: dict | None = None):  # fmt: skip
         if not self.refresh_every:
-            return state.read(block_table, seq_lens, block_size, budget)
+            return state.read(block_table, seq_lens, block_size, budget, step, self.later_states)
         step = {} if step is None else step
         slots = block_table.shape[1] * block_size
         index, previous = self.managed[self.layer], step.get((self.name, "received"))

@@ -52,6 +52,9 @@ class PagedSelector:
     # (the first of the model's KV heads this GPU holds, how many the model has): set by the backend
     # under tensor parallelism, which shards the KV heads (`shard_kv_heads`); None on one GPU
     kv_shard: tuple[int, int] | None = None
+    # the states of the engine's sparse layers from this one on, in layer order (None until each is
+    # made): set by the backend, for a selector that reads every layer's at the forward's first
+    later_states: Callable[[], list | None] | None = None
 
     @classmethod
     def freeing_rule(cls, options: dict) -> Callable[[int, int, int | float, int], range]:
