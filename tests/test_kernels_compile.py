@@ -23,10 +23,11 @@ POINTERS = {
     "mass_ptr": "*fp32", "rec_ptr": "*fp32", "norm_ptr": "*fp32", "prev_ptr": "*fp32", "w_ptr": "*fp32",
     "bias_ptr": "*fp32", "w2_ptr": "*fp32", "pin_ptr": "*i1", "prompt_ptr": "*i32", "src_ptr": "*bf16",
     "dst_ptr": "*bf16", "row_ptr": "*i64", "page_ptr": "*i64", "block_ptr": "*i64", "need_ptr": "*i8",
-    "out_ptr": "*fp32", "key_ptr": "*bf16", "att_ptr": "*fp32", "best_ptr": "*i64", "wanted_ptr": "*i8",
+    "out_ptr": "*fp32", "key_ptr": "*bf16", "att_ptr": "*fp32", "best_ptr": "*i64", "q_ptr": "*bf16",
     "rows_ptr": "*i64", "slot_of_ptr": "*i64", "page_in_ptr": "*i64", "used_ptr": "*i64", "clock_ptr": "*i64",
     "fetched_ptr": "*i64", "cache_start_ptr": "*i32", "parked_ptr": "*i8", "positions_ptr": "*i32",
     "lengths_ptr": "*i32", "listed_ptr": "*i32", "counts_ptr": "*i32", "blocks_ptr": "*i64", "missing_ptr": "*i8",
+    "lo_ptr": "*bf16", "hi_ptr": "*bf16",
 }  # fmt: skip
 SCALARS = {"budget": "fp32", "recent_fraction": "fp32", "new_value": "fp32", "b2": "fp32", "stride_n": "i64",
            "stride_t": "i64", "stride_h": "i64", "stride_d": "i64", "newest": "fp32"}  # fmt: skip  (the rest: i32)
@@ -75,9 +76,17 @@ def parked_read() -> None:
     assert compiled(page_cache._parked_read_kernel, SIZE=16, BLOCK_R=16, BLOCK_C=32, BLOCK_K=1024)
 
 
+def page_scores() -> None:
+    from atskv.kernels import paged
+
+    for regions in (True, False):  # the host tier's (a region a row) and Quest's (a block table)
+        assert compiled(paged._paged_scores_kernel, GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_P=64, REGIONS=regions,
+                        DOT_PRECISION=None, UPCAST_DOT=False, PDL=0)  # fmt: skip
+
+
 CHECKS = {"kept_lists_moved": lambda: kept_lists(True), "kept_lists": lambda: kept_lists(False),
           "refresh_and_page_copy": refresh_and_page_copy, "prompt_scores": prompt_scores,
-          "parked_read": parked_read}  # fmt: skip
+          "parked_read": parked_read, "page_scores": page_scores}  # fmt: skip
 
 
 @pytest.mark.parametrize("check", sorted(CHECKS))

@@ -1,7 +1,8 @@
 """The host tier's decode step after the page ranking (`atskv.kernels.page_cache.parked_read`):
 the Triton kernel (Triton's interpreter on the CPU) against the torch reference over several
-steps of one cache, so that pages hit, miss and evict; a row without a region lists its own
-tokens alone; and the least recently used slot goes first, the lowest among equals."""
+steps of one cache, so that pages hit, miss and evict and pages with nothing parked are passed
+over; a row without a region lists its own tokens alone; and the least recently used slot goes
+first, the lowest among equals."""
 
 from __future__ import annotations
 
@@ -15,9 +16,13 @@ REGIONS, HKV, PAGES, SIZE, SLOTS, READ, K = 2, 2, 12, 4, 5, 3, 9
 
 
 def cache(seed: int) -> dict:
-    """Two regions and the spare, their maps empty, their tokens parked at random."""
+    """Two regions and the spare, their maps empty, their tokens parked at random (a quarter of the
+    pages none), each page's count of them."""
     g = torch.Generator().manual_seed(seed)
     spare = REGIONS + 1
+    parked = torch.cat([torch.rand(REGIONS, HKV, PAGES * SIZE, generator=g) < 0.7,
+                        torch.zeros(1, HKV, PAGES * SIZE, dtype=torch.bool)])  # fmt: skip
+    parked.view(spare, HKV, PAGES, SIZE)[torch.rand(spare, HKV, PAGES, generator=g) < 0.25] = False
     return {
         "slot_of": torch.full((spare, HKV, PAGES + 1), -1, dtype=torch.long),
         "page_in": torch.full((spare, HKV, SLOTS + 1), PAGES, dtype=torch.long),
@@ -25,19 +30,17 @@ def cache(seed: int) -> dict:
         "clock": torch.zeros(1, dtype=torch.long),
         "fetched": torch.zeros(1, dtype=torch.long),
         "cache_start": torch.tensor([8, 20, 0], dtype=torch.int32),
-        "parked": torch.cat([torch.rand(REGIONS, HKV, PAGES * SIZE, generator=g) < 0.7,
-                             torch.zeros(1, HKV, PAGES * SIZE, dtype=torch.bool)]),  # fmt: skip
+        "parked": parked,
+        "parked_in_page": parked.view(spare, HKV, PAGES, SIZE).sum(-1).int(),
     }
 
 
-def step_inputs(g: torch.Generator, rows: torch.Tensor, parked: torch.Tensor) -> dict:
+def step_inputs(g: torch.Generator, rows: torch.Tensor) -> dict:
     b = len(rows)
     best = torch.stack([torch.stack([torch.randperm(PAGES, generator=g)[:READ] for _ in range(HKV)])
                         for _ in range(b)])  # fmt: skip
-    has = parked[rows].view(b, HKV, PAGES, SIZE).any(-1)
     return {
         "best": best,
-        "wanted": has.gather(2, best) & (torch.rand(b, HKV, READ, generator=g) < 0.9),
         "rows": rows,
         "block_table": torch.randint(0, 100, (b, 16), generator=g, dtype=torch.int32),
         "positions": torch.randint(0, 64, (b, HKV, K), generator=g, dtype=torch.int32),
@@ -47,9 +50,9 @@ def step_inputs(g: torch.Generator, rows: torch.Tensor, parked: torch.Tensor) ->
 
 def run(read, state: dict, inputs: dict):
     state["clock"] += 1
-    return read(inputs["best"], inputs["wanted"], inputs["rows"], state["slot_of"], state["page_in"], state["used"],
-                state["clock"], state["fetched"], state["cache_start"], inputs["block_table"], state["parked"],
-                inputs["positions"], inputs["lengths"], SIZE)  # fmt: skip
+    return read(inputs["best"], state["parked_in_page"], inputs["rows"], state["slot_of"], state["page_in"],
+                state["used"], state["clock"], state["fetched"], state["cache_start"], inputs["block_table"],
+                state["parked"], inputs["positions"], inputs["lengths"], SIZE)  # fmt: skip
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -57,9 +60,9 @@ def test_the_kernel_keeps_the_cache_and_lists_the_parked_tokens_as_its_reference
     g = torch.Generator().manual_seed(100 + seed)
     want, got = cache(seed), {k: v.to(DEVICE) for k, v in cache(seed).items()}
     rows = torch.tensor([1, REGIONS, 0])  # the middle row has no region
-    misses = 0
+    misses, passed_over = 0, 0
     for step in range(6):  # a cache of 5 slots read 3 pages a step: hits, misses and evictions
-        inputs = step_inputs(g, rows, want["parked"])
+        inputs = step_inputs(g, rows)
         listed, counts, blocks, missing = run(parked_read_reference, want, inputs)
         k_listed, k_counts, k_blocks, k_missing = run(parked_read_triton, got,
                                                       {k: v.to(DEVICE) for k, v in inputs.items()})  # fmt: skip
@@ -70,7 +73,10 @@ def test_the_kernel_keeps_the_cache_and_lists_the_parked_tokens_as_its_reference
             assert torch.equal(got[name].cpu()[:REGIONS], want[name][:REGIONS]), (step, name)
         assert int(got["fetched"]) == int(want["fetched"])
         misses += int(missing.sum())
-    assert misses and int(want["fetched"]) == misses
+        empty = want["parked_in_page"][rows].gather(2, inputs["best"]) == 0
+        assert not missing[empty].any()  # nothing parked there: nothing to fetch
+        passed_over += int(empty[rows != REGIONS].sum())
+    assert misses and int(want["fetched"]) == misses and passed_over
     spare = rows == REGIONS
     assert torch.equal(counts[spare], inputs["lengths"][spare]), "no region: its own tokens alone"
 

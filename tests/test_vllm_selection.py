@@ -15,6 +15,7 @@ from atskv.kernels.paged import (
     paged_page_scores_reference,
     paged_page_scores_triton,
     physical_slots,
+    region_page_scores,
     sink_recent_positions,
     update_page_bounds,
 )
@@ -107,6 +108,34 @@ def test_paged_page_scores_kernel_matches_its_reference(cache):
     got = paged_page_scores_triton(*inputs, BLOCK)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-4)
     assert torch.isinf(want[0, :, math.ceil(37 / BLOCK) :]).all()
+
+
+def test_a_host_tiers_page_scores_are_quests_over_each_rows_region_but_pages_with_nothing_parked(monkeypatch):
+    """`region_page_scores` (the host tier's, one kernel): row b scores region rows[b]'s pages as
+    Quest scores them, -inf past the region's held tokens and where a page holds no parked token;
+    a row without a region (the spare) scores none. The kernel (Triton's interpreter on the CPU)
+    as its reference."""
+    g = torch.Generator().manual_seed(3)
+    regions, pages = 3, 7
+    low = torch.randn(regions * pages + 1, HKV, D, generator=g)
+    high = low + torch.rand(low.shape, generator=g)
+    held = torch.tensor([5 * BLOCK, 7 * BLOCK - 3, 2 * BLOCK + 1, 0], dtype=torch.int32)  # the spare last
+    counts = torch.randint(0, 3, (regions + 1, HKV, pages), generator=g, dtype=torch.int32)
+    rows = torch.tensor([2, regions, 0, 1, 0])
+    query = torch.randn(len(rows), HQ, D, generator=g)
+    want = torch.full((len(rows), HKV, pages), -math.inf)
+    for b, r in enumerate(rows.tolist()):
+        if r == regions:
+            continue
+        bounds = [t[r * pages : (r + 1) * pages].transpose(0, 1).unsqueeze(0) for t in (low, high)]
+        scores = quest_page_scores_reference(query[b : b + 1], *bounds)[0]  # [HKV, pages]
+        counted = (torch.arange(pages) < math.ceil(int(held[r]) / BLOCK)) & (counts[r] > 0)
+        want[b] = scores.masked_fill(~counted, -math.inf)
+    assert want.isfinite().any(-1).all(-1)[rows != regions].all() and not want[1].isfinite().any()
+    torch.testing.assert_close(region_page_scores(query, low, high, rows, held, counts, pages, BLOCK), want)
+    monkeypatch.setenv("ATSKV_KERNELS", "triton")
+    got = region_page_scores(*[t.to(KERNELS) for t in (query, low, high, rows, held, counts)], pages, BLOCK)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("budget", [24, 48, 0.3])

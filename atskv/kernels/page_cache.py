@@ -40,29 +40,31 @@ def assign_slots(slot_of, page_in, used, clock, pages) -> tuple[torch.Tensor, to
     return slot, hit
 
 
-def parked_read(best, wanted, rows, slot_of, page_in, used, clock, fetched, cache_start, block_table, parked,
-                positions, lengths, block_size: int):  # fmt: skip
+def parked_read(best, parked_in_page, rows, slot_of, page_in, used, clock, fetched, cache_start, block_table,
+                parked, positions, lengths, block_size: int):  # fmt: skip
     """One decode step of the plugin's host tier after the page ranking. Rows `b` of region
     `rows[b]` (`[B]`; the spare last region: none) read their best pages `best` `[B, Hkv, R]`,
-    those holding parked tokens `wanted`. In place on the regions' cache maps `slot_of`
-    `[S, Hkv, P + 1]`, `page_in` `[S, Hkv, C + 1]`, `used` `[S, Hkv, C]` (`assign_slots`, `clock`
-    `[1]` already moved on) and `fetched` `[1]` (+ the misses). A page's cache block is
-    `block_table[b]`'s logical block `cache_start[rows[b]] / block_size` + its slot. Returns the
-    read list: `positions` `[B, Hkv, K]`'s first `lengths` `[B, Hkv]`, then the parked tokens
-    (`parked` `[S, Hkv, P * block_size]` bool) of the wanted pages at their cached positions, zeros
-    after, `[B, Hkv, K + R * block_size + 1]`; its counts; and for the page copy each page's
-    block `[B, Hkv, R]` and whether it must be fetched (wanted and missed)."""
+    those holding parked tokens (`parked_in_page` `[S, Hkv, P]`, a count a page) wanted. In place
+    on the regions' cache maps `slot_of` `[S, Hkv, P + 1]`, `page_in` `[S, Hkv, C + 1]`, `used`
+    `[S, Hkv, C]` (`assign_slots`, `clock` `[1]` already moved on) and `fetched` `[1]` (+ the
+    misses). A page's cache block is `block_table[b]`'s logical block `cache_start[rows[b]] /
+    block_size` + its slot. Returns the read list: `positions` `[B, Hkv, K]`'s first `lengths`
+    `[B, Hkv]`, then the parked tokens (`parked` `[S, Hkv, P * block_size]` bool) of the wanted
+    pages at their cached positions, zeros after, `[B, Hkv, K + R * block_size + 1]`; its counts;
+    and for the page copy each page's block `[B, Hkv, R]` and whether it must be fetched (wanted
+    and missed)."""
     if use_triton(positions):
-        return parked_read_triton(best, wanted, rows, slot_of, page_in, used, clock, fetched, cache_start,
+        return parked_read_triton(best, parked_in_page, rows, slot_of, page_in, used, clock, fetched, cache_start,
                                   block_table, parked, positions, lengths, block_size)  # fmt: skip
-    return parked_read_reference(best, wanted, rows, slot_of, page_in, used, clock, fetched, cache_start,
+    return parked_read_reference(best, parked_in_page, rows, slot_of, page_in, used, clock, fetched, cache_start,
                                  block_table, parked, positions, lengths, block_size)  # fmt: skip
 
 
-def parked_read_reference(best, wanted, rows, slot_of, page_in, used, clock, fetched, cache_start, block_table,
-                          parked, positions, lengths, size: int):  # fmt: skip
+def parked_read_reference(best, parked_in_page, rows, slot_of, page_in, used, clock, fetched, cache_start,
+                          block_table, parked, positions, lengths, size: int):  # fmt: skip
     """Plain torch: the regions' maps gathered by row, `assign_slots`, written back."""
     b, kv_heads, _ = best.shape
+    wanted = parked_in_page[rows].gather(2, best) > 0
     maps = [m[rows] for m in (slot_of, page_in, used)]
     slot, hit = assign_slots(*maps, clock, best)
     for m, new in zip((slot_of, page_in, used), maps):
@@ -85,7 +87,7 @@ def parked_read_reference(best, wanted, rows, slot_of, page_in, used, clock, fet
 
 
 @jit
-def _parked_read_kernel(best_ptr, wanted_ptr, rows_ptr, slot_of_ptr, page_in_ptr, used_ptr, clock_ptr, fetched_ptr,
+def _parked_read_kernel(best_ptr, count_ptr, rows_ptr, slot_of_ptr, page_in_ptr, used_ptr, clock_ptr, fetched_ptr,
                         cache_start_ptr, table_ptr, parked_ptr, positions_ptr, lengths_ptr, listed_ptr, counts_ptr,
                         blocks_ptr, missing_ptr, H, R, C, P, W, K, SPARE, stride_table, SIZE: tl.constexpr,
                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
@@ -97,8 +99,8 @@ def _parked_read_kernel(best_ptr, wanted_ptr, rows_ptr, slot_of_ptr, page_in_ptr
     c = tl.arange(0, BLOCK_C)
     in_r, in_c = r < R, c < C
     best = tl.load(best_ptr + item * R + r, mask=in_r, other=0)
-    wanted = tl.load(wanted_ptr + item * R + r, mask=in_r, other=0) != 0
     line = region * H + h  # this (region, head)'s maps
+    wanted = tl.load(count_ptr + line * P + best, mask=in_r, other=0) > 0
     slot = tl.load(slot_of_ptr + line * (P + 1) + best, mask=in_r, other=-1)
     hit = (slot >= 0) & in_r
     busy = tl.max(((slot[:, None] == c[None, :]) & hit[:, None]).to(tl.int32), axis=0) != 0
@@ -141,14 +143,15 @@ def _parked_read_kernel(best_ptr, wanted_ptr, rows_ptr, slot_of_ptr, page_in_ptr
     tl.store(counts_ptr + item, count)
 
 
-def parked_read_triton(best, wanted, rows, slot_of, page_in, used, clock, fetched, cache_start, block_table, parked,
-                       positions, lengths, size: int):  # fmt: skip
+def parked_read_triton(best, parked_in_page, rows, slot_of, page_in, used, clock, fetched, cache_start, block_table,
+                       parked, positions, lengths, size: int):  # fmt: skip
     b, kv_heads, r = best.shape
     k = positions.shape[-1]
     pages, slots = slot_of.shape[-1] - 1, used.shape[-1]
     if size & (size - 1):
         raise ValueError(f"parked_read needs a power-of-two block size, got {size}")
-    for name, t in (("slot_of", slot_of), ("page_in", page_in), ("used", used), ("parked", parked)):
+    for name, t in (("slot_of", slot_of), ("page_in", page_in), ("used", used), ("parked", parked),
+                    ("parked_in_page", parked_in_page)):
         if not t.is_contiguous():
             raise ValueError(f"parked_read needs a contiguous {name}")
     positions, lengths = positions.contiguous(), lengths.contiguous()
@@ -157,7 +160,7 @@ def parked_read_triton(best, wanted, rows, slot_of, page_in, used, clock, fetche
     blocks = torch.empty(b, kv_heads, r, dtype=torch.long, device=best.device)
     missing = torch.empty(b, kv_heads, r, dtype=torch.int8, device=best.device)
     _parked_read_kernel[(b * kv_heads,)](
-        best.contiguous(), wanted.to(torch.int8).contiguous(), rows.contiguous(), slot_of, page_in, used, clock,
+        best.contiguous(), parked_in_page, rows.contiguous(), slot_of, page_in, used, clock,
         fetched, cache_start, block_table, parked.view(torch.int8), positions, lengths, listed, counts, blocks,
         missing, kv_heads, r, slots, pages, block_table.shape[1], k, slot_of.shape[0] - 1, block_table.stride(0),
         SIZE=size, BLOCK_R=triton.next_power_of_2(r), BLOCK_C=triton.next_power_of_2(slots), BLOCK_K=1024,

@@ -81,33 +81,56 @@ def paged_page_scores_triton(query, low, high, block_table, seq_lens, block_size
     """One program: one (request, KV head) and BLOCK_P pages, their bounds gathered through the block
     table and scored against the group's query heads by two tensor-core products
     (`max(q lo, q hi) = relu(q) hi + min(q, 0) lo`, since hi >= lo)."""
+    return _launch_page_scores(query, low, high, block_table, seq_lens, block_table.shape[1], block_size)
+
+
+def region_page_scores(query, low, high, rows, held, counts, pages: int, block_size: int) -> torch.Tensor:
+    """A host tier's page scores (`atskv.runtime.vllm.host_tier`): row `b` scores the pages of its
+    region `rows[b]` (`[B]`), page p of region r bounded by `low`/`high` row `r * pages + p`, as
+    `paged_page_scores` scores a request's; -inf past the region's `held` `[S]` tokens and where
+    `counts` `[S, Hkv, pages]` (its parked tokens a page) is 0. `[B, Hkv, pages]` float32."""
+    if use_triton(query):
+        return _launch_page_scores(query, low, high, rows, held, pages, block_size, counts)
+    region = rows.clamp(max=(low.shape[0] - 1) // pages - 1)  # a row without one: another's, none of it held
+    table = region.view(-1, 1) * pages + torch.arange(pages, device=rows.device)  # a region's pages, in order
+    scores = paged_page_scores_reference(query, low, high, table, held[rows], block_size)
+    return scores.masked_fill(counts[rows] == 0, -math.inf)
+
+
+def _launch_page_scores(query, low, high, table, lengths, width: int, block_size: int, counts=None):
+    """`_paged_scores_kernel` over `table` (a block table, or with `counts` each row's region)."""
     b, hq, d = query.shape
-    hkv, width = low.shape[1], block_table.shape[1]
+    hkv = low.shape[1]
     out = torch.empty(b, hkv, width, dtype=torch.float32, device=query.device)
     block_p = 64
     grid = (b * hkv, triton.cdiv(width, block_p))
     _paged_scores_kernel[grid](
-        query, low, high, block_table, seq_lens, out, hkv, width, block_size,
-        *query.stride(), *low.stride(), *block_table.stride(),
+        query, low, high, table, lengths, table if counts is None else counts, out, hkv, width, block_size,
+        *query.stride(), *low.stride(), table.stride(0), table.stride(-1),
         GROUP=hq // hkv, BLOCK_G=max(16, triton.next_power_of_2(hq // hkv)), HEAD_DIM=d, BLOCK_P=block_p,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else None, UPCAST_DOT=not query.is_cuda,
-        num_warps=4, **dependent_launch(query, grid),
+        REGIONS=counts is not None, DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
+        UPCAST_DOT=not query.is_cuda, num_warps=4, **dependent_launch(query, grid),
     )  # fmt: skip
     return out
 
 
 @jit
 def _paged_scores_kernel(
-    q_ptr, lo_ptr, hi_ptr, table_ptr, len_ptr, out_ptr, num_kv_heads, width, block_size,
+    q_ptr, lo_ptr, hi_ptr, table_ptr, len_ptr, count_ptr, out_ptr, num_kv_heads, width, block_size,
     stride_qb, stride_qh, stride_qd, stride_nb, stride_nh, stride_nd, stride_tb, stride_tw,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, PDL: tl.constexpr,
+    REGIONS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    """`REGIONS`: `table_ptr` holds each row's region, whose `width` pages are its bound rows from
+    region * width on, `len_ptr` each region's held tokens and `count_ptr` its parked tokens a page."""
     wait_for_inputs(PDL)
     bh = tl.program_id(0).to(tl.int64)
     b, h = bh // num_kv_heads, bh % num_kv_heads
     p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
-    pages = (tl.load(len_ptr + b).to(tl.int64) + block_size - 1) // block_size
+    owner = b
+    if REGIONS:
+        owner = tl.load(table_ptr + b * stride_tb).to(tl.int64)
+    pages = (tl.load(len_ptr + owner).to(tl.int64) + block_size - 1) // block_size
     used = p < pages
     row = out_ptr + bh * width + p
     if tl.program_id(1) * BLOCK_P >= pages:  # past the request's last page
@@ -118,7 +141,11 @@ def _paged_scores_kernel(
     in_group = g < GROUP
     q = tl.load(q_ptr + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :] * stride_qd,
                 mask=in_group[:, None], other=0.0)  # fmt: skip
-    block = tl.load(table_ptr + b * stride_tb + p * stride_tw, mask=used, other=0).to(tl.int64)
+    if REGIONS:  # a page with nothing parked scores -inf
+        used &= tl.load(count_ptr + (owner * num_kv_heads + h) * width + p, mask=used, other=0) > 0
+        block = owner * width + p
+    else:
+        block = tl.load(table_ptr + b * stride_tb + p * stride_tw, mask=used, other=0).to(tl.int64)
     at = block[:, None] * stride_nb + h * stride_nh + d[None, :] * stride_nd
     lo = tl.load(lo_ptr + at, mask=used[:, None], other=0.0)
     hi = tl.load(hi_ptr + at, mask=used[:, None], other=0.0)

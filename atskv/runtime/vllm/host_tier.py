@@ -38,7 +38,7 @@ from atskv.errors import InputError
 from atskv.kernels.int4_page_scores import int4_page_scores, quantize_int4
 from atskv.kernels.page_cache import parked_read
 from atskv.kernels.page_copy import paged_page_copy
-from atskv.kernels.paged import paged_page_scores
+from atskv.kernels.paged import region_page_scores
 from atskv.kernels.quest import page_bounds
 from atskv.kernels.quest_decode import best_pages
 from atskv.runtime.fast.host_pages import device_alias, host_keys_and_values
@@ -225,18 +225,17 @@ class ParkedPrompts:
         self.used[region].zero_()
 
     def page_scores(self, query: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Each row's parked pages scored against its query `[B, Hq, D]`: `[B, Hkv, pages]` (only
-        pages holding a parked token count; a row without a region has none)."""
-        regions = self.regions
-        region = rows.clamp(max=regions - 1)  # a row without one reads another's summary, none of it parked
-        if self.tier.summary == "bounds":
-            region_pages = ((region * self.pages).view(-1, 1) + torch.arange(self.pages, device=rows.device)).int()
-            return paged_page_scores(query, self.low, self.high, region_pages, self.held[rows], self.block_size)
+        """Each row's parked pages scored against its query `[B, Hq, D]`: `[B, Hkv, pages]`, -inf
+        where a page holds no parked token (a row without a region has none)."""
+        if self.tier.summary == "bounds":  # one kernel: the region's pages, their bounds, the mask
+            return region_page_scores(query, self.low, self.high, rows, self.held, self.parked_in_page, self.pages,
+                                      self.block_size)  # fmt: skip
         # int4: every region scored against the query of the row that holds it (the queries gathered,
         # not the codes), then each row takes its own region's
+        regions = self.regions
         by_region = query.new_zeros(regions + 1, *query.shape[1:]).index_copy_(0, rows, query)
         scores = int4_page_scores(by_region[:regions], self.codes, self.scale, self.block_size, self.parked[:regions])
-        return scores[region]
+        return scores[rows.clamp(max=regions - 1)].masked_fill(self.parked_in_page[rows] == 0, -torch.inf)
 
     def mark_kept(self, region: int, positions: torch.Tensor) -> None:
         """KV head h's kept tokens `positions[h]` (moved to the front: read there) are not parked."""
@@ -252,14 +251,11 @@ class ParkedPrompts:
         `rows`: each row's region (`Regions.rows`). Returns the list `[B, Hkv, K + pages x
         block_size + 1]` and its counts."""
         size, count = self.block_size, min(self.tier.pages, self.pages)
-        scores = self.page_scores(query, rows)
-        has_parked = self.parked_in_page[rows] > 0  # [B, Hkv, pages]
-        best = best_pages(scores.masked_fill(~has_parked, -torch.inf), count)  # [B, Hkv, pages]
-        wanted = has_parked.gather(2, best)
+        best = best_pages(self.page_scores(query, rows), count)  # [B, Hkv, pages]
         self.clock += 1
-        listed, counts, blocks, missing = parked_read(best, wanted, rows, self.slot_of, self.page_in, self.used,
-                                                      self.clock, self.fetched, self.cache_start, block_table,
-                                                      self.parked, positions, lengths, size)  # fmt: skip
+        listed, counts, blocks, missing = parked_read(best, self.parked_in_page, rows, self.slot_of, self.page_in,
+                                                      self.used, self.clock, self.fetched, self.cache_start,
+                                                      block_table, self.parked, positions, lengths, size)  # fmt: skip
         for source, cache in ((self.keys, key_cache), (self.values, value_cache)):
             paged_page_copy(source, cache, rows, best, blocks, missing)
         return listed, counts
