@@ -313,7 +313,7 @@ def check_learned_gets_its_options(args: list[str], predictor, row: str, caplog,
     assert row in capsys.readouterr().out
     assert any(f"predictor {predictor}" in r.getMessage() for r in caplog.records)
     assert run_cli([*args, "--selector_options", "{learned: {refresh_every: -1}}"]) == 2
-    assert "refresh_every must be a count of steps >= 0" in capsys.readouterr().err
+    assert "refresh_every is a count of decode steps >= 0" in capsys.readouterr().err
 
 
 def test_eval_peer_runs_learned_with_the_given_predictor_and_options(tiny_model_dir, tmp_path, caplog, capsys):

@@ -275,6 +275,9 @@ def test_a_cache_not_in_nhd_order_is_refused():
         ({"selector": "learned", "options": {"predictor": "/no/such/dir", "refresh_every": -1}}, "refresh_every"),
         ({"selector": "learned", "options": {"predictor": "/no/such/dir", "refresh_every": 2.5}}, "refresh_every"),
         ({"selector": "learned", "options": {"predictor": "/no/such/dir", "prompt_sample": 0}}, "prompt_sample"),
+        ({"selector": "learned", "options": {"predictor": "/no/such/dir", "window_share": 1.5}},
+         r"window_share is a share of the budget, in \[0, 1\]; got 1.5"),  # atskv's learned selector's words
+        ({"selector": "learned", "options": {"predictor": "/no/such/dir", "window": 0}}, "window is a count"),
         ({"selector": "h2o", "options": {"prompt_sample": 1.5}}, "prompt_sample is a stride"),
     ],
 )

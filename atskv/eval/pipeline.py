@@ -17,11 +17,12 @@ from atskv.errors import InputError
 from atskv.eval import tasks as task_eval
 from atskv.eval.recall import ORACLE_CEILING, attention_recall
 from atskv.eval.report import write_report
+from atskv.learned_options import check_window_share
 from atskv.predictor.collect import collect
 from atskv.predictor.export import export_checkpoint
 from atskv.predictor.training import fit_predictor
 from atskv.selectors import check_selector_names
-from atskv.selectors.learned import LearnedSelector, check_window_share
+from atskv.selectors.learned import LearnedSelector
 
 PASSKEY_DEPTH = 0.5  # SmolLM2-135M finds a 2K-token pass key there when dense, not at 0.1 or 0.9
 

@@ -39,6 +39,7 @@ from atskv.kernels.learned_features import (
     slot_scalars,
     write_token_features,
 )
+from atskv.learned_options import check_refresh_every, check_window_share
 from atskv.predictor.export import LoadedPredictor, find_predictor, load_predictor
 from atskv.predictor.model import RelevanceMLP
 from atskv.selectors.base import LayerView, Selector, budget_tokens, check_view_fits
@@ -116,9 +117,7 @@ class LearnedSelector(Selector):
                 f"the predictor reads features {self.predictor.header.feature_spec.scalar_features}, "
                 f"this version of atskv computes {SCALAR_FEATURES}"
             )
-        if isinstance(self.refresh_every, bool) or not isinstance(self.refresh_every, int) or self.refresh_every < 0:
-            raise ValueError(f"refresh_every must be a count of steps >= 0 (0: never after the prompt), "
-                             f"got {self.refresh_every!r}")  # fmt: skip
+        check_refresh_every(self.refresh_every)
         check_window_share(self.window_share)
         check_window(self.window)
         check_prompt_sample(self.prompt_sample)
@@ -308,12 +307,6 @@ class LearnedSelector(Selector):
         top, slots = votes.topk(n, dim=-1)
         pinned = view.layer.slot_tensor(_PINNED, init=False, dtype=torch.bool)
         pinned.zero_().scatter_(-1, slots, top > -torch.inf)
-
-
-def check_window_share(share: float) -> None:
-    """Refuse a `window_share` that is not a share of the budget (before a predictor is at hand)."""
-    if not 0.0 <= share <= 1.0:
-        raise InputError(f"window_share is a share of the budget, in [0, 1]; got {share}")
 
 
 def _fused(mlp) -> bool:

@@ -44,6 +44,7 @@ from atskv.kernels.list_queue import queue_read
 from atskv.kernels.listed_refresh import fold_mlp, refresh_listed_scores
 from atskv.kernels.paged import physical_slots
 from atskv.kernels.prompt_scores import prompt_scores
+from atskv.learned_options import check_refresh_every, check_window_share
 from atskv.runtime.vllm.batch import PromptChunk
 from atskv.runtime.vllm.heavy_hitters import KeptLists, chunk_mass, compacted_unread_blocks
 from atskv.runtime.vllm.prompt_ranks import window_votes
@@ -173,12 +174,10 @@ class PagedLearned(PagedSelector):
     def __post_init__(self):
         if self.predictor is None:
             raise InputError('atskv: the learned selector needs its predictor: "options": {"predictor": PATH}')
-        if not 0.0 <= self.window_share <= 1.0 or self.window < 1:
-            raise InputError(f"atskv: window_share is a share of the budget in [0, 1] and window a count of queries "
-                             f">= 1; got {self.window_share}, {self.window}")  # fmt: skip
-        if isinstance(self.refresh_every, bool) or not isinstance(self.refresh_every, int) or self.refresh_every < 0:
-            raise InputError(f"atskv: refresh_every is a count of decode steps >= 0 (0: never), "
-                             f"got {self.refresh_every!r}")  # fmt: skip
+        check_window_share(self.window_share)
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise InputError(f"atskv: window is a count of the chunk's last queries >= 1; got {self.window!r}")
+        check_refresh_every(self.refresh_every)
         check_prompt_sample(self.prompt_sample)
         self.loaded = engine_predictor(str(self.predictor))
         self.managed = {layer: i for i, layer in enumerate(self.loaded.header.managed_layers)}
