@@ -123,9 +123,10 @@ class QueuedLists(KeptLists):
              later_states=None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """A decode step's positions `[B, Hkv, width]` and counts `[B, Hkv]` (`width`: what the
         widest request keeps, the same for every step of a batch size). Given the forward's `step`
-        and `later_states` (a callable giving this layer's and the later layers' lists), the first layer reads every
-        one's queue in one kernel and the rest find theirs in `step` (the first reads anew even
-        where it finds one: a forward's metadata may be an earlier forward's, as for CUDA graph capture)."""
+        and `later_states` (a callable giving this layer's and the later layers' lists), the first
+        layer reads every one's queue in one kernel and the rest find theirs in `step` (the first
+        reads anew even where it finds one: a forward's metadata may be an earlier forward's, as
+        for CUDA graph capture)."""
         width = kept_count(budget, block_table.shape[1] * block_size)
         key = ("queues", budget)
         read = None if step is None else step.get(key)
