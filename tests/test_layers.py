@@ -12,7 +12,7 @@ LAYERS = (
     # no atskv imports but these: GQA attention maths, the learned features' columns, errors, paths, figures
     ("atskv.attention", "atskv.features", "atskv.errors", "atskv.paths", "atskv.figures"),
     ("atskv.kernels",),  # Triton kernels and their torch references
-    ("atskv.budget", "atskv.models", "atskv.data"),
+    ("atskv.budget", "atskv.learned_options", "atskv.models", "atskv.data"),
     ("atskv.slot_cache",),  # the cache layers a selector reads
     ("atskv.selectors",),
     ("atskv.runtime.reference",),  # atskv.sparse, atskv.tiered and their stores
