@@ -135,3 +135,38 @@ def test_one_probe_measures_every_budget_only_where_the_budget_leaves_the_state_
     RecallProbe(model, make_selector("quest"), SparsityConfig(4), budgets=BUDGETS)
     with pytest.raises(ValueError, match="one probe per budget"):
         RecallProbe(model, make_selector("snapkv"), SparsityConfig(4), budgets=BUDGETS)
+
+
+def test_recall_scores_a_prompt_from_every_sth_query_as_the_reference_hook_does(monkeypatch):
+    """H2O with `prompt_sample` 8 under the recall harness observes, layer by layer, the prompt mass
+    the reference hook gives it on the same prompt (every 8th query counted back from the last,
+    times 8: not the shared forward's mass from every query, which differs)."""
+    from atskv.runtime.reference.sparse import sparse
+
+    model = tiny_model("llama")
+    windows = random_prompt(40, seed=14, batch=1)
+    cls, seen = type(make_selector("h2o")), []
+    plain = cls.observe
+
+    def recording(self, view, mass):
+        if view.query.shape[2] > 1:  # the prompt's
+            seen.append((view.layer_idx, mass[..., : view.query.shape[2]].clone()))
+        return plain(self, view, mass)
+
+    monkeypatch.setattr(cls, "observe", recording)
+
+    def prompt_masses(sample: int) -> dict:
+        seen.clear()
+        attention_recall(model, windows, [make_selector("h2o", prompt_sample=sample)], [8], n_queries=N_QUERIES,
+                         progress=False)  # fmt: skip
+        return dict(seen)
+
+    every, sampled = prompt_masses(1), prompt_masses(8)
+    seen.clear()
+    with torch.no_grad(), sparse(model, make_selector("h2o", prompt_sample=8), 8):
+        model(windows[:, : windows.shape[1] - N_QUERIES])
+    reference = dict(seen)
+    assert sampled.keys() == reference.keys() == every.keys() and reference
+    for layer, mass in reference.items():
+        torch.testing.assert_close(sampled[layer], mass)
+        assert not torch.allclose(every[layer], mass)
