@@ -689,3 +689,34 @@ def test_compiled_layers_give_the_eager_tokens(family, selector):
     assert counters["stats"]["unique_graphs"] > 0  # something was compiled
     assert torch.equal(compiled, eager)
     assert all("forward" not in layer.__dict__ for layer in fast_compiled.decoder_layers(model))  # restored
+
+
+@pytest.mark.xfail(strict=True, reason="pads inside a row give attention mass, at rotary positions the runtimes "
+                                      "place apart (NOTES.md: the fix gives pad queries nothing in both)")  # fmt: skip
+def test_pads_inside_a_row_give_the_reference_prompt_mass(monkeypatch):
+    """A row whose mask has a hole (the fast path's masked prompt chunks): H2O's prompt mass, layer
+    by layer, as the reference hook gives it. Known to differ (3e-3 to 3e-2 a slot): pad queries see
+    the real tokens before them and give them mass in both runtimes, at different rotary positions."""
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    ids = random_prompt(130, seed=6)
+    mask = torch.ones_like(ids)
+    mask[0, 40:52] = 0
+    cls, seen = type(atskv.make_selector("h2o")), []
+    plain = cls.observe
+
+    def recording(self, view, mass):
+        if view.query.shape[2] > 1:
+            seen.append(mass[..., :130].clone())
+        return plain(self, view, mass)
+
+    monkeypatch.setattr(cls, "observe", recording)
+    atskv.generate(model, ids, atskv.make_selector("h2o"), 0.1, attention_mask=mask, max_new_tokens=1,
+                   dense_layers=1, prefill_chunk=256)  # fmt: skip
+    fast = list(seen)
+    seen.clear()
+    with torch.no_grad(), atskv.sparse(model, atskv.make_selector("h2o"), 0.1, dense_layers=1):
+        model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False)
+    assert len(fast) == len(seen) == 3
+    for got, want in zip(fast, seen):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
