@@ -535,7 +535,7 @@ def _prompt_mass(monkeypatch, cls) -> list[float]:
     return totals
 
 
-@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("padded", [False, True, "hole"])
 @pytest.mark.parametrize("selector", ["h2o", "learned"])
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_a_prompt_scored_from_every_8th_query_gives_the_reference_tokens(monkeypatch, tmp_path, family, selector,
@@ -544,14 +544,18 @@ def test_a_prompt_scored_from_every_8th_query_gives_the_reference_tokens(monkeyp
     times 8. The fast path's chunks of 64 (2, 64, 64 tokens; a padded row's from its first real
     token) and the reference's one of 130 then sample the same 17 queries, so the two give the
     same tokens, and the prompt's mass totals 8 x 17 per query head and managed layer where every
-    query would give 130 (a padded row's first 20 queries see nothing: 14 of its 17 count)."""
+    query would give 130 (a padded row's first 20 queries see nothing: 14 of its 17 count). "hole":
+    pads inside the row (the fast path's masked prompt chunks), which give nothing: 15 of 17."""
     model = tiny_model(family)
     model.generation_config.eos_token_id = None
     managed = [1, 2, 3] if family == "llama" else [2, 5]
-    ids, mask = random_prompt(130, seed=6, batch=2 if padded else 1), None
-    if padded:
+    ids, mask = random_prompt(130, seed=6, batch=2 if padded is True else 1), None
+    if padded is True:
         mask = torch.ones_like(ids)
         mask[1, :20] = 0
+    elif padded == "hole":  # the sampled queries at 41 and 49 among the pads
+        mask = torch.ones_like(ids)
+        mask[0, 40:52] = 0
     if selector == "learned":
         options, budget, cls = {"predictor": _random_predictor(model, tmp_path, managed)}, 24, LearnedSelector
     else:
@@ -564,7 +568,8 @@ def test_a_prompt_scored_from_every_8th_query_gives_the_reference_tokens(monkeyp
                                        dense_layers=1):  # fmt: skip
         reference = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
     assert torch.equal(fast, reference)
-    sampled, layers = 17 + (14 if padded else 0), len(totals)  # the reference: one chunk a managed layer
+    sampled = {False: 17, True: 17 + 14, "hole": 15}[padded]
+    layers = len(totals)  # the reference: one chunk a managed layer
     want = 8 * sampled * model.config.num_attention_heads * layers
     assert fast_total == pytest.approx(want, rel=1e-4) and sum(totals) == pytest.approx(want, rel=1e-4)
 
@@ -691,12 +696,11 @@ def test_compiled_layers_give_the_eager_tokens(family, selector):
     assert all("forward" not in layer.__dict__ for layer in fast_compiled.decoder_layers(model))  # restored
 
 
-@pytest.mark.xfail(strict=True, reason="pads inside a row give attention mass, at rotary positions the runtimes "
-                                      "place apart (NOTES.md: the fix gives pad queries nothing in both)")  # fmt: skip
 def test_pads_inside_a_row_give_the_reference_prompt_mass(monkeypatch):
     """A row whose mask has a hole (the fast path's masked prompt chunks): H2O's prompt mass, layer
-    by layer, as the reference hook gives it. Known to differ (3e-3 to 3e-2 a slot): pad queries see
-    the real tokens before them and give them mass in both runtimes, at different rotary positions."""
+    by layer, as the reference hook gives it. A pad query sees nothing in either runtime, so gives
+    no mass (before, both let it see the real tokens before it, at rotary positions the two place
+    apart: 3e-3 to 3e-2 a slot off), and the mass totals the real queries' alone."""
     model = tiny_model("llama")
     model.generation_config.eos_token_id = None
     ids = random_prompt(130, seed=6)
@@ -720,3 +724,4 @@ def test_pads_inside_a_row_give_the_reference_prompt_mass(monkeypatch):
     assert len(fast) == len(seen) == 3
     for got, want in zip(fast, seen):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert float(got.sum()) == pytest.approx((130 - 12) * model.config.num_attention_heads, rel=1e-5)

@@ -139,8 +139,9 @@ class StaticSession(SelectorSession):
             ok = (slot_pos[:, :1].unsqueeze(2) <= qp) & (slot_pos[:, :1].unsqueeze(2) >= 0)
             if layer.window is not None:
                 ok = ok & (slot_pos[:, :1].unsqueeze(2) > qp - layer.window)
-            if self.real is not None:
+            if self.real is not None:  # a pad neither is seen nor sees (it gives no attention mass)
                 ok = ok & self.real.gather(1, slot_pos[:, 0].clamp(min=0)).view(-1, 1, 1, stop)
+                ok = ok & self.real[:, positions].view(-1, 1, positions.shape[0], 1)
             return ok
 
         def allowed(start: int, end: int) -> torch.Tensor:

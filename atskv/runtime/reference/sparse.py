@@ -200,7 +200,9 @@ def _visible_slots(
     logical = attention_mask.expand(b, 1, tq, attention_mask.shape[-1])
     idx = slot_pos.clamp(min=0).unsqueeze(2).expand(b, h, tq, s)
     valid = occupied.unsqueeze(2) & logical.expand(b, h, tq, -1).gather(-1, idx)
-    return valid, logical.sum(-1)
+    # a pad query (the mask hides its own token) sees nothing here, so gives no attention mass
+    own = torch.arange(layer.seen - tq, layer.seen, device=slot_pos.device).view(1, 1, tq, 1).expand(b, 1, tq, 1)
+    return valid & logical.gather(-1, own), logical.sum(-1)
 
 
 @torch.compiler.disable  # a compiled decoder layer calls it eagerly: selectors keep Python state
