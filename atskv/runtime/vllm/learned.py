@@ -131,14 +131,12 @@ class QueuedLists(KeptLists):
         key = ("queues", budget)
         read = None if step is None else step.get(key)
         if read is None or read[0].get(id(self), 0) == 0:
-            states = None if later_states is None else later_states()
+            states = None if step is None or later_states is None else later_states()  # no step: none to share
             if not self.reads_at_once(states, block_table.shape[0] * width):
                 return queue_read(self.kept, self.ranked, block_table, seq_lens, block_size, budget, width)
-            read = ({id(s): i for i, s in enumerate(states)},
-                    *queue_read([s.kept for s in states], self.ranked, block_table, seq_lens, block_size, budget,
-                                width))  # fmt: skip
-            if step is not None:
-                step[key] = read
+            read = step[key] = ({id(s): i for i, s in enumerate(states)},
+                                *queue_read([s.kept for s in states], self.ranked, block_table, seq_lens, block_size,
+                                            budget, width))  # fmt: skip
         return read[1][read[0][id(self)]], read[2]
 
     def reads_at_once(self, states: list | None, entries: int) -> bool:
