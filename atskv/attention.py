@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from atskv.errors import InputError
+from atskv.errors import InputError, is_int
 
 
 def grouped_queries(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -220,7 +220,7 @@ def check_prompt_sample(sample) -> None:
     every query; s > 1 with every s-th (`sampled_queries`), a prefill that much closer to one
     without the mass pass (a learned predictor then reads a coarser "attention received" than it
     was fit on: measure it)."""
-    if isinstance(sample, bool) or not isinstance(sample, int) or sample < 1:
+    if not is_int(sample) or sample < 1:
         raise InputError(f"atskv: prompt_sample is a stride over the prompt's queries, an int >= 1 (1: all); "
                          f"got {sample!r}")  # fmt: skip
 

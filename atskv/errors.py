@@ -17,6 +17,12 @@ class InputError(ValueError):
     """Bad input from the user; the message says what and how to fix it."""
 
 
+def is_int(value) -> bool:
+    """Whether `value` is an int and not a bool (Python's `True` is an int, but a flag is no count):
+    the one test behind every "an int >= N" option check."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check_options(owner: str, given: Iterable[str], known: Iterable[str]) -> None:
     """Refuse an option `owner` does not have, in one line that lists the ones it has."""
     known = sorted(known)

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from atskv.errors import InputError
+from atskv.errors import InputError, is_int
 
 
 def check_window_share(share) -> None:
@@ -16,6 +16,6 @@ def check_window_share(share) -> None:
 def check_refresh_every(steps) -> None:
     """An `InputError` unless `refresh_every` is a count of decode steps >= 0 (0: the prompt's
     scores stand, never refreshed after its end)."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+    if not is_int(steps) or steps < 0:
         raise InputError(f"atskv: refresh_every is a count of decode steps >= 0 (0: never after the prompt), "
                          f"got {steps!r}")  # fmt: skip

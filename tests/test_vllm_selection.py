@@ -264,6 +264,7 @@ def test_a_cache_not_in_nhd_order_is_refused():
         ({"budget": 1.5}, "bad budget"),
         ({"budget": True}, "bad budget"),
         ({"dense_layers": -1}, "dense_layers"),
+        ({"dense_layers": True}, "dense_layers must be an int"),  # a flag is no count (atskv.errors.is_int)
         ({"budjet": 0.1}, "no option 'budjet'"),
         ({"selector": "quest", "free_blocks": True}, "free_blocks needs"),
         ({"selector": "streaming_llm", "budget": 1.0, "free_blocks": True}, "free_blocks needs"),
@@ -279,6 +280,8 @@ def test_a_cache_not_in_nhd_order_is_refused():
          r"window_share is a share of the budget, in \[0, 1\]; got 1.5"),  # atskv's learned selector's words
         ({"selector": "learned", "options": {"predictor": "/no/such/dir", "window": 0}}, "window is a count"),
         ({"selector": "h2o", "options": {"prompt_sample": 1.5}}, "prompt_sample is a stride"),
+        ({"selector": "h2o", "options": {"prompt_sample": True}}, "prompt_sample is a stride"),
+        ({"selector": "learned", "options": {"predictor": "/no/such/dir", "window": True}}, "window is a count"),
     ],
 )
 def test_bad_plugin_settings_are_one_line_errors(settings, message):

@@ -12,6 +12,7 @@ from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 from atskv.data import TaskExample
+from atskv.errors import is_int
 from atskv.eval.method import HOOK, HOST, OWN, TIERED
 from atskv.models.cache_names import with_cache
 from atskv.runtime.fast.host_pages import HostRetrieval
@@ -154,7 +155,7 @@ def generate_batch(
     ids = ids.to(model.device)
     attention_mask = torch.ones_like(ids) if attention_mask is None else attention_mask.to(model.device)
     longest = int(attention_mask.sum(-1).max()) + max_new_tokens
-    if selector is not None and isinstance(budget, int) and not isinstance(budget, bool) and budget >= longest:
+    if selector is not None and is_int(budget) and budget >= longest:
         raise ValueError(
             f"budget {budget} is not smaller than the whole context ({longest} tokens: prompt plus "
             f"{max_new_tokens} new), so nothing would ever be dropped; choose a smaller budget or a fraction"

@@ -43,6 +43,7 @@ import torch
 from tqdm.auto import tqdm
 
 from atskv.attention import grouped_attention, grouped_probs, sdpa_attention
+from atskv.errors import is_int
 from atskv.eval.method import TIERED, Method
 from atskv.eval.report import write_report
 from atskv.figures import save_figure
@@ -440,7 +441,7 @@ def attention_recall(
         raise ValueError(f"windows must be [N, T] with T > n_queries={n_queries}, got {tuple(windows.shape)}")
     context = windows.shape[1] - n_queries
     budgets = sorted(set(budgets))
-    too_big = [b for b in budgets if not isinstance(b, int) or not 1 <= b < context]
+    too_big = [b for b in budgets if not is_int(b) or not 1 <= b < context]
     if too_big:
         raise ValueError(
             f"recall budgets must be token counts in [1, {context}) for {context}-token prompts: {too_big}"

@@ -54,6 +54,8 @@ from dataclasses import dataclass
 
 import torch
 
+from atskv.errors import is_int
+
 INITIAL_MOMENTUM = 1.0  # momentum of a token entering the active tier: new tokens start kept
 
 
@@ -94,7 +96,7 @@ class SparsityBudget:
             object.__setattr__(self, "target_active", self.max_active)
         for name in ("max_active", "target_active", "sinks", "recent"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            if not is_int(value):
                 raise TypeError(f"{name} must be an int (tokens), got {value!r}")
         if self.sinks < 0 or self.recent < 0:
             raise ValueError(f"sinks and recent must be >= 0, got sinks={self.sinks}, recent={self.recent}")

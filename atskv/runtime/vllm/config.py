@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from atskv.errors import InputError, check_options
+from atskv.errors import InputError, check_options, is_int
 from atskv.runtime.vllm.protocol import check_plugin_budget
 
 WORKER = "atskv.runtime.vllm.worker.AtskvWorker"  # vLLM's `worker_cls`: prompt lengths shown, blocks freed
@@ -43,7 +43,7 @@ class PluginConfig:
         if not isinstance(self.selector, str):
             raise InputError(f"atskv: selector must be a name, got {self.selector!r}")
         check_plugin_budget(self.budget, "budget")
-        if isinstance(self.dense_layers, bool) or not isinstance(self.dense_layers, int) or self.dense_layers < 0:
+        if not is_int(self.dense_layers) or self.dense_layers < 0:
             raise InputError(f"atskv: dense_layers must be an int >= 0, got {self.dense_layers!r}")
         if self.options is not None and not isinstance(self.options, dict):
             raise InputError(f"atskv: options must be a dict of the selector's own, got {self.options!r}")

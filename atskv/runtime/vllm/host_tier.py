@@ -34,7 +34,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from atskv.errors import InputError
+from atskv.errors import InputError, is_int
 from atskv.kernels.int4_page_scores import int4_page_scores, quantize_int4
 from atskv.kernels.page_cache import parked_read
 from atskv.kernels.page_copy import paged_page_copy
@@ -76,7 +76,7 @@ class HostTier:
             value = getattr(self, f.name)
             if f.name in ("summary", "gib") or (f.name == "regions" and value is None):
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise InputError(f"atskv: host_tier's {f.name} must be an int >= 1, got {value!r}")
         if self.cache_pages < self.pages:
             raise InputError(f"atskv: host_tier's cache_pages ({self.cache_pages}) must hold the pages a query "

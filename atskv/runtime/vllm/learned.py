@@ -37,7 +37,7 @@ from typing import ClassVar
 import torch
 
 from atskv.attention import check_prompt_sample
-from atskv.errors import InputError
+from atskv.errors import InputError, is_int
 from atskv.kernels.budget import kept_count
 from atskv.kernels.kept_lists import by_head
 from atskv.kernels.list_queue import queue_read
@@ -174,7 +174,7 @@ class PagedLearned(PagedSelector):
         if self.predictor is None:
             raise InputError('atskv: the learned selector needs its predictor: "options": {"predictor": PATH}')
         check_window_share(self.window_share)
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+        if not is_int(self.window) or self.window < 1:
             raise InputError(f"atskv: window is a count of the chunk's last queries >= 1; got {self.window!r}")
         check_refresh_every(self.refresh_every)
         check_prompt_sample(self.prompt_sample)
