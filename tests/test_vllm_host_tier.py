@@ -38,6 +38,20 @@ def test_regions_go_to_requests_until_they_leave_the_runner():
     assert regions.rows(table).tolist() == [0, 2, 2], "no region: the spare (2)"
 
 
+def test_a_forwards_first_sparse_layer_plans_the_regions_for_the_rest():
+    """`Regions.plan`: the rows and the clock's tick once a forward, made anew by the layer that
+    made them when a forward reuses its metadata (as CUDA graph capture does)."""
+    regions = Regions(2, num_blocks=10, device="cpu")
+    regions.assign(torch.tensor([7]), 1)
+    table, step, first, later = torch.tensor([[7, 1], [3, 2]], dtype=torch.int32), {}, object(), object()
+    rows, clock = regions.plan(table, step, first)
+    assert rows.tolist() == [1, 2] and clock.tolist() == [1]
+    regions.assign(torch.tensor([3]), 0)  # (a change no later layer of this forward would see)
+    assert regions.plan(table, step, later)[0] is rows and regions.clock.tolist() == [1], "found, not made again"
+    assert regions.plan(table, step, first)[0].tolist() == [1, 0] and regions.clock.tolist() == [2], "made anew"
+    assert regions.plan(table, {}, later)[1].tolist() == [3], "a new forward's first layer: a tick"
+
+
 @pytest.mark.parametrize(
     "settings, message",
     [
@@ -159,7 +173,8 @@ def test_decode_reads_the_kept_tokens_and_the_best_parked_pages(pages, cache_pag
         query = queries[step]
         own, own_counts = selector.pick(query, HKV, state, table, seq_lens, BLOCK, budget)
         fetched_before = int(parked.fetched)
-        positions, counts = parked.extend(query, own, own_counts, regions.rows(table), table, *cache.split())
+        positions, counts = parked.extend(query, own, own_counts, *regions.plan(table, {}, None), table,
+                                          *cache.split())  # fmt: skip
         for r, h in zip(*torch.where(own_counts > 0)):
             assert torch.equal(positions[r, h, : own_counts[r, h]], own[r, h, : own_counts[r, h]]), "its own first"
         out, mass = paged_sparse_decode(query, *cache.split(), positions, counts, table, D**-0.5, want_mass=True)
@@ -211,23 +226,23 @@ def test_the_kernels_read_what_the_reference_reads(summary, monkeypatch):
     other = ParkedPrompts(tier, 2, parked.pages * BLOCK, HKV, D, BLOCK, torch.float32, torch.device(device))
     assert other.host_keys.is_pinned() == (device == "cuda") and other.keys.device.type == device
     for name in ("host_keys", "host_values", "parked", "parked_in_page", "held", "cache_start", "slot_of", "page_in",
-                 "used", "clock", "fetched"):  # fmt: skip
+                 "used", "fetched"):  # fmt: skip
         getattr(other, name).copy_(getattr(parked, name))
     for mine, theirs in zip(other.summary_parts, parked.summary_parts):
         mine.copy_(theirs)
     rows, table = regions.rows(cache.block_table), cache.block_table
     caches, other_caches = cache.split(), [c.clone().to(device) for c in cache.split()]
     seq_lens, query = torch.tensor([301, 261, 201], dtype=torch.int32), torch.randn(3, HQ, D, generator=g)
-    for _ in range(2):
+    for clock in range(1, 3):
         monkeypatch.setenv("ATSKV_KERNELS", "reference")  # the CPU side (compiled Triton takes no CPU tensor)
         own, counts = selector.pick(query, HKV, state, table, seq_lens, BLOCK, 24)
-        want = parked.extend(query, own, counts, rows, table, *caches)
+        want = parked.extend(query, own, counts, rows, torch.tensor([clock]), table, *caches)
         out = paged_sparse_decode(query, *caches, *want, table, D**-0.5)
         monkeypatch.setenv("ATSKV_KERNELS", "triton")
-        moved_in = [t.to(device) for t in (query, own, counts, rows, table)]
+        moved_in = [t.to(device) for t in (query, own, counts, rows, torch.tensor([clock]), table)]
         got = other.extend(*moved_in, *other_caches)
         assert torch.equal(got[1].cpu(), want[1]), "as many tokens read"
         # the GPU's page scores round otherwise, so near ties may pick other pages: compare what is read
-        other_out = paged_sparse_decode(moved_in[0], *other_caches, *got, moved_in[4], D**-0.5)
+        other_out = paged_sparse_decode(moved_in[0], *other_caches, *got, moved_in[5], D**-0.5)
         torch.testing.assert_close(other_out.cpu(), out, rtol=1e-4, atol=1e-5)
         assert int(other.fetched) == int(parked.fetched) > 0

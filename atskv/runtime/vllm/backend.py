@@ -264,8 +264,8 @@ class AtskvAttentionImpl(FlashAttentionImpl):
                                                 self.config.budget, step, **keys)  # fmt: skip
         picked = positions.shape[-1]
         if self.parked is not None and regions is not None:
-            positions, lengths = self.parked.extend(q, positions, lengths, regions.rows(table), table, key_cache,
-                                                    value_cache)  # fmt: skip
+            positions, lengths = self.parked.extend(q, positions, lengths, *regions.plan(table, step, self), table,
+                                                    key_cache, value_cache)  # fmt: skip
         read = paged_sparse_decode(q, key_cache, value_cache, positions, lengths, table, self.scale, out=out,
                                    want_mass=self.selector.reads_mass)  # fmt: skip
         if self.selector.reads_mass:  # its own entries' (a tier's come after them)

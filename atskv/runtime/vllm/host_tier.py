@@ -112,12 +112,14 @@ def split_unread(unread: range, cache_blocks: int) -> tuple[range, range]:
 class Regions:
     """Which host region holds which request's prompt: claimed by request id at the chunk that ranks
     it, looked up by the request's first block (`of_block`, `[num_blocks]` int32, -1: none) at
-    decode. One for the engine's sparse layers (their metadata builder claims, each layer reads)."""
+    decode. One for the engine's sparse layers (their metadata builder claims, each layer reads),
+    with the one clock their page caches' reads are stamped by (`clock` `[1]`, a tick a forward)."""
 
     def __init__(self, count: int, num_blocks: int, device):
         self.count = count
         self.of_block = torch.full((num_blocks,), -1, dtype=torch.int32, device=device)
         self.owners: list[str | None] = [None] * count
+        self.clock = torch.zeros(1, dtype=torch.long, device=device)
 
     def claim(self, request: str, live: Collection[str]) -> int | None:
         """The request's region (the one it holds, or one whose request has left `live`), or None."""
@@ -138,6 +140,17 @@ class Regions:
         vLLM's null block, never a request's first)."""
         region = self.of_block[block_table[:, 0].long()]
         return torch.where(region < 0, self.count, region).long()
+
+    def plan(self, block_table: torch.Tensor, step: dict, reader) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode forward's `rows(block_table)` and its tick of `clock` (moved on), made by its
+        first sparse layer (`reader`) and found in the forward's `step` by the rest: a forward's
+        bookkeeping once, not once a layer. The first makes them anew even where it finds them (a
+        forward's metadata may be an earlier forward's, as for CUDA graph capture)."""
+        made = step.get("regions")
+        if made is None or made[0] is reader:
+            self.clock += 1
+            made = step["regions"] = (reader, self.rows(block_table), self.clock)
+        return made[1], made[2]
 
 
 @dataclass(frozen=True)
@@ -182,7 +195,6 @@ class ParkedPrompts:
         self.slot_of = torch.full((spare, kv_heads, self.pages + 1), -1, dtype=torch.long, device=device)
         self.page_in = torch.full((spare, kv_heads, tier.cache_pages + 1), self.pages, dtype=torch.long, device=device)
         self.used = torch.zeros(spare, kv_heads, tier.cache_pages, dtype=torch.long, device=device)
-        self.clock = torch.zeros(1, dtype=torch.long, device=device)
         self.fetched = torch.zeros(1, dtype=torch.long, device=device)  # pages copied from the host, ever
 
     @property
@@ -244,17 +256,16 @@ class ParkedPrompts:
         self.parked_in_page[region].scatter_add_(1, positions // self.block_size, -was_parked)
         self.parked[region].scatter_(1, positions, False)
 
-    def extend(self, query, positions, lengths, rows, block_table, key_cache, value_cache):
+    def extend(self, query, positions, lengths, rows, clock, block_table, key_cache, value_cache):
         """A decode step's read list (`positions` `[B, Hkv, K]`, the first `lengths` `[B, Hkv]`
         counting) with each request's best parked pages for `query` `[B, Hq, D]` added: the pages
         fetched into its cache blocks (misses only) and their parked tokens listed after its own.
-        `rows`: each row's region (`Regions.rows`). Returns the list `[B, Hkv, K + pages x
-        block_size + 1]` and its counts."""
+        `rows`, `clock`: each row's region and the step's tick (`Regions.plan`). Returns the list
+        `[B, Hkv, K + pages x block_size + 1]` and its counts."""
         size, count = self.block_size, min(self.tier.pages, self.pages)
         best = best_pages(self.page_scores(query, rows), count)  # [B, Hkv, pages]
-        self.clock += 1
         listed, counts, blocks, missing = parked_read(best, self.parked_in_page, rows, self.slot_of, self.page_in,
-                                                      self.used, self.clock, self.fetched, self.cache_start,
+                                                      self.used, clock, self.fetched, self.cache_start,
                                                       block_table, self.parked, positions, lengths, size)  # fmt: skip
         for source, cache in ((self.keys, key_cache), (self.values, value_cache)):
             paged_page_copy(source, cache, rows, best, blocks, missing)
