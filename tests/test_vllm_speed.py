@@ -444,6 +444,39 @@ def test_a_prefill_profile_runs_each_batch_again_after_its_timed_row(monkeypatch
         assert not (profile / "v.512x3.prefill.txt").exists() and log[-1] == "timed 3x4"
 
 
+def test_a_host_tier_row_says_what_its_batch_read_back_from_the_host_a_token(monkeypatch, tmp_path):
+    """The bytes the engine's tiers report (`host_tier_bytes`, a sum over workers) before and after
+    a batch, over the tokens it generated; a batch before it does not count."""
+    read = [0]
+
+    class TieredLLM:
+        def __init__(self, **arguments):
+            self.llm_engine = SimpleNamespace()
+
+        def generate(self, batch, params, use_tqdm):
+            read[0] += 999  # the warm-up's reads: before the timed batch
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[0] * params.max_tokens)]) for _ in batch]
+
+        def apply_model(self, function):
+            return [read[0], 2 * read[0]]  # two workers
+
+    def timed(engine, batch_prompts, new_tokens, tag, profile_steps):
+        read[0] += 1000
+        return {"prefill_s": 1.0, "ttft_mean_s": 1.0, "ms_per_step": 2.0, "tokens_per_s": 1.0, "steady_steps": 3}
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=TieredLLM))
+    monkeypatch.setattr(vllm_speed, "greedy", lambda n: SimpleNamespace(max_tokens=n))
+    monkeypatch.setattr(vllm_speed, "pool_tokens", lambda engine: 10_000)
+    monkeypatch.setattr(vllm_speed, "timed_batch", timed)
+    shape, rows = write_shape("llama3.1-8b", tmp_path / "shape"), tmp_path / "rows.jsonl"
+    for method, tier in (("vllm:h2o", {"regions": 2}), ("vllm:h2o", None)):
+        spec = EngineSpec(method, str(shape), [(512, 3)], new_tokens=4, free_blocks=True, host_tier=tier)
+        vllm_speed.run_engine(spec, rows)
+    with_tier, without = [json.loads(line) for line in rows.read_text().splitlines()]
+    assert with_tier["host_tier_bytes_per_token"] == 3 * 1000 / (3 * 4)
+    assert "host_tier_bytes_per_token" not in without
+
+
 def test_the_plot_has_a_decode_and_a_first_token_panel_per_shape_with_vanilla(tmp_path, monkeypatch):
     """Two shapes with vanilla rows and one without: two columns of panels, the bars' heights the
     tokens/s over vanilla's and the mean times to first token."""

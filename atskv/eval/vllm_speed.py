@@ -231,6 +231,16 @@ def timed_batch(engine, batch_prompts: list[dict], new_tokens: int, tag: str, pr
     }
 
 
+def host_tier_read(llm, spec: EngineSpec) -> int:
+    """The bytes the engine's host tier has read back from the host so far (0 without a tier): a
+    run's traffic is the difference around it."""
+    if spec.host_tier is None:
+        return 0
+    from atskv.runtime.vllm.host_tier import host_tier_bytes
+
+    return sum(llm.apply_model(host_tier_bytes))
+
+
 def greedy_tokens(llm, batch_prompts: list[dict], new_tokens: int) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(batch_prompts, greedy(new_tokens), use_tqdm=False)]
 
@@ -261,8 +271,11 @@ def run_engine(spec: EngineSpec, rows: Path) -> None:
         emit({"kind": "tokens", "context": spec.identity_context, "tokens": tokens})
     for context, requested, batch in runs:
         batch_prompts = prompts(context, batch, vocab, seed=context + batch)
+        read_before = host_tier_read(llm, spec)
         timing = timed_batch(llm.llm_engine, batch_prompts, spec.new_tokens, f"{context}x{batch}",
                              PROFILE_STEPS if spec.profile_dir else 0)  # fmt: skip
+        if spec.host_tier is not None:  # what the host tier read back, a generated token
+            timing["host_tier_bytes_per_token"] = (host_tier_read(llm, spec) - read_before) / (batch * spec.new_tokens)
         stem = f"{file_stem(spec.label)}.{requested}x{batch}"
         keep_profile_table(spec, f"{stem}.txt")
         emit({"kind": "speed", "context": requested, "tokens_in_prompt": context, "batch": batch,

@@ -31,6 +31,7 @@ from atskv.eval.vllm_speed import (
     engine_process,
     file_stem,
     greedy,
+    host_tier_read,
     in_process_scheduler,
     pool_tokens,
     prompts,
@@ -163,8 +164,6 @@ def run_traces(spec: EngineSpec, traces: list[Trace], rows: Path) -> None:
     short trace's cost); one row appended to `rows` per trace."""
     from vllm import LLM
 
-    from atskv.runtime.vllm.host_tier import host_tier_bytes
-
     config = json.loads((Path(spec.shape_dir) / "config.json").read_text())
     room = config["max_position_embeddings"]
     longest = min(max(t.longest + t.new_tokens for t in traces), room)
@@ -173,7 +172,7 @@ def run_traces(spec: EngineSpec, traces: list[Trace], rows: Path) -> None:
     for trace in traces:
         row = run_trace(llm.llm_engine, trace, config["vocab_size"], room)
         if spec.host_tier is not None:  # what the host tier read back, a token
-            before, moved = moved, sum(llm.apply_model(host_tier_bytes))
+            before, moved = moved, host_tier_read(llm, spec)
             tokens = round(row["output_tokens_per_s"] * row["wall_s"])
             row["host_tier_bytes_per_token"] = (moved - before) / max(1, tokens)
         row = {"method": spec.label, "kind": "trace", "context": trace.longest, "rate": trace.rate,
