@@ -13,6 +13,6 @@ $py -m atskv.cli collect --model "$model" --corpus austen --windows 32 --window_
   --out "$collected"
 $py -m atskv.cli fit --config configs/fit.yaml --config configs/fit-vllm.yaml --data.folder "$collected" \
   --model.without "$without" --trainer.max_epochs 5 --trainer.default_root_dir "$out/fit" \
-  --trainer.logger.init_args.save_dir "$out/fit"
+  --trainer.logger.init_args.save_dir "$out/fit" --trainer.logger.init_args.name "$(basename "$model" .gguf)"
 $py -m atskv.cli export "$(ls -d "$out"/fit/*/version_*/checkpoints/last.ckpt | tail -1)" --model "$model" \
   --out "$out/predictor"
