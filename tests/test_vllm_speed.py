@@ -73,6 +73,12 @@ def test_the_table_gives_each_row_its_ratio_to_vanilla_vllm_at_its_shape(tmp_pat
     lines = table(path).splitlines()
     assert "| quest | 4096 | 8 | 0.80 | 1250 | 2.50 |" in lines[3]
     assert "| quest | 8192 | 1 |" in lines[4] and "|  |" in lines[4]  # no vanilla row at that shape: no ratio
+    assert "host MB/token" not in lines[0], "no host tier: no column"
+    tiered = rows(tmp_path / "tiered.jsonl", speed_row("vllm", 4096, 8, 500.0),
+                  {**speed_row("ht", 4096, 8, 600.0), "host_tier_bytes_per_token": 5.6e6})  # fmt: skip
+    lines = table(tiered).splitlines()
+    assert lines[0].endswith("| host MB/token |") and lines[1].count("|") == lines[0].count("|")
+    assert lines[2].endswith("|  |") and lines[3].endswith("| 5.60 |"), "vanilla has none; the tier's in MB"
 
 
 def test_the_identity_report_names_the_first_differing_token(tmp_path):

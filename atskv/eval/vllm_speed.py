@@ -339,16 +339,21 @@ def measure(specs: list[EngineSpec], rows: Path) -> None:
 
 
 def table(rows: Path) -> str:
-    """Markdown of the speed rows, each with its ratio to vanilla vLLM's tokens/s at that shape."""
+    """Markdown of the speed rows, each with its ratio to vanilla vLLM's tokens/s at that shape (and,
+    where a host tier ran, the MB it read back from the host a generated token)."""
     speed = [r for r in json_lines(rows) if r["kind"] == "speed"]
     base = {(r["context"], r["batch"]): r["tokens_per_s"] for r in speed if r["method"] == VANILLA}
-    lines = ["| method | context | batch | ms/step | tokens/s | x vLLM | prefill s | mean TTFT s | requests held |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    tiered = any("host_tier_bytes_per_token" in r for r in speed)
+    lines = ["| method | context | batch | ms/step | tokens/s | x vLLM | prefill s | mean TTFT s | requests held |"
+             + (" host MB/token |" if tiered else ""), "|---|---|---|---|---|---|---|---|---|" + "---|" * tiered]
     for r in speed:
         ratio = r["tokens_per_s"] / base[(r["context"], r["batch"])] if (r["context"], r["batch"]) in base else None
         cells = [r["method"], r["context"], r["batch"], f"{r['ms_per_step']:.2f}", f"{r['tokens_per_s']:.0f}",
                  "" if ratio is None else f"{ratio:.2f}", f"{r['prefill_s']:.2f}", f"{r['ttft_mean_s']:.2f}",
                  f"{r['requests_held']:.2f}"]  # fmt: skip
+        if tiered:
+            read = r.get("host_tier_bytes_per_token")
+            cells.append("" if read is None else f"{read / 1e6:.2f}")
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
