@@ -94,25 +94,26 @@ def test_a_host_tier_in_gib_makes_as_many_regions_as_its_pinned_bytes_hold():
 
 @pytest.mark.parametrize("choice", ["reference", "triton"])
 def test_the_paged_page_copy_writes_the_needed_pages_into_one_head_of_their_blocks(choice, monkeypatch):
+    """Keys and values, each page into its head of its block in vLLM's cache (keys then values per
+    head, two views of one tensor), nothing else written."""
     monkeypatch.setenv("ATSKV_KERNELS", choice)
     g = torch.Generator().manual_seed(2)
-    source = torch.randn(3, HKV, 6 * BLOCK, D, generator=g)  # 3 regions of 6 pages
-    kv = torch.full((12, BLOCK, HKV, 2 * D), 100.0)  # vLLM's layout: keys then values per head
-    keys = kv[..., :D]
+    keys, values = torch.randn(2, 3, HKV, 6 * BLOCK, D, generator=g)  # 3 regions of 6 pages
+    kv = torch.full((12, BLOCK, HKV, 2 * D), 100.0)
     rows = torch.tensor([2, 0, 3])  # the last: a row without a region (past the source), nothing needed
     pages = torch.randint(0, 6, (3, HKV, 2), generator=g)
     blocks = torch.randperm(12, generator=g)[: 3 * HKV * 2].view(3, HKV, 2)
     need = torch.rand(3, HKV, 2, generator=g) < 0.6
     need[2] = False
     device = "cuda" if choice == "triton" and torch.cuda.is_available() else "cpu"  # compiled where there is a GPU
-    on = [t.to(device) for t in (source, kv, rows, pages, blocks, need)]
-    paged_page_copy(on[0], on[1][..., :D], *on[2:])
-    kv = on[1].cpu()
-    keys = kv[..., :D]
+    on = [t.to(device) for t in (keys, values, kv, rows, pages, blocks, need)]
+    paged_page_copy(on[0], on[1], on[2][..., :D], on[2][..., D:], *on[3:])
+    kv = on[2].cpu()
     for b, h, k in need.nonzero().tolist():
-        page = source[rows[b], h, pages[b, h, k] * BLOCK : (pages[b, h, k] + 1) * BLOCK]
-        assert torch.equal(keys[blocks[b, h, k], :, h], page)
-    assert int((kv != 100).sum()) == int(need.sum()) * BLOCK * D, "nothing else written, values untouched"
+        tokens = slice(pages[b, h, k] * BLOCK, (pages[b, h, k] + 1) * BLOCK)
+        assert torch.equal(kv[blocks[b, h, k], :, h, :D], keys[rows[b], h, tokens])
+        assert torch.equal(kv[blocks[b, h, k], :, h, D:], values[rows[b], h, tokens])
+    assert int((kv != 100).sum()) == 2 * int(need.sum()) * BLOCK * D, "nothing else written"
 
 
 def parked_h2o(budget: int, tier: HostTier, lengths: list[int], regions_held: int, seed: int):

@@ -62,22 +62,25 @@ def page_copy_triton(source, target, pages, slots, need) -> None:
     )  # fmt: skip
 
 
-def paged_page_copy(source: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor,
-                    blocks: torch.Tensor, need: torch.Tensor) -> None:  # fmt: skip
-    """In place on `cache` `[num_blocks, block_size, Hkv, D]` (any strides: vLLM's keys or values
-    view): for every (b, h, k) with `need[b, h, k]`, the `block_size` tokens of page
-    `pages[b, h, k]` of head h of `source` `[R, Hkv, tokens, D]` row `rows[b]` (contiguous; on CUDA
-    a device alias of pinned host memory) go to head h of block `blocks[b, h, k]`. `rows` `[B]`,
-    the rest `[B, Hkv, K]`; rows past `source` only where nothing is needed."""
-    if use_triton(cache):
-        paged_page_copy_triton(source, cache, rows, pages, blocks, need)
+def paged_page_copy(keys: torch.Tensor, values: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    rows: torch.Tensor, pages: torch.Tensor, blocks: torch.Tensor, need: torch.Tensor) -> None:
+    """In place on `key_cache` and `value_cache` `[num_blocks, block_size, Hkv, D]` (vLLM's views of
+    one cache: the same strides): for every (b, h, k) with `need[b, h, k]`, the `block_size` tokens
+    of page `pages[b, h, k]` of head h of `keys` and `values` `[R, Hkv, tokens, D]` row `rows[b]`
+    (contiguous; on CUDA device aliases of pinned host memory) go to head h of block
+    `blocks[b, h, k]`. `rows` `[B]`, the rest `[B, Hkv, K]`; rows past the source only where
+    nothing is needed. Keys and values in one launch: a page's two reads from the host in flight
+    at once."""
+    if use_triton(key_cache):
+        paged_page_copy_triton(keys, values, key_cache, value_cache, rows, pages, blocks, need)
     else:
-        paged_page_copy_reference(source, cache, rows, pages, blocks, need)
+        for source, cache in ((keys, key_cache), (values, value_cache)):
+            paged_page_copy_reference(source, cache, rows, pages, blocks, need)
 
 
 def paged_page_copy_reference(source, cache, rows, pages, blocks, need) -> None:
-    """Plain torch: every listed page gathered, the needed ones written (the others write their
-    block's own content back)."""
+    """Plain torch, one source into its cache: every listed page gathered, the needed ones written
+    (the others write their block's own content back)."""
     b, h, k = pages.shape
     size = cache.shape[1]
     heads = torch.arange(h, device=cache.device).view(1, h, 1, 1)
@@ -88,8 +91,9 @@ def paged_page_copy_reference(source, cache, rows, pages, blocks, need) -> None:
 
 
 @jit
-def _paged_page_copy_kernel(src_ptr, dst_ptr, row_ptr, page_ptr, block_ptr, need_ptr, H, K, TOKENS, D,
-                            stride_n, stride_t, stride_h, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+def _paged_page_copy_kernel(key_src_ptr, value_src_ptr, key_dst_ptr, value_dst_ptr, row_ptr, page_ptr, block_ptr,
+                            need_ptr, H, K, TOKENS, D, stride_n, stride_t, stride_h, BLOCK_T: tl.constexpr,
+                            BLOCK_D: tl.constexpr):  # fmt: skip
     item = tl.program_id(0)  # one (b, h, k)
     if tl.load(need_ptr + item) == 0:  # a page the cache holds: nothing moves
         return
@@ -100,20 +104,25 @@ def _paged_page_copy_kernel(src_ptr, dst_ptr, row_ptr, page_ptr, block_ptr, need
     t = tl.arange(0, BLOCK_T)
     d = tl.arange(0, BLOCK_D)
     inside = (t[:, None] < BLOCK_T) & (d[None, :] < D)
-    source = src_ptr + ((row * H + h) * TOKENS + page * BLOCK_T + t[:, None]) * D + d[None, :]
-    target = dst_ptr + block * stride_n + t[:, None] * stride_t + h * stride_h + d[None, :]
-    tl.store(target, tl.load(source, mask=inside), mask=inside)
+    source = ((row * H + h) * TOKENS + page * BLOCK_T + t[:, None]) * D + d[None, :]
+    target = block * stride_n + t[:, None] * stride_t + h * stride_h + d[None, :]
+    keys = tl.load(key_src_ptr + source, mask=inside)  # both loads issued before either store
+    values = tl.load(value_src_ptr + source, mask=inside)
+    tl.store(key_dst_ptr + target, keys, mask=inside)
+    tl.store(value_dst_ptr + target, values, mask=inside)
 
 
-def paged_page_copy_triton(source, cache, rows, pages, blocks, need) -> None:
-    if not source.is_contiguous() or cache.stride(3) != 1:
-        raise ValueError("paged_page_copy needs a contiguous source and a cache contiguous in its last dim")
-    size = cache.shape[1]
+def paged_page_copy_triton(keys, values, key_cache, value_cache, rows, pages, blocks, need) -> None:
+    if not (keys.is_contiguous() and values.is_contiguous()) or keys.shape != values.shape:
+        raise ValueError("paged_page_copy needs contiguous keys and values of one shape")
+    if key_cache.stride() != value_cache.stride() or key_cache.stride(3) != 1:
+        raise ValueError("paged_page_copy needs key and value caches of the same strides, contiguous in their last dim")
+    size = key_cache.shape[1]
     if size & (size - 1):
         raise ValueError(f"paged_page_copy needs a power-of-two block size, got {size}")
     b, h, k = pages.shape
     _paged_page_copy_kernel[(b * h * k,)](
-        source, cache, rows.contiguous(), pages.contiguous(), blocks.contiguous(), need.to(torch.int8).contiguous(),
-        h, k, source.shape[2], source.shape[3], cache.stride(0), cache.stride(1), cache.stride(2),
-        BLOCK_T=size, BLOCK_D=triton.next_power_of_2(source.shape[3]),
+        keys, values, key_cache, value_cache, rows.contiguous(), pages.contiguous(), blocks.contiguous(),
+        need.to(torch.int8).contiguous(), h, k, keys.shape[2], keys.shape[3], *key_cache.stride()[:3],
+        BLOCK_T=size, BLOCK_D=triton.next_power_of_2(keys.shape[3]),
     )  # fmt: skip

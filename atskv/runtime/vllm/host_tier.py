@@ -267,8 +267,7 @@ class ParkedPrompts:
         listed, counts, blocks, missing = parked_read(best, self.parked_in_page, rows, self.slot_of, self.page_in,
                                                       self.used, clock, self.fetched, self.cache_start,
                                                       block_table, self.parked, positions, lengths, size)  # fmt: skip
-        for source, cache in ((self.keys, key_cache), (self.values, value_cache)):
-            paged_page_copy(source, cache, rows, best, blocks, missing)
+        paged_page_copy(self.keys, self.values, key_cache, value_cache, rows, best, blocks, missing)
         return listed, counts
 
 
