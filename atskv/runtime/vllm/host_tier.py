@@ -43,6 +43,7 @@ from atskv.kernels.quest import page_bounds
 from atskv.kernels.quest_decode import best_pages
 from atskv.runtime.fast.host_pages import device_alias, host_keys_and_values
 from atskv.runtime.vllm.batch import PromptChunk
+from atskv.runtime.vllm.protocol import once_a_forward
 
 SUMMARIES = ("bounds", "int4")
 
@@ -142,15 +143,14 @@ class Regions:
         return torch.where(region < 0, self.count, region).long()
 
     def plan(self, block_table: torch.Tensor, step: dict, reader) -> tuple[torch.Tensor, torch.Tensor]:
-        """A decode forward's `rows(block_table)` and its tick of `clock` (moved on), made by its
-        first sparse layer (`reader`) and found in the forward's `step` by the rest: a forward's
-        bookkeeping once, not once a layer. The first makes them anew even where it finds them (a
-        forward's metadata may be an earlier forward's, as for CUDA graph capture)."""
-        made = step.get("regions")
-        if made is None or made[0] is reader:
+        """A decode forward's `rows(block_table)` and its tick of `clock` (moved on), once a forward
+        (`once_a_forward`: made by its first sparse layer, `reader`), not once a layer."""
+
+        def make():
             self.clock += 1
-            made = step["regions"] = (reader, self.rows(block_table), self.clock)
-        return made[1], made[2]
+            return self.rows(block_table), self.clock
+
+        return once_a_forward(step, "regions", reader, make)
 
 
 @dataclass(frozen=True)

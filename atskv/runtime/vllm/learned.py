@@ -48,7 +48,7 @@ from atskv.learned_options import check_refresh_every, check_window_share
 from atskv.runtime.vllm.batch import PromptChunk
 from atskv.runtime.vllm.heavy_hitters import KeptLists, chunk_mass, compacted_unread_blocks
 from atskv.runtime.vllm.prompt_ranks import window_votes
-from atskv.runtime.vllm.protocol import PagedSelector
+from atskv.runtime.vllm.protocol import PagedSelector, once_a_forward
 
 AT_ONCE_BYTES = 128 << 20  # the most one forward's queue reads of every layer may hold (CUDA graph memory)
 UNSEEN = ("hidden", "hidden_norm", "token_type")  # inputs an attention backend cannot compute
@@ -123,21 +123,24 @@ class QueuedLists(KeptLists):
              later_states=None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """A decode step's positions `[B, Hkv, width]` and counts `[B, Hkv]` (`width`: what the
         widest request keeps, the same for every step of a batch size). Given the forward's `step`
-        and `later_states` (a callable giving this layer's and the later layers' lists), the first
-        layer reads every one's queue in one kernel and the rest find theirs in `step` (the first
-        reads anew even where it finds one: a forward's metadata may be an earlier forward's, as
-        for CUDA graph capture)."""
+        and `later_states` (a callable giving this layer's and the later layers' lists), the
+        forward's first layer reads every one's queue in one kernel (`once_a_forward`) and the rest
+        find theirs; where they cannot all be read at once (`reads_at_once`), each reads its own."""
         width = kept_count(budget, block_table.shape[1] * block_size)
-        key = ("queues", budget)
-        read = None if step is None else step.get(key)
-        if read is None or read[0].get(id(self), 0) == 0:
-            states = None if step is None or later_states is None else later_states()  # no step: none to share
+
+        def every_layer():  # None where they cannot be read at once
+            states = later_states()
             if not self.reads_at_once(states, block_table.shape[0] * width):
-                return queue_read(self.kept, self.ranked, block_table, seq_lens, block_size, budget, width)
-            read = step[key] = ({id(s): i for i, s in enumerate(states)},
-                                *queue_read([s.kept for s in states], self.ranked, block_table, seq_lens, block_size,
-                                            budget, width))  # fmt: skip
-        return read[1][read[0][id(self)]], read[2]
+                return None
+            return ({id(s): i for i, s in enumerate(states)},
+                    *queue_read([s.kept for s in states], self.ranked, block_table, seq_lens, block_size, budget,
+                                width))  # fmt: skip
+
+        if step is not None and later_states is not None:  # no step: none to share the read with
+            read = once_a_forward(step, ("queues", budget), self, every_layer)
+            if read is not None and id(self) in read[0]:
+                return read[1][read[0][id(self)]], read[2]
+        return queue_read(self.kept, self.ranked, block_table, seq_lens, block_size, budget, width)
 
     def reads_at_once(self, states: list | None, entries: int) -> bool:
         """Whether the forward's queues are read in one kernel: `states` are lists like this one,

@@ -8,9 +8,11 @@ and the compositions both read it."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 from atskv.errors import InputError
+
+T = TypeVar("T")
 
 BUDGET_RULE = (
     "an int is tokens per KV head (>= 1), a float in (0, 1] a fraction of each request's context "
@@ -35,6 +37,18 @@ def shard_kv_heads(total: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
     ranks where there are fewer heads than ranks."""
     local, replicas = max(1, total // tp_size), max(1, tp_size // total)
     return (tp_rank // replicas) * local, total
+
+
+def once_a_forward(step: dict, key, reader, make: Callable[[], T]) -> T:
+    """`make()` once a forward, a plan step as FlashInfer's: made by the first `reader` (a layer's
+    object) to ask and found in the forward's `step` (the dict its layers share) by the rest. The
+    one that made it makes it anew when it asks again: a forward's metadata, and `step` with it,
+    may be an earlier forward's (as in CUDA graph capture, where only work done in the captured
+    forward replays)."""
+    made = step.get(key)
+    if made is None or made[0] is reader:
+        made = step[key] = (reader, make())
+    return made[1]
 
 
 class PagedSelector:
