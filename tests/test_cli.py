@@ -14,6 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from atskv import cli
+from atskv.learned_options import check_refresh_every
 from tests.conftest import COMMON, run_cli, tiny_bpe_tokenizer
 
 SUBCOMMANDS = ["demo", "passkey", "generate", "selectors", "collect", "fit", "finetune", "export", "ridge"]
@@ -111,6 +112,19 @@ def test_every_bad_input_is_one_line_and_code_2(monkeypatch, capsys):
     assert run_cli(["selectors"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "atskv: error: PermissionError" in err and "/root/secret.txt" in err
+
+
+def test_a_message_naming_atskv_is_not_prefixed_twice(monkeypatch, capsys):
+    """The plugin's and the learned selector's options words start "atskv:" (they are read in
+    vLLM's logs too); the command line says "atskv: error:" once."""
+
+    def fail(**kwargs):
+        check_refresh_every(-1)
+
+    monkeypatch.setitem(cli.COMMANDS, "selectors", fail)
+    assert run_cli(["selectors"]) == 2
+    want = "atskv: error: refresh_every is a count of decode steps >= 0 (0: never after the prompt), got -1\n"
+    assert capsys.readouterr().err == want
 
 
 def test_ctrl_c_is_one_line_and_code_130(monkeypatch, capsys):

@@ -144,9 +144,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def one_line(error: BaseException) -> str:
     """An error's message on one line (the first of its lines; the type when it has none), with
-    what an OS error was about: its file and what kind of error it is."""
+    what an OS error was about: its file and what kind of error it is. A message that names atskv
+    itself (the vLLM plugin's, read in vLLM's logs) does not name it twice after `atskv: error:`."""
     lines = str(error).strip().splitlines()
-    message = lines[0] if lines else type(error).__name__
+    message = lines[0].removeprefix("atskv: ") if lines else type(error).__name__
     if isinstance(error, OSError) and not isinstance(error, FileNotFoundError) and type(error).__name__ not in message:
         message = f"{type(error).__name__}: {message}"
     return message
