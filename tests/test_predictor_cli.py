@@ -49,6 +49,7 @@ def test_collect_fit_export_then_the_learned_selector_by_name(tmp_path, monkeypa
     model_dir, tokenizer, collected, _ = collect_tiny(tmp_path)
     assert run_cli(fit_command(collected, tmp_path)) == 0
     assert next((tmp_path / "fit").rglob("last.ckpt"))
+    assert (tmp_path / "fit" / "collect" / "version_0").is_dir(), "the run is named after the collection"
     # every window full: kept by window recall
     checkpoint = next((tmp_path / "fit").rglob("epoch0-window_recall*.ckpt"))
     assert f"next: atskv export {checkpoint}" in capsys.readouterr().out, "fit points at the best checkpoint"

@@ -370,6 +370,17 @@ class RelevanceCLI(LightningCLI):
             }
         )
 
+    def before_instantiate_classes(self) -> None:
+        """A TensorBoard run given no name of its own is named after the collection's folder
+        (`runs/fit/<model>/version_N` for `data/collect/<model>`), not Lightning's `lightning_logs`
+        for every model."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        logger = config["trainer"].get("logger")
+        unnamed = getattr(logger, "class_path", "").endswith(".TensorBoardLogger") and logger.init_args.get("name") in (
+            None, "", "lightning_logs")  # fmt: skip
+        if unnamed:
+            logger.init_args.name = Path(config["data"]["folder"]).name
+
     def before_fit(self) -> None:
         """Without full groups in the validation split there is no `val/window_recall`: the default
         monitor (and file name) falls back to `val/mass_recall`; a monitor the user chose stays."""
