@@ -48,6 +48,8 @@ def heavy_hitters(mass: torch.Tensor) -> torch.Tensor:
 
 
 def observe(module, _inputs, output):
+    if getattr(module, "sliding_window", None) is not None:  # Gemma's local layers stay vLLM's
+        return (output[0], None, *output[2:])
     weights = output[1][0].double()  # [Hq, L, L]
     exact = mass_by_kv_head(weights)
     chosen = heavy_hitters(exact)
