@@ -376,9 +376,8 @@ class RelevanceCLI(LightningCLI):
         for every model."""
         config = self.config[self.subcommand] if self.subcommand else self.config
         logger = config["trainer"].get("logger")
-        unnamed = getattr(logger, "class_path", "").endswith(".TensorBoardLogger") and logger.init_args.get("name") in (
-            None, "", "lightning_logs")  # fmt: skip
-        if unnamed:
+        tensorboard = getattr(logger, "class_path", "").endswith(".TensorBoardLogger")
+        if tensorboard and logger.init_args.get("name") in (None, "", "lightning_logs"):
             logger.init_args.name = Path(config["data"]["folder"]).name
 
     def before_fit(self) -> None:
