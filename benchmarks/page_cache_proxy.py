@@ -15,22 +15,17 @@ from __future__ import annotations
 import argparse
 
 import torch
+from corpus_window import load_window, window_arguments
 
-from atskv.data.readers import load_corpus
 from atskv.kernels.page_cache import assign_slots
-from atskv.models.loading import load_model
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--model", default="smollm2-135m")
-parser.add_argument("--corpus", default="austen")
-parser.add_argument("--tokens", type=int, default=8192)
-parser.add_argument("--start", type=int, default=20000, help="the window's first token in the corpus")
+window_arguments(parser, tokens=8192)
 parser.add_argument("--steps", type=int, default=64, help="the window's last queries, read as decode steps")
 parser.add_argument("--pages", type=int, default=16, help="pages read back a step, layer and KV head")
 parser.add_argument("--cache_pages", type=int, nargs="+", default=[16, 32, 64, 128])
 parser.add_argument("--page_size", type=int, default=16)
 parser.add_argument("--recent", type=int, default=512, help="the last tokens, kept on the GPU: never parked")
-parser.add_argument("--dense_layers", type=int, default=2)
 args = parser.parse_args()
 
 
@@ -71,11 +66,8 @@ def miss_share(masses: list[torch.Tensor], cache_pages: int) -> float:
     return misses / ((len(wanted) - 1) * wanted[0].numel())
 
 
-loaded = load_model(args.model)
-text = " ".join(d.text for d in load_corpus(args.corpus)[:2])
-ids = loaded.tokenizer(text, return_tensors="pt").input_ids[:, args.start : args.start + args.tokens]
+loaded, ids = load_window(args)
 real = loaded.model
-real.set_attn_implementation("eager")  # the attention weights themselves
 torch.manual_seed(0)
 dummy = type(real)(real.config).eval()
 dummy.set_attn_implementation("eager")

@@ -13,25 +13,16 @@ from __future__ import annotations
 import argparse
 
 import torch
-
-from atskv.data.readers import load_corpus
-from atskv.models.loading import load_model
+from corpus_window import load_window, window_arguments
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--model", default="smollm2-135m")
-parser.add_argument("--corpus", default="austen")
-parser.add_argument("--tokens", type=int, default=4096)
-parser.add_argument("--start", type=int, default=20000, help="the window's first token in the corpus")
+window_arguments(parser, tokens=4096)
 parser.add_argument("--ratio", type=float, default=0.875, help="share of the prompt's KV not kept")
 parser.add_argument("--samples", type=int, nargs="+", default=[2, 4, 8, 16, 32])
-parser.add_argument("--dense_layers", type=int, default=2)
 args = parser.parse_args()
 
-loaded = load_model(args.model)
+loaded, ids = load_window(args)
 model, length = loaded.model, args.tokens
-model.set_attn_implementation("eager")  # the attention weights themselves
-text = " ".join(d.text for d in load_corpus(args.corpus)[:2])
-ids = loaded.tokenizer(text, return_tensors="pt").input_ids[:, args.start : args.start + length]
 heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
 budget = round(length * (1 - args.ratio))
 recent = budget // 2
