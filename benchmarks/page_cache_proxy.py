@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from corpus_window import load_window, window_arguments
+from corpus_window import load_window, sparse_layer_weights, window_arguments
 
 from atskv.kernels.page_cache import assign_slots
 
@@ -30,25 +30,18 @@ args = parser.parse_args()
 
 
 def page_masses(model) -> list[torch.Tensor]:
-    """Per sparse layer (past the dense ones, not sliding-window), `[steps, Hkv, P]`: each step's
-    attention mass on each parked page."""
+    """Per layer the plugin makes sparse, `[steps, Hkv, P]`: each step's attention mass on each
+    parked page."""
     heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
     parked_pages = (args.tokens - args.steps - args.recent) // args.page_size
     masses: list[torch.Tensor] = []
 
-    def observe(module, _inputs, output):
-        local = getattr(module, "sliding_window", None) is not None  # Gemma's local layers stay vLLM's
-        if module.layer_idx >= args.dense_layers and not local:
-            weights = output[1][0, :, -args.steps :, : parked_pages * args.page_size].float()  # [Hq, steps, T]
-            grouped = weights.view(kv_heads, heads // kv_heads, args.steps, parked_pages, args.page_size)
-            masses.append(grouped.sum((1, 4)).transpose(0, 1))
-        return (output[0], None, *output[2:])  # the weights are not kept
+    def observe(layer: int, weights: torch.Tensor) -> None:
+        steps = weights[:, -args.steps :, : parked_pages * args.page_size].float()  # [Hq, steps, T]
+        grouped = steps.view(kv_heads, heads // kv_heads, args.steps, parked_pages, args.page_size)
+        masses.append(grouped.sum((1, 4)).transpose(0, 1))
 
-    hooks = [layer.self_attn.register_forward_hook(observe) for layer in model.model.layers]
-    with torch.no_grad():
-        model(ids, output_attentions=True)
-    for hook in hooks:
-        hook.remove()
+    sparse_layer_weights(model, ids, args.dense_layers, observe)
     return masses
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from corpus_window import load_window, window_arguments
+from corpus_window import load_window, sparse_layer_weights, window_arguments
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 window_arguments(parser, tokens=4096)
@@ -38,10 +38,8 @@ def heavy_hitters(mass: torch.Tensor) -> torch.Tensor:
     return mass[:, : length - recent].topk(budget - recent, dim=-1).indices
 
 
-def observe(module, _inputs, output):
-    if getattr(module, "sliding_window", None) is not None:  # Gemma's local layers stay vLLM's
-        return (output[0], None, *output[2:])
-    weights = output[1][0].double()  # [Hq, L, L]
+def observe(layer: int, weights: torch.Tensor) -> None:
+    weights = weights.double()  # [Hq, L, L]
     exact = mass_by_kv_head(weights)
     chosen = heavy_hitters(exact)
     for s in args.samples:
@@ -49,16 +47,12 @@ def observe(module, _inputs, output):
         picked = heavy_hitters(estimate)
         shared = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(chosen, picked)) / chosen.numel()
         kept_mass = (exact.gather(1, picked).sum() / exact.gather(1, chosen).sum()).item()
-        stats[s].append((module.layer_idx, shared, kept_mass))
-    return (output[0], None, *output[2:])  # the weights are not kept
+        stats[s].append((layer, shared, kept_mass))
 
 
-for layer in model.model.layers:
-    layer.self_attn.register_forward_hook(observe)
-with torch.no_grad():
-    model(ids, output_attentions=True)
+sparse_layer_weights(model, ids, args.dense_layers, observe)
 for s in args.samples:
-    rows = [r for r in stats[s] if r[0] >= args.dense_layers]
+    rows = stats[s]
     worst = min(rows, key=lambda r: r[1])
     print(f"prompt_sample {s:2d}: heavy hitters shared with the exact choice {sum(r[1] for r in rows) / len(rows):.3f} "
           f"(worst: layer {worst[0]}, {worst[1]:.3f}); their exact mass over the exact choice's "
