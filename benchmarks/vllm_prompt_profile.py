@@ -75,7 +75,7 @@ for length in args.lengths:
         h2o_state = h2o.new_state(blocks, BS, HKV, D, dt, dev)
         learned_state = learned.new_state(blocks, BS, HKV, D, dt, dev)
         stages |= {
-            f"received mass, prompt_sample {s}": lambda s=s: chunk_mass(chunk(lse), keys, s),
+            f"received mass, prompt_sample {s}": lambda s=s: chunk_mass(chunk(lse), s),
             f"h2o: observe_prompt, prompt_sample {s}": lambda h2o=h2o, st=h2o_state: h2o.observe_prompt(st, chunk(lse)),
             f"learned: observe_prompt, prompt_sample {s}": (
                 lambda learned=learned, st=learned_state: learned.observe_prompt(st, chunk(lse))),

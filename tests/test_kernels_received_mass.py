@@ -7,6 +7,7 @@ import torch
 
 from atskv.attention import grouped_attention, prefix_causal_attention, received_mass
 from atskv.kernels.received_mass import (
+    paged_received_mass,
     prefix_received_mass,
     prefix_received_mass_reference,
     prefix_received_mass_triton,
@@ -90,6 +91,33 @@ def test_triton_matches_reference_fp32(group, d, offset):
     assert out.shape == keys.shape[:3] and out.dtype == torch.float32
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     assert (out[..., offset + 45 :] == 0).all()
+
+
+@pytest.mark.parametrize("stride", [1, 5])
+def test_paged_keys_read_through_the_block_table_give_the_gathered_keys_mass(stride):
+    """`paged_received_mass`: a request's keys scattered over a paged cache's blocks (vLLM's
+    `[Hkv, num_slots, D]` slot view, blocks shuffled, its last one partly filled) give, through
+    the kernel reading the block table, the reference's mass over the keys gathered in order."""
+    hkv, group, d, block, tq, offset = 2, 3, 32, 16, 45, 62
+    g = torch.Generator().manual_seed(stride)
+    query, keys, lse, scaling = make_chunk(1, hkv, group, d, tq, offset, spare=0, seed=stride)
+    length = offset + tq  # 107 positions: 6 full blocks and 11 of a seventh
+    blocks = -(-length // block)
+    table = torch.randperm(3 * blocks, generator=g)[:blocks].to(torch.int32)  # a row of a wider pool
+    cache = torch.randn(3 * blocks, block, hkv, d, generator=g)  # vLLM's layout; the unused slots are noise
+    position = torch.arange(length)
+    cache[table[position // block].long(), position % block] = keys[0].transpose(0, 1)
+    key_slots = cache.flatten(0, 1).transpose(0, 1)  # [Hkv, num_slots, D], strided as vLLM's slot view
+    picked = slice((tq - 1) % stride, None, stride)
+    args = (query[:, :, picked], lse[:, :, picked], offset + picked.start, scaling)
+    want = prefix_received_mass_reference(args[0], keys, args[1], *args[2:], query_stride=stride)
+    reference = paged_received_mass(args[0], key_slots, table, block, length, *args[1:], query_stride=stride)
+    torch.testing.assert_close(reference, want, rtol=1e-6, atol=1e-6)
+    on_device = [t.to(DEVICE) for t in (args[0], key_slots, table, args[1])]
+    got = prefix_received_mass_triton(on_device[0], on_device[1].unsqueeze(0), on_device[3], *args[2:],
+                                      query_stride=stride, table=(on_device[2], block, length), **SMALL_BLOCKS).cpu()
+    assert got.shape == (1, hkv, length)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_triton_on_views_that_start_past_a_rows_padding():

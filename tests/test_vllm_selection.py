@@ -639,14 +639,13 @@ def test_a_prompt_chunks_mass_uses_the_log_sum_exps_it_is_given(cache):
     queries = torch.randn(stop - start, HQ, D, generator=torch.Generator().manual_seed(1))
     key_slots = slot_view(cache.split()[0], 1)[0]
     chunk = PromptChunk(queries, key_slots, cache.block_table[r], stop, BLOCK, D**-0.5, 0.5)
-    own = chunk_mass(chunk, chunk.keys())
+    own = chunk_mass(chunk)
     lse = causal_lse(queries, cache.keys[r][:stop])
-    given = chunk_mass(PromptChunk(queries, key_slots, cache.block_table[r], stop, BLOCK, D**-0.5, 0.5, lse=lse),
-                       chunk.keys())  # fmt: skip
+    given = chunk_mass(PromptChunk(queries, key_slots, cache.block_table[r], stop, BLOCK, D**-0.5, 0.5, lse=lse))
     torch.testing.assert_close(given, own, rtol=1e-4, atol=1e-5)
     assert own.sum().item() == pytest.approx((stop - start) * HQ, rel=1e-4), "each query's probabilities sum to 1"
     halved = chunk_mass(PromptChunk(queries, key_slots, cache.block_table[r], stop, BLOCK, D**-0.5, 0.5,
-                                    lse=lse + math.log(2)), chunk.keys())  # fmt: skip
+                                    lse=lse + math.log(2)))  # fmt: skip
     torch.testing.assert_close(halved, own / 2, rtol=1e-4, atol=1e-5)
 
 
@@ -661,7 +660,7 @@ def test_a_sampled_prompt_mass_is_every_strideth_querys_times_the_stride(cache, 
     key_slots = slot_view(cache.split()[0], 1)[0]
     lse = causal_lse(queries, cache.keys[r][:stop])
     chunk = PromptChunk(queries, key_slots, cache.block_table[r], stop, BLOCK, D**-0.5, 0.5, lse=lse)
-    got = chunk_mass(chunk, chunk.keys(), sample)
+    got = chunk_mass(chunk, sample)
     sampled = torch.arange(stop - start).flip(0)[::sample].flip(0)  # the chunk's last query, then every s-th back
     logits = torch.einsum("nhd,lhd->hnl", queries, cache.keys[r][:stop].repeat_interleave(HQ // HKV, dim=1))
     sees = torch.arange(stop) <= (start + torch.arange(stop - start)).view(-1, 1)

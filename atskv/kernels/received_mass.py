@@ -51,7 +51,7 @@ _LSE_PER_CHUNK = ["num_queries", "offset", "stride_kb", "stride_lb", "stride_lh"
 # The mass kernel also reads the log-sum-exps where FlashAttention left them: a view at the
 # request's first sampled query, whose address is 16-byte aligned or not by the chunk (with
 # `prompt_sample` 8 at 32K x 8 on the H100, an unaligned one compiled inside a timed prefill).
-_MASS_PER_CHUNK = [*_LSE_PER_CHUNK, "num_slots", "stride_ob", "stride_oh", "lse_ptr"]
+_MASS_PER_CHUNK = [*_LSE_PER_CHUNK, "num_slots", "stride_ob", "stride_oh", "lse_ptr", "table_ptr"]
 
 
 def prefix_received_mass(
@@ -63,6 +63,25 @@ def prefix_received_mass(
     if use_triton(query) and query.shape[-1] <= MAX_HEAD_DIM:
         return prefix_received_mass_triton(query, keys, lse, offset, scaling, query_stride=query_stride)
     return prefix_received_mass_reference(query, keys, lse, offset, scaling, query_stride=query_stride)
+
+
+def paged_received_mass(
+    query: torch.Tensor, key_slots: torch.Tensor, table_row: torch.Tensor, block_size: int, length: int,
+    lse: torch.Tensor, offset: int, scaling: float, query_stride: int = 1,
+) -> torch.Tensor:  # fmt: skip
+    """`prefix_received_mass` `[1, Hkv, length]` of one request whose keys lie in a paged cache:
+    `key_slots` `[Hkv, num_slots, D]` by physical slot, position `p < length` at slot
+    `table_row[p // block_size] * block_size + p % block_size`. The kernel reads the keys through
+    the table, where a gathered copy of them took as long as the mass itself (vLLM's prefill at 32K
+    batch 8, H100); the reference gathers them."""
+    if use_triton(query) and query.shape[-1] <= MAX_HEAD_DIM:
+        table = (table_row, block_size, length)
+        return prefix_received_mass_triton(query, key_slots.unsqueeze(0), lse, offset, scaling,
+                                           query_stride=query_stride, table=table)  # fmt: skip
+    position = torch.arange(length, device=key_slots.device)
+    slots = table_row[position // block_size].long() * block_size + position % block_size
+    return prefix_received_mass_reference(query, key_slots[:, slots].unsqueeze(0), lse, offset, scaling,
+                                          query_stride=query_stride)  # fmt: skip
 
 
 def prefix_received_mass_reference(
@@ -87,16 +106,20 @@ def prefix_received_mass_reference(
 
 def prefix_received_mass_triton(
     query: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, offset: int, scaling: float, *,
-    query_stride: int = 1, block_n: int | None = None, block_m: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None,
+    query_stride: int = 1, table: tuple[torch.Tensor, int, int] | None = None, block_n: int | None = None,
+    block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """The Triton kernel. `block_n` (keys per program), `block_m` (queries per step), `num_warps`
-    and `num_stages` override `choose_config`, to cover several blocks in tests or to tune on a GPU."""
+    """The Triton kernel. `table` (a block table row, its block size, the request's length): the
+    keys `[1, Hkv, num_slots, D]` are a paged cache's physical slots, read through the row
+    (`paged_received_mass`). `block_n` (keys per program), `block_m` (queries per step),
+    `num_warps` and `num_stages` override `choose_config`, to cover several blocks in tests or to
+    tune on a GPU."""
     if triton is None:
         raise RuntimeError("the received-mass kernel needs Triton (pip install 'atskv[gpu]' or 'atskv[test]')")
-    _check(query, keys, lse, offset, query_stride)
+    table_row, page, slots = (keys, 0, keys.shape[2]) if table is None else table
+    _check(query, keys, lse, offset, query_stride, slots)
     b, hq, tq, d = query.shape
-    hkv, slots = keys.shape[1], keys.shape[2]
+    hkv = keys.shape[1]
     if d > MAX_HEAD_DIM:
         raise ValueError(f"the kernel takes head dims up to {MAX_HEAD_DIM}, got {d}")
     config = choose_config(d, query.dtype)
@@ -109,11 +132,11 @@ def prefix_received_mass_triton(
     block_d = max(16, triton.next_power_of_2(d))
     grid = (triton.cdiv(slots, config["block_n"]), b * hkv)  # key blocks fastest: a KV head's programs run together
     _mass_kernel[grid](
-        query, keys, lse, mass,
+        query, keys, lse, mass, table_row,
         *query.stride(), *keys.stride(), *lse.stride(), *mass.stride(),
         hkv, tq, slots, int(offset), int(query_stride), float(scaling) * _LOG2E,
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=config["block_n"], BLOCK_M=config["block_m"],
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,  # fp32 stays fp32, not TF32
+        PAGE=int(page), DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,  # fp32 stays fp32, not TF32
         # Triton's interpreter (the only way to run on CPU tensors) multiplies bf16 as raw integers
         UPCAST_DOT=query.dtype == torch.bfloat16 and not query.is_cuda,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
@@ -134,13 +157,15 @@ def choose_config(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
     return {"block_n": 128, "block_m": 64, "num_warps": 4, "num_stages": 3}
 
 
-def _check(query: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor | None, offset: int, stride: int = 1) -> None:
-    """Validates shapes and dtypes (`lse` None: the log-sum-exps are what is being computed)."""
+def _check(query: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor | None, offset: int, stride: int = 1,
+           slots: int | None = None) -> None:  # fmt: skip
+    """Validates shapes and dtypes (`lse` None: the log-sum-exps are what is being computed;
+    `slots`: the positions the keys hold where they are a paged cache's, else its length)."""
     if query.dim() != 4 or keys.dim() != 4:
         raise ValueError(f"expected query [B, Hq, Tq, D] and keys [B, Hkv, S, D], got {tuple(query.shape)}, "
                          f"{tuple(keys.shape)}")  # fmt: skip
     b, hq, tq, d = query.shape
-    hkv, slots = keys.shape[1], keys.shape[2]
+    hkv, slots = keys.shape[1], keys.shape[2] if slots is None else slots
     if keys.shape[0] != b or keys.shape[3] != d or hq % hkv:
         raise ValueError(f"query {tuple(query.shape)} does not fit keys {tuple(keys.shape)} (GQA needs Hq % Hkv == 0)")
     if keys.dtype != query.dtype:
@@ -154,19 +179,19 @@ def _check(query: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor | None, of
 
 @jit(do_not_specialize=_MASS_PER_CHUNK)
 def _mass_kernel(
-    q_ptr, k_ptr, lse_ptr, out_ptr,
+    q_ptr, k_ptr, lse_ptr, out_ptr, table_ptr,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_lb, stride_lh, stride_lt,
     stride_ob, stride_oh, stride_os,
     num_kv_heads, num_queries, num_slots, offset, query_stride, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):  # fmt: skip
     """One block of keys of one (batch row, KV head): the mass its slots receive from the group's
     queries. Query `i` sees slot `j` iff `j <= offset + i * query_stride`; query blocks wholly
     before the key block are skipped, those crossing the diagonal masked, the rest summed without
-    a mask."""
+    a mask. `PAGE` > 0: position `j`'s key is at physical slot `table[j // PAGE] * PAGE + j % PAGE`."""
     bh = tl.program_id(1).to(tl.int64)  # 64-bit: batch/head offsets into a large cache overflow int32
     b = bh // num_kv_heads
     h = bh % num_kv_heads
@@ -176,7 +201,11 @@ def _mass_kernel(
     k_mask = (j < num_slots)[:, None]
     if BLOCK_D != HEAD_DIM:
         k_mask = k_mask & (d < HEAD_DIM)[None, :]
-    k = tl.load(k_ptr + b * stride_kb + h * stride_kh + j[:, None] * stride_ks + d[None, :] * stride_kd,
+    if PAGE > 0:  # 64-bit: a physical slot times its stride overflows int32 in a large cache
+        row = tl.load(table_ptr + j // PAGE, mask=j < num_slots, other=0).to(tl.int64) * PAGE + j % PAGE
+    else:
+        row = j
+    k = tl.load(k_ptr + b * stride_kb + h * stride_kh + row[:, None] * stride_ks + d[None, :] * stride_kd,
                 mask=k_mask, other=0.0)  # fmt: skip
     if UPCAST_DOT:
         k = k.to(tl.float32)

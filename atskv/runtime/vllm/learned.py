@@ -222,13 +222,11 @@ class PagedLearned(PagedSelector):
         if chunk.layer not in self.managed:
             raise InputError(f"atskv: layer {chunk.layer} reads sparsely but the predictor manages layers "
                              f"{list(self.managed)}; set dense_layers to match it")  # fmt: skip
-        if not (chunk.last or self.scores_mass):  # a list ranked now would be ranked again before any decode
-            return  # reads it, and there is no mass to add
-        keys, length = chunk.keys(), chunk.length
         if self.scores_mass:
-            mass = state.add_prompt_mass(chunk_mass(chunk, keys, self.prompt_sample), chunk.queries.shape[0], chunk)
-        if not chunk.last:
+            mass = state.add_prompt_mass(chunk_mass(chunk, self.prompt_sample), chunk.queries.shape[0], chunk)
+        if not chunk.last:  # a list ranked now would be ranked again before any decode reads it
             return
+        keys, length = chunk.keys(), chunk.length
         heads, index = keys.shape[0], self.managed[chunk.layer]
         attention = prev = None  # the columns the predictor does not read (zeros)
         if self.scores_mass:  # the mean over the group's heads and the queries that could see each token

@@ -231,7 +231,7 @@ class PagedH2O(PagedSelector):
     def observe_prompt(self, state: KeptLists, chunk: PromptChunk) -> None:
         """One request's chunk: its queries' mass on every token so far, added; the list rebuilt
         (at the prompt's last chunk, where that is known)."""
-        mass = state.add_prompt_mass(chunk_mass(chunk, chunk.keys(), self.prompt_sample), chunk.queries.shape[0], chunk)
+        mass = state.add_prompt_mass(chunk_mass(chunk, self.prompt_sample), chunk.queries.shape[0], chunk)
         if chunk.last:
             state.keep_top(mass, chunk, self.recent_fraction)
 
