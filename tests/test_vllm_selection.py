@@ -561,7 +561,7 @@ def test_the_builders_see_the_prompt_lengths_and_requests_of_the_batch_each_runn
 
 @pytest.mark.parametrize("last_known, compact", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("budget", [0.25, 20, 3, 500])
-def test_paged_snapkv_reads_what_snapkv_keeps(budget, last_known, compact, monkeypatch):
+def test_paged_snapkv_reads_what_snapkv_keeps(budget, last_known, compact):
     """Prompts scored chunk by chunk (the last chunk's ranking stands; `last_known`: only the last
     one ranks, as with atskv's worker), then decode queries with 3 tokens generated: each reads
     exactly the tokens atskv's snapkv keeps at that context (scores from the prompt's last queries,
@@ -569,12 +569,10 @@ def test_paged_snapkv_reads_what_snapkv_keeps(budget, last_known, compact, monke
     the best-ranked tokens move to each request's first slots where its prompt ends and the
     blocks `unread_blocks` names are filled with NaN: each read slot holds the key of a token
     snapkv keeps (told by content), and together they are that set."""
-    from atskv.runtime.vllm import prompt_ranks
     from atskv.runtime.vllm.selection import PagedSnapKV, slot_view
     from atskv.selectors.base import LayerView, select_top_budget
     from atskv.selectors.snapkv import window_votes
 
-    monkeypatch.setattr(prompt_ranks, "KEYS_PER_PASS", 40)  # several passes over the longer prompts
     generator = torch.Generator().manual_seed(3)
     lengths, generated, chunk = [37, 100, 16, 161], 3, 23
     cache = PagedCache(lengths, width=12, generator=generator)
@@ -649,6 +647,29 @@ def test_a_prompt_chunks_mass_uses_the_log_sum_exps_it_is_given(cache):
     torch.testing.assert_close(halved, own / 2, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [5, 80])
+def test_window_votes_take_the_log_sum_exps_they_are_given(cache, window):
+    """SnapKV's votes (`window_votes`) are the received mass of the chunk's last `window` queries
+    (all of them when it has fewer), max-pooled: with FlashAttention's log-sum-exps they equal
+    the votes of their own pass, and larger log-sum-exps scale them down."""
+    from atskv.runtime.vllm.prompt_ranks import window_votes
+    from atskv.runtime.vllm.selection import slot_view
+
+    r, start, stop = 3, 100, 161
+    queries = torch.randn(stop - start, HQ, D, generator=torch.Generator().manual_seed(window))
+    key_slots = slot_view(cache.split()[0], 1)[0]
+    lse = causal_lse(queries, cache.keys[r][:stop])
+    own = window_votes(PromptChunk(queries, key_slots, cache.block_table[r], stop, BLOCK, D**-0.5, 0.5), window, 1)
+    given = window_votes(PromptChunk(queries, key_slots, cache.block_table[r], stop, BLOCK, D**-0.5, 0.5, lse=lse),
+                         window, 1)  # fmt: skip
+    torch.testing.assert_close(given, own, rtol=1e-4, atol=1e-5)
+    w = min(window, stop - start)
+    assert own.sum().item() == pytest.approx(w * HQ, rel=1e-4), "each window query's probabilities sum to 1"
+    halved = window_votes(PromptChunk(queries, key_slots, cache.block_table[r], stop, BLOCK, D**-0.5, 0.5,
+                                      lse=lse + math.log(2)), window, 1)  # fmt: skip
+    torch.testing.assert_close(halved, own / 2, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("sample", [2, 7, 61])
 def test_a_sampled_prompt_mass_is_every_strideth_querys_times_the_stride(cache, sample):
     """`prompt_sample`: the mass of every s-th query of the chunk, the chunk's last among them, times s."""
@@ -661,6 +682,8 @@ def test_a_sampled_prompt_mass_is_every_strideth_querys_times_the_stride(cache, 
     lse = causal_lse(queries, cache.keys[r][:stop])
     chunk = PromptChunk(queries, key_slots, cache.block_table[r], stop, BLOCK, D**-0.5, 0.5, lse=lse)
     got = chunk_mass(chunk, sample)
+    own = chunk_mass(PromptChunk(queries, key_slots, cache.block_table[r], stop, BLOCK, D**-0.5, 0.5), sample)
+    torch.testing.assert_close(own, got, rtol=1e-4, atol=1e-5)  # the log-sum-exps of its own pass: the same
     sampled = torch.arange(stop - start).flip(0)[::sample].flip(0)  # the chunk's last query, then every s-th back
     logits = torch.einsum("nhd,lhd->hnl", queries, cache.keys[r][:stop].repeat_interleave(HQ // HKV, dim=1))
     sees = torch.arange(stop) <= (start + torch.arange(stop - start)).view(-1, 1)
@@ -857,7 +880,7 @@ def test_paged_learned_reads_what_the_learned_selector_keeps(budget, window_shar
     without = ("hidden_norm", "token_type") + (() if received else learned.RECEIVED)
     selector = PagedLearned(predictor=engine_ready_predictor(tmp_path / "predictor", layers, without),
                             window_share=window_share, window=2)  # fmt: skip
-    assert selector.takes_prompt_lse == received
+    assert selector.takes_prompt_lse == (received or window_share > 0)  # the mass, or the window's votes
     if not received:
         monkeypatch.setattr(learned, "chunk_mass", None)  # called, it would fail
     generator, cache, prompts = decoding_requests(seed=7)

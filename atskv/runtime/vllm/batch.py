@@ -16,6 +16,7 @@ from collections.abc import Callable, Collection
 import torch
 
 from atskv.kernels.paged import physical_slots
+from atskv.kernels.received_mass import paged_received_mass, prefix_lse
 
 
 def prefill_share(metadata, decodes: int):
@@ -225,3 +226,23 @@ class PromptChunk:
     def keys(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """The request's keys `[Hkv, stop - start, D]` (to `length` by default)."""
         return self.key_slots[:, self.slots(start, self.length if stop is None else stop)]
+
+    def received_mass(self, picked: slice) -> torch.Tensor:
+        """`[Hkv, length]` float32: the attention the chunk's queries `picked` (a slice, any step)
+        give each of the request's tokens so far, summed over them and the group's heads. The
+        received-mass kernel reads the keys through the block table (`paged_received_mass`), given
+        the queries' log-sum-exps: FlashAttention's where the backend kept them (`lse`), else a
+        logits-only pass of their own over the keys gathered (`prefix_lse`; for the picked queries
+        alone where they are consecutive, as a window is)."""
+        n, length = self.queries.shape[0], self.length
+        first, _, step = picked.indices(n)
+        q = self.queries.transpose(0, 1).unsqueeze(0)
+        if self.lse is not None:
+            lse = self.lse[None, :, picked]
+        elif step == 1:
+            lse = prefix_lse(q[:, :, picked], self.keys().unsqueeze(0), length - n + first, self.scaling)
+        else:
+            lse = prefix_lse(q, self.keys().unsqueeze(0), length - n, self.scaling)[:, :, picked]
+        mass = paged_received_mass(q[:, :, picked], self.key_slots, self.table_row, self.block_size, length, lse,
+                                   length - n + first, self.scaling, step)  # fmt: skip
+        return mass[0]

@@ -29,7 +29,6 @@ import torch
 from atskv.attention import sampled_queries
 from atskv.kernels.budget import kept_count
 from atskv.kernels.kept_lists import NOT_MOVED, add_list_values, kept_list_step
-from atskv.kernels.received_mass import paged_received_mass, prefix_lse
 from atskv.runtime.vllm.batch import PromptChunk, prompt_end
 from atskv.runtime.vllm.prompt_ranks import rank_newest_first
 
@@ -161,19 +160,8 @@ def compacted_unread_blocks(processed: int, prompt: int, budget: int | float, bl
 def chunk_mass(chunk: PromptChunk, sample: int = 1) -> torch.Tensor:
     """`[Hkv, L]` float32: the attention mass a prefill chunk's queries `[n, Hq, D]` (positions
     `L - n .. L - 1`, causal) give each of the request's `L` tokens so far, summed over the queries
-    and the group's heads: atskv's received-mass kernel reading the keys through the request's
-    block table (`paged_received_mass`), given the queries' log-sum-exps. Those are
-    FlashAttention's when the backend kept them (`chunk.lse`), else a logits-only pass of their
-    own (`prefix_lse`, over the keys gathered). `sample` s > 1 estimates it from every s-th query
-    (the chunk's last among them) times s: the kernel's pass over the keys costs 1/s, and a token
-    seen by fewer than s queries gets a coarse estimate (`atskv.attention.check_prompt_sample`)."""
-    n, length = chunk.queries.shape[0], chunk.length
-    q = chunk.queries.transpose(0, 1).unsqueeze(0)
-    if chunk.lse is None:
-        lse = prefix_lse(q, chunk.keys().unsqueeze(0), length - n, chunk.scaling)
-    else:
-        lse = chunk.lse.unsqueeze(0)
-    picked = sampled_queries(n, sample)
-    mass = paged_received_mass(q[:, :, picked], chunk.key_slots, chunk.table_row, chunk.block_size, length,
-                               lse[:, :, picked], length - n + picked.start, chunk.scaling, sample)  # fmt: skip
-    return mass[0] * sample
+    and the group's heads (`PromptChunk.received_mass`). `sample` s > 1 estimates it from every
+    s-th query (the chunk's last among them) times s: the kernel's pass over the keys costs 1/s,
+    and a token seen by fewer than s queries gets a coarse estimate
+    (`atskv.attention.check_prompt_sample`)."""
+    return chunk.received_mass(sampled_queries(chunk.queries.shape[0], sample)) * sample

@@ -186,7 +186,7 @@ class PagedLearned(PagedSelector):
         self.reads_mass = self.refresh_every > 0  # the refresh's attention feature includes the reads'
         # a predictor fit without the attention received needs no second QK pass over the prompt
         self.scores_mass = self.reads_mass or not self.loaded.mlp.inputs().isdisjoint(RECEIVED)
-        self.takes_prompt_lse = self.scores_mass
+        self.takes_prompt_lse = self.scores_mass or self.window_share > 0  # the mass, or the window's votes
         self.frees_blocks = not self.refresh_every  # a refresh's features read the listed tokens' positions
         self.picks_in_order = bool(self.refresh_every)  # a queue's read set is a function of the length
         self._read = None  # the last pick's positions and counts, for `observe_read`
@@ -256,7 +256,7 @@ class PagedLearned(PagedSelector):
         own queries)."""
         length = chunk.length
         w = min(self.window, chunk.queries.shape[0], length)
-        votes = window_votes(chunk.queries[-w:], chunk.keys, length, chunk.scaling, self.kernel)
+        votes = window_votes(chunk, self.window, self.kernel)
         votes[:, length - w :] = torch.inf
         return votes.topk(min(math.ceil(self.window_share * kept_count(chunk.budget, length)), length), dim=-1).indices
 

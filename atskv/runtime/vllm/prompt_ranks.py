@@ -24,8 +24,6 @@ from atskv.kernels.budget import kept_count, kept_tokens
 from atskv.kernels.paged import physical_slots
 from atskv.runtime.vllm.batch import PromptChunk, prompt_end
 
-KEYS_PER_PASS = 16384  # keys scored at once: the logits of a 32-query window stay ~64 MB at 8 KV heads
-
 
 @dataclass
 class PromptRanks:
@@ -94,28 +92,13 @@ def compacted_ranking_unread_blocks(processed: int, prompt: int, budget: int | f
     return range(-(-kept_count(budget, prompt + 1) // block_size), max(0, prompt_end(prompt) - window) // block_size)
 
 
-def window_votes(queries: torch.Tensor, keys_at, length: int, scaling: float, kernel: int) -> torch.Tensor:
-    """SnapKV's votes `[Hkv, length]` (float32) for the `length` tokens of one request, from its last
-    `w` queries `[w, Hq, D]` (at positions `length - w .. length - 1`, causal): their attention summed
-    over them and the group's heads, max-pooled over `kernel` neighbours. `keys_at(start, stop)` gives
-    the keys `[Hkv, stop - start, D]` of those positions; they are scored KEYS_PER_PASS at a time in
-    two passes (the softmax's log-sum-exp, then the probabilities), so memory stays bounded at 128K."""
-    w, hq, d = queries.shape
-    first = keys_at(0, min(length, KEYS_PER_PASS))
-    hkv = first.shape[0]
-    q = queries.float().view(w, hkv, hq // hkv, d).permute(1, 2, 0, 3)  # [Hkv, G, w, D]
-    query_at = torch.arange(length - w, length, device=queries.device).view(1, 1, w, 1)
-
-    def logits(start: int, stop: int, keys: torch.Tensor | None = None) -> torch.Tensor:
-        keys = keys_at(start, stop) if keys is None else keys
-        scores = q @ keys.float().transpose(-1, -2).unsqueeze(1) * scaling  # [Hkv, G, w, n]
-        key_at = torch.arange(start, stop, device=queries.device).view(1, 1, 1, -1)
-        return scores.masked_fill(key_at > query_at, -torch.inf)
-
-    spans = [(s, min(length, s + KEYS_PER_PASS)) for s in range(0, length, KEYS_PER_PASS)]
-    lse = torch.stack([logits(s, e, first if s == 0 else None).logsumexp(-1) for s, e in spans]).logsumexp(0)
-    votes = torch.cat([(logits(s, e, first if s == 0 else None) - lse.unsqueeze(-1)).exp().sum(dim=(1, 2))
-                       for s, e in spans], dim=-1)  # fmt: skip
+def window_votes(chunk: PromptChunk, window: int, kernel: int) -> torch.Tensor:
+    """SnapKV's votes `[Hkv, length]` (float32) for the `length` tokens of one request, from its
+    chunk's last `w = min(window, n)` queries (at positions `length - w .. length - 1`, causal):
+    their attention summed over them and the group's heads (the received mass of those queries,
+    `PromptChunk.received_mass`: the keys read in place), max-pooled over `kernel` neighbours."""
+    n = chunk.queries.shape[0]
+    votes = chunk.received_mass(slice(n - min(window, n), n))
     return F.max_pool1d(votes.unsqueeze(1), kernel, stride=1, padding=kernel // 2).squeeze(1)
 
 

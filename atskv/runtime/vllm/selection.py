@@ -172,6 +172,7 @@ class PagedSnapKV(PagedSelector):
     name: ClassVar[str] = "snapkv"
     keeps_state: ClassVar[bool] = True
     scores_prompt: ClassVar[bool] = True
+    takes_prompt_lse: ClassVar[bool] = True  # the window's votes: its queries' received mass (`window_votes`)
     frees_blocks: ClassVar[bool] = True  # its best-ranked tokens compacted at the prompt's end (`PromptRanks.compact`)
     window: int = 32
     kernel: int = 7
@@ -187,7 +188,7 @@ class PagedSnapKV(PagedSelector):
             return
         length = chunk.length
         w = min(self.window, chunk.queries.shape[0], length)
-        votes = window_votes(chunk.queries[-w:], chunk.keys, length, chunk.scaling, self.kernel)
+        votes = window_votes(chunk, self.window, self.kernel)
         order = rank_newest_first(votes[:, : length - w])
         state.store(chunk.table_row, chunk.block_size, order, length - w)
         if chunk.compact:
