@@ -11,7 +11,7 @@ import torch
 
 from atskv.features import feature_columns
 from atskv.kernels.listed_refresh import fold_mlp
-from atskv.kernels.prompt_scores import prompt_scores_reference, prompt_scores_triton
+from atskv.kernels.prompt_scores import paged_prompt_scores, prompt_scores_reference, prompt_scores_triton
 
 HKV = 3  # the KV heads of `engine_mlp` (the SmolLM2 shape)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -53,3 +53,27 @@ def test_the_kernel_scores_a_prompt_as_its_reference(engine_mlp, length, dim, re
     for layer in (0, 1):
         got = prompt_scores_triton(*args, folded, layer)
         torch.testing.assert_close(got, prompt_scores_reference(*args, folded, layer), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("length", [1, 45])
+def test_paged_keys_read_through_the_block_table_score_as_the_gathered_keys(engine_mlp, length):
+    """`paged_prompt_scores`: a request's keys scattered over a paged cache's shuffled blocks (vLLM's
+    `[Hkv, num_slots, D]` slot view, its last block partly filled) score, through the kernel reading
+    the block table and through the gathering reference, as the keys in order do."""
+    block, dim = 8, 64
+    keys, attention, previous = inputs(length, dim, seed=length)
+    g = torch.Generator().manual_seed(length)
+    blocks = -(-length // block)
+    table = torch.randperm(3 * blocks, generator=g)[:blocks].to(torch.int32)
+    cache = torch.randn(3 * blocks, block, HKV, dim, generator=g)  # the unused slots are noise
+    position = torch.arange(length)
+    cache[table[position // block].long(), position % block] = keys.transpose(0, 1)
+    key_slots = cache.flatten(0, 1).transpose(0, 1)  # [Hkv, num_slots, D]
+    folded = fold_mlp(engine_mlp)
+    want = prompt_scores_reference(attention, previous, keys, folded, 1)
+    torch.testing.assert_close(paged_prompt_scores(attention, previous, key_slots, table, block, length, folded, 1),
+                               want, rtol=1e-5, atol=1e-5)  # fmt: skip
+    on = fold_mlp(engine_mlp.to(DEVICE))
+    got = prompt_scores_triton(attention.to(DEVICE), previous.to(DEVICE), key_slots.to(DEVICE), on, 1,
+                               table=(table.to(DEVICE), block, length)).cpu()  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

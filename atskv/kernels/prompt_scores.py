@@ -29,6 +29,20 @@ def prompt_scores(attention: torch.Tensor | None, previous: torch.Tensor | None,
     return prompt_scores_reference(attention, previous, keys, mlp, layer)
 
 
+def paged_prompt_scores(attention: torch.Tensor | None, previous: torch.Tensor | None, key_slots: torch.Tensor,
+                        table_row: torch.Tensor, block_size: int, length: int, mlp: FoldedMLP,
+                        layer: int) -> torch.Tensor:  # fmt: skip
+    """`prompt_scores` of one request's `length` tokens whose keys lie in a paged cache:
+    `key_slots` `[Hkv, num_slots, D]` by physical slot, position `p` at slot
+    `table_row[p // block_size] * block_size + p % block_size`. The kernel reads the keys through
+    the table (a gathered copy took half the ranking's time at 32K); the reference gathers them."""
+    if use_triton(key_slots):
+        return prompt_scores_triton(attention, previous, key_slots, mlp, layer, table=(table_row, block_size, length))
+    position = torch.arange(length, device=key_slots.device)
+    slots = table_row[position // block_size].long() * block_size + position % block_size
+    return prompt_scores_reference(attention, previous, key_slots[:, slots], mlp, layer)
+
+
 def prompt_scores_reference(attention, previous, keys, mlp: FoldedMLP, layer: int) -> torch.Tensor:
     heads, length, _ = keys.shape
     position = torch.arange(length, device=keys.device, dtype=torch.float32)
@@ -42,36 +56,42 @@ def prompt_scores_reference(attention, previous, keys, mlp: FoldedMLP, layer: in
     return torch.stack(logits)
 
 
-def prompt_scores_triton(attention, previous, keys, mlp: FoldedMLP, layer: int, block_j: int = 32,
-                         block_h: int = 32) -> torch.Tensor:  # fmt: skip
-    """One program per (KV head, `block_j` positions), `block_h` hidden units at a time."""
+def prompt_scores_triton(attention, previous, keys, mlp: FoldedMLP, layer: int, block_j: int = 32, block_h: int = 32,
+                         table: tuple[torch.Tensor, int, int] | None = None) -> torch.Tensor:  # fmt: skip
+    """One program per (KV head, `block_j` positions), `block_h` hidden units at a time. `table` (a
+    block table row, its block size, the request's length): `keys` are a paged cache's physical
+    slots, read through the row (`paged_prompt_scores`)."""
     if SCALAR_FEATURES != KERNEL_FEATURES:
         raise RuntimeError(f"the prompt kernel computes {KERNEL_FEATURES}, atskv's features are {SCALAR_FEATURES}")
     heads, length, dim = keys.shape
+    table_row, page, length = (keys, 0, length) if table is None else table
     out = torch.empty(heads, length, device=keys.device, dtype=torch.float32)
     hidden = mlp.w.shape[1]
     _prompt_scores_kernel[(heads, triton.cdiv(length, block_j))](
-        out, keys, out if attention is None else attention.float().contiguous(),
+        out, keys, table_row, out if attention is None else attention.float().contiguous(),
         out if previous is None else previous.float().contiguous(), mlp.w, mlp.bias[layer], mlp.w2, mlp.b2,
         float(length - 1), length, hidden, keys.stride(0), keys.stride(1), keys.stride(2),
         ATTENTION=attention is not None, PREVIOUS=previous is not None, D=dim, BLOCK_D=triton.next_power_of_2(dim),
-        BLOCK_J=block_j, BLOCK_H=block_h, num_warps=4,
+        BLOCK_J=block_j, BLOCK_H=block_h, PAGE=int(page), num_warps=4,
     )  # fmt: skip
     return out
 
 
-@jit
+@jit(do_not_specialize=["table_ptr"])  # a block table row's address: aligned or not by the row
 def _prompt_scores_kernel(
-    out_ptr, key_ptr, att_ptr, prev_ptr, w_ptr, bias_ptr, w2_ptr, b2, newest, length, hidden, stride_h, stride_t,
-    stride_d,
+    out_ptr, key_ptr, table_ptr, att_ptr, prev_ptr, w_ptr, bias_ptr, w2_ptr, b2, newest, length, hidden, stride_h,
+    stride_t, stride_d,
     ATTENTION: tl.constexpr, PREVIOUS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_H: tl.constexpr, PAGE: tl.constexpr,
 ):  # fmt: skip
     h = tl.program_id(0).to(tl.int64)
     pos = tl.program_id(1).to(tl.int64) * BLOCK_J + tl.arange(0, BLOCK_J).to(tl.int64)
     valid = pos < length
     d = tl.arange(0, BLOCK_D)
-    key = tl.load(key_ptr + h * stride_h + pos[:, None] * stride_t + d[None, :] * stride_d,
+    row = pos
+    if PAGE > 0:  # position `pos`'s key at physical slot `table[pos // PAGE] * PAGE + pos % PAGE`
+        row = tl.load(table_ptr + pos // PAGE, mask=valid, other=0).to(tl.int64) * PAGE + pos % PAGE
+    key = tl.load(key_ptr + h * stride_h + row[:, None] * stride_t + d[None, :] * stride_d,
                   mask=valid[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)  # fmt: skip
     key_norm = tl.sqrt(tl.sum(key * key, 1))
     attention = tl.zeros([BLOCK_J], tl.float32)

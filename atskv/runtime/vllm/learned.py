@@ -43,7 +43,7 @@ from atskv.kernels.kept_lists import by_head
 from atskv.kernels.list_queue import queue_read
 from atskv.kernels.listed_refresh import fold_mlp, refresh_listed_scores
 from atskv.kernels.paged import physical_slots
-from atskv.kernels.prompt_scores import prompt_scores
+from atskv.kernels.prompt_scores import paged_prompt_scores
 from atskv.learned_options import check_refresh_every, check_window_share
 from atskv.runtime.vllm.batch import PromptChunk
 from atskv.runtime.vllm.heavy_hitters import KeptLists, chunk_mass, compacted_unread_blocks
@@ -226,17 +226,18 @@ class PagedLearned(PagedSelector):
             mass = state.add_prompt_mass(chunk_mass(chunk, self.prompt_sample), chunk.queries.shape[0], chunk)
         if not chunk.last:  # a list ranked now would be ranked again before any decode reads it
             return
-        keys, length = chunk.keys(), chunk.length
-        heads, index = keys.shape[0], self.managed[chunk.layer]
+        length, device = chunk.length, chunk.key_slots.device
+        heads, index = chunk.key_slots.shape[0], self.managed[chunk.layer]
         attention = prev = None  # the columns the predictor does not read (zeros)
         if self.scores_mass:  # the mean over the group's heads and the queries that could see each token
-            position = torch.arange(length, device=keys.device, dtype=torch.float32)
+            position = torch.arange(length, device=device, dtype=torch.float32)
             attention = mass / (chunk.queries.shape[1] // heads) / (length - position)
             previous = chunk.step.get((self.name, chunk.row))  # the layer before's (layer, attention by position)
             if index > 0 and previous is not None and previous[0] < chunk.layer:
                 prev = previous[1]
             chunk.step[(self.name, chunk.row)] = (chunk.layer, attention.mean(0))
-        scores = prompt_scores(attention, prev, keys, self.folded, index)
+        scores = paged_prompt_scores(attention, prev, chunk.key_slots, chunk.table_row, chunk.block_size, length,
+                                     self.folded, index)  # fmt: skip
         if self.window_share > 0:
             pins = self.pinned(chunk)
             scores.scatter_(1, pins, torch.inf)
@@ -247,7 +248,7 @@ class PagedLearned(PagedSelector):
         state.prompt_len[slots[:1]] = length
         state.pinned[slots] = False
         if self.window_share > 0:
-            state.pinned[slots[pins], torch.arange(heads, device=keys.device).view(-1, 1)] = True
+            state.pinned[slots[pins], torch.arange(heads, device=device).view(-1, 1)] = True
         state.keep_top(scores, chunk, recent_fraction=0.0)
 
     def pinned(self, chunk: PromptChunk) -> torch.Tensor:
