@@ -3,7 +3,8 @@ learned selectors run after each chunk's FlashAttention (`observe_prompt`), on a
 cache of the 8B shape (32/8 heads, dim 128, blocks of 16), for one chunk of `--chunk` queries
 ending at each `--lengths` token (the request's length so far), with the chunk's log-sum-exps
 given as FlashAttention returns them. Beside the whole call, its parts: the keys gathered through
-the block table, the received-mass kernel (every query, or every `prompt_sample`-th), and what
+the block table (what the kernels, reading them in place, no longer copy; a chunk without its
+log-sum-exps still does), the received-mass kernel (every query, or every `prompt_sample`-th), and what
 the learned selector adds (features, the predictor over every token so far, the list rebuilt),
 the predictor's kernel alone, and the ranking of a predictor that reads no attention received.
 The time to first token of these selectors is vLLM's prefill plus this, summed over a prompt's
@@ -25,7 +26,7 @@ from triton.testing import do_bench
 
 from atskv.eval.kernel_times import print_kernel_times
 from atskv.eval.vllm_speed import random_engine_predictor
-from atskv.kernels.prompt_scores import prompt_scores
+from atskv.kernels.prompt_scores import paged_prompt_scores
 from atskv.kernels.received_mass import prefix_lse
 from atskv.runtime.vllm.batch import PromptChunk
 from atskv.runtime.vllm.composition import build_paged_selector
@@ -64,8 +65,8 @@ for length in args.lengths:
     unread_state = unread.new_state(blocks, BS, HKV, D, dt, dev)
     attention = torch.rand(HKV, length, device=dev)
     stages |= {
-        "learned: the predictor over the prompt (prompt_scores)": (
-            lambda: prompt_scores(attention, attention[0], keys, unread.folded, 1)),
+        "learned: the predictor over the prompt (paged_prompt_scores)": (
+            lambda: paged_prompt_scores(attention, attention[0], key_slots, table_row, BS, length, unread.folded, 1)),
         "learned without the attention received: observe_prompt": (
             lambda: unread.observe_prompt(unread_state, chunk(None))),
     }  # fmt: skip

@@ -58,6 +58,13 @@ def physical_slots(logical: torch.Tensor, block_table: torch.Tensor, block_size:
     return (block * block_size + logical % block_size).int()
 
 
+def request_slots(table_row: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+    """Physical slots (long) `[length]` of one request's positions `0 .. length - 1`, its block
+    table row `table_row` `[W]` (`physical_slots` for a single request in order)."""
+    positions = torch.arange(length, device=table_row.device).view(1, 1, -1)
+    return physical_slots(positions, table_row.view(1, -1), block_size).view(-1).long()
+
+
 def paged_page_scores(query, low, high, block_table, seq_lens, block_size: int) -> torch.Tensor:
     """Quest bound of every logical page of each request, max-pooled over the GQA group: float32
     `[B, Hkv, W]`, -inf past the request's last page. `query` `[B, Hq, D]` (one decode query per

@@ -17,6 +17,7 @@ import torch
 from atskv.features import SCALAR_FEATURES, feature_columns
 from atskv.kernels.backend import jit, tl, triton, use_triton
 from atskv.kernels.listed_refresh import KERNEL_FEATURES, FoldedMLP, folded_logit
+from atskv.kernels.paged import request_slots
 
 
 def prompt_scores(attention: torch.Tensor | None, previous: torch.Tensor | None, keys: torch.Tensor,
@@ -38,9 +39,8 @@ def paged_prompt_scores(attention: torch.Tensor | None, previous: torch.Tensor |
     the table (a gathered copy took half the ranking's time at 32K); the reference gathers them."""
     if use_triton(key_slots):
         return prompt_scores_triton(attention, previous, key_slots, mlp, layer, table=(table_row, block_size, length))
-    position = torch.arange(length, device=key_slots.device)
-    slots = table_row[position // block_size].long() * block_size + position % block_size
-    return prompt_scores_reference(attention, previous, key_slots[:, slots], mlp, layer)
+    return prompt_scores_reference(attention, previous, key_slots[:, request_slots(table_row, block_size, length)],
+                                   mlp, layer)  # fmt: skip
 
 
 def prompt_scores_reference(attention, previous, keys, mlp: FoldedMLP, layer: int) -> torch.Tensor:

@@ -40,6 +40,7 @@ import torch
 
 from atskv.attention import received_mass
 from atskv.kernels.backend import jit, tl, triton, use_triton
+from atskv.kernels.paged import request_slots
 
 _LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256  # larger head dims take the reference (no model the package supports has one)
@@ -78,10 +79,8 @@ def paged_received_mass(
         table = (table_row, block_size, length)
         return prefix_received_mass_triton(query, key_slots.unsqueeze(0), lse, offset, scaling,
                                            query_stride=query_stride, table=table)  # fmt: skip
-    position = torch.arange(length, device=key_slots.device)
-    slots = table_row[position // block_size].long() * block_size + position % block_size
-    return prefix_received_mass_reference(query, key_slots[:, slots].unsqueeze(0), lse, offset, scaling,
-                                          query_stride=query_stride)  # fmt: skip
+    keys = key_slots[:, request_slots(table_row, block_size, length)].unsqueeze(0)
+    return prefix_received_mass_reference(query, keys, lse, offset, scaling, query_stride=query_stride)
 
 
 def prefix_received_mass_reference(

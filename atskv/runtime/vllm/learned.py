@@ -257,7 +257,7 @@ class PagedLearned(PagedSelector):
         own queries)."""
         length = chunk.length
         w = min(self.window, chunk.queries.shape[0], length)
-        votes = window_votes(chunk, self.window, self.kernel)
+        votes = window_votes(chunk, w, self.kernel)
         votes[:, length - w :] = torch.inf
         return votes.topk(min(math.ceil(self.window_share * kept_count(chunk.budget, length)), length), dim=-1).indices
 

@@ -92,13 +92,13 @@ def compacted_ranking_unread_blocks(processed: int, prompt: int, budget: int | f
     return range(-(-kept_count(budget, prompt + 1) // block_size), max(0, prompt_end(prompt) - window) // block_size)
 
 
-def window_votes(chunk: PromptChunk, window: int, kernel: int) -> torch.Tensor:
+def window_votes(chunk: PromptChunk, w: int, kernel: int) -> torch.Tensor:
     """SnapKV's votes `[Hkv, length]` (float32) for the `length` tokens of one request, from its
-    chunk's last `w = min(window, n)` queries (at positions `length - w .. length - 1`, causal):
-    their attention summed over them and the group's heads (the received mass of those queries,
+    chunk's last `w` queries (at positions `length - w .. length - 1`, causal): their attention
+    summed over them and the group's heads (the received mass of those queries,
     `PromptChunk.received_mass`: the keys read in place), max-pooled over `kernel` neighbours."""
     n = chunk.queries.shape[0]
-    votes = chunk.received_mass(slice(n - min(window, n), n))
+    votes = chunk.received_mass(slice(n - w, n))
     return F.max_pool1d(votes.unsqueeze(1), kernel, stride=1, padding=kernel // 2).squeeze(1)
 
 

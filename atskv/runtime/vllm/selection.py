@@ -188,7 +188,7 @@ class PagedSnapKV(PagedSelector):
             return
         length = chunk.length
         w = min(self.window, chunk.queries.shape[0], length)
-        votes = window_votes(chunk, self.window, self.kernel)
+        votes = window_votes(chunk, w, self.kernel)
         order = rank_newest_first(votes[:, : length - w])
         state.store(chunk.table_row, chunk.block_size, order, length - w)
         if chunk.compact:
