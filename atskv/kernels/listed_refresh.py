@@ -147,10 +147,11 @@ def folded_logit(attention, pos, newest, key_norm, prev, w_ptr, bias_ptr, w2_ptr
     """`FoldedMLP`'s logits `[BLOCK_J]` of tokens at positions `pos` (int64) against `newest`, from
     their attention received, key norm and previous layer's attention (`feature_columns`'
     definitions; the hidden-state norm 0), `bias_ptr` at the (layer, KV head)'s bias row,
-    `BLOCK_H` hidden units at a time."""
+    `BLOCK_H` hidden units at a time, each unit's share of the output summed across them once, at
+    the end (a sum over the units every step cost a cross-thread reduction each)."""
     position = pos.to(tl.float32) / tl.maximum(newest, 1.0)
     log_age = tl.log(1.0 + tl.maximum(newest - pos.to(tl.float32), 0.0))
-    logit = tl.zeros([BLOCK_J], tl.float32) + b2
+    shares = tl.zeros([BLOCK_J, BLOCK_H], tl.float32)
     for start in range(0, hidden, BLOCK_H):
         u = start + tl.arange(0, BLOCK_H)
         used = u < hidden
@@ -161,8 +162,8 @@ def folded_logit(attention, pos, newest, key_norm, prev, w_ptr, bias_ptr, w2_ptr
         acc += log_age[:, None] * tl.load(w_ptr + 2 * hidden + u, mask=used, other=0.0)[None, :]
         acc += key_norm[:, None] * tl.load(w_ptr + 4 * hidden + u, mask=used, other=0.0)[None, :]
         acc += prev[:, None] * tl.load(w_ptr + 5 * hidden + u, mask=used, other=0.0)[None, :]
-        logit += tl.sum(tl.maximum(acc, 0.0) * tl.load(w2_ptr + u, mask=used, other=0.0)[None, :], 1)
-    return logit
+        shares += tl.maximum(acc, 0.0) * tl.load(w2_ptr + u, mask=used, other=0.0)[None, :]
+    return tl.sum(shares, 1) + b2
 
 
 @jit

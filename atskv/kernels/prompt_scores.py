@@ -56,11 +56,14 @@ def prompt_scores_reference(attention, previous, keys, mlp: FoldedMLP, layer: in
     return torch.stack(logits)
 
 
-def prompt_scores_triton(attention, previous, keys, mlp: FoldedMLP, layer: int, block_j: int = 32, block_h: int = 32,
-                         table: tuple[torch.Tensor, int, int] | None = None) -> torch.Tensor:  # fmt: skip
-    """One program per (KV head, `block_j` positions), `block_h` hidden units at a time. `table` (a
-    block table row, its block size, the request's length): `keys` are a paged cache's physical
-    slots, read through the row (`paged_prompt_scores`)."""
+def prompt_scores_triton(
+    attention, previous, keys, mlp: FoldedMLP, layer: int, block_j: int = 32, block_h: int = 32,
+    table: tuple[torch.Tensor, int, int] | None = None, num_warps: int = 4,
+) -> torch.Tensor:  # fmt: skip
+    """One program per (KV head, `block_j` positions), `block_h` hidden units at a time (the tile
+    and `num_warps` untuned: `benchmarks/vllm_prompt_profile.py --sweep` times the others).
+    `table` (a block table row, its block size, the request's length): `keys` are a paged cache's
+    physical slots, read through the row (`paged_prompt_scores`)."""
     if SCALAR_FEATURES != KERNEL_FEATURES:
         raise RuntimeError(f"the prompt kernel computes {KERNEL_FEATURES}, atskv's features are {SCALAR_FEATURES}")
     heads, length, dim = keys.shape
@@ -72,7 +75,7 @@ def prompt_scores_triton(attention, previous, keys, mlp: FoldedMLP, layer: int, 
         out if previous is None else previous.float().contiguous(), mlp.w, mlp.bias[layer], mlp.w2, mlp.b2,
         float(length - 1), length, hidden, keys.stride(0), keys.stride(1), keys.stride(2),
         ATTENTION=attention is not None, PREVIOUS=previous is not None, D=dim, BLOCK_D=triton.next_power_of_2(dim),
-        BLOCK_J=block_j, BLOCK_H=block_h, PAGE=int(page), num_warps=4,
+        BLOCK_J=block_j, BLOCK_H=block_h, PAGE=int(page), num_warps=num_warps,
     )  # fmt: skip
     return out
 
