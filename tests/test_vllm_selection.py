@@ -669,6 +669,23 @@ def test_window_votes_take_the_log_sum_exps_they_are_given(cache, w):
     torch.testing.assert_close(halved, own / 2, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_top_count_ranks_as_the_whole_ranking_begins(seed):
+    """`top_newest_first` (a top-k over one key a token) gives the first `count` positions of
+    `rank_newest_first` (a stable sort of every token), ties to the newer token: on votes with
+    plateaus, infinities, signed zeros and subnormals, at every count up to past the length."""
+    from atskv.runtime.vllm.prompt_ranks import rank_newest_first, top_newest_first
+
+    g = torch.Generator().manual_seed(seed)
+    votes = torch.randn(3, 97, generator=g).round()  # plateaus
+    special = torch.tensor([math.inf, -math.inf, -0.0, 0.0, -1e-40, 1e-40, 0.5])
+    at = torch.rand(3, 97, generator=g) < 0.3
+    votes[at] = special[torch.randint(len(special), (int(at.sum()),), generator=g)]
+    whole = rank_newest_first(votes)
+    for count in range(0, 100, 7):
+        assert torch.equal(top_newest_first(votes, count), whole[:, :count])
+
+
 @pytest.mark.parametrize("sample", [2, 7, 61])
 def test_a_sampled_prompt_mass_is_every_strideth_querys_times_the_stride(cache, sample):
     """`prompt_sample`: the mass of every s-th query of the chunk, the chunk's last among them, times s."""

@@ -30,7 +30,7 @@ from atskv.attention import sampled_queries
 from atskv.kernels.budget import kept_count
 from atskv.kernels.kept_lists import NOT_MOVED, add_list_values, kept_list_step
 from atskv.runtime.vllm.batch import PromptChunk, prompt_end
-from atskv.runtime.vllm.prompt_ranks import rank_newest_first
+from atskv.runtime.vllm.prompt_ranks import top_newest_first
 
 
 @dataclass
@@ -75,7 +75,7 @@ class KeptLists:
         count = kept_count(chunk.budget, length)
         window = recent_window(count, recent_fraction)
         recent = torch.arange(length, device=values.device) > length - 1 - window
-        order = rank_newest_first(torch.where(recent, torch.inf, values))[:, :count]  # [Hkv, count]
+        order = top_newest_first(torch.where(recent, torch.inf, values), count)  # [Hkv, count]
         at = chunk.slots(0, count)
         self.kept[at] = order.t().int()
         self.kept_value[at] = values.gather(1, order).t()
