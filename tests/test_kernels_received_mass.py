@@ -120,6 +120,21 @@ def test_paged_keys_read_through_the_block_table_give_the_gathered_keys_mass(str
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads", [2, 4])
+@pytest.mark.parametrize(("offset", "stride"), [(0, 1), (37, 1), (37, 3)])
+def test_several_heads_a_step_give_the_mass_of_one_head_a_step(heads, offset, stride):
+    """`heads_per_step`: each step's tile holds `block_m` queries of each of several heads of the
+    group (the diagonal's masks, sampled queries and partial query blocks included), as the
+    reference gives; a count that is no power of two dividing the group is refused."""
+    query, keys, lse, scaling = make_chunk(2, 2, 4, 32, 44 * stride + 1, offset, spare=5, seed=heads, device=DEVICE)
+    args = (query[:, :, ::stride], keys, lse[:, :, ::stride], offset, scaling)  # 45 queries, `stride` apart
+    expected = prefix_received_mass_reference(*args, query_stride=stride)
+    out = prefix_received_mass_triton(*args, query_stride=stride, heads_per_step=heads, **SMALL_BLOCKS)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="heads_per_step"):
+        prefix_received_mass_triton(*args, query_stride=stride, heads_per_step=3, **SMALL_BLOCKS)
+
+
 def test_triton_on_views_that_start_past_a_rows_padding():
     """A left-padded row's real part (`causal_mass_from`): the queries from the first real one and
     the keys from the first real slot, views into the chunk's tensors, as the reference gives."""

@@ -106,13 +106,15 @@ def prefix_received_mass_reference(
 def prefix_received_mass_triton(
     query: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, offset: int, scaling: float, *,
     query_stride: int = 1, table: tuple[torch.Tensor, int, int] | None = None, block_n: int | None = None,
-    block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+    block_m: int | None = None, heads_per_step: int | None = None, num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The Triton kernel. `table` (a block table row, its block size, the request's length): the
     keys `[1, Hkv, num_slots, D]` are a paged cache's physical slots, read through the row
     (`paged_received_mass`). `block_n` (keys per program), `block_m` (queries per step),
-    `num_warps` and `num_stages` override `choose_config`, to cover several blocks in tests or to
-    tune on a GPU."""
+    `heads_per_step` (the group's heads whose `block_m` queries share a step: a power of two that
+    divides the group), `num_warps` and `num_stages` override `choose_config`, to cover several
+    blocks in tests or to tune on a GPU."""
     if triton is None:
         raise RuntimeError("the received-mass kernel needs Triton (pip install 'atskv[gpu]' or 'atskv[test]')")
     table_row, page, slots = (keys, 0, keys.shape[2]) if table is None else table
@@ -122,8 +124,12 @@ def prefix_received_mass_triton(
     if d > MAX_HEAD_DIM:
         raise ValueError(f"the kernel takes head dims up to {MAX_HEAD_DIM}, got {d}")
     config = choose_config(d, query.dtype)
-    overrides = {"block_n": block_n, "block_m": block_m, "num_warps": num_warps, "num_stages": num_stages}
+    overrides = {"block_n": block_n, "block_m": block_m, "heads_per_step": heads_per_step, "num_warps": num_warps,
+                 "num_stages": num_stages}  # fmt: skip
     config.update({key: value for key, value in overrides.items() if value is not None})
+    heads = config["heads_per_step"]
+    if heads < 1 or heads & (heads - 1) or (hq // hkv) % heads:
+        raise ValueError(f"heads_per_step must be a power of two dividing the group of {hq // hkv}, got {heads}")
     lse = lse.float()
     mass = torch.empty(b, hkv, slots, dtype=torch.float32, device=keys.device)
     if slots == 0:
@@ -134,7 +140,8 @@ def prefix_received_mass_triton(
         query, keys, lse, mass, table_row,
         *query.stride(), *keys.stride(), *lse.stride(), *mass.stride(),
         hkv, tq, slots, int(offset), int(query_stride), float(scaling) * _LOG2E,
-        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=config["block_n"], BLOCK_M=config["block_m"],
+        GROUP=hq // hkv, HEADS=heads, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=config["block_n"],
+        BLOCK_M=config["block_m"],
         PAGE=int(page), DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,  # fp32 stays fp32, not TF32
         # Triton's interpreter (the only way to run on CPU tensors) multiplies bf16 as raw integers
         UPCAST_DOT=query.dtype == torch.bfloat16 and not query.is_cuda,
@@ -147,13 +154,15 @@ def choose_config(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
     """Block sizes and launch options. 16-bit inputs: 128 keys per program (their tile, 32 KB at
     D = 128, stays on chip for the whole walk) against 64 queries per step, 4 warps (the best of a
     sweep of 36 settings at the 8B shape, tuned on an H200, see docs/results/kernel-notes.md); half
-    the keys and 8 warps at D > 128 (not swept).
+    the keys and 8 warps at D > 128 (not swept). One head's queries a step (`heads_per_step`
+    above 1, untimed, is swept by `benchmarks/vllm_prompt_profile.py --sweep`).
     float32 (tests, not a GPU target) uses smaller tiles."""
     if dtype == torch.float32:
-        return {"block_n": 64 if head_dim <= 128 else 32, "block_m": 32, "num_warps": 4, "num_stages": 2}
+        return {"block_n": 64 if head_dim <= 128 else 32, "block_m": 32, "heads_per_step": 1, "num_warps": 4,
+                "num_stages": 2}  # fmt: skip
     if head_dim > 128:
-        return {"block_n": 64, "block_m": 64, "num_warps": 8, "num_stages": 3}
-    return {"block_n": 128, "block_m": 64, "num_warps": 4, "num_stages": 3}
+        return {"block_n": 64, "block_m": 64, "heads_per_step": 1, "num_warps": 8, "num_stages": 3}
+    return {"block_n": 128, "block_m": 64, "heads_per_step": 1, "num_warps": 4, "num_stages": 3}
 
 
 def _check(query: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor | None, offset: int, stride: int = 1,
@@ -184,13 +193,14 @@ def _mass_kernel(
     stride_lb, stride_lh, stride_lt,
     stride_ob, stride_oh, stride_os,
     num_kv_heads, num_queries, num_slots, offset, query_stride, qk_scale,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):  # fmt: skip
     """One block of keys of one (batch row, KV head): the mass its slots receive from the group's
-    queries. Query `i` sees slot `j` iff `j <= offset + i * query_stride`; query blocks wholly
-    before the key block are skipped, those crossing the diagonal masked, the rest summed without
-    a mask. `PAGE` > 0: position `j`'s key is at physical slot `table[j // PAGE] * PAGE + j % PAGE`."""
+    queries, a step's tile holding `BLOCK_M` queries of each of `HEADS` heads of the group. Query
+    `i` sees slot `j` iff `j <= offset + i * query_stride`; query blocks wholly before the key
+    block are skipped, those crossing the diagonal masked, the rest summed without a mask.
+    `PAGE` > 0: position `j`'s key is at physical slot `table[j // PAGE] * PAGE + j % PAGE`."""
     bh = tl.program_id(1).to(tl.int64)  # 64-bit: batch/head offsets into a large cache overflow int32
     b = bh // num_kv_heads
     h = bh % num_kv_heads
@@ -216,34 +226,38 @@ def _mass_kernel(
     first = tl.minimum(tl.maximum(start - offset, 0) // query_stride // BLOCK_M, blocks)
     full = tl.cdiv(tl.maximum(start + BLOCK_N - 1 - offset, 0), query_stride * BLOCK_M)
     full = tl.minimum(tl.maximum(full, first), blocks)
+    tile = tl.arange(0, HEADS * BLOCK_M)  # a step's columns: (head of the step, query of the block)
     mass = tl.zeros([BLOCK_N], tl.float32)
-    for g in range(GROUP):
+    for g in range(0, GROUP, HEADS):
+        heads = g + tile // BLOCK_M
+        q_heads, lse_heads = q_row + heads * stride_qh, lse_row + heads * stride_lh
         for m in range(first, full):
-            i = m * BLOCK_M + tl.arange(0, BLOCK_M)
-            p = _probs(q_row + g * stride_qh, lse_row + g * stride_lh, k, i, d, stride_qt, stride_qd, stride_lt,
-                       num_queries, qk_scale, HEAD_DIM, BLOCK_D, DOT_PRECISION, UPCAST_DOT)  # fmt: skip
+            i = m * BLOCK_M + tile % BLOCK_M
+            p = _probs(q_heads, lse_heads, k, i, d, stride_qt, stride_qd, stride_lt, num_queries, qk_scale, HEAD_DIM,
+                       BLOCK_D, DOT_PRECISION, UPCAST_DOT)  # fmt: skip
             mass += tl.sum(tl.where(j[:, None] <= offset + i[None, :] * query_stride, p, 0.0), 1)
         for m in range(full, blocks):
-            i = m * BLOCK_M + tl.arange(0, BLOCK_M)
-            p = _probs(q_row + g * stride_qh, lse_row + g * stride_lh, k, i, d, stride_qt, stride_qd, stride_lt,
-                       num_queries, qk_scale, HEAD_DIM, BLOCK_D, DOT_PRECISION, UPCAST_DOT)  # fmt: skip
+            i = m * BLOCK_M + tile % BLOCK_M
+            p = _probs(q_heads, lse_heads, k, i, d, stride_qt, stride_qd, stride_lt, num_queries, qk_scale, HEAD_DIM,
+                       BLOCK_D, DOT_PRECISION, UPCAST_DOT)  # fmt: skip
             mass += tl.sum(p, 1)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + j * stride_os, mass, mask=j < num_slots)
 
 
 @jit
 def _probs(
-    q_head, lse_head, k, i, d, stride_qt, stride_qd, stride_lt, num_queries, qk_scale,
+    q_heads, lse_heads, k, i, d, stride_qt, stride_qd, stride_lt, num_queries, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):  # fmt: skip
-    """`[BLOCK_N, BLOCK_M]` probabilities `exp(q . k * scale - lse)` of one head's queries `i` (by
-    base 2); queries past the chunk and those with lse -inf give 0."""
+    """`[BLOCK_N, columns]` probabilities `exp(q . k * scale - lse)` of the queries `i` of the heads
+    whose rows start at `q_heads` and `lse_heads` (a column each, by base 2); queries past the chunk
+    and those with lse -inf give 0."""
     rows = i < num_queries
     q_mask = rows[None, :]
     if BLOCK_D != HEAD_DIM:
         q_mask = q_mask & (d < HEAD_DIM)[:, None]
-    q_t = tl.load(q_head + d[:, None] * stride_qd + i[None, :] * stride_qt, mask=q_mask, other=0.0)
-    lse = tl.load(lse_head + i * stride_lt, mask=rows, other=float("inf"))
+    q_t = tl.load(q_heads[None, :] + d[:, None] * stride_qd + i[None, :] * stride_qt, mask=q_mask, other=0.0)
+    lse = tl.load(lse_heads + i * stride_lt, mask=rows, other=float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # saw nothing: gives nothing
     if UPCAST_DOT:
         q_t = q_t.to(tl.float32)
