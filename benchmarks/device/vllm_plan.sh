@@ -3,7 +3,8 @@
 #   bash benchmarks/device/vllm_plan.sh profile   # per-stage kernel times (~40 s, no vLLM needed)
 #   bash benchmarks/device/vllm_plan.sh kernels   # no vLLM needed (.device/pt carried): the kernel tests compiled
 #        (not the fast path's: they need atskv's transformers, .whl, which does not fit beside .device/v1),
-#        SparQ's paged pick swept, one prefill chunk's prompt scoring part by part (~6 min)
+#        one prefill chunk's prompt scoring part by part, then the mass and predictor kernels' tiles swept
+#        and the list's top-k against a sort, at 32K (~7 min; SparQ's pick: `profile`)
 #   bash benchmarks/device/vllm_plan.sh decode [METHODS]  # vanilla vLLM, Quest, StreamingLLM (or LABEL=vllm:X ...): 3 shapes (~7.5 min;
 #        RUNS='32768x8' for fewer; DENSE='{"LABEL": 0}' for other dense layers than 2; OPTIONS='{"LABEL":
 #        {"prompt_sample": 8}}' for a selector's options; PROFILE=1: each batch's last 8 full-batch steps
@@ -68,8 +69,13 @@ case "$1" in
       tests/test_kernels_prompt_scores.py tests/test_kernels_page_cache.py \
       tests/test_vllm_selection.py::test_ranking_a_prompt_never_waits_for_the_gpu tests/test_vllm_host_tier.py -rf \
       -k "not fast_" 2>&1 | tail -40 | tee "$OUT/kernel_tests.txt"
-    timeout 150 python3 benchmarks/vllm_step_profile.py --runs 32768x1 32768x8 --tune --stages sparq 2>&1 | tee "$OUT/sparq.txt"
-    timeout 150 python3 benchmarks/vllm_prompt_profile.py --kernels learned 2>&1 | tee "$OUT/prompt.txt" | tail -30 ;;
+    timeout 150 python3 benchmarks/vllm_prompt_profile.py --lengths 32768 131072 --samples 1 64 --kernels learned 2>&1 \
+      | tee "$OUT/prompt.txt" | tail -30
+    timeout 240 python3 benchmarks/vllm_prompt_profile.py --lengths 32768 --samples 64 --sweep 2>&1 \
+      > "$OUT/prompt_sweep.txt"
+    for part in "mass kernel" "predictor's kernel" "list's"; do  # each part's fastest settings first
+      grep "$part" "$OUT/prompt_sweep.txt" | awk '{print $NF "\t" $0}' | sort -g | cut -f2- | head -6
+    done ;;
   decode)
     methods=${*:2}  # rows kept in /tmp/rows between calls: a stage cut at its limit resumes in the next call
     mkdir -p /tmp/rows && touch /tmp/rows/decode.jsonl
