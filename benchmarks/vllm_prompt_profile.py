@@ -47,7 +47,8 @@ parser.add_argument("--budget", type=float, default=0.05)
 parser.add_argument("--kernels", default=None, help="also each CUDA kernel of the stages whose name contains this")
 parser.add_argument("--sweep", action="store_true", help="also the kernels at each setting of the sweeps")
 args = parser.parse_args()
-SCORES_SWEEP = [(j, h, w) for j in (32, 64, 128) for h in (16, 32, 64) for w in (4, 8)]  # block_j, block_h, warps
+SCORES_SWEEP = [(j, h, w, mma) for j in (32, 64, 128) for h in (16, 32, 64) for w in (4, 8)
+                for mma in (False, True)]  # block_j, block_h, warps, tensor cores  # fmt: skip
 MASS_SWEEP = [(n, m, h, w) for n in (64, 128) for m in (16, 32, 64) for h in (1, 2, 4) for w in (4, 8)
               if m * h <= 128]  # block_n, block_m, heads_per_step, warps  # fmt: skip
 HQ, HKV, D, BS, LAYER = 32, 8, 128, 16, 5
@@ -84,10 +85,10 @@ for length in args.lengths:
         "learned without the attention received: observe_prompt": (
             lambda: unread.observe_prompt(unread_state, chunk(None))),
     }  # fmt: skip
-    for j, h, w in SCORES_SWEEP if args.sweep else ():
-        stages[f"predictor's kernel, block_j {j}, block_h {h}, {w} warps"] = (
-            lambda j=j, h=h, w=w: prompt_scores_triton(attention, attention[0], key_slots, unread.folded, 1, j, h,
-                                                       (table_row, BS, length), w))  # fmt: skip
+    for j, h, w, mma in SCORES_SWEEP if args.sweep else ():
+        stages[f"predictor's kernel, block_j {j}, block_h {h}, {w} warps{', tensor cores' if mma else ''}"] = (
+            lambda j=j, h=h, w=w, mma=mma: prompt_scores_triton(attention, attention[0], key_slots, unread.folded, 1,
+                                                                j, h, (table_row, BS, length), w, mma))  # fmt: skip
     for s in args.samples:
         h2o = build_paged_selector("h2o", {"prompt_sample": s})
         learned = build_paged_selector("learned", {"predictor": str(predictor), "prompt_sample": s})

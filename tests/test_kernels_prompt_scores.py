@@ -45,13 +45,14 @@ def test_the_reference_scores_a_prompt_as_the_predictor_does(engine_mlp, receive
 @pytest.mark.parametrize("length", [1, 31, 32, 77])
 @pytest.mark.parametrize("dim", [64, 48, 256])  # 256: Gemma 3's head size
 @pytest.mark.parametrize("received, with_previous", [(True, True), (True, False), (False, False)])
-def test_the_kernel_scores_a_prompt_as_its_reference(engine_mlp, length, dim, received, with_previous):
+@pytest.mark.parametrize("mma", [False, True])  # fused multiply-adds, tensor cores
+def test_the_kernel_scores_a_prompt_as_its_reference(engine_mlp, length, dim, received, with_previous, mma):
     keys, attention, previous = inputs(length, dim, seed=length + dim)
     folded = fold_mlp(engine_mlp.to(DEVICE))
     args = (attention.to(DEVICE) if received else None, previous.to(DEVICE) if with_previous else None,
             keys.to(DEVICE).to(torch.bfloat16))  # fmt: skip
     for layer in (0, 1):
-        got = prompt_scores_triton(*args, folded, layer)
+        got = prompt_scores_triton(*args, folded, layer, block_h=16 if mma else 32, mma=mma)
         torch.testing.assert_close(got, prompt_scores_reference(*args, folded, layer), rtol=1e-4, atol=1e-4)
 
 

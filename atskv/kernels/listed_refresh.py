@@ -167,6 +167,39 @@ def folded_logit(attention, pos, newest, key_norm, prev, w_ptr, bias_ptr, w2_ptr
 
 
 @jit
+def folded_logit_mma(attention, pos, newest, key_norm, prev, w_ptr, bias_ptr, w2_ptr, b2, hidden,
+                     BLOCK_J: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """`folded_logit` on tensor cores: the features and a constant 1 as a `[BLOCK_J, 16]` matrix
+    against `[16, BLOCK_H]` of the weights with the bias as the 1's row, then the ReLU's output
+    against `w2` as a `[BLOCK_H, 16]` matrix's first column (two `tl.dot`s a step: the elementwise
+    work left is the ReLU). `PRECISION`: the dots' `input_precision` ("tf32x3" keeps float32's
+    accuracy to ~1e-6; the interpreter computes in float32 whatever it is)."""
+    position = pos.to(tl.float32) / tl.maximum(newest, 1.0)
+    log_age = tl.log(1.0 + tl.maximum(newest - pos.to(tl.float32), 0.0))
+    c = tl.arange(0, 16)
+    # the columns in SCALAR_FEATURES order (hidden_norm, 3, stays 0), then the bias's constant 1 at 6
+    x = (_column(attention, c, 0) + _column(position, c, 1) + _column(log_age, c, 2) + _column(key_norm, c, 4)
+         + _column(prev, c, 5) + _column(tl.full([BLOCK_J], 1.0, tl.float32), c, 6))  # fmt: skip
+    out = tl.zeros([BLOCK_J, 16], tl.float32)
+    for start in range(0, hidden, BLOCK_H):
+        u = start + tl.arange(0, BLOCK_H)
+        used = u < hidden
+        rows = (c < 6)[:, None] & (c != 3)[:, None] & used[None, :]
+        w = tl.load(w_ptr + c[:, None] * hidden + u[None, :], mask=rows, other=0.0)
+        w += tl.where(c == 6, 1.0, 0.0)[:, None] * tl.load(bias_ptr + u, mask=used, other=0.0)[None, :]
+        units = tl.maximum(tl.dot(x, w, input_precision=PRECISION), 0.0)
+        w2 = _column(tl.load(w2_ptr + u, mask=used, other=0.0), c, 0)  # [BLOCK_H, 16]
+        out = tl.dot(units, w2, out, input_precision=PRECISION)
+    return tl.sum(out, 1) + b2  # columns 1..15 are 0
+
+
+@jit
+def _column(values, c, k):
+    """`values` `[N]` as column `k` of an `[N, 16]` matrix of zeros (`c`: the 16 column numbers)."""
+    return tl.where(c[None, :] == k, values[:, None], 0.0)
+
+
+@jit
 def _refresh_kernel(
     kept_ptr, val_ptr, rec_ptr, norm_ptr, prev_ptr, pin_ptr, prompt_ptr, table_ptr, len_ptr, w_ptr, bias_ptr, w2_ptr,
     b2, n_heads, width, spare, budget, refresh_every, group, hidden, s_table,

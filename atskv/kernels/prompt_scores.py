@@ -16,7 +16,7 @@ import torch
 
 from atskv.features import SCALAR_FEATURES, feature_columns
 from atskv.kernels.backend import jit, tl, triton, use_triton
-from atskv.kernels.listed_refresh import KERNEL_FEATURES, FoldedMLP, folded_logit
+from atskv.kernels.listed_refresh import KERNEL_FEATURES, FoldedMLP, folded_logit, folded_logit_mma
 from atskv.kernels.paged import request_slots
 
 
@@ -58,10 +58,11 @@ def prompt_scores_reference(attention, previous, keys, mlp: FoldedMLP, layer: in
 
 def prompt_scores_triton(
     attention, previous, keys, mlp: FoldedMLP, layer: int, block_j: int = 32, block_h: int = 32,
-    table: tuple[torch.Tensor, int, int] | None = None, num_warps: int = 4,
+    table: tuple[torch.Tensor, int, int] | None = None, num_warps: int = 4, mma: bool = False,
 ) -> torch.Tensor:  # fmt: skip
-    """One program per (KV head, `block_j` positions), `block_h` hidden units at a time (the tile
-    and `num_warps` untuned: `benchmarks/vllm_prompt_profile.py --sweep` times the others).
+    """One program per (KV head, `block_j` positions), `block_h` hidden units at a time, the MLP
+    by fused multiply-adds or, with `mma`, on tensor cores (`folded_logit_mma`; the tile, `mma` and
+    `num_warps` untuned: `benchmarks/vllm_prompt_profile.py --sweep` times the others).
     `table` (a block table row, its block size, the request's length): `keys` are a paged cache's
     physical slots, read through the row (`paged_prompt_scores`)."""
     if SCALAR_FEATURES != KERNEL_FEATURES:
@@ -75,7 +76,7 @@ def prompt_scores_triton(
         out if previous is None else previous.float().contiguous(), mlp.w, mlp.bias[layer], mlp.w2, mlp.b2,
         float(length - 1), length, hidden, keys.stride(0), keys.stride(1), keys.stride(2),
         ATTENTION=attention is not None, PREVIOUS=previous is not None, D=dim, BLOCK_D=triton.next_power_of_2(dim),
-        BLOCK_J=block_j, BLOCK_H=block_h, PAGE=int(page), num_warps=num_warps,
+        BLOCK_J=block_j, BLOCK_H=block_h, PAGE=int(page), MMA=mma, num_warps=num_warps,
     )  # fmt: skip
     return out
 
@@ -85,7 +86,7 @@ def _prompt_scores_kernel(
     out_ptr, key_ptr, table_ptr, att_ptr, prev_ptr, w_ptr, bias_ptr, w2_ptr, b2, newest, length, hidden, stride_h,
     stride_t, stride_d,
     ATTENTION: tl.constexpr, PREVIOUS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr,
-    BLOCK_H: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr, PAGE: tl.constexpr, MMA: tl.constexpr,
 ):  # fmt: skip
     h = tl.program_id(0).to(tl.int64)
     pos = tl.program_id(1).to(tl.int64) * BLOCK_J + tl.arange(0, BLOCK_J).to(tl.int64)
@@ -103,6 +104,10 @@ def _prompt_scores_kernel(
     prev = tl.zeros([BLOCK_J], tl.float32)
     if PREVIOUS:
         prev = tl.load(prev_ptr + pos, mask=valid, other=0.0)
-    logit = folded_logit(attention, pos, newest, key_norm, prev, w_ptr, bias_ptr + h * hidden, w2_ptr, b2, hidden,
-                         BLOCK_J, BLOCK_H)  # fmt: skip
+    if MMA:
+        logit = folded_logit_mma(attention, pos, newest, key_norm, prev, w_ptr, bias_ptr + h * hidden, w2_ptr, b2,
+                                 hidden, BLOCK_J, BLOCK_H, "tf32x3")  # fmt: skip
+    else:
+        logit = folded_logit(attention, pos, newest, key_norm, prev, w_ptr, bias_ptr + h * hidden, w2_ptr, b2,
+                             hidden, BLOCK_J, BLOCK_H)  # fmt: skip
     tl.store(out_ptr + h * length + pos, logit, mask=valid)
