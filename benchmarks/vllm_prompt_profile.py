@@ -36,7 +36,7 @@ from atskv.kernels.received_mass import prefix_lse, prefix_received_mass_triton
 from atskv.runtime.vllm.batch import PromptChunk
 from atskv.runtime.vllm.composition import build_paged_selector
 from atskv.runtime.vllm.heavy_hitters import chunk_mass
-from atskv.runtime.vllm.prompt_ranks import rank_newest_first, top_newest_first
+from atskv.runtime.vllm.prompt_ranks import top_newest_first
 from atskv.runtime.vllm.selection import slot_view
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -78,8 +78,9 @@ for length in args.lengths:
     stages |= {
         "learned: the predictor over the prompt (paged_prompt_scores)": (
             lambda: paged_prompt_scores(attention, attention[0], key_slots, table_row, BS, length, unread.folded, 1)),
-        "the list's tokens: every token sorted (rank_newest_first)": (
-            lambda: rank_newest_first(attention)[:, : kept_count(args.budget, length)]),
+        "the list's tokens: every token sorted (as before the top-k)": (
+            lambda: length - 1 - attention.flip(-1).sort(dim=-1, descending=True, stable=True).indices[
+                :, : kept_count(args.budget, length)]),
         "the list's tokens: a top-k (top_newest_first)": (
             lambda: top_newest_first(attention, kept_count(args.budget, length))),
         "learned without the attention received: observe_prompt": (

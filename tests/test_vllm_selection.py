@@ -561,9 +561,11 @@ def test_the_builders_see_the_prompt_lengths_and_requests_of_the_batch_each_runn
 
 @pytest.mark.parametrize("last_known, compact", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("budget", [0.25, 20, 3, 500])
-def test_paged_snapkv_reads_what_snapkv_keeps(budget, last_known, compact):
+@pytest.mark.parametrize("generated", [1, 3])
+def test_paged_snapkv_reads_what_snapkv_keeps(budget, last_known, compact, generated):
     """Prompts scored chunk by chunk (the last chunk's ranking stands; `last_known`: only the last
-    one ranks, as with atskv's worker), then decode queries with 3 tokens generated: each reads
+    one ranks, as with atskv's worker), then decode queries with 1 token generated (the first
+    query after the prompt: the prompt's largest share, all the ranking stored holds) or 3: each reads
     exactly the tokens atskv's snapkv keeps at that context (scores from the prompt's last queries,
     +inf for its window and what was generated), ties included. With `compact` (`free_blocks`)
     the best-ranked tokens move to each request's first slots where its prompt ends and the
@@ -574,7 +576,7 @@ def test_paged_snapkv_reads_what_snapkv_keeps(budget, last_known, compact):
     from atskv.selectors.snapkv import window_votes
 
     generator = torch.Generator().manual_seed(3)
-    lengths, generated, chunk = [37, 100, 16, 161], 3, 23
+    lengths, chunk = [37, 100, 16, 161], 23
     cache = PagedCache(lengths, width=12, generator=generator)
     cache.fill(chunk=chunk)
     queries = [torch.randn(n, HQ, D, generator=generator) for n in lengths]
@@ -671,17 +673,17 @@ def test_window_votes_take_the_log_sum_exps_they_are_given(cache, w):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_a_top_count_ranks_as_the_whole_ranking_begins(seed):
-    """`top_newest_first` (a top-k over one key a token) gives the first `count` positions of
-    `rank_newest_first` (a stable sort of every token), ties to the newer token: on votes with
-    plateaus, infinities, signed zeros and subnormals, at every count up to past the length."""
-    from atskv.runtime.vllm.prompt_ranks import rank_newest_first, top_newest_first
+    """`top_newest_first` (a top-k over one key a token) gives the first `count` positions of a
+    stable sort of every token, ties to the newer token: on votes with plateaus, infinities,
+    signed zeros and subnormals, at every count up to past the length."""
+    from atskv.runtime.vllm.prompt_ranks import top_newest_first
 
     g = torch.Generator().manual_seed(seed)
     votes = torch.randn(3, 97, generator=g).round()  # plateaus
     special = torch.tensor([math.inf, -math.inf, -0.0, 0.0, -1e-40, 1e-40, 0.5])
     at = torch.rand(3, 97, generator=g) < 0.3
     votes[at] = special[torch.randint(len(special), (int(at.sum()),), generator=g)]
-    whole = rank_newest_first(votes)
+    whole = 96 - votes.flip(-1).sort(dim=-1, descending=True, stable=True).indices  # newest first among equals
     for count in range(0, 100, 7):
         assert torch.equal(top_newest_first(votes, count), whole[:, :count])
 

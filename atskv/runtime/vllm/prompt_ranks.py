@@ -40,24 +40,24 @@ class PromptRanks:
                    torch.zeros(num_slots, dtype=torch.int32, device=device))  # fmt: skip
 
     def store(self, table_row: torch.Tensor, block_size: int, order: torch.Tensor, window_start: int) -> None:
-        """One request's ranking `order` `[Hkv, window_start]` (positions, best first) into its slots."""
-        at = physical_slots(torch.arange(window_start, device=order.device).view(1, 1, -1), table_row.view(1, -1),
+        """One request's ranking `order` `[Hkv, n]` (its `n` best positions before `window_start`,
+        best first: `read_share`'s worth) into its first `n` slots."""
+        at = physical_slots(torch.arange(order.shape[1], device=order.device).view(1, 1, -1), table_row.view(1, -1),
                             block_size).view(-1).long()  # fmt: skip
         self.ranked[at] = order.t().int()
         # at the request's first slot; a fill (assigning a host int would copy it over: a host sync)
         self.window_start.index_fill_(0, table_row[:1].long() * block_size, window_start)
 
-    def compact(self, chunk: PromptChunk, order: torch.Tensor, window_start: int) -> None:
-        """`free_blocks`: the best-ranked prompt tokens any later query of the request reads (the
-        first's `take`, which only shrinks as tokens are generated), KV head h's j-th best moved
-        into the request's slot j of head h, and the ranking then naming those slots (`ranked[j]
-        = j`). Every token read later then lies in the request's first blocks, the window or after
-        it (`compacted_ranking_unread_blocks`). Only where the prompt ends."""
-        length = chunk.length
-        take = min(window_start, max(0, kept_count(chunk.budget, length + 1) - (length + 1 - window_start)))
+    def compact(self, chunk: PromptChunk, order: torch.Tensor) -> None:
+        """`free_blocks`: the best-ranked prompt tokens any later query of the request reads
+        (`order` `[Hkv, take]`, `read_share`'s), KV head h's j-th best moved into the request's
+        slot j of head h, and the ranking then naming those slots (`ranked[j] = j`). Every token
+        read later then lies in the request's first blocks, the window or after it
+        (`compacted_ranking_unread_blocks`). Only where the prompt ends."""
+        take = order.shape[1]
         if take == 0:
             return
-        chunk.move_to_front(order[:, :take])
+        chunk.move_to_front(order)
         ranks = torch.arange(take, device=order.device, dtype=torch.int32)
         self.ranked[chunk.slots(0, take)] = ranks.view(-1, 1).expand(take, order.shape[0])
 
@@ -81,6 +81,13 @@ class PromptRanks:
         return positions, count.expand(b, heads).int()
 
 
+def read_share(budget: int | float, length: int, window_start: int) -> int:
+    """How many of a ranking of `length` tokens' positions before `window_start` any later query
+    reads: the first's (at context `length + 1`), since the prompt's share of the budget only
+    shrinks as tokens are generated (`PromptRanks.read`)."""
+    return min(window_start, max(0, kept_count(budget, length + 1) - (length + 1 - window_start)))
+
+
 def compacted_ranking_unread_blocks(processed: int, prompt: int, budget: int | float, block_size: int,
                                     window: int) -> range:  # fmt: skip
     """The logical blocks of a request no later query reads once its ranking is compacted
@@ -102,19 +109,12 @@ def window_votes(chunk: PromptChunk, w: int, kernel: int) -> torch.Tensor:
     return F.max_pool1d(votes.unsqueeze(1), kernel, stride=1, padding=kernel // 2).squeeze(1)
 
 
-def rank_newest_first(votes: torch.Tensor) -> torch.Tensor:
-    """Positions `[Hkv, n]` by `votes` `[Hkv, n]`, best first; equal votes (max-pooling's plateaus)
-    go to the newer token, as `atskv.selectors.base.select_top_budget` breaks them."""
-    n = votes.shape[-1]
-    newest_first = votes.flip(-1).sort(dim=-1, descending=True, stable=True).indices
-    return n - 1 - newest_first
-
-
 def top_newest_first(votes: torch.Tensor, count: int) -> torch.Tensor:
-    """`rank_newest_first(votes)[:, :count]` without ranking the rest: a top-`count` of one int64
-    key a token, its vote's bits (made to order as the float does) above its position, so that
-    equal votes order by position. Where a list keeps 5% of a prompt, sorting every token is
-    wasted work (sorts took ~50 ms of a 32K batch-8 prefill in vLLM, H100)."""
+    """Positions `[Hkv, count]` of the `count` best `votes` `[Hkv, n]`, best first; equal votes
+    (max-pooling's plateaus) go to the newer token, as `atskv.selectors.base.select_top_budget`
+    breaks them. A top-k of one int64 key a token, its vote's bits (made to order as the float
+    does) above its position: where a list keeps 5% of a prompt, a sort of every token is wasted
+    work (sorts took ~50 ms of a 32K batch-8 prefill in vLLM, H100)."""
     n = votes.shape[-1]
     bits = (votes.float() + 0.0).view(torch.int32)  # + 0.0: -0.0 ties with 0.0, as the floats do
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats' bits reversed: int order = float order

@@ -45,7 +45,8 @@ from atskv.runtime.vllm.learned import PagedLearned
 from atskv.runtime.vllm.prompt_ranks import (
     PromptRanks,
     compacted_ranking_unread_blocks,
-    rank_newest_first,
+    read_share,
+    top_newest_first,
     window_votes,
 )
 from atskv.runtime.vllm.protocol import PagedSelector
@@ -189,10 +190,10 @@ class PagedSnapKV(PagedSelector):
         length = chunk.length
         w = min(self.window, chunk.queries.shape[0], length)
         votes = window_votes(chunk, w, self.kernel)
-        order = rank_newest_first(votes[:, : length - w])
+        order = top_newest_first(votes[:, : length - w], read_share(chunk.budget, length, length - w))
         state.store(chunk.table_row, chunk.block_size, order, length - w)
         if chunk.compact:
-            state.compact(chunk, order, length - w)
+            state.compact(chunk, order)
 
     def pick(self, query, kv_heads: int, state: PromptRanks, block_table, seq_lens, block_size: int,
              budget: int | float, step: dict | None = None):  # fmt: skip
