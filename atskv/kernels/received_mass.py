@@ -21,11 +21,12 @@ is flash attention alone.
 
 The kernel is flash attention's backward dK loop without the gradients: each program holds one
 (batch row, KV head) and a block of `BLOCK_N` keys (loaded once), and walks the blocks of
-`BLOCK_M` queries of every head of the group that can see those keys (causal skip: the queries
-before the block's first slot never load). Per step one `tl.dot` gives the `[BLOCK_N, BLOCK_M]`
-logits, `exp2` (log2(e) folded into the scale and the lse) their probabilities, summed over the
-queries into the block's running mass. Only the few query blocks that cross the diagonal apply the
-causal mask; queries past `Tq` load an lse of +inf and contribute 0. Programs of one KV head run
+`BLOCK_M` queries of every head of the group that can see those keys, `HEADS` heads' blocks side
+by side in a step's tile (causal skip: the queries before the block's first slot never load). Per
+step one `tl.dot` gives the `[BLOCK_N, HEADS * BLOCK_M]` logits, `exp2` (log2(e) folded into the
+scale and the lse) their probabilities, summed over the queries into the block's running mass.
+Only the few query blocks that cross the diagonal apply the causal mask; queries past `Tq` load an
+lse of +inf and contribute 0. Programs of one KV head run
 side by side (the key block is the grid's fastest axis), so the group's queries are read from L2.
 
 The torch reference is `received_mass` with a causal `allowed`, exactly what the chunked prefill
