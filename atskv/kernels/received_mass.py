@@ -26,8 +26,8 @@ by side in a step's tile (causal skip: the queries before the block's first slot
 step one `tl.dot` gives the `[BLOCK_N, HEADS * BLOCK_M]` logits, `exp2` (log2(e) folded into the
 scale and the lse) their probabilities, summed over the queries into the block's running mass.
 Only the few query blocks that cross the diagonal apply the causal mask; queries past `Tq` load an
-lse of +inf and contribute 0. Programs of one KV head run
-side by side (the key block is the grid's fastest axis), so the group's queries are read from L2.
+lse of +inf and contribute 0. Programs of one KV head run side by side (the key block is the
+grid's fastest axis), so the group's queries are read from L2.
 
 The torch reference is `received_mass` with a causal `allowed`, exactly what the chunked prefill
 computed before. Its logits are the matmul's output in the input dtype (bf16 rounds them), the
