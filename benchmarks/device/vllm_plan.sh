@@ -67,7 +67,8 @@ case "$1" in
     PYTHONPATH=/tmp/pt:$PYTHONPATH timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_received_mass.py \
       tests/test_kernels_kept_lists.py tests/test_kernels_list_queue.py tests/test_kernels_listed_refresh.py tests/test_kernels_sparq_decode.py \
       tests/test_kernels_prompt_scores.py tests/test_kernels_page_cache.py \
-      tests/test_vllm_selection.py::test_ranking_a_prompt_never_waits_for_the_gpu tests/test_vllm_host_tier.py -rf \
+      tests/test_vllm_selection.py::test_ranking_a_prompt_never_waits_for_the_gpu \
+      tests/test_vllm_selection.py::test_a_top_count_ranks_as_the_whole_ranking_begins tests/test_vllm_host_tier.py -rf \
       -k "not fast_" 2>&1 | tail -40 | tee "$OUT/kernel_tests.txt"
     timeout 150 python3 benchmarks/vllm_prompt_profile.py --lengths 32768 131072 --samples 1 64 --kernels learned 2>&1 \
       | tee "$OUT/prompt.txt" | tail -30
