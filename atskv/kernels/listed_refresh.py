@@ -184,7 +184,7 @@ def folded_logit_mma(attention, pos, newest, key_norm, prev, w_ptr, bias_ptr, w2
     for start in range(0, hidden, BLOCK_H):
         u = start + tl.arange(0, BLOCK_H)
         used = u < hidden
-        rows = (c < 6)[:, None] & (c != 3)[:, None] & used[None, :]
+        rows = (c < 6)[:, None] & used[None, :]
         w = tl.load(w_ptr + c[:, None] * hidden + u[None, :], mask=rows, other=0.0)
         w += tl.where(c == 6, 1.0, 0.0)[:, None] * tl.load(bias_ptr + u, mask=used, other=0.0)[None, :]
         units = tl.maximum(tl.dot(x, w, input_precision=PRECISION), 0.0)

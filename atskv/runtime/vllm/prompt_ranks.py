@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from atskv.kernels.budget import kept_count, kept_tokens
-from atskv.kernels.paged import physical_slots
+from atskv.kernels.paged import physical_slots, request_slots
 from atskv.runtime.vllm.batch import PromptChunk, prompt_end
 
 
@@ -42,9 +42,7 @@ class PromptRanks:
     def store(self, table_row: torch.Tensor, block_size: int, order: torch.Tensor, window_start: int) -> None:
         """One request's ranking `order` `[Hkv, n]` (its `n` best positions before `window_start`,
         best first: `read_share`'s worth) into its first `n` slots."""
-        at = physical_slots(torch.arange(order.shape[1], device=order.device).view(1, 1, -1), table_row.view(1, -1),
-                            block_size).view(-1).long()  # fmt: skip
-        self.ranked[at] = order.t().int()
+        self.ranked[request_slots(table_row, block_size, order.shape[1])] = order.t().int()
         # at the request's first slot; a fill (assigning a host int would copy it over: a host sync)
         self.window_start.index_fill_(0, table_row[:1].long() * block_size, window_start)
 
